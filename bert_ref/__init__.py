@@ -1,0 +1,1 @@
+"""BERT-Large / BERT-1.5B reference pretraining (MLM + NSP) from h5 shards."""

@@ -1,0 +1,1 @@
+"""BridgeTower contrastive fine-tuning with host and device image pipelines."""

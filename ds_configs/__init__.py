@@ -1,0 +1,1 @@
+"""DeepSpeed JSON configs shipped as package data."""

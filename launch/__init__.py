@@ -1,0 +1,1 @@
+"""Multi-node launch: hostfiles, fabric env profiles, run wrapper, preflight, AWS Batch / Slurm / MPI entry."""
