@@ -1,0 +1,457 @@
+"""BERT pretraining data: h5 shards (NVIDIA recipe layout) -> per-rank micro batches, with exact resume.
+
+Each h5 file holds `input_ids` [N,L] int32, `input_mask` [N,L] int8, `segment_ids` [N,L] int8,
+`masked_lm_positions` [N,P] int32 (0-padded), `masked_lm_ids` [N,P] int32, `next_sentence_labels` [N] int8.
+Files written by NVIDIA's create_pretraining_data.py read unchanged; `bert-prep shards` writes the same layout.
+
+How an epoch is laid out (all pure functions of the sorted file list, file sizes, world size, epoch and seed, so every
+rank computes every rank's plan without talking to the others):
+  * `assign_shards`: the files are shuffled with (seed, epoch). The first `n - n % world_size` are dealt round-robin,
+    whole, to the ranks (distinct files per rank). The remaining `n % world_size` files are shared: every rank reads
+    its own 1/world_size sample range of each. So with more ranks than files every file is split by sample ranges and
+    every rank still gets data.
+  * each rank's file ranges are cut into blocks of at most `block_samples` samples; a block is read with one h5 slice
+    per dataset, held in memory and visited in a seeded random order (NVIDIA's recipe shuffles within a file too).
+    The next block is read by a background thread while the current one is consumed.
+  * every rank yields the same number of batches per epoch, `min over ranks (samples_r // micro_batch)`; the tail is
+    dropped so no rank waits in a collective for a rank that has run out.
+
+Resume: the position is (epoch, samples consumed on this rank in the epoch). Since all ranks consume the same number
+of batches, the position is the same on every rank and maps, through the pure plan, to (file, block, offset). Resuming
+reads exactly one block (h5 slicing at the block start) and starts at the offset: the cost does not grow with the
+position and no skipped batch is ever built.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+# Label value for every position that is not a masked token. -100 is the default `ignore_index` of
+# torch.nn.CrossEntropyLoss and what transformers' BertForPreTraining expects, so labels go straight into the HF model
+# or a plain cross entropy without a custom loss. (NVIDIA's recipe used -1 with `ignore_index=-1`; we don't.)
+IGNORE_INDEX = -100
+
+# dataset name -> (dtype, rank); dims: input_* [N, L], masked_lm_* [N, P], next_sentence_labels [N]
+SCHEMA: dict[str, tuple[np.dtype, int]] = {
+    "input_ids": (np.dtype("int32"), 2),
+    "input_mask": (np.dtype("int8"), 2),
+    "segment_ids": (np.dtype("int8"), 2),
+    "masked_lm_positions": (np.dtype("int32"), 2),
+    "masked_lm_ids": (np.dtype("int32"), 2),
+    "next_sentence_labels": (np.dtype("int8"), 1),
+}
+SEQ_DATASETS = ("input_ids", "input_mask", "segment_ids")
+PRED_DATASETS = ("masked_lm_positions", "masked_lm_ids")
+H5_SUFFIXES = (".hdf5", ".h5")
+DEFAULT_BLOCK_SAMPLES = 1 << 18  # 262144 samples of seq 128 ~ 250 MB in memory; at most two blocks are held
+
+
+class DataDirError(FileNotFoundError):
+    """The input directory is missing or holds no h5 shard."""
+
+
+class ShardError(ValueError):
+    """A shard is unusable; the message names the file and the dataset."""
+
+    def __init__(self, path: str | os.PathLike, dataset: str | None, problem: str):
+        self.path, self.dataset, self.problem = str(path), dataset, problem
+        where = f"{self.path}" + (f" [dataset '{dataset}']" if dataset else "")
+        super().__init__(f"bad BERT shard {where}: {problem}")
+
+
+class DataStateError(ValueError):
+    """A saved data position does not fit this dataset / world size."""
+
+
+# ----------------------------------------------------------------------------------------------------- files
+def list_shards(input_dir: str | os.PathLike, split: str = "training") -> list[str]:
+    """Sorted h5 files of `input_dir`. If some names contain `split` ("training" / "test"), only those are taken
+    (NVIDIA's loader selects 'training' the same way); otherwise all h5 files. Temporary files (".tmp") never count."""
+    d = Path(input_dir)
+    if not d.is_dir():
+        raise DataDirError(f"BERT data directory not found: {d}")
+    files = sorted(str(p) for p in d.iterdir()
+                   if p.is_file() and p.suffix in H5_SUFFIXES and ".tmp" not in p.name)
+    chosen = [f for f in files if split in Path(f).name] if split else []
+    files = chosen or files
+    if not files:
+        raise DataDirError(f"no h5 shards (*.hdf5, *.h5) in BERT data directory {d}")
+    return files
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: str
+    num_samples: int
+    seq_len: int
+    max_predictions_per_seq: int
+
+
+def inspect_shard(path: str | os.PathLike, check_rows: int = 256) -> ShardInfo:
+    """Cheap validation on open: every dataset present with the right dtype and rank, consistent lengths and widths,
+    and the first and last `check_rows` rows readable and in range (a truncated or corrupt file fails here, naming
+    the file and dataset). Full content checks run on every block the loader reads, and `bert-prep check` reads all."""
+    import h5py
+
+    path = str(path)
+    try:
+        f = h5py.File(path, "r")
+    except Exception as e:  # truncated files fail here ("truncated file: eof = ...")
+        raise ShardError(path, None, f"cannot open as HDF5 ({type(e).__name__}: {e})") from e
+    with f:
+        shapes = {}
+        for name, (dtype, ndim) in SCHEMA.items():
+            if name not in f:
+                raise ShardError(path, name, f"missing dataset (file has {sorted(f.keys())})")
+            ds = f[name]
+            if not isinstance(ds, h5py.Dataset):
+                raise ShardError(path, name, "is a group, expected a dataset")
+            if ds.dtype != dtype:
+                raise ShardError(path, name, f"dtype {ds.dtype}, expected {dtype}")
+            if ds.ndim != ndim:
+                raise ShardError(path, name, f"shape {ds.shape}, expected {ndim} dimensions")
+            shapes[name] = ds.shape
+        n = shapes["input_ids"][0]
+        for name, shape in shapes.items():
+            if shape[0] != n:
+                raise ShardError(path, name, f"{shape[0]} samples but input_ids has {n}")
+        seq_len = shapes["input_ids"][1]
+        for name in SEQ_DATASETS:
+            if shapes[name][1] != seq_len:
+                raise ShardError(path, name, f"shape {shapes[name]}, expected [{n}, {seq_len}] like input_ids")
+        preds = shapes["masked_lm_positions"][1]
+        if shapes["masked_lm_ids"][1] != preds:
+            raise ShardError(path, "masked_lm_ids",
+                             f"shape {shapes['masked_lm_ids']}, expected [{n}, {preds}] like masked_lm_positions")
+        if n == 0:
+            raise ShardError(path, "input_ids", "file holds 0 samples")
+        if seq_len < 2 or preds < 1:
+            raise ShardError(path, "input_ids", f"sequence length {seq_len} / predictions {preds} too small")
+        k = min(check_rows, n)
+        for lo, hi in ((0, k), (n - k, n)):
+            check_arrays(path, _read(path, f, lo, hi), seq_len)
+    return ShardInfo(path, int(n), int(seq_len), int(preds))
+
+
+def _read(path: str, f, lo: int, hi: int) -> dict[str, np.ndarray]:
+    out = {}
+    for name in SCHEMA:
+        try:
+            out[name] = f[name][lo:hi]
+        except Exception as e:
+            raise ShardError(path, name, f"cannot read samples {lo}:{hi} ({type(e).__name__}: {e}); "
+                             "truncated or corrupt file?") from e
+    return out
+
+
+def check_arrays(path: str, a: dict[str, np.ndarray], seq_len: int, first_row: int = 0) -> None:
+    """Content checks on a slice of a shard (vectorized). Raises ShardError naming the file, dataset and row."""
+
+    def bad(name: str, mask: np.ndarray, what: str) -> None:
+        rows = np.nonzero(mask.reshape(mask.shape[0], -1).any(axis=1))[0]
+        if len(rows):
+            raise ShardError(path, name, f"{what} (first at sample {first_row + int(rows[0])}, "
+                                         f"{len(rows)} samples in rows {first_row}:{first_row + mask.shape[0]})")
+
+    pos = a["masked_lm_positions"]
+    bad("masked_lm_positions", (pos < 0) | (pos >= seq_len), f"positions out of range [0, {seq_len})")
+    bad("input_ids", a["input_ids"] < 0, "negative token ids")
+    bad("masked_lm_ids", a["masked_lm_ids"] < 0, "negative token ids")
+    bad("input_mask", (a["input_mask"] != 0) & (a["input_mask"] != 1), "values other than 0/1")
+    bad("segment_ids", (a["segment_ids"] != 0) & (a["segment_ids"] != 1), "values other than 0/1")
+    nsp = a["next_sentence_labels"]
+    bad("next_sentence_labels", (nsp != 0) & (nsp != 1), "values other than 0/1")
+
+
+# ---------------------------------------------------------------------------------------------- pure planning
+def epoch_file_order(files: list[str], epoch: int, seed: int) -> list[str]:
+    """The files sorted, then shuffled with (seed, epoch): the same on every rank."""
+    order = sorted(files)
+    perm = np.random.default_rng([seed, epoch, 0x5EED]).permutation(len(order))
+    return [order[i] for i in perm]
+
+
+def assign_shards(files: list[str], rank: int, world_size: int, epoch: int, seed: int) -> list[str]:
+    """Files `rank` reads in `epoch`, in reading order (pure). Whole files are dealt round-robin (distinct per rank);
+    the last `len(files) % world_size` files of the epoch order are shared, each rank reading its own 1/world_size
+    sample range of them (see `plan_segments`), so more ranks than files still gives every rank data."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+    order = epoch_file_order(files, epoch, seed)
+    n_whole = len(order) - len(order) % world_size
+    return order[rank:n_whole:world_size] + order[n_whole:]
+
+
+@dataclass(frozen=True)
+class Segment:
+    path: str
+    start: int  # sample range [start, stop) of the file
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def plan_segments(sizes: dict[str, int], rank: int, world_size: int, epoch: int, seed: int,
+                  block_samples: int = DEFAULT_BLOCK_SAMPLES) -> list[Segment]:
+    """Blocks (file, sample range) that `rank` reads in `epoch`, in order: whole files, then its share of the shared
+    files; each range cut into equal blocks of at most `block_samples`."""
+    files = list(sizes)
+    order = epoch_file_order(files, epoch, seed)
+    n_whole = len(order) - len(order) % world_size
+    shared = set(order[n_whole:])
+    out: list[Segment] = []
+    for path in assign_shards(files, rank, world_size, epoch, seed):
+        n = sizes[path]
+        lo, hi = (n * rank // world_size, n * (rank + 1) // world_size) if path in shared else (0, n)
+        nblocks = max(1, -(-(hi - lo) // block_samples))
+        for b in range(nblocks):
+            s, e = lo + (hi - lo) * b // nblocks, lo + (hi - lo) * (b + 1) // nblocks
+            if e > s:
+                out.append(Segment(path, s, e))
+    return out
+
+
+def batches_per_epoch(sizes: dict[str, int], world_size: int, epoch: int, seed: int, micro_batch: int) -> int:
+    """Batches every rank yields in `epoch`: the smallest rank's sample count // micro_batch (tails dropped)."""
+    return min(sum(s.size for s in plan_segments(sizes, r, world_size, epoch, seed, block_samples=1 << 62))
+               for r in range(world_size)) // micro_batch
+
+
+def block_permutation(seg: Segment, epoch: int, seed: int) -> np.ndarray:
+    """Visiting order of a block's samples; depends only on (seed, epoch, file name, block range)."""
+    name_key = int.from_bytes(hashlib.sha1(Path(seg.path).name.encode()).digest()[:4], "little")
+    return np.random.default_rng([seed, epoch, name_key, seg.start, seg.stop]).permutation(seg.size)
+
+
+# --------------------------------------------------------------------------------------------- batch building
+def load_block(seg: Segment, seq_len: int) -> dict[str, np.ndarray]:
+    """One h5 slice per dataset for the block's sample range, content-checked."""
+    import h5py
+
+    try:
+        f = h5py.File(seg.path, "r")
+    except Exception as e:
+        raise ShardError(seg.path, None, f"cannot open as HDF5 ({type(e).__name__}: {e})") from e
+    with f:
+        arrays = _read(seg.path, f, seg.start, seg.stop)
+    check_arrays(seg.path, arrays, seq_len, first_row=seg.start)
+    return arrays
+
+
+def make_batch(arrays: dict[str, np.ndarray], idx: np.ndarray) -> dict[str, torch.Tensor]:
+    """Gather rows `idx` of a block into a batch of int64 CPU tensors, MLM labels built with one scatter.
+
+    masked_lm_positions is 0-padded: position 0 is [CLS] and is never masked, so a 0 entry is padding (NVIDIA's
+    loader reads the same convention). Every pair (row, position) is written at once; padding entries write
+    IGNORE_INDEX onto position 0, which holds IGNORE_INDEX anyway."""
+    ids = np.take(arrays["input_ids"], idx, axis=0)
+    pos = np.take(arrays["masked_lm_positions"], idx, axis=0)
+    mlm = np.take(arrays["masked_lm_ids"], idx, axis=0)
+    labels = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)
+    rows = np.arange(len(idx))[:, None]
+    labels[rows, pos] = np.where(pos > 0, mlm, IGNORE_INDEX)
+    return {
+        "input_ids": torch.from_numpy(ids.astype(np.int64)),
+        "token_type_ids": torch.from_numpy(np.take(arrays["segment_ids"], idx, axis=0).astype(np.int64)),
+        "attention_mask": torch.from_numpy(np.take(arrays["input_mask"], idx, axis=0).astype(np.int64)),
+        "labels": torch.from_numpy(labels),
+        "next_sentence_label": torch.from_numpy(np.take(arrays["next_sentence_labels"], idx).astype(np.int64)),
+    }
+
+
+def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return parts[0] if len(parts) == 1 else {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def files_fingerprint(sizes: dict[str, int]) -> str:
+    """Identifies the dataset (file names and sample counts) so a resume against different data fails loudly."""
+    h = hashlib.sha1()
+    for path in sorted(sizes):
+        h.update(f"{Path(path).name}:{sizes[path]};".encode())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ the source
+class PretrainingData:
+    """Per-rank BERT pretraining batches (implements ds_core.loop.DataSource).
+
+    Yields dicts of int64 CPU tensors: input_ids, token_type_ids, attention_mask, labels [B, L] and
+    next_sentence_label [B]. Every rank yields `len(self)` batches per epoch."""
+
+    def __init__(self, input_dir: str | os.PathLike, rank: int, world_size: int, micro_batch: int, seed: int = 42,
+                 prefetch: bool = True, block_samples: int = DEFAULT_BLOCK_SAMPLES, split: str = "training"):
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+        self.input_dir, self.rank, self.world_size = str(input_dir), rank, world_size
+        self.micro_batch, self.seed, self.prefetch, self.block_samples = micro_batch, seed, prefetch, block_samples
+        self.files = list_shards(input_dir, split)
+        infos = [inspect_shard(p) for p in self.files]
+        first = infos[0]
+        for info in infos[1:]:
+            for attr, ds in (("seq_len", "input_ids"), ("max_predictions_per_seq", "masked_lm_positions")):
+                if getattr(info, attr) != getattr(first, attr):
+                    raise ShardError(info.path, ds, f"{attr} {getattr(info, attr)} differs from "
+                                                    f"{getattr(first, attr)} in {first.path}")
+        self.seq_len: int = first.seq_len
+        self.max_predictions_per_seq: int = first.max_predictions_per_seq
+        self.sizes = {i.path: i.num_samples for i in infos}
+        self.num_samples = sum(self.sizes.values())
+        self.fingerprint = files_fingerprint(self.sizes)
+        self.epoch = 0
+        self.samples_done = 0  # samples consumed on this rank in self.epoch (same on every rank)
+        self._plans: dict[int, tuple[list[Segment], list[int], int]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._cache: dict[tuple, Future] = {}
+        self._current: tuple | None = None
+        self._lock = threading.Lock()
+        if len(self) == 0:
+            raise DataDirError(f"{self.input_dir}: {self.num_samples} samples in {len(self.files)} files give rank "
+                               f"{rank} of {world_size} no full micro batch of {micro_batch}")
+
+    # -- plan
+    def _plan(self, epoch: int) -> tuple[list[Segment], list[int], int]:
+        """(blocks, cumulative start sample of each block, batches in the epoch) for this rank."""
+        if epoch not in self._plans:
+            segs = plan_segments(self.sizes, self.rank, self.world_size, epoch, self.seed, self.block_samples)
+            starts = np.cumsum([0] + [s.size for s in segs[:-1]]).tolist()
+            nb = batches_per_epoch(self.sizes, self.world_size, epoch, self.seed, self.micro_batch)
+            self._plans = {k: v for k, v in self._plans.items() if k >= epoch - 1}
+            self._plans[epoch] = (segs, starts, nb)
+        return self._plans[epoch]
+
+    def __len__(self) -> int:
+        return self._plan(self.epoch)[2]
+
+    # -- block loading with one block of read-ahead
+    def _get(self, seg: Segment, epoch: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        key = (seg, epoch)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is None:
+                fut = self._submit(seg, epoch)
+            if key != self._current:
+                # moving to a new block: drop the old one and any stale read-ahead; memory stays at ~2 blocks
+                self._cache, self._current = {key: fut}, key
+        return fut.result()
+
+    def _submit(self, seg: Segment, epoch: int) -> Future:
+        def work():
+            return load_block(seg, self.seq_len), block_permutation(seg, epoch, self.seed)
+
+        if not self.prefetch:
+            fut: Future = Future()
+            try:
+                fut.set_result(work())
+            except BaseException as e:  # surfaced by .result() in the consumer, like the threaded path
+                fut.set_exception(e)
+            return fut
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bert-h5-prefetch")
+        return self._pool.submit(work)
+
+    def _prefetch(self, seg: Segment, epoch: int) -> None:
+        if not self.prefetch:
+            return
+        with self._lock:
+            if (seg, epoch) not in self._cache:
+                self._cache[(seg, epoch)] = self._submit(seg, epoch)
+
+    def _next_block(self, epoch: int, block: int) -> tuple[Segment, int] | None:
+        segs = self._plan(epoch)[0]
+        if block + 1 < len(segs):
+            return segs[block + 1], epoch
+        return self._plan(epoch + 1)[0][0], epoch + 1  # first block of the next epoch
+
+    # -- DataSource
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.samples_done = int(epoch), 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        epoch, B = self.epoch, self.micro_batch
+        segs, starts, nb = self._plan(epoch)
+        end = nb * B
+        while self.samples_done < end and self.epoch == epoch:
+            s = self.samples_done
+            parts, need = [], B
+            while need:
+                b = bisect.bisect_right(starts, s) - 1
+                seg = segs[b]
+                arrays, perm = self._get(seg, epoch)
+                nxt = self._next_block(epoch, b)
+                if nxt is not None:
+                    self._prefetch(*nxt)
+                off = s - starts[b]
+                take = min(need, seg.size - off)
+                parts.append(make_batch(arrays, perm[off:off + take]))
+                s, need = s + take, need - take
+            self.samples_done = s
+            yield _concat(parts)
+
+    def position(self) -> dict:
+        """Where the next batch starts on this rank: file, block and offset (for logs and the checkpoint)."""
+        segs, starts, nb = self._plan(self.epoch)
+        s = self.samples_done
+        if s >= nb * self.micro_batch:
+            return {"file": None, "block_start": None, "offset_in_block": None}
+        b = bisect.bisect_right(starts, s) - 1
+        return {"file": Path(segs[b].path).name, "block_start": segs[b].start, "offset_in_block": s - starts[b]}
+
+    def state_dict(self) -> dict:
+        files = [Path(p).name for p in assign_shards(self.files, self.rank, self.world_size, self.epoch, self.seed)]
+        return {"version": 1, "epoch": self.epoch, "samples": self.samples_done,
+                "batches": self.samples_done // self.micro_batch, "micro_batch": self.micro_batch,
+                "world_size": self.world_size, "rank": self.rank, "seed": self.seed,
+                "fingerprint": self.fingerprint, "file_order": files, **self.position()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Seek to a saved position. The position is the same on every rank, so any rank's state fits any rank."""
+        for key, mine in (("fingerprint", self.fingerprint), ("world_size", self.world_size), ("seed", self.seed)):
+            if state.get(key) != mine:
+                raise DataStateError(
+                    f"saved data position has {key}={state.get(key)!r} but this run has {mine!r} "
+                    f"({self.input_dir}); exact resume needs the same shards, world size and data seed")
+        epoch, samples = int(state["epoch"]), int(state["samples"])
+        end = self._plan(epoch)[2] * self.micro_batch
+        if not 0 <= samples <= end + self.micro_batch:
+            raise DataStateError(f"saved position {samples} samples is outside epoch {epoch} ({end} samples)")
+        self.epoch, self.samples_done = epoch, min(samples, end)
+        if self.samples_done < end:  # start reading the block we resume in right away
+            segs, starts, _ = self._plan(epoch)
+            self._prefetch(segs[bisect.bisect_right(starts, self.samples_done) - 1], epoch)
+
+    def summary_stats(self) -> dict:
+        return {"data_files": len(self.files), "data_samples": self.num_samples}
+
+    def close(self) -> None:
+        with self._lock:
+            self._cache, self._current = {}, None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __del__(self):  # the prefetch thread must not keep the interpreter alive
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def build_data(input_dir: str | os.PathLike, rank: int, world_size: int, micro_batch: int,
+               seed: int = 42, **kwargs) -> PretrainingData:
+    """The loader for `input_dir`; DataDirError (a FileNotFoundError) if the directory is missing or has no shard."""
+    if not input_dir or not Path(input_dir).is_dir():
+        raise DataDirError(f"BERT data directory not found: {input_dir!r} (make one with `bert-prep shards`)")
+    return PretrainingData(input_dir, rank, world_size, micro_batch, seed=seed, **kwargs)
