@@ -1,0 +1,262 @@
+"""Fabric env profiles (launch/env/*.env) and the `.deepspeed_env` file DeepSpeed exports to every node.
+
+    python -m launch.env list
+    python -m launch.env show --profile efa
+    python -m launch.env write --profile efa --set HCCL_SOCKET_IFNAME=ens32 --forward PT_HPU_
+    python -m launch.env check [FILE]
+
+Why the file: with a hostfile, DeepSpeed's runner exports to remote nodes only variables whose names start with
+PYTHON, MLFLOW, MV2, UCX plus the accelerator's export_envs(), and the HPU accelerator returns none, so no HCCL_ or
+PT_HPU_ variable reaches another node unless it is in `.deepspeed_env`. The runner reads `~/.deepspeed_env` and then
+`./.deepspeed_env` (the name can be changed with $DS_ENV_FILE), one NAME=VALUE per line, and for pdsh turns each entry
+into `export NAME=VALUE;` in a command line run by the remote shell, wrapping VALUE in double quotes when it has
+characters outside [A-Za-z0-9_@%+=:,./-]. Inside double quotes the shell still expands `$`, backquotes and `\\`, so a
+value like `$(touch /tmp/pwned)` would run on every node: such values are refused here, as are newlines (they would
+end the line) and `%` (pdsh substitutes %h %u %n in the remote command). DeepSpeed also crashes on a blank line and
+turns a `# comment` line into `export # ...;`, which comments out the rest of the remote command, so the file we
+write has neither.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+PROFILE_DIR = Path(__file__).resolve().parent / "env"
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Characters DeepSpeed's MultiNodeRunner.add_export leaves unquoted.
+DS_PLAIN_RE = re.compile(r"^[\w@%+=:,./-]*$")
+# Expanded by a shell inside double quotes ($ ` \ "), or substituted by pdsh (%).
+SHELL_ACTIVE = set('$`\\"%')
+
+
+class EnvFileError(ValueError):
+    """A bad profile or .deepspeed_env entry; the message names the file and line."""
+
+
+def check_entry(name: str, value: str, where: str) -> None:
+    """Refuse anything that would not reach a remote rank byte for byte, or that a shell would act on."""
+    if not NAME_RE.match(name):
+        raise EnvFileError(f"{where}: invalid variable name {name!r} (expected [A-Za-z_][A-Za-z0-9_]*)")
+    if any(c in value for c in "\n\r\x00"):
+        raise EnvFileError(f"{where}: value of {name} contains a newline or NUL; DeepSpeed reads one entry per line")
+    if value != value.strip():
+        raise EnvFileError(f"{where}: value of {name} has leading or trailing whitespace, which DeepSpeed strips")
+    active = sorted(SHELL_ACTIVE & set(value))
+    if active:
+        raise EnvFileError(
+            f"{where}: value of {name} contains {' '.join(active)}: DeepSpeed's pdsh launch pastes it into "
+            "`export NAME=\"VALUE\"` for the remote shell, which would expand it (or pdsh would substitute %). "
+            "Write the literal value instead")
+
+
+def plain_warning(name: str, value: str) -> str | None:
+    if DS_PLAIN_RE.match(value):
+        return None
+    return (f"{name}: value has characters DeepSpeed wraps in double quotes; fine for pdsh, but the openmpi/mpich/"
+            "slurm backends then pass the quotes literally")
+
+
+def parse_env_text(text: str, source: str, *, profile: bool = False) -> list[tuple[str, str, str]]:
+    """Entries as (name, op, value) in file order; op is '=' or '+=' (profiles only). A .deepspeed_env must be
+    exactly what DeepSpeed can read: no blank lines, no comments."""
+    entries: list[tuple[str, str, str]] = []
+    seen: dict[str, int] = {}
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        where = f"{source} line {lineno}"
+        if raw.endswith("\r"):
+            raise EnvFileError(f"{where}: carriage return at the end of the line (DOS line endings)")
+        stripped = raw.strip()
+        if not stripped:
+            if lineno == len(text.split("\n")) and raw == "":  # the newline that ends the last line
+                continue
+            if profile:
+                continue
+            raise EnvFileError(f"{where}: blank line (DeepSpeed's runner fails on it)")
+        if stripped.startswith("#"):
+            if profile:
+                continue
+            raise EnvFileError(f"{where}: comment line (DeepSpeed would export it and comment out the remote command)")
+        if "=" not in raw:
+            raise EnvFileError(f"{where}: expected NAME=VALUE, got {raw!r}")
+        name, _, value = raw.partition("=")
+        op = "="
+        if profile and name.endswith("+"):
+            name, op = name[:-1], "+="
+        check_entry(name, value, where)
+        if name in seen:
+            raise EnvFileError(f"{where}: {name} is set twice (first on line {seen[name]})")
+        seen[name] = lineno
+        entries.append((name, op, value))
+    return entries
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.env"))
+
+
+def profile_path(name: str) -> Path:
+    path = PROFILE_DIR / f"{name}.env"
+    if not NAME_RE.match(name.replace("-", "_")) or not path.is_file():
+        raise EnvFileError(f"unknown profile {name!r}; known: {', '.join(profile_names())}")
+    return path
+
+
+def _prepend(value: str, current: str) -> str:
+    parts = [p for p in value.split(":") if p]
+    parts += [p for p in current.split(":") if p and p not in parts]
+    return ":".join(parts)
+
+
+def resolve_profile(name: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The profile's variables with `+=` entries prepended to `environ`'s current value (default os.environ)."""
+    environ = os.environ if environ is None else environ
+    path = profile_path(name)
+    out: dict[str, str] = {}
+    for var, op, value in parse_env_text(path.read_text(), str(path), profile=True):
+        out[var] = _prepend(value, environ.get(var, "")) if op == "+=" else value
+        check_entry(var, out[var], f"{path} ({var} after prepending ${var})")
+    return out
+
+
+def read_env_file(path: str | os.PathLike) -> dict[str, str]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise EnvFileError(f"{p}: cannot read ({e.strerror})") from None
+    return {name: value for name, _, value in parse_env_text(text, str(p))}
+
+
+def format_env(entries: Mapping[str, str]) -> str:
+    for name, value in entries.items():
+        check_entry(name, value, f"entry {name}")
+    return "".join(f"{k}={v}\n" for k, v in entries.items())
+
+
+def write_env_file(path: str | os.PathLike, entries: Mapping[str, str]) -> Path:
+    p = Path(path)
+    text = format_env(entries)
+    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, p)
+    return p
+
+
+def deepspeed_env_files(cwd: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> list[Path]:
+    """The files DeepSpeed's runner reads, in its order (later entries win): ~/NAME then ./NAME, NAME=$DS_ENV_FILE
+    or .deepspeed_env. DeepSpeed fixes the name when deepspeed.launcher.runner is imported, from the launcher's env."""
+    environ = os.environ if environ is None else environ
+    name = environ.get("DS_ENV_FILE", ".deepspeed_env")
+    home = Path(environ.get("HOME") or os.path.expanduser("~"))
+    here = Path(cwd) if cwd else Path.cwd()
+    return [p for p in (home / name, here / name) if p.is_file()]
+
+
+def load_deepspeed_env(cwd=None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Merged entries of the files DeepSpeed would read, validated (raises EnvFileError naming file and line)."""
+    merged: dict[str, str] = {}
+    for path in deepspeed_env_files(cwd, environ):
+        merged.update(read_env_file(path))
+    return merged
+
+
+def parse_assignments(items: Iterable[str], where: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise EnvFileError(f"{where}: expected NAME=VALUE, got {item!r}")
+        check_entry(name, value, f"{where} {name}")
+        out[name] = value
+    return out
+
+
+def build_entries(profile: str | None, sets: Sequence[str] = (), forward: Sequence[str] = (),
+                  environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Profile values, then variables of `environ` whose names start with a `forward` prefix, then --set values."""
+    environ = os.environ if environ is None else environ
+    entries = resolve_profile(profile, environ) if profile else {}
+    for prefix in forward:
+        for name in sorted(environ):
+            if name.startswith(prefix):
+                check_entry(name, environ[name], f"--forward {prefix}: ${name}")
+                entries[name] = environ[name]
+    entries.update(parse_assignments(sets, "--set"))
+    return entries
+
+
+def write_merged(out: str | os.PathLike, entries: Mapping[str, str], replace: bool = False) -> tuple[Path, list[str]]:
+    """Merge into an existing file (its other entries stay, in order); returns the path and the names changed."""
+    p = Path(out)
+    merged = {} if replace or not p.exists() else read_env_file(p)
+    changed = [k for k, v in entries.items() if merged.get(k) != v]
+    merged.update(entries)
+    return write_env_file(p, merged), changed
+
+
+def default_out() -> Path:
+    return Path.cwd() / os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m launch.env", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="list the profiles in launch/env/")
+    s = sub.add_parser("show", help="print a profile resolved against this shell (NAME=VALUE lines)")
+    s.add_argument("--profile", required=True, help="profile name: " + ", ".join(profile_names()))
+    w = sub.add_parser("write", help="merge a profile into .deepspeed_env")
+    w.add_argument("--profile", default=None, help="profile name: " + ", ".join(profile_names()))
+    w.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="add or override one variable (repeatable); e.g. --set HCCL_SOCKET_IFNAME=ens32")
+    w.add_argument("--forward", action="append", default=[], metavar="PREFIX",
+                   help="also copy every variable of this shell whose name starts with PREFIX (repeatable), "
+                        "e.g. --forward PT_HPU_ --forward HCCL_")
+    w.add_argument("--out", default=None,
+                   help="file to write (default ./.deepspeed_env, or ./$DS_ENV_FILE); DeepSpeed reads it from the "
+                        "directory you start `deepspeed` in and from $HOME")
+    w.add_argument("--replace", action="store_true", help="drop the file's existing entries instead of merging")
+    c = sub.add_parser("check", help="validate .deepspeed_env files (default: the ones DeepSpeed would read here)")
+    c.add_argument("files", nargs="*", help="files to check")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "list":
+            for name in profile_names():
+                first = profile_path(name).read_text().splitlines()[0].lstrip("# ")
+                print(f"{name:10s} {first}")
+        elif args.cmd == "show":
+            sys.stdout.write(format_env(resolve_profile(args.profile)))
+        elif args.cmd == "write":
+            if not (args.profile or args.set or args.forward):
+                raise EnvFileError("nothing to write: give --profile, --set or --forward")
+            entries = build_entries(args.profile, args.set, args.forward)
+            path, changed = write_merged(args.out or default_out(), entries, args.replace)
+            for name, value in entries.items():
+                msg = plain_warning(name, value)
+                if msg:
+                    print(f"warning: {msg}", file=sys.stderr)
+            print(f"wrote {path}: {len(entries)} entries from "
+                  f"{'profile ' + args.profile if args.profile else 'arguments'}; changed: {', '.join(changed) or 'none'}")
+        else:
+            files = [Path(f) for f in args.files] or deepspeed_env_files()
+            if not files:
+                print("no .deepspeed_env file here or in $HOME")
+            for f in files:
+                n = len(read_env_file(f))
+                print(f"{f}: ok, {n} entries")
+    except EnvFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
