@@ -1,0 +1,181 @@
+"""Checkpoints through the DeepSpeed engine on every rank, made "latest" only once complete.
+
+Layout under run_dir/checkpoints/:
+  global_step{N}/            DeepSpeed's files (module, ZeRO partitions) written by engine.save_checkpoint
+  global_step{N}/client_rank{r}.pt   per-rank client state: step, epoch, data position, RNG states, fingerprint
+  global_step{N}/COMPLETE    written by rank 0 after every rank finished (barrier); JSON with the fingerprint
+  latest                     tag of the newest COMPLETE checkpoint, replaced atomically
+
+DeepSpeed's own client_state is saved by data-parallel rank 0 only, but the data position and RNG streams differ per
+rank, so each rank writes its own file. A kill -9 during a save leaves a tag without COMPLETE and `latest` still
+naming the previous checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ds_core.config import ConfigError, atomic_write_text
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rng_state() -> dict:
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if accel.device_name() != "cpu":
+        state["accelerator"] = accel.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "accelerator" in state:
+        get_accelerator().set_rng_state(state["accelerator"])
+
+
+def model_fingerprint(engine, zero_stage: int) -> dict:
+    """What must match for a checkpoint to load: parameter names and full shapes, ZeRO stage, data-parallel size."""
+    shapes = {}
+    for name, p in engine.module.named_parameters():
+        shape = getattr(p, "ds_shape", None) or p.shape  # ZeRO-3 keeps the full shape in ds_shape
+        shapes[name] = list(shape)
+    return {"param_shapes": shapes, "zero_stage": zero_stage, "dp_world_size": engine.dp_world_size}
+
+
+def describe_mismatch(saved: dict, current: dict) -> list[str]:
+    diffs = []
+    for key in ("zero_stage", "dp_world_size"):
+        if saved.get(key) != current.get(key):
+            diffs.append(f"{key}: checkpoint {saved.get(key)}, this run {current.get(key)}")
+    a, b = saved.get("param_shapes", {}), current.get("param_shapes", {})
+    missing, extra = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    if missing:
+        diffs.append(f"{len(missing)} parameter(s) only in the checkpoint, e.g. {missing[:3]}")
+    if extra:
+        diffs.append(f"{len(extra)} parameter(s) only in this model, e.g. {extra[:3]}")
+    changed = [f"{n}: checkpoint {a[n]}, this run {b[n]}" for n in sorted(set(a) & set(b)) if a[n] != b[n]]
+    if changed:
+        diffs.append(f"{len(changed)} parameter shape(s) differ, e.g. " + "; ".join(changed[:3]))
+    for key in sorted(set(saved) - {"param_shapes", "zero_stage", "dp_world_size"}):
+        if saved.get(key) != current.get(key):
+            diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}")
+    return diffs
+
+
+def is_complete(ckpt_root: Path, tag: str) -> bool:
+    return (ckpt_root / tag / COMPLETE).is_file()
+
+
+def latest_tag(ckpt_root: str | os.PathLike) -> str | None:
+    """The tag named by `latest` if complete; otherwise the newest complete tag (or None)."""
+    root = Path(ckpt_root)
+    f = root / LATEST
+    if f.is_file():
+        tag = f.read_text().strip()
+        if is_complete(root, tag):
+            return tag
+    tags = [p.name for p in root.glob("global_step*") if is_complete(root, p.name)]
+    return max(tags, key=lambda t: int(t[len("global_step"):]), default=None)
+
+
+def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fingerprint: dict) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    root = Path(ckpt_root)
+    tag = tag_for(step)
+    path = root / tag
+    if is_complete(root, tag):  # same step already saved (e.g. a periodic save that is also the final one)
+        return path
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # leftovers of an interrupted save of this step: never mix old and new files
+            shutil.rmtree(path)
+    _barrier()
+    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+    state = dict(client_state, step=step, rng=rng_state(), fingerprint=fingerprint)
+    tmp = path / f".client_rank{_rank()}.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path / f"client_rank{_rank()}.pt")
+    _barrier()  # every rank has finished writing its part
+    if _rank() == 0:
+        atomic_write_text(path / COMPLETE, json.dumps({"step": step, "fingerprint": fingerprint}) + "\n")
+        atomic_write_text(root / LATEST, tag + "\n")
+    _barrier()
+    return path
+
+
+def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict) -> dict | None:
+    """Load the latest complete checkpoint into `engine`; returns this rank's client state (RNG restored), or None."""
+    root = Path(ckpt_root)
+    tag = latest_tag(root)
+    if tag is None:
+        return None
+    saved = json.loads((root / tag / COMPLETE).read_text())["fingerprint"]
+    diffs = describe_mismatch(saved, fingerprint)
+    if diffs:
+        raise ConfigError(f"checkpoint {root / tag} does not match this run: " + " | ".join(diffs))
+    client_file = root / tag / f"client_rank{_rank()}.pt"
+    if not client_file.is_file():
+        raise CheckpointError(f"checkpoint {root / tag}: {client_file.name} is missing (saved with another "
+                              f"world size?)")
+    load_path, _ = engine.load_checkpoint(str(root), tag=tag, load_module_strict=True, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
+    state: dict[str, Any] = torch.load(client_file, map_location="cpu", weights_only=False)
+    set_rng_state(state.pop("rng"))
+    return state
+
+
+def export_hf(engine, out_dir: str | os.PathLike) -> Path | None:
+    """Write the model in Hugging Face `save_pretrained` format, gathering ZeRO-3 partitions (collective).
+
+    Written to a temporary directory and renamed, so a partial export never looks like a model. Rank 0 writes.
+    """
+    out = Path(out_dir)
+    if engine.zero_optimization_stage() == 3:
+        # Gathers one module at a time onto rank 0 (what HF Trainer uses for ZeRO-3 saves).
+        state_dict = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state_dict = engine.module.state_dict()
+    if _rank() == 0:
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        engine.module.save_pretrained(str(tmp), state_dict=state_dict)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    _barrier()
+    return out if _rank() == 0 else None

@@ -1,0 +1,305 @@
+"""Typed run config, CLI + JSON parsing, and DeepSpeed JSON validation with batch arithmetic.
+
+One place decides every number of a run before any rank does work: our own settings live in dataclasses (one help
+line per field), DeepSpeed's settings live in the DeepSpeed JSON only, and the three batch numbers are checked against
+the data-parallel world size here (llm-foundry's validate_config, HF's HfArgumentParser).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
+DEFAULT_DS_CONFIG = "zero1_bf16.json"
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the file, the key and what was expected."""
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class TrainConfig:
+    """Settings of the training loop shared by every model (DeepSpeed's own settings stay in the DeepSpeed JSON)."""
+
+    run_dir: str = _help("Output directory: config.json, ds_config.json, metrics.jsonl, checkpoints/.",
+                         default="runs/default")
+    deepspeed_config: str = _help("DeepSpeed JSON (path, or a file name inside ds_configs/).", default="")
+    max_steps: int = _help("Optimizer steps to run; 0 runs max_epochs.", default=0)
+    max_epochs: int = _help("Epochs to run when max_steps is 0 (max_steps, when set, wins and cycles the data).", default=1)
+    num_steps_per_checkpoint: int = _help("Save a checkpoint every N optimizer steps; 0 saves none periodically.",
+                                          default=0)
+    save_final_checkpoint: bool = _help("Save a checkpoint when training ends.", default=True)
+    resume: bool = _help("Resume from the latest complete checkpoint in run_dir/checkpoints.", default=False)
+    log_every: int = _help("Write a metrics record every N optimizer steps.", default=1)
+    eval_every: int = _help("Run the eval hook every N optimizer steps; 0 runs it once at the end.", default=0)
+    throughput_warmup_steps: int = _help("Optimizer steps excluded from throughput (compilation, caches).",
+                                         default=3)
+    seed: int = _help("Seed for python, numpy and torch.", default=42)
+    micro_batch_size: int = _help("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
+                                  default=0)
+    gradient_accumulation_steps: int = _help("Override gradient_accumulation_steps of the DeepSpeed JSON; 0 keeps it.",
+                                             default=0)
+    zero_stage: int = _help("Override zero_optimization.stage of the DeepSpeed JSON; -1 keeps it.", default=-1)
+    dist_timeout_s: int = _help("Collective timeout in seconds: a dead rank makes the others fail after this.",
+                                default=1800)
+    progress_bar: bool = _help("Show a rank-0 tqdm progress bar.", default=True)
+
+    def validate(self) -> None:
+        checks = [
+            ("max_steps", self.max_steps >= 0, ">= 0"),
+            ("max_epochs", self.max_epochs >= 1 or self.max_steps > 0, ">= 1 when max_steps is 0"),
+            ("num_steps_per_checkpoint", self.num_steps_per_checkpoint >= 0, ">= 0"),
+            ("log_every", self.log_every >= 1, ">= 1"),
+            ("eval_every", self.eval_every >= 0, ">= 0"),
+            ("throughput_warmup_steps", self.throughput_warmup_steps >= 0, ">= 0"),
+            ("micro_batch_size", self.micro_batch_size >= 0, ">= 0"),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps >= 0, ">= 0"),
+            ("zero_stage", self.zero_stage in (-1, 0, 1, 2, 3), "one of -1, 0, 1, 2, 3"),
+            ("dist_timeout_s", self.dist_timeout_s > 0, "> 0"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"TrainConfig.{name} = {getattr(self, name)!r}: expected {expected}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI and JSON
+
+
+def _flatten_json(data: dict, types: Sequence[type], source: str) -> dict:
+    """Accept flat keys or sections named after the dataclasses ({"TrainConfig": {...}}, as save_run_config writes)."""
+    names = {t.__name__ for t in types}
+    flat: dict = {}
+    for key, value in data.items():
+        if key in names and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    known = {f.name for t in types for f in dataclasses.fields(t)}
+    unknown = sorted(set(flat) - known)
+    if unknown:
+        hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, 1)) else "")
+                 for k in unknown]
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}; known keys: {', '.join(sorted(known))}")
+    return flat
+
+
+def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, description: str | None = None) -> tuple:
+    """Parse dataclass types from `--config FILE.json` (defaults) and flags (overrides); one instance per type.
+
+    Launchers add `--local_rank=N`; it is accepted and ignored (LOCAL_RANK from the environment is what counts).
+    """
+    from transformers import HfArgumentParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(list(types), description=description)
+    parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name); "
+                                                       "flags given on the command line override it.")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="Set by launchers; ignored.")
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        path = Path(pre.config)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--config {path}: file not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object of settings, got {type(data).__name__}")
+        parser.set_defaults(**_flatten_json(data, types, str(path)))
+    try:
+        ns, unknown = parser.parse_known_args(argv)
+    except SystemExit:
+        raise
+    if unknown:
+        known = [a for act in parser._actions for a in act.option_strings]
+        hints = [f"{u!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u.split('=')[0], known, 1))
+                              else "") for u in unknown]
+        raise ConfigError(f"unknown command-line argument(s): {', '.join(hints)}")
+    out = []
+    values = vars(ns)
+    for t in types:
+        inst = t(**{f.name: values[f.name] for f in dataclasses.fields(t) if f.init})
+        if hasattr(inst, "validate"):
+            inst.validate()
+        out.append(inst)
+    return tuple(out)
+
+
+def save_run_config(run_dir: str | os.PathLike, *instances: Any, rank: int = 0) -> Path:
+    """Write run_dir/config.json, sectioned by dataclass name (rank 0 only); it reads back with --config."""
+    path = Path(run_dir) / "config.json"
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {type(i).__name__: dataclasses.asdict(i) for i in instances}
+        atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write to a temporary name in the same directory, fsync, then rename: readers never see a partial file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def config_hash(obj: Any) -> str:
+    """Stable short hash of a JSON-able object (dataclasses allowed)."""
+    if dataclasses.is_dataclass(obj):
+        obj = dataclasses.asdict(obj)
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed JSON
+
+# Top-level keys DeepSpeed 0.19 reads (recorded by handing DeepSpeedConfig a dict that logs every lookup) plus the
+# documented sections it reads elsewhere (optimizer, scheduler, flops_profiler, activation_checkpointing, ...).
+# DeepSpeed silently ignores unknown keys, so a typo such as "zero_optimisation" would silently train with ZeRO-0;
+# we refuse it instead.
+DS_TOP_LEVEL_KEYS = frozenset("""
+train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler fp16 bf16 bfloat16
+amp gradient_clipping prescale_gradients gradient_predivide_factor gradient_allreduce_op sparse_gradients
+zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer steps_per_print wall_clock_breakdown
+dump_state flops_profiler activation_checkpointing sparse_attention data_efficiency curriculum_learning tensorboard
+csv_monitor wandb comet aim elasticity communication_data_type seq_parallel_communication_data_type autotuning
+compression_training checkpoint data_types memory_breakdown disable_allgather dataloader_drop_last nebula pipeline
+compile torch_autocast weight_quantization hybrid_engine timers eigenvalue progressive_layer_drop quantize_training
+use_data_before_expert_parallelism graph_harvesting comms_logger datastates_ckpt disable_python_gc expert_parallel
+log_level managed_gradient_accumulation tensor_parallel vocabulary_size aio load_universal_checkpoint
+use_node_local_storage zero_quantized_weights zero_quantized_gradients mesh_device
+""".split())
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def resolve_ds_path(path: str | os.PathLike) -> Path:
+    """A DeepSpeed JSON path as given, or a file name inside the shipped ds_configs/ directory."""
+    p = Path(path or DEFAULT_DS_CONFIG)
+    if not p.exists() and (DS_CONFIG_DIR / p.name).exists() and len(p.parts) <= 2:
+        return DS_CONFIG_DIR / p.name
+    return p
+
+
+def read_ds_json(path: str | os.PathLike) -> dict:
+    p = resolve_ds_path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"DeepSpeed config {p}: file not found (shipped configs: "
+                          f"{', '.join(sorted(x.name for x in DS_CONFIG_DIR.glob('*.json')))})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"DeepSpeed config {p}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"DeepSpeed config {p}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def check_batch_arithmetic(tb: int | None, mb: int | None, ga: int | None, world_size: int,
+                           source: str = "DeepSpeed config") -> tuple[int, int, int]:
+    """Fill in and check train_batch_size = micro_batch x grad_accum x world_size, deriving a missing number the way
+    DeepSpeed's _configure_train_batch_size does. Returns (train_batch_size, micro_batch, grad_accum)."""
+    if world_size < 1:
+        raise ConfigError(f"{source}: data-parallel world size {world_size}: expected >= 1")
+    for name, v in zip(_BATCH_KEYS, (tb, mb, ga)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"{source}: {name} = {v!r}: expected a positive integer")
+    numbers = (f"train_batch_size={tb}, train_micro_batch_size_per_gpu={mb}, gradient_accumulation_steps={ga}, "
+               f"data-parallel world size={world_size}")
+    if tb and mb and ga:
+        if tb != mb * ga * world_size:
+            raise ConfigError(f"{source}: inconsistent batch numbers: {numbers}; expected train_batch_size = "
+                              f"{mb} x {ga} x {world_size} = {mb * ga * world_size}")
+    elif tb and mb:
+        if tb % (mb * world_size):
+            raise ConfigError(f"{source}: train_batch_size {tb} is not divisible by micro batch x world size = "
+                              f"{mb} x {world_size} = {mb * world_size} ({numbers})")
+        ga = tb // (mb * world_size)
+    elif tb and ga:
+        if tb % (ga * world_size):
+            raise ConfigError(f"{source}: train_batch_size {tb} is not divisible by grad accumulation x world size "
+                              f"= {ga} x {world_size} = {ga * world_size} ({numbers})")
+        mb = tb // (ga * world_size)
+    elif mb and ga:
+        tb = mb * ga * world_size
+    elif tb:
+        ga = 1
+        if tb % world_size:
+            raise ConfigError(f"{source}: train_batch_size {tb} is not divisible by world size {world_size}")
+        mb = tb // world_size
+    elif mb:
+        ga = 1
+        tb = mb * world_size
+    else:
+        raise ConfigError(f"{source}: give train_batch_size or train_micro_batch_size_per_gpu ({numbers})")
+    return tb, mb, ga
+
+
+def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, micro_batch: int = 0,
+                   grad_accum: int = 0, zero_stage: int = -1) -> dict:
+    """Load, validate and resolve a DeepSpeed JSON for `world_size` data-parallel ranks.
+
+    Overrides (micro_batch, grad_accum > 0; zero_stage >= 0) replace the JSON's values; when micro batch or
+    accumulation is overridden, train_batch_size is re-derived rather than kept, so the override cannot conflict.
+    """
+    if isinstance(path_or_dict, dict):
+        cfg, source = json.loads(json.dumps(path_or_dict)), "DeepSpeed config"
+    else:
+        cfg, source = read_ds_json(path_or_dict), f"DeepSpeed config {resolve_ds_path(path_or_dict)}"
+    unknown = sorted(set(cfg) - DS_TOP_LEVEL_KEYS)
+    if unknown:
+        hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, DS_TOP_LEVEL_KEYS, 1))
+                              else "") for k in unknown]
+        raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(hints)}")
+    if micro_batch:
+        cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    if grad_accum:
+        cfg["gradient_accumulation_steps"] = grad_accum
+    if micro_batch or grad_accum:
+        cfg.pop("train_batch_size", None)
+    tb, mb, ga = check_batch_arithmetic(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"),
+                                        cfg.get("gradient_accumulation_steps"), world_size, source)
+    cfg.update(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga)
+    zero = cfg.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{source}: zero_optimization must be an object, got {zero!r}")
+    if zero_stage >= 0:
+        zero["stage"] = zero_stage
+    stage = zero.setdefault("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{source}: zero_optimization.stage = {stage!r}: expected 0, 1, 2 or 3")
+    if cfg.get("bf16", {}).get("enabled") and cfg.get("fp16", {}).get("enabled"):
+        raise ConfigError(f"{source}: bf16.enabled and fp16.enabled are both true: pick one precision")
+    return cfg
+
+
+def ds_config_for(cfg: TrainConfig, world_size: int) -> dict:
+    """The resolved DeepSpeed config of a run: its JSON plus the TrainConfig overrides."""
+    return load_ds_config(cfg.deepspeed_config or DEFAULT_DS_CONFIG, world_size, micro_batch=cfg.micro_batch_size,
+                          grad_accum=cfg.gradient_accumulation_steps, zero_stage=cfg.zero_stage)
+
+
+def precision_of(ds_config: dict) -> str:
+    if ds_config.get("bf16", {}).get("enabled") or ds_config.get("bfloat16", {}).get("enabled"):
+        return "bf16"
+    if ds_config.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"

@@ -1,0 +1,114 @@
+"""Distributed init and DeepSpeed engine construction for HPU (hccl), CUDA (nccl) and CPU (gloo).
+
+The accelerator is whatever DeepSpeed's `get_accelerator()` finds (DS_ACCELERATOR forces one). Rank discovery works
+under the deepspeed launcher, torchrun-style variables, and mpirun (mpi4py discovery, done by deepspeed itself), and a
+plain `python -m ...` becomes a world of one.
+"""
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from ds_core.config import ConfigError
+
+# Per-launcher names of "how many ranks share this node". DeepSpeed's launcher also sets CROSS_SIZE (= nodes).
+_LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                    "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    nodes: int
+    accelerator: str  # "cpu" | "cuda" | "hpu"
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _in_mpi() -> bool:
+    return any(v in os.environ for v in _MPI_RANK_VARS)
+
+
+def init_distributed(timeout_s: int = 1800) -> DistInfo:
+    """Initialise torch.distributed through deepspeed on the accelerator deepspeed finds; idempotent."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ and not _in_mpi():
+        # A single process started by hand: a world of one, on a free local port.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    accel = get_accelerator()
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), auto_mpi_discovery=True,
+                               timeout=timedelta(seconds=timeout_s), verbose=False)
+    rank = torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    name = accel.device_name()
+    if name != "cpu":
+        accel.set_device(local_rank)
+        device = torch.device(accel.device_name(local_rank))
+    else:
+        device = torch.device("cpu")
+    local_world = next((int(os.environ[v]) for v in _LOCAL_SIZE_VARS if os.environ.get(v, "").isdigit()), 0)
+    if not local_world:
+        # No launcher told us: count ranks that share this host name.
+        names: list = [None] * world
+        torch.distributed.all_gather_object(names, socket.gethostname())
+        local_world = names.count(socket.gethostname())
+    nodes = int(os.environ["CROSS_SIZE"]) if os.environ.get("CROSS_SIZE", "").isdigit() else max(1, world // local_world)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world, nodes=nodes,
+                    accelerator=name, device=device, backend=accel.communication_backend_name())
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().manual_seed_all(seed)
+
+
+def build_engine(model: torch.nn.Module, ds_config: dict, *, optimizer=None, lr_scheduler=None,
+                 model_parameters=None):
+    """deepspeed.initialize with a resolved config (see ds_core.config.load_ds_config); returns the engine.
+
+    An optimizer passed here and an "optimizer" section in the DeepSpeed JSON would be the same setting in two
+    places, so that combination is refused.
+    """
+    import deepspeed
+
+    if optimizer is not None and "optimizer" in ds_config:
+        raise ConfigError("an optimizer was built in code and the DeepSpeed config also has an \"optimizer\" section: "
+                          "remove one (use a DeepSpeed JSON without \"optimizer\" for models that build their own)")
+    if lr_scheduler is not None and "scheduler" in ds_config:
+        raise ConfigError("an LR scheduler was built in code and the DeepSpeed config also has a \"scheduler\" "
+                          "section: remove one")
+    if optimizer is None and "optimizer" not in ds_config:
+        raise ConfigError("no optimizer: pass one in code or add an \"optimizer\" section to the DeepSpeed config")
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, optimizer=optimizer,
+                                           lr_scheduler=lr_scheduler, config=ds_config)
+    return engine

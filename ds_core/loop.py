@@ -1,0 +1,188 @@
+"""THE training loop, shared by every model: micro-steps through the DeepSpeed engine, gradient accumulation, eval hook,
+periodic checkpoints with exact resume, NaN/inf guard, and metrics through ds_core.metrics.
+
+A model package supplies a step function (batch -> StepOutput) and a DataSource; behaviour that differs between
+models goes into those or into a hook here, never into a second loop.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import torch.distributed as tdist
+
+from ds_core import checkpoint as ckpt
+from ds_core.config import TrainConfig, atomic_write_text, precision_of
+from ds_core.engine import DistInfo
+from ds_core.metrics import Metrics, accelerator_kind, peak_tflops_for
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or inf; no update was applied and the last good checkpoint stays the latest."""
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # scalar on the device: what backward uses
+    samples: int  # samples in this micro batch on this rank
+    tokens: int = 0  # tokens in this micro batch on this rank (0 where it means nothing)
+    logs: dict = field(default_factory=dict)  # extra scalars averaged over micro-steps and ranks (mlm_loss, ...)
+
+
+class DataSource(Protocol):
+    def set_epoch(self, epoch: int) -> None: ...
+    def __iter__(self) -> Iterator[Any]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+StepFn = Callable[[Any, Any], StepOutput]
+EvalFn = Callable[[Any, int], dict]
+
+
+def _scalar(v: Any, device: torch.device) -> torch.Tensor:
+    return v.detach().float().reshape(()) if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=device)
+
+
+class _Accumulator:
+    """Sums of one optimizer step's micro-steps, reduced across ranks in ONE all-reduce at the boundary."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.micro = 0
+        self.samples = 0
+        self.tokens = 0
+        self.logs: dict[str, torch.Tensor] = {}
+
+    def add(self, out: StepOutput) -> None:
+        self.loss = self.loss + out.loss.detach().float()
+        self.micro += 1
+        self.samples += int(out.samples)
+        self.tokens += int(out.tokens)
+        for k, v in out.logs.items():
+            self.logs[k] = self.logs.get(k, torch.zeros((), device=self.device)) + _scalar(v, self.device)
+
+    def reduce(self, world_size: int) -> tuple[float, int, int, dict]:
+        keys = sorted(self.logs)
+        counts = torch.tensor([self.micro, self.samples, self.tokens], dtype=torch.float64, device=self.device)
+        vec = torch.cat([self.loss.reshape(1).double(), counts] + [self.logs[k].reshape(1).double() for k in keys])
+        if tdist.is_initialized() and world_size > 1:
+            tdist.all_reduce(vec)  # one collective per optimizer step; also makes the NaN verdict the same on all ranks
+        vals = vec.tolist()
+        micro = max(vals[1], 1.0)
+        return vals[0] / micro, int(vals[2]), int(vals[3]), {k: vals[4 + i] / micro for i, k in enumerate(keys)}
+
+
+def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: DistInfo, *, model_name: str,
+          flops_per_sample: float, seq_len: int = 0, eval_fn: EvalFn | None = None,
+          fingerprint: dict | None = None) -> dict:
+    """Run training to cfg.max_steps (or cfg.max_epochs); returns the final metrics summary record."""
+    run_dir = Path(cfg.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    ds_config = engine.config if isinstance(engine.config, dict) else {}
+    stage = engine.zero_optimization_stage()
+    if dist.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
+    fp = dict(ckpt.model_fingerprint(engine, stage), **(fingerprint or {}))
+
+    step, epoch = 0, 0
+    state = ckpt.load(engine, ckpt_root, fp) if cfg.resume else None
+    if state is not None:
+        step, epoch = state["step"], state["epoch"]
+        data.load_state_dict(state["data"])
+        if dist.rank == 0:
+            print(f"[ds_core] resumed from {ckpt_root / ckpt.tag_for(step)} at step {step}, epoch {epoch}", flush=True)
+    else:
+        if cfg.resume and dist.rank == 0:
+            print(f"[ds_core] --resume: no complete checkpoint in {ckpt_root}; starting from step 0", flush=True)
+        data.set_epoch(0)
+
+    # Like HF Trainer: max_steps, when given, wins over epochs (the data source is cycled as often as needed).
+    max_steps = cfg.max_steps or math.inf
+    max_epochs = math.inf if cfg.max_steps else cfg.max_epochs
+    kind = accelerator_kind(dist.accelerator, dist.device)
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    metrics = Metrics(run_dir, rank=dist.rank, world_size=dist.world_size, nodes=dist.nodes,
+                      accelerators_per_node=dist.local_world_size, accelerator=kind, model_name=model_name,
+                      micro_batch=engine.train_micro_batch_size_per_gpu(),
+                      grad_accum=engine.gradient_accumulation_steps(), zero_stage=stage,
+                      precision=precision_of(ds_config), flops_per_sample=flops_per_sample, seq_len=seq_len,
+                      warmup_steps=cfg.throughput_warmup_steps, log_every=cfg.log_every,
+                      total_steps=cfg.max_steps or None,
+                      peak_tflops=peak_tflops_for(kind) if dist.rank == 0 else None,
+                      monitor=getattr(engine, "monitor", None), progress_bar=cfg.progress_bar,
+                      sync=accel.synchronize, start_step=step)
+
+    def save() -> None:
+        ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict()}, fp)
+
+    def run_eval() -> None:
+        logs = eval_fn(engine, step)
+        engine.train()
+        if logs:
+            metrics.eval(step, logs)
+
+    acc = _Accumulator(dist.device)
+    try:
+        engine.train()
+        metrics.begin()
+        while step < max_steps and epoch < max_epochs:
+            batches = 0
+            for batch in data:
+                batches += 1
+                out = step_fn(engine, batch)
+                engine.backward(out.loss)
+                acc.add(out)
+                boundary = engine.is_gradient_accumulation_boundary()  # read before step() advances the counter
+                if boundary:
+                    loss, samples, tokens, logs = acc.reduce(dist.world_size)
+                    if not math.isfinite(loss):
+                        raise TrainingDiverged(
+                            f"loss is {loss} at optimizer step {step + 1} (epoch {epoch}); the update was not "
+                            f"applied and the latest checkpoint is still "
+                            f"{ckpt.latest_tag(ckpt_root) or 'none'} in {ckpt_root}")
+                engine.step()
+                if not boundary:
+                    continue
+                step += 1
+                lr = engine.get_lr()[0] if engine.get_lr() else None
+                metrics.step(step, samples, tokens, loss=loss, lr=lr, logs=logs)
+                acc.reset()
+                if cfg.num_steps_per_checkpoint and step % cfg.num_steps_per_checkpoint == 0:
+                    save()
+                if eval_fn is not None and cfg.eval_every and step % cfg.eval_every == 0:
+                    run_eval()
+                if step >= max_steps:
+                    break
+            else:
+                if batches == 0 and state is None:
+                    raise RuntimeError(f"the data source yielded no batch in epoch {epoch} on rank {dist.rank}: "
+                                       f"too little data for micro batch {engine.train_micro_batch_size_per_gpu()}")
+                state = None  # a resumed epoch may legitimately be empty (checkpoint at its very end)
+                epoch += 1
+                if epoch < max_epochs and step < max_steps:
+                    data.set_epoch(epoch)
+                continue
+            break
+        if cfg.save_final_checkpoint and step > 0:
+            save()
+        if eval_fn is not None and not (cfg.eval_every and step % cfg.eval_every == 0):
+            run_eval()
+        extra = data.summary_stats() if hasattr(data, "summary_stats") else {}
+        summary = metrics.summary(extra)
+    finally:
+        metrics.close()
+    if dist.rank == 0:
+        print(f"[ds_core] metrics: {metrics.path.resolve()}", flush=True)
+    return summary

@@ -1,0 +1,104 @@
+"""A tiny model trained through ds_core exactly the way a model package does; driven by the ds_core tests.
+
+Run as `deepspeed --num_gpus 2 tests/tiny_train.py --run_dir R --deepspeed_config zero1_bf16.json ...`.
+Test-only switches (env): TINY_NAN_AT_STEP=k makes the loss NaN at optimizer step k; TINY_KILL_IN_SAVE=k makes
+rank 0 kill -9 itself inside the save of step k, after DeepSpeed wrote its files and before the save completed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ds_core import checkpoint as ckpt
+from ds_core.config import TrainConfig, ds_config_for, parse_args, save_run_config
+from ds_core.engine import build_engine, init_distributed, set_seed
+from ds_core.loop import StepOutput, train
+
+
+@dataclass
+class TinyArgs:
+    num_samples: int = field(default=512, metadata={"help": "Synthetic samples."})
+    vocab: int = field(default=64, metadata={"help": "Vocabulary of the tiny BERT."})
+    seq_len: int = field(default=16, metadata={"help": "Tokens per sample."})
+    export_dir: str = field(default="", metadata={"help": "Export a Hugging Face model here after training."})
+
+
+class SyntheticData:
+    """Per-rank slice of a seeded synthetic classification set; position = (epoch, offset) in a seeded permutation."""
+
+    def __init__(self, args: TinyArgs, rank: int, world: int, micro_batch: int, seed: int):
+        g = np.random.default_rng(1234)
+        self.ids = g.integers(1, args.vocab, size=(args.num_samples, args.seq_len))
+        self.labels = (self.ids[:, 0] > args.vocab // 2).astype(np.int64)  # learnable: depends on the first token
+        self.rank, self.world, self.mb, self.seed = rank, world, micro_batch, seed
+        self.epoch, self.offset = 0, 0
+
+    def _order(self) -> np.ndarray:
+        perm = np.random.default_rng(self.seed + self.epoch).permutation(len(self.ids))
+        return perm[self.rank::self.world]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.offset = epoch, 0
+
+    def __iter__(self):
+        order = self._order()
+        while self.offset + self.mb <= len(order):
+            idx = order[self.offset:self.offset + self.mb]
+            self.offset += self.mb
+            yield {"input_ids": torch.from_numpy(self.ids[idx]), "labels": torch.from_numpy(self.labels[idx])}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset = state["epoch"], state["offset"]
+
+
+def step_fn(engine, batch) -> StepOutput:
+    batch = {k: v.to(engine.device) for k, v in batch.items()}
+    out = engine(input_ids=batch["input_ids"], labels=batch["labels"])
+    loss = out.loss
+    nan_at = int(os.environ.get("TINY_NAN_AT_STEP", "0"))
+    if nan_at and engine.global_steps + 1 == nan_at:
+        loss = loss * float("nan")
+    n = batch["input_ids"].shape[0]
+    return StepOutput(loss=loss, samples=n, tokens=batch["input_ids"].numel(), logs={"aux": loss.detach() * 0 + 1})
+
+
+def main(argv=None) -> dict:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg, args = parse_args([TrainConfig, TinyArgs], argv)
+    dist = init_distributed(cfg.dist_timeout_s)
+    set_seed(cfg.seed)
+    save_run_config(cfg.run_dir, cfg, args, rank=dist.rank)
+    ds_config = ds_config_for(cfg, dist.world_size)
+    model = BertForSequenceClassification(BertConfig(vocab_size=args.vocab, hidden_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=64,
+                                                     max_position_embeddings=args.seq_len, num_labels=2))
+    engine = build_engine(model, ds_config)
+    kill_step = int(os.environ.get("TINY_KILL_IN_SAVE", "0"))
+    if kill_step and dist.rank == 0:
+        real_save = engine.save_checkpoint
+
+        def save_then_die(*a, **kw):
+            real_save(*a, **kw)
+            if kw.get("tag") == ckpt.tag_for(kill_step):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        engine.save_checkpoint = save_then_die
+    data = SyntheticData(args, dist.rank, dist.world_size, ds_config["train_micro_batch_size_per_gpu"], cfg.seed)
+    per_sample = 6 * sum(p.numel() for p in model.parameters()) * args.seq_len  # ~6 N T training FLOPs
+    summary = train(engine, step_fn, data, cfg, dist, model_name="tiny-bert", flops_per_sample=per_sample,
+                    seq_len=args.seq_len)
+    if args.export_dir:
+        ckpt.export_hf(engine, args.export_dir)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
