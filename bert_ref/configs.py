@@ -1,0 +1,157 @@
+"""BERT presets (functions deriving from each other) and the run arguments of bert_ref.train.
+
+A preset fixes the architecture and the phase's sequence shape; it never fixes DeepSpeed settings (those live in
+ds_configs/*.json) or optimizer settings (bert_ref.optim.OptimArgs).
+
+Phases follow the published two-phase recipe (NVIDIA / Habana BERT pretraining): phase 1 trains on sequences of 128
+tokens with at most 20 masked positions, phase 2 continues from phase 1's weights on 512 tokens with at most 80.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ds_core.config import ConfigError
+
+BERT_VOCAB = 30522  # the uncased WordPiece vocabulary of the original BERT release
+PHASES = {1: (128, 20), 2: (512, 80)}  # phase -> (max_seq_length, max_predictions_per_seq)
+
+
+class UnknownPresetError(ConfigError):
+    """--preset names no preset in bert_ref.configs.PRESETS."""
+
+
+class InputDirError(ConfigError):
+    """--input_dir is missing, not a directory, or holds no shards."""
+
+
+class PhaseMismatchError(ConfigError):
+    """The shards were made for another phase than the preset (sequence length or masked positions differ)."""
+
+
+def pad_vocab(vocab_size: int, multiple: int = 8) -> int:
+    """Round the vocabulary up to a multiple of 8 so the embedding / decoder matmuls hit aligned tensor-core and
+    MME tiles (30522 -> 30528); the extra rows are never produced by the tokenizer."""
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class BertPreset:
+    """Architecture + phase shape of a BERT model (field names follow transformers.BertConfig where they overlap)."""
+
+    name: str
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int = pad_vocab(BERT_VOCAB)
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    phase: int = 1
+    seq_len: int = PHASES[1][0]
+    max_predictions_per_seq: int = PHASES[1][1]
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"preset {self.name}: hidden_size {self.hidden_size} is not divisible by "
+                              f"num_attention_heads {self.num_attention_heads}")
+        if self.seq_len > self.max_position_embeddings:
+            raise ConfigError(f"preset {self.name}: seq_len {self.seq_len} > max_position_embeddings "
+                              f"{self.max_position_embeddings}")
+
+
+def _phase(preset: BertPreset, phase: int) -> BertPreset:
+    if phase not in PHASES:
+        raise ConfigError(f"phase = {phase!r}: expected 1 (seq 128, 20 predictions) or 2 (seq 512, 80 predictions)")
+    seq, preds = PHASES[phase]
+    return dataclasses.replace(preset, phase=phase, seq_len=seq, max_predictions_per_seq=preds)
+
+
+def bert_large(phase: int = 1) -> BertPreset:
+    """BERT-Large (Devlin et al. 2018): 24 layers, hidden 1024, 16 heads, FFN 4096; ~336M parameters with heads."""
+    return _phase(BertPreset("bert_large", num_hidden_layers=24, hidden_size=1024, num_attention_heads=16,
+                             intermediate_size=4096), phase)
+
+
+def bert_1p5b(phase: int = 1) -> BertPreset:
+    """BERT-1.5B (the Habana/DeepSpeed Gaudi recipe): BERT-Large widened to 1600 and deepened to 48 layers."""
+    return dataclasses.replace(bert_large(phase), name="bert_1p5b", num_hidden_layers=48, hidden_size=1600,
+                               num_attention_heads=25, intermediate_size=6400)
+
+
+def debug(phase: int = 1) -> BertPreset:
+    """Tiny BERT for tests and `make demo`: 2 layers, hidden 64. Its vocabulary is small (1024) so the MLM decoder
+    does not dominate a CPU step; build the demo vocab with at most that many tokens. No dropout, so that a small
+    repeated corpus overfits quickly and resumed runs are easy to compare."""
+    return dataclasses.replace(bert_large(phase), name="debug", num_hidden_layers=2, hidden_size=64,
+                               num_attention_heads=4, intermediate_size=256, vocab_size=1024,
+                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+PRESETS: dict[str, Callable[[int], BertPreset]] = {"bert_large": bert_large, "bert_1p5b": bert_1p5b, "debug": debug}
+
+
+def get_preset(name: str, phase: int = 1) -> BertPreset:
+    if name not in PRESETS:
+        raise UnknownPresetError(f"--preset {name!r}: unknown preset; expected one of {', '.join(PRESETS)}")
+    return PRESETS[name](phase)
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class BertArgs:
+    """Model and data settings of bert_ref.train (optimizer settings: bert_ref.optim.OptimArgs)."""
+
+    preset: str = _help(f"Model preset: one of {', '.join(PRESETS)}.", default="bert_large")
+    phase: int = _help("1: seq 128 / 20 masked positions; 2: seq 512 / 80 (usually with --init_checkpoint).",
+                       default=1)
+    input_dir: str = _help("Directory of pretraining shards written by `python -m bert_ref.prep shards`.",
+                           default="")
+    init_checkpoint: str = _help("Local Hugging Face checkpoint directory to start from (phase 1 output for phase "
+                                 "2, or a published BertForPreTraining checkpoint on disk); '' = random init.",
+                                 default="")
+    activation_checkpointing: bool = _help("Recompute each encoder layer's activations in backward (less memory, "
+                                           "~1/3 more compute; reported FLOPs exclude the recompute).",
+                                           default=False)
+    attn_implementation: str = _help("transformers attention kernel: 'sdpa' or 'eager'.", default="sdpa")
+
+    def validate(self) -> None:
+        get_preset(self.preset, self.phase)
+        if not self.input_dir:
+            raise InputDirError("--input_dir is required: a directory of shards from `python -m bert_ref.prep shards`")
+        p = Path(self.input_dir)
+        if not p.is_dir():
+            raise InputDirError(f"--input_dir {p}: " + ("not a directory" if p.exists() else "no such directory"))
+        if self.init_checkpoint and not (Path(self.init_checkpoint) / "config.json").is_file():
+            raise ConfigError(f"--init_checkpoint {self.init_checkpoint}: expected a Hugging Face checkpoint "
+                              "directory with config.json (save_pretrained format)")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ConfigError(f"--attn_implementation {self.attn_implementation!r}: expected 'sdpa' or 'eager'")
+
+    def model_preset(self) -> BertPreset:
+        return get_preset(self.preset, self.phase)
+
+
+def check_data_matches(preset: BertPreset, data: Any, input_dir: str = "") -> None:
+    """Refuse shards made for another phase: a seq-128 shard fed to a seq-512 preset would train silently on the
+    wrong shape (and the other way round overflows the position embeddings)."""
+    seq = getattr(data, "seq_len", None)
+    preds = getattr(data, "max_predictions_per_seq", None)
+    where = f" in {input_dir}" if input_dir else ""
+    if seq != preset.seq_len or preds != preset.max_predictions_per_seq:
+        raise PhaseMismatchError(
+            f"shards{where} have seq_len={seq}, max_predictions_per_seq={preds} but preset {preset.name} phase "
+            f"{preset.phase} expects seq_len={preset.seq_len}, max_predictions_per_seq="
+            f"{preset.max_predictions_per_seq}; make shards with those numbers or pick --phase "
+            f"{next((k for k, v in PHASES.items() if v == (seq, preds)), '?')}")
+    vocab = getattr(data, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > preset.vocab_size:
+        raise ConfigError(f"shards{where} use a vocabulary of {vocab} tokens but preset {preset.name} has "
+                          f"vocab_size {preset.vocab_size}")

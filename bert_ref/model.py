@@ -1,0 +1,98 @@
+"""transformers' BertForPreTraining built from a preset, its parameter counts, and BERT's training FLOPs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ds_core.config import ConfigError
+
+from .configs import BertPreset
+
+
+def hf_config(preset: BertPreset, attn_implementation: str = "sdpa"):
+    from transformers import BertConfig
+
+    cfg = BertConfig(
+        vocab_size=preset.vocab_size, hidden_size=preset.hidden_size, num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads, intermediate_size=preset.intermediate_size,
+        max_position_embeddings=preset.max_position_embeddings, type_vocab_size=preset.type_vocab_size,
+        hidden_dropout_prob=preset.hidden_dropout_prob, attention_probs_dropout_prob=preset.attention_probs_dropout_prob,
+        hidden_act="gelu", initializer_range=0.02, layer_norm_eps=1e-12,
+    )
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkpointing: bool = False,
+                attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A BertForPreTraining (MLM + NSP heads, decoder tied to the word embeddings), randomly initialised from the
+    preset or loaded from a local Hugging Face checkpoint directory (never downloaded)."""
+    from transformers import BertForPreTraining
+
+    if init_checkpoint:
+        model = BertForPreTraining.from_pretrained(init_checkpoint, local_files_only=True,
+                                                   attn_implementation=attn_implementation)
+        got = model.config
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            if getattr(got, key) != getattr(preset, key):
+                raise ConfigError(f"--init_checkpoint {init_checkpoint}: {key} = {getattr(got, key)} but preset "
+                                  f"{preset.name} has {getattr(preset, key)}")
+        if got.max_position_embeddings < preset.seq_len:
+            raise ConfigError(f"--init_checkpoint {init_checkpoint}: max_position_embeddings "
+                              f"{got.max_position_embeddings} < seq_len {preset.seq_len}")
+        if got.vocab_size > preset.vocab_size:
+            raise ConfigError(f"--init_checkpoint {init_checkpoint}: vocab_size {got.vocab_size} > preset "
+                              f"{preset.name} vocab_size {preset.vocab_size}")
+        if got.vocab_size < preset.vocab_size:  # a published 30522-token checkpoint: pad rows to 30528
+            model.resize_token_embeddings(preset.vocab_size)
+        # Dropout follows the preset, not the checkpoint (phase 2 continues phase 1's regularisation).
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = preset.hidden_dropout_prob
+    else:
+        model = BertForPreTraining(hf_config(preset, attn_implementation))
+    if activation_checkpointing:
+        # Non-reentrant checkpointing works with ZeRO-3's parameter gathering hooks and with inputs that do not
+        # require grad (the embeddings' output does, but the non-reentrant variant does not depend on it).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def param_counts(preset: BertPreset) -> dict[str, int]:
+    """Parameter counts of the preset's BertForPreTraining, built on the meta device (no weights are allocated).
+
+    total counts the decoder weight once (it is tied to the word embeddings); embeddings = word + position + token
+    type embeddings and their LayerNorm; encoder = the transformer layers; heads = pooler, MLM transform, MLM bias,
+    NSP classifier."""
+    from transformers import BertForPreTraining
+
+    with torch.device("meta"):
+        model = BertForPreTraining(hf_config(preset))
+    total = sum(p.numel() for p in model.parameters())
+    emb = sum(p.numel() for p in model.bert.embeddings.parameters())
+    enc = sum(p.numel() for p in model.bert.encoder.parameters())
+    return {"total": total, "embeddings": emb, "encoder": enc, "heads": total - emb - enc}
+
+
+def flops_per_sequence(preset: BertPreset, seq_len: int | None = None) -> float:
+    """Model FLOPs to TRAIN on one sequence (forward + backward), counting matmuls only (2 FLOPs per multiply-add).
+
+    With S = seq_len, h = hidden, I = intermediate, L = layers, V = vocab (padded):
+      per encoder layer, forward:
+        projections  2 * S * (4 h^2 + 2 h I)    Q, K, V, attention output (4 h x h) + FFN in and out (2 h x I)
+        attention    2 * 2 * S^2 * h            Q K^T scores and probs x V (all heads together)
+      MLM head, forward: 2 * S * (h^2 + h V)    transform dense + decoder; transformers computes prediction logits
+                                                at all S positions (not only the masked ones), so all S count
+      pooler + NSP, forward: 2 * (h^2 + 2 h)    once per sequence
+      train = 3 * forward                       backward = 2 x forward (grads w.r.t. activations and weights)
+    Embedding lookups, LayerNorm, GELU, softmax and the optimizer are not counted (the usual MFU convention), and the
+    recomputed forward of activation checkpointing is not counted either (model FLOPs, not hardware FLOPs).
+    For BERT-Large at S=128 this is ~2.6e11, close to the 6 * params * S rule of thumb (2.58e11)."""
+    S = seq_len or preset.seq_len
+    h, inter, L, V = preset.hidden_size, preset.intermediate_size, preset.num_hidden_layers, preset.vocab_size
+    layer = 2 * S * (4 * h * h + 2 * h * inter) + 4 * S * S * h
+    mlm = 2 * S * (h * h + h * V)
+    nsp = 2 * (h * h + 2 * h)
+    return float(3 * (L * layer + mlm + nsp))
+

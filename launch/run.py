@@ -1,0 +1,253 @@
+"""Start a training run on one or many nodes. Every setting is a named option whose default comes from an
+environment variable (shown in --help), so a cluster script sets a few variables and calls `launch/run.sh`.
+
+    python -m launch.run --hostfile hostfile --profile efa --preset bert_large -- --input_dir /data/h5
+    python -m launch.run --launcher no_ssh --node_rank 1 --master_addr 10.0.0.5 --hostfile hostfile ...
+    python -m launch.run --launcher mpirun --hostfile hostfile --profile roce ...
+    python -m launch.run --dry_run ...          # print the command, one argument per line, and exit
+
+Launchers:
+  pdsh     `deepspeed --hostfile H` on the first node; DeepSpeed reaches the others over ssh (pdsh) and exports
+           .deepspeed_env to them.
+  no_ssh   one launcher per node (AWS Batch, Kubernetes, Slurm via launch.slurm):
+           `deepspeed --hostfile H --no_ssh --node_rank I --master_addr A`. DeepSpeed does not read .deepspeed_env
+           in this mode, so this wrapper puts the profile and .deepspeed_env entries into the launcher's environment.
+  openmpi, mpich
+           `deepspeed --hostfile H --launcher openmpi|mpich`: DeepSpeed builds the mpirun command.
+  mpirun   mpirun (MPICH/Hydra or Open MPI) starts every rank directly; ranks find each other through mpi4py.
+  srun     inside a Slurm allocation: `srun --ntasks-per-node=1 python -m launch.slurm ...` starts one no_ssh
+           launcher per node, building the hostfile from SLURM_JOB_NODELIST.
+
+Arguments after `--` go to the training module unchanged. Every process gets its arguments as an argument list;
+nothing is pasted into a shell command line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from launch import env as envmod
+from launch import hostfile as hf
+
+LAUNCHERS = ("pdsh", "no_ssh", "openmpi", "mpich", "mpirun", "srun")
+# launchers that start the same number of ranks on every node
+EQUAL_SLOTS = {"mpich", "mpirun", "srun"}
+
+
+class LaunchError(RuntimeError):
+    """A setting or file that makes the launch impossible; the message names it."""
+
+
+def _env_default(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run settings (each defaults to the environment variable named in its help)")
+    g.add_argument("--launcher", choices=LAUNCHERS, default=_env_default("LAUNCH_LAUNCHER", "pdsh"),
+                   help="how ranks are started (see above); $LAUNCH_LAUNCHER, default pdsh")
+    g.add_argument("--hostfile", default=_env_default("LAUNCH_HOSTFILE", "hostfile"),
+                   help="DeepSpeed hostfile (`host slots=N` lines); $LAUNCH_HOSTFILE, default ./hostfile")
+    g.add_argument("--nodes", type=int, default=int(_env_default("LAUNCH_NODES", "0")),
+                   help="use the first N hosts of the hostfile (0: all); $LAUNCH_NODES, default 0")
+    g.add_argument("--profile", default=_env_default("LAUNCH_PROFILE", ""),
+                   help="fabric env profile from launch/env/ (" + ", ".join(envmod.profile_names()) +
+                        "); pdsh/openmpi/mpich: must already be in .deepspeed_env (python -m launch.env write); "
+                        "no_ssh/mpirun: passed to the ranks by this wrapper; $LAUNCH_PROFILE, default none")
+    g.add_argument("--module", default=_env_default("LAUNCH_MODULE", "bert_ref.train"),
+                   help="training module run as `python -m MODULE` on every rank; $LAUNCH_MODULE, "
+                        "default bert_ref.train")
+    g.add_argument("--preset", default=_env_default("LAUNCH_PRESET", ""),
+                   help="passed as `--preset NAME` to the module (e.g. debug, bert_large); $LAUNCH_PRESET, "
+                        "default none (the module's default)")
+    g.add_argument("--deepspeed_config", default=_env_default("LAUNCH_DS_CONFIG", "ds_configs/zero1_bf16.json"),
+                   help="DeepSpeed JSON passed as `--deepspeed_config` to the module; $LAUNCH_DS_CONFIG, "
+                        "default ds_configs/zero1_bf16.json")
+    g.add_argument("--master_addr", default=_env_default("MASTER_ADDR", ""),
+                   help="address of node 0 that every rank can reach; required for no_ssh; pdsh/openmpi/mpich ask "
+                        "the first host over ssh (`hostname -I`) when empty, mpirun/srun use the first host's "
+                        "name; $MASTER_ADDR")
+    g.add_argument("--master_port", type=int, default=int(_env_default("MASTER_PORT", "29500")),
+                   help="TCP port on node 0 for the rendezvous; $MASTER_PORT, default 29500")
+    g.add_argument("--node_rank", type=int, default=int(_env_default("LAUNCH_NODE_RANK", "-1")),
+                   help="no_ssh: this node's index in the hostfile (0 = the master_addr node); $LAUNCH_NODE_RANK")
+    g.add_argument("--launcher_arg", action="append", default=[], metavar="ARG",
+                   help="one extra argument for the underlying launcher (mpirun / srun / DeepSpeed's "
+                        "--launcher_args for openmpi/mpich); repeat for several")
+    g.add_argument("--mpi_flavor", choices=("auto", "mpich", "openmpi"), default="auto",
+                   help="mpirun launcher: which MPI's flags to use (auto: ask `mpirun --version`)")
+    g.add_argument("--slots", type=int, default=int(_env_default("LAUNCH_SLOTS", "8")),
+                   help="srun: accelerators per node for the hostfile launch.slurm builds; $LAUNCH_SLOTS, default 8")
+    g.add_argument("--dry_run", action="store_true",
+                   help="print the command (JSON, one argument per line) and the variables added, then exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m launch.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(p)
+    return p
+
+
+def split_extra(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def deepspeed_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "deepspeed"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("deepspeed")
+    # the runner module is what the `deepspeed` script runs; calling it keeps the same interpreter
+    return [found] if found else [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+
+
+def train_args(args, extra: Sequence[str]) -> list[str]:
+    out = ["--deepspeed_config", args.deepspeed_config] if args.deepspeed_config else []
+    if args.preset:
+        out += ["--preset", args.preset]
+    return out + list(extra)
+
+
+def rank_env_additions(args, cwd: str | None = None) -> dict[str, str]:
+    """Variables this wrapper itself hands to the ranks (no_ssh, mpirun): profile, then .deepspeed_env files,
+    which win as they do when DeepSpeed exports them over pdsh."""
+    added = envmod.resolve_profile(args.profile) if args.profile else {}
+    added.update(envmod.load_deepspeed_env(cwd))
+    return added
+
+
+def check_deepspeed_env_has_profile(args, cwd: str | None = None) -> None:
+    """pdsh/openmpi/mpich: DeepSpeed exports .deepspeed_env itself; make sure the file is readable by it and holds
+    the profile, so a node never starts without its fabric settings."""
+    present = envmod.load_deepspeed_env(cwd)
+    if not args.profile:
+        return
+    want = envmod.resolve_profile(args.profile)
+    missing = [k for k, v in want.items() if k not in present]
+    differ = [k for k, v in want.items() if k in present and present[k] != v and k != "LD_LIBRARY_PATH"]
+    if missing or differ:
+        raise LaunchError(
+            f"profile {args.profile}: .deepspeed_env lacks {', '.join(missing) or '-'}"
+            f"{'; differs for ' + ', '.join(differ) if differ else ''}. DeepSpeed exports only that file to other "
+            f"nodes: run `python -m launch.env write --profile {args.profile}` here first")
+
+
+def _mpi_flavor(args) -> str:
+    if args.mpi_flavor != "auto":
+        return args.mpi_flavor
+    try:
+        out = subprocess.run(["mpirun", "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LaunchError(f"mpirun launcher: cannot run `mpirun --version` ({e})") from None
+    return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
+
+
+def build_command(args, extra: Sequence[str], environ: Mapping[str, str] | None = None,
+                  cwd: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, variables to add to the launcher's environment) for the chosen launcher."""
+    environ = os.environ if environ is None else environ
+    equal = args.launcher in EQUAL_SLOTS
+    hosts: list[hf.Host] = []
+    if args.launcher != "srun":
+        hosts = hf.read_hostfile(args.hostfile, equal_slots=equal, nodes=args.nodes)
+    used = hosts[:args.nodes] if args.nodes else hosts
+    port = ["--master_port", str(args.master_port)]
+    addr = ["--master_addr", args.master_addr] if args.master_addr else []
+    nodes = ["--num_nodes", str(args.nodes)] if args.nodes else []
+    user = ["--module", args.module] + train_args(args, extra)
+    added: dict[str, str] = {}
+
+    if args.launcher == "pdsh":
+        check_deepspeed_env_has_profile(args, cwd)
+        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, *port, *addr, *nodes, *user]
+    elif args.launcher == "no_ssh":
+        if not args.master_addr:
+            raise LaunchError("no_ssh: --master_addr (or $MASTER_ADDR) is required: nodes cannot ask each other")
+        if not 0 <= args.node_rank < len(used):
+            raise LaunchError(f"no_ssh: --node_rank {args.node_rank} is outside 0..{len(used) - 1} "
+                              f"({len(used)} hosts in {args.hostfile})")
+        added = rank_env_additions(args, cwd)
+        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, "--no_ssh", "--node_rank", str(args.node_rank),
+                                 *addr, *port, *nodes, *user]
+    elif args.launcher in ("openmpi", "mpich"):
+        if args.nodes and args.nodes != len(hosts):
+            raise LaunchError(f"{args.launcher}: DeepSpeed's MPI backends cannot limit nodes; write a hostfile with "
+                              f"{args.nodes} hosts instead of --nodes")
+        check_deepspeed_env_has_profile(args, cwd)
+        # DeepSpeed shlex-splits --launcher_args; shlex.join is its exact inverse, so each ARG stays one argument
+        largs = ["--launcher_args", shlex.join(args.launcher_arg)] if args.launcher_arg else []
+        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, "--launcher", args.launcher, *largs, *port, *addr,
+                                 *user]
+    elif args.launcher == "mpirun":
+        ranks_env = rank_env_additions(args, cwd)
+        master = args.master_addr or used[0].name
+        ranks_env.update(MASTER_ADDR=master, MASTER_PORT=str(args.master_port))
+        total, per_node = sum(h.slots for h in used), used[0].slots
+        py = [sys.executable, "-u", "-m", args.module, *train_args(args, extra)]
+        if _mpi_flavor(args) == "openmpi":
+            cmd = ["mpirun", "-n", str(total), "-H", ",".join(f"{h.name}:{h.slots}" for h in used),
+                   "--map-by", f"ppr:{per_node}:node", *args.launcher_arg]
+            for k, v in ranks_env.items():
+                cmd += ["-x", f"{k}={v}"]
+        else:
+            cmd = ["mpirun", "-n", str(total), "-ppn", str(per_node), "-hosts", ",".join(h.name for h in used),
+                   *args.launcher_arg]
+            for k, v in ranks_env.items():
+                cmd += ["-genv", k, v]
+        cmd += py
+    else:  # srun
+        if "SLURM_JOB_ID" not in environ and not args.dry_run:
+            raise LaunchError("srun: not inside a Slurm allocation (SLURM_JOB_ID unset); use sbatch/salloc")
+        node_flags = ["--nodes", str(args.nodes)] if args.nodes else []
+        forwarded = ["--profile", args.profile] if args.profile else []
+        forwarded += ["--module", args.module, "--preset", args.preset, "--deepspeed_config", args.deepspeed_config,
+                      "--master_port", str(args.master_port), "--slots", str(args.slots)]
+        if args.master_addr:
+            forwarded += ["--master_addr", args.master_addr]
+        cmd = ["srun", *node_flags, "--ntasks-per-node=1", "--kill-on-bad-exit=1", *args.launcher_arg,
+               sys.executable, "-u", "-m", "launch.slurm", *forwarded, "--", *extra]
+    return cmd, added
+
+
+def launch(args, extra: Sequence[str]) -> int:
+    cmd, added = build_command(args, extra)
+    if args.dry_run:
+        print(json.dumps({"argv": cmd, "env_added": added}, indent=1))
+        return 0
+    env = dict(os.environ)
+    env.update(added)
+    exe = cmd[0] if os.path.sep in cmd[0] else shutil.which(cmd[0])
+    if not exe:
+        raise LaunchError(f"{args.launcher}: {cmd[0]} not found on PATH")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # exec: the launcher takes this process's place, so signals (and kill) reach it directly
+    os.execve(exe, cmd, env)
+    return 0  # not reached
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    own, extra = split_extra(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(own)
+    try:
+        return launch(args, extra)
+    except (LaunchError, hf.HostfileError, envmod.EnvFileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
