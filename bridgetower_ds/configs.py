@@ -1,0 +1,112 @@
+"""BridgeTower presets and the model/run arguments of `bridgetower_ds.train`.
+
+Presets are functions returning a `transformers.BridgeTowerConfig`; `bridgetower_base()` and `debug()` derive from
+`bridgetower_large()` in code. Current transformers no longer defaults `contrastive_hidden_size` and
+`logit_scale_init_value` on a config built in code, so every preset sets them explicitly.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+from transformers import BridgeTowerConfig
+
+# The published checkpoint's contrastive head width and initial logit scale (log(1/0.07) = 2.6592).
+CONTRASTIVE_HIDDEN_SIZE = 512
+LOGIT_SCALE_INIT = 2.6592
+
+
+def _config(text: dict, vision: dict, **cross) -> BridgeTowerConfig:
+    cross.setdefault("contrastive_hidden_size", CONTRASTIVE_HIDDEN_SIZE)
+    cross.setdefault("logit_scale_init_value", LOGIT_SCALE_INIT)
+    return BridgeTowerConfig(text_config=dict(text), vision_config=dict(vision), **cross)
+
+
+# Architecture of the published Large ITM/MLM/ITC checkpoint (its config.json): RoBERTa-large text tower
+# (1024 hidden, 24 layers, 16 heads), CLIP ViT-L/14 vision tower, 6 shared-transform cross-modal layers.
+# Note: the checkpoint's vision image_size is 294 (21 x 21 patches of 14 px) and its preprocessor resizes the
+# shorter side to 294; transformers 5 rejects any other input size, so S = 294 for Large, not 288.
+_LARGE_TEXT = dict(vocab_size=50265, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                   intermediate_size=4096, hidden_act="gelu", hidden_dropout_prob=0.1,
+                   attention_probs_dropout_prob=0.1, max_position_embeddings=514, type_vocab_size=1,
+                   layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+_LARGE_VISION = dict(hidden_size=1024, num_hidden_layers=24, patch_size=14, image_size=294, num_channels=3,
+                     layer_norm_eps=1e-5, share_layernorm=True, remove_last_layer=False, stop_gradient=False)
+_LARGE_CROSS = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=16, hidden_act="gelu",
+                    layer_norm_eps=1e-5, share_cross_modal_transformer_layers=True, share_link_tower_layers=False,
+                    link_tower_type="add", init_layernorm_from_vision_encoder=False, tie_word_embeddings=False)
+
+
+def bridgetower_large() -> BridgeTowerConfig:
+    """BridgeTower Large (ITM/MLM/ITC checkpoint architecture, ~0.9B parameters)."""
+    return _config(_LARGE_TEXT, _LARGE_VISION, **_LARGE_CROSS)
+
+
+def bridgetower_base() -> BridgeTowerConfig:
+    """BridgeTower Base: RoBERTa-base text tower, CLIP ViT-B/16 at 288 px, 6 cross-modal layers of 768."""
+    text = {**_LARGE_TEXT, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+            "intermediate_size": 3072}
+    vision = {**_LARGE_VISION, "hidden_size": 768, "num_hidden_layers": 12, "patch_size": 16, "image_size": 288}
+    cross = {**_LARGE_CROSS, "hidden_size": 768, "num_attention_heads": 12}
+    return _config(text, vision, **cross)
+
+
+# The debug tokenizer's vocabulary size (bridgetower_ds.tokenizer builds exactly this many ids).
+DEBUG_VOCAB_SIZE = 512
+
+
+def debug() -> BridgeTowerConfig:
+    """Tiny random-init model for tests and benches: 2 layers everywhere, width 64, 32 px images.
+
+    Constraints from the modeling code: vision heads = hidden // 64 (so vision hidden >= 64); the cross-modal
+    layers run at the text width, so cross hidden == text hidden; vision layers >= text layers >= cross layers.
+    """
+    text = {**_LARGE_TEXT, "vocab_size": DEBUG_VOCAB_SIZE, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "intermediate_size": 128, "max_position_embeddings": 130}
+    vision = {**_LARGE_VISION, "hidden_size": 64, "num_hidden_layers": 2, "patch_size": 8, "image_size": 32}
+    cross = {**_LARGE_CROSS, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    return _config(text, vision, contrastive_hidden_size=32, **cross)
+
+
+PRESETS: dict[str, Callable[[], BridgeTowerConfig]] = {
+    "bridgetower_large": bridgetower_large,
+    "bridgetower_base": bridgetower_base,
+    "debug": debug,
+}
+
+
+def preset(name: str) -> BridgeTowerConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown BridgeTower preset {name!r}; expected one of {sorted(PRESETS)}")
+    return copy.deepcopy(PRESETS[name]())
+
+
+@dataclass
+class ModelArgs:
+    """Which BridgeTower to build and what to train of it."""
+
+    preset: str = field(default="debug", metadata={
+        "help": "architecture when no checkpoint is given: bridgetower_large | bridgetower_base | debug"})
+    model_name_or_path: str = field(default="", metadata={
+        "help": "local directory with a saved BridgeTower (config.json + weights, e.g. the Large ITM/MLM/ITC "
+                "checkpoint); empty -> random init from --preset"})
+    tokenizer_name_or_path: str = field(default="", metadata={
+        "help": "local tokenizer directory; empty -> --model_name_or_path, or the locally built debug tokenizer"})
+    freeze_vision_model: bool = field(default=False, metadata={"help": "freeze the vision tower (ViT)"})
+    freeze_text_model: bool = field(default=False, metadata={"help": "freeze the text tower (RoBERTa)"})
+    freeze_text_pooler: bool = field(default=True, metadata={
+        "help": "freeze the text tower's pooler (unused by the contrastive loss, so it gets no gradient)"})
+
+
+@dataclass
+class RunArgs:
+    """What the run does (Trainer-style switches)."""
+
+    do_train: bool = field(default=False, metadata={"help": "fine-tune on the train split"})
+    do_eval: bool = field(default=False, metadata={
+        "help": "evaluate on the validation split (contrastive loss, i2t / t2i recall@1/5/10); at the end of "
+                "training and every --eval_every steps when training"})
+    do_predict: bool = field(default=False, metadata={"help": "evaluate on the test split after training"})
+    eval_micro_batch_size: int = field(default=0, metadata={
+        "help": "per-rank evaluation batch; 0 -> the training micro batch"})

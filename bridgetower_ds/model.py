@@ -1,0 +1,153 @@
+"""Build `BridgeTowerForContrastiveLearning`, freeze parts of it, and count its FLOPs per training sample."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
+
+from .configs import CONTRASTIVE_HIDDEN_SIZE, LOGIT_SCALE_INIT, ModelArgs, preset
+from .eval import contrastive_loss
+
+log = logging.getLogger(__name__)
+
+
+class BridgeTowerContrastive(BridgeTowerForContrastiveLearning):
+    """`BridgeTowerForContrastiveLearning` with the ITC loss computed in fp32 inside forward.
+
+    Same parameters, state-dict keys and outputs as the transformers class (checkpoints load both ways). The loss
+    must be computed inside forward: under ZeRO-3 `logit_scale` is only materialized while the module's forward
+    runs. Under DeepSpeed bf16 the stock loss would run the softmax in bf16; here the [B, B] logits are fp32.
+    `global_negatives` (class default False) all-gathers image/cross embeddings across ranks as extra negatives.
+    """
+
+    global_negatives: bool = False
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, pixel_values=None,
+                pixel_mask=None, inputs_embeds=None, image_embeds=None, return_loss=None, **kwargs):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                              pixel_values=pixel_values, pixel_mask=pixel_mask, inputs_embeds=inputs_embeds,
+                              image_embeds=image_embeds, return_loss=False, **kwargs)
+        if return_loss:
+            out["loss"] = contrastive_loss(out.text_embeds, out.image_embeds, out.cross_embeds, self.logit_scale,
+                                           global_negatives=self.global_negatives)
+        return out
+
+
+def load_config(args: ModelArgs) -> BridgeTowerConfig:
+    """The checkpoint's config when --model_name_or_path is given, else the preset's."""
+    if not args.model_name_or_path:
+        return preset(args.preset)
+    path = Path(args.model_name_or_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model_name_or_path {path}: no config.json there (expected a local directory "
+                                f"holding a saved BridgeTower, e.g. the Large ITM/MLM/ITC checkpoint)")
+    cfg = BridgeTowerConfig.from_pretrained(str(path), local_files_only=True)
+    # Checkpoints saved without the ITC head (e.g. ITM/MLM-only) lack these two; current transformers no longer
+    # supplies defaults, so use the published ITC checkpoint's values.
+    for key, value in (("contrastive_hidden_size", CONTRASTIVE_HIDDEN_SIZE),
+                       ("logit_scale_init_value", LOGIT_SCALE_INIT)):
+        if getattr(cfg, key, None) is None:
+            log.warning("%s: config.json has no %s; using %s", path, key, value)
+            setattr(cfg, key, value)
+    return cfg
+
+
+def build_model(args: ModelArgs) -> BridgeTowerContrastive:
+    """The model in fp32 (DeepSpeed's bf16 section casts it), weights loaded or random, freezing applied."""
+    cfg = load_config(args)
+    if args.model_name_or_path:
+        model = BridgeTowerContrastive.from_pretrained(
+            args.model_name_or_path, config=cfg, local_files_only=True, dtype=torch.float32)
+    else:
+        model = BridgeTowerContrastive(cfg)
+    apply_freezing(model, args)
+    return model
+
+
+def apply_freezing(model: BridgeTowerForContrastiveLearning, args: ModelArgs) -> dict[str, int]:
+    """Set requires_grad per the freeze flags; returns {"trainable": n, "frozen": n} parameter counts.
+
+    The text pooler is frozen by default: the contrastive head reads the text tower's last hidden state at [CLS],
+    never the pooler, so it would get no gradient (DeepSpeed ZeRO then carries an always-None gradient).
+    """
+    bt = model.bridgetower
+    groups = {
+        "vision_model": (args.freeze_vision_model, bt.vision_model),
+        "text_model": (args.freeze_text_model, bt.text_model),
+    }
+    for name, (freeze, module) in groups.items():
+        for p in module.parameters():
+            p.requires_grad_(not freeze)
+    if bt.text_model.pooler is not None:
+        # After the text tower: --freeze_text_model freezes the pooler too, whatever --freeze_text_pooler says.
+        for p in bt.text_model.pooler.parameters():
+            p.requires_grad_(not (args.freeze_text_pooler or args.freeze_text_model))
+    counts = {"trainable": 0, "frozen": 0}
+    for p in model.parameters():
+        counts["trainable" if p.requires_grad else "frozen"] += p.numel()
+    if counts["trainable"] == 0:
+        raise ValueError("every parameter is frozen: nothing to train (check --freeze_* flags)")
+    return counts
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def forward_flops(cfg: BridgeTowerConfig, seq_len: int) -> dict[str, float]:
+    """Matmul FLOPs (2 per multiply-add) of one sample's forward pass, per part: vision, text, cross.
+
+    Counts what `BridgeTowerForContrastiveLearning.forward` runs: the vision tower up to as many blocks as the
+    text tower has layers, the text tower, the cross-modal layers (self + cross attention + MLP, both streams),
+    the per-layer transforms into the cross-modal width, the cross-modal poolers and the three ITC heads.
+    Layer norms, softmax, GELU and the in-batch logits (B x B) are left out (<1%).
+    """
+    t, v = cfg.text_config, cfg.vision_config
+    T = int(seq_len)
+    grid = int(v.image_size) // int(v.patch_size)
+    P = grid * grid + 1  # patches + class token
+    ht, it, hv, hc = t.hidden_size, t.intermediate_size, v.hidden_size, cfg.hidden_size
+    lt = t.num_hidden_layers
+    lv = min(v.num_hidden_layers, lt)  # forward walks the vision blocks in step with the text layers
+    lc = cfg.num_hidden_layers
+
+    text = lt * (2 * T * (4 * ht * ht + 2 * ht * it) + 4 * T * T * ht)
+    vision = 2 * grid * grid * 3 * v.patch_size ** 2 * hv + lv * (2 * P * (4 * hv * hv + 8 * hv * hv) + 4 * P * P * hv)
+
+    def cross_layer(n_q: int, n_kv: int) -> float:  # BridgeTowerBertCrossLayer at the text width (hc == ht)
+        self_attn = 2 * n_q * 4 * ht * ht + 4 * n_q * n_q * ht
+        cross_attn = 2 * n_q * 2 * ht * ht + 2 * n_kv * 2 * ht * ht + 4 * n_q * n_kv * ht
+        mlp = 2 * n_q * 2 * ht * it
+        return self_attn + cross_attn + mlp
+
+    c = cfg.contrastive_hidden_size
+    cross = lc * (cross_layer(T, P) + cross_layer(P, T))
+    cross += 2 * T * ht * hc * lc + 2 * P * hv * hc * (lc + 1)  # transforms (+1: the ITC image branch)
+    cross += 2 * (2 * hc * hc) + 2 * (ht * c + hc * c + 2 * hc * c)  # cross-modal poolers, ITC heads
+    return {"vision": float(vision), "text": float(text), "cross": float(cross)}
+
+
+def flops_per_sample(cfg: BridgeTowerConfig, seq_len: int, *, freeze_vision: bool = False,
+                     freeze_text: bool = False) -> float:
+    """Training FLOPs per sample: forward + backward (2x forward) for trained parts, forward only for frozen
+    towers (they sit at the bottom of the graph, so no activation gradient flows into them either)."""
+    f = forward_flops(cfg, seq_len)
+    return (f["cross"] * 3 + f["vision"] * (1 if freeze_vision else 3) + f["text"] * (1 if freeze_text else 3))
+
+
+def model_summary(model: torch.nn.Module) -> str:
+    n = sum(p.numel() for p in model.parameters())
+    nt = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"BridgeTowerForContrastiveLearning: {n / 1e6:.1f}M parameters, {nt / 1e6:.1f}M trainable"
+
+
+def save_pretrained_dir(model: torch.nn.Module, tokenizer, out_dir: str | os.PathLike) -> None:
+    """save_pretrained for an unwrapped model + tokenizer (single process; ZeRO-3 uses ds_core.export_hf)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)

@@ -1,0 +1,74 @@
+"""bridgetower_ds.eval: recall@k on hand-made similarity matrices, the fp32 ITC loss, the evaluation pass."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bridgetower_ds.eval import contrastive_loss, evaluate, recall_at_k
+
+
+def test_recall_identity_is_perfect():
+    r = recall_at_k(torch.eye(12))
+    assert all(v == 1.0 for v in r.values()) and set(r) == {f"{d}_r{k}" for d in ("i2t", "t2i") for k in (1, 5, 10)}
+
+
+def test_recall_hand_made_matrix():
+    # rows = images, columns = captions; true pairs on the diagonal.
+    sim = torch.tensor([
+        [0.9, 0.1, 0.2, 0.0],   # image 0: own caption first            -> i2t rank 0
+        [0.8, 0.5, 0.6, 0.7],   # image 1: own caption (0.5) is 4th      -> rank 3
+        [0.1, 0.2, 0.3, 0.4],   # image 2: own caption (0.3) 2nd         -> rank 1
+        [0.0, 0.0, 0.0, 0.1],   # image 3: first                          -> rank 0
+    ])
+    r = recall_at_k(sim, ks=(1, 2, 3))
+    assert r["i2t_r1"] == pytest.approx(2 / 4)
+    assert r["i2t_r2"] == pytest.approx(3 / 4)
+    assert r["i2t_r3"] == pytest.approx(3 / 4)
+    # columns: caption 0 -> images [0.9,0.8,0.1,0.0]: rank 0; caption 1 -> [0.1,0.5,0.2,0.0]: rank 0;
+    # caption 2 -> [0.2,0.6,0.3,0.0]: own 0.3 is 2nd -> rank 1; caption 3 -> [0.0,0.7,0.4,0.1]: own 0.1 3rd -> rank 2
+    assert r["t2i_r1"] == pytest.approx(2 / 4)
+    assert r["t2i_r2"] == pytest.approx(3 / 4)
+    assert r["t2i_r3"] == pytest.approx(1.0)
+
+
+def test_recall_ties_count_against_the_true_pair():
+    r = recall_at_k(torch.zeros(10, 10), ks=(1, 5, 10))
+    assert r["i2t_r1"] == 0.0 and r["i2t_r10"] == 1.0 and r["t2i_r5"] == 0.0
+    with pytest.raises(ValueError, match="square"):
+        recall_at_k(torch.zeros(3, 4))
+
+
+def test_contrastive_loss_formula():
+    g = torch.Generator().manual_seed(0)
+    t, i, c = (F.normalize(torch.randn(6, 8, generator=g), dim=-1) for _ in range(3))
+    scale = torch.tensor(2.6592)
+    labels = torch.arange(6)
+    ref = sum(F.cross_entropy(a @ b.t() * scale.exp(), labels) for a, b in ((t, i), (t, c), (i, c))) / 3
+    assert contrastive_loss(t, i, c, scale).item() == pytest.approx(ref.item(), rel=1e-6)
+    # bf16 inputs are computed in fp32
+    assert contrastive_loss(t.bfloat16(), i.bfloat16(), c.bfloat16(), scale).dtype == torch.float32
+    # matching embeddings give a lower loss than shuffled ones
+    assert contrastive_loss(t, t, t, scale) < contrastive_loss(t, i, c, scale)
+
+
+def test_evaluate_single_process_dedupes_rows_and_restores_mode():
+    from bridgetower_ds.configs import ModelArgs
+    from bridgetower_ds.model import build_model
+    from bridgetower_ds.tokenizer import debug_tokenizer
+
+    torch.manual_seed(0)
+    model = build_model(ModelArgs(preset="debug")).train()
+    tok = debug_tokenizer()
+    caps = [f"a red circle number {i}" for i in range(6)]
+    enc = tok(caps, padding="max_length", max_length=12, return_tensors="pt")
+    px = torch.randn(6, 3, 32, 32)
+    idx = torch.arange(6)
+    # two batches of 4 where the second repeats rows 0 and 1 (padding of a distributed sampler)
+    order = [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5, 0, 1])]
+    batches = [{"input_ids": enc["input_ids"][o], "attention_mask": enc["attention_mask"][o],
+                "pixel_values": px[o], "index": idx[o]} for o in order]
+    res = evaluate(model, batches, prefix="test")
+    assert res["test_samples"] == 6 and model.training
+    assert set(res) >= {"test_loss", "test_i2t_r1", "test_t2i_r10"} and res["test_i2t_r10"] == 1.0
+    assert 0.0 < res["test_loss"] < 10
