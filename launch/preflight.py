@@ -1,0 +1,309 @@
+"""Check every host of a hostfile before a run; print a pass/fail table; exit 1 on any failure.
+
+    python -m launch.preflight --hostfile hostfile --profile efa --data_dir /fsx/bert_h5 \\
+        --deepspeed_config ds_configs/zero1_bf16.json --master_port 29500
+
+Per host: reachable (ssh, only for hosts that are not this machine), the same Python and the same torch / deepspeed /
+toolkit versions as this machine, accelerators >= slots, the profile's variables present in what the ranks will see
+(the host's environment plus the .deepspeed_env DeepSpeed exports from here), the data directory readable. On the
+master host: the master port free. For the job: the DeepSpeed config valid for the world size the hostfile gives.
+Hosts named localhost, 127.x.x.x, ::1, or this machine's host name or addresses are checked in this process, no ssh.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import importlib.util
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from launch import env as envmod
+from launch import hostfile as hf
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "-"
+PACKAGES = ("torch", "deepspeed", "ds-scale-toolkit")
+
+
+# ------------------------------------------------------------------------------------------------ probe (per host)
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        if dist == "ds-scale-toolkit":  # a source checkout on PYTHONPATH, not pip-installed
+            return "source:" + str(Path(__file__).resolve().parents[1])
+        return "missing"
+
+
+def _accelerator() -> str:
+    forced = os.environ.get("DS_ACCELERATOR", "")
+    if forced:
+        return forced
+    if importlib.util.find_spec("habana_frameworks") is not None:
+        return "hpu"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+    except ImportError:
+        pass
+    return "cpu"
+
+
+def _accelerator_count(kind: str) -> int:
+    if kind == "hpu":
+        import habana_frameworks.torch.hpu as hthpu
+
+        return int(hthpu.device_count())
+    if kind == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    # CPU "accelerators" are processes: DeepSpeed's CPU backend runs one rank per slot on any core count
+    return os.cpu_count() or 1
+
+
+def _port_free(port: int) -> tuple[bool, str]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError as e:
+            return False, f"port {port} in use ({e.strerror})"
+    return True, f"port {port} free"
+
+
+def _data_dir(path: str) -> tuple[bool, str]:
+    p = Path(path)
+    if not p.is_dir():
+        return False, f"{path}: not a directory"
+    if not os.access(p, os.R_OK | os.X_OK):
+        return False, f"{path}: not readable"
+    try:
+        n = sum(1 for _ in p.iterdir())
+    except OSError as e:
+        return False, f"{path}: {e.strerror}"
+    return (n > 0), f"{path}: {n} entries" if n else f"{path}: empty"
+
+
+def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "") -> dict:
+    """What one host reports about itself (JSON-able)."""
+    kind = _accelerator()
+    try:
+        count, count_err = _accelerator_count(kind), ""
+    except Exception as e:  # a broken driver stack is a finding, not a crash
+        count, count_err = 0, f"{type(e).__name__}: {e}"
+    out = {"hostname": socket.gethostname(), "python": platform.python_version(), "executable": sys.executable,
+           "versions": {d: _version(d) for d in PACKAGES}, "accelerator": kind, "accelerators": count,
+           "accelerator_error": count_err, "env": {n: os.environ[n] for n in names if n in os.environ}}
+    if port:
+        out["port"] = _port_free(port)
+    if data_dir:
+        out["data_dir"] = _data_dir(data_dir)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ orchestration
+def local_names() -> set[str]:
+    names = {"localhost", "::1", socket.gethostname(), socket.getfqdn()}
+    try:
+        names |= {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        pass
+    return names
+
+
+def is_local(host: str) -> bool:
+    return host.startswith("127.") or host in local_names()
+
+
+def probe_remote(host: str, args, names: Sequence[str], port: int) -> tuple[dict | None, str]:
+    """Run the probe on `host` over ssh with the same interpreter path and working directory as here (what
+    DeepSpeed's pdsh launch assumes too)."""
+    inner = [sys.executable, "-m", "launch.preflight", "--probe", "--probe_names", ",".join(names),
+             "--probe_port", str(port), "--probe_data_dir", args.data_dir]
+    # ssh hands the remote side one command string for its shell; quoting every argument with shlex.quote (via
+    # shlex.join) is the only way to keep them as separate, literal arguments there.
+    import shlex
+
+    remote = f"cd {shlex.quote(os.getcwd())} && PYTHONPATH={shlex.quote(os.environ.get('PYTHONPATH', ''))} " \
+             f"{shlex.join(inner)}"
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(args.ssh_timeout)}"]
+    if args.ssh_port:
+        cmd += ["-p", str(args.ssh_port)]
+    cmd += [host, remote]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=args.ssh_timeout + 60)
+    except subprocess.TimeoutExpired:
+        return None, f"ssh {host}: no answer within {args.ssh_timeout + 60:g} s"
+    except OSError as e:
+        return None, f"ssh: {e}"
+    if proc.returncode != 0:
+        return None, f"ssh {host} exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}"
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1]), "ssh ok"
+    except (json.JSONDecodeError, IndexError):
+        return None, f"ssh {host}: unreadable probe output {proc.stdout[-200:]!r}"
+
+
+def profile_check(profile_raw: list[tuple[str, str, str]], seen: dict[str, str]) -> tuple[bool, str]:
+    missing, differ = [], []
+    for name, op, value in profile_raw:
+        have = seen.get(name)
+        if have is None:
+            missing.append(name)
+        elif op == "+=":
+            parts = have.split(":")
+            if not all(p in parts for p in value.split(":") if p):
+                differ.append(name)
+        elif have != value:
+            differ.append(f"{name}={have}")
+    if missing or differ:
+        return False, "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
+                                              f"differs {', '.join(differ)}" if differ else ""]))
+    return True, f"{len(profile_raw)} variables set"
+
+
+def ds_config_check(path: str, world: int) -> tuple[bool, str]:
+    try:
+        from ds_core.config import ConfigError, load_ds_config
+    except ImportError as e:
+        return False, f"cannot import ds_core.config ({e})"
+    try:
+        cfg = load_ds_config(path, world)
+    except ConfigError as e:
+        return False, str(e)
+    except (OSError, ValueError) as e:
+        return False, f"{path}: {e}"
+    return True, (f"{path}: world {world}: train_batch {cfg['train_batch_size']} = micro "
+                  f"{cfg['train_micro_batch_size_per_gpu']} x accum {cfg['gradient_accumulation_steps']} x {world}")
+
+
+def run_checks(args) -> list[tuple[str, str, str, str]]:
+    rows: list[tuple[str, str, str, str]] = []
+    try:
+        hosts = hf.read_hostfile(args.hostfile, nodes=args.nodes)
+    except hf.HostfileError as e:
+        return [("(hostfile)", "hostfile", FAIL, str(e))]
+    hosts = hosts[:args.nodes] if args.nodes else hosts
+    rows.append(("(hostfile)", "hostfile", PASS, f"{args.hostfile}: {len(hosts)} hosts"))
+    profile_raw: list[tuple[str, str, str]] = []
+    if args.profile:
+        try:
+            path = envmod.profile_path(args.profile)
+            envmod.resolve_profile(args.profile)  # validates the prepended values too
+            # raw entries: a `+=` path list only has to be contained in the host's value
+            profile_raw = envmod.parse_env_text(path.read_text(), str(path), profile=True)
+        except envmod.EnvFileError as e:
+            rows.append(("(job)", "profile", FAIL, str(e)))
+    try:
+        exported = envmod.load_deepspeed_env()  # DeepSpeed exports these from here to every node (pdsh / MPI)
+    except envmod.EnvFileError as e:
+        exported = {}
+        rows.append(("(job)", ".deepspeed_env", FAIL, str(e)))
+    names = [n for n, _, _ in profile_raw]
+    master = args.master_addr or hosts[0].name
+    here = probe(names)
+    for h in hosts:
+        port = args.master_port if (h.name == master or (is_local(h.name) and is_local(master))) else 0
+        if is_local(h.name):
+            info, how = probe(names, port, args.data_dir), "local (no ssh)"
+        else:
+            info, how = probe_remote(h.name, args, names, port)
+        rows.append((h.name, "reachable", PASS if info else FAIL, how))
+        if not info:
+            continue
+        rows.append((h.name, "python", PASS if info["python"] == here["python"] else FAIL,
+                     f"{info['python']} {info['executable']}" +
+                     ("" if info["python"] == here["python"] else f" (here {here['python']})")))
+        for dist in PACKAGES:
+            v, mine = info["versions"][dist], here["versions"][dist]
+            ok = v == mine and v != "missing"
+            rows.append((h.name, dist, PASS if ok else FAIL, v + ("" if v == mine else f" (here {mine})")))
+        ok = info["accelerators"] >= h.slots
+        rows.append((h.name, "accelerators", PASS if ok else FAIL,
+                     f"{info['accelerator']}: {info['accelerators']} >= slots {h.slots}" if ok else
+                     f"{info['accelerator']}: {info['accelerators']} < slots {h.slots} {info['accelerator_error']}"))
+        if port:
+            ok, detail = info["port"]
+            rows.append((h.name, "master_port", PASS if ok else FAIL, detail))
+        if args.profile and profile_raw:
+            seen = dict(info["env"])
+            seen.update(exported)
+            ok, detail = profile_check(profile_raw, seen)
+            rows.append((h.name, f"profile {args.profile}", PASS if ok else FAIL, detail))
+        if args.data_dir:
+            ok, detail = info["data_dir"]
+            rows.append((h.name, "data_dir", PASS if ok else FAIL, detail))
+    if args.deepspeed_config:
+        world = sum(h.slots for h in hosts)
+        ok, detail = ds_config_check(args.deepspeed_config, world)
+        rows.append(("(job)", "deepspeed_config", PASS if ok else FAIL, detail))
+    return rows
+
+
+def format_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
+    head = ("host", "check", "result", "detail")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+    lines = ["  ".join(head[i].ljust(widths[i]) for i in range(3)) + "  " + head[3]]
+    for r in rows:
+        lines.append("  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m launch.preflight", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hostfile", default=os.environ.get("LAUNCH_HOSTFILE", "hostfile"),
+                   help="DeepSpeed hostfile to check (`host slots=N`); $LAUNCH_HOSTFILE, default ./hostfile")
+    p.add_argument("--nodes", type=int, default=int(os.environ.get("LAUNCH_NODES", "0")),
+                   help="check only the first N hosts, as the run will use them (0: all); $LAUNCH_NODES")
+    p.add_argument("--profile", default=os.environ.get("LAUNCH_PROFILE", ""),
+                   help="fabric env profile whose variables must reach every rank (" +
+                        ", ".join(envmod.profile_names()) + "); $LAUNCH_PROFILE, default: no check")
+    p.add_argument("--data_dir", default="", help="directory every host must be able to read (default: no check)")
+    p.add_argument("--deepspeed_config", default=os.environ.get("LAUNCH_DS_CONFIG", ""),
+                   help="DeepSpeed JSON to validate for the hostfile's world size (sum of slots); "
+                        "$LAUNCH_DS_CONFIG, default: no check")
+    p.add_argument("--master_addr", default=os.environ.get("MASTER_ADDR", ""),
+                   help="host whose master port is checked (default: the first host); $MASTER_ADDR")
+    p.add_argument("--master_port", type=int, default=int(os.environ.get("MASTER_PORT", "29500")),
+                   help="port that must be free on the master host; $MASTER_PORT, default 29500")
+    p.add_argument("--ssh_port", type=int, default=0, help="ssh port for remote hosts (default: ssh's own)")
+    p.add_argument("--ssh_timeout", type=float, default=10,
+                   help="seconds to wait for an ssh connection to a remote host (default 10)")
+    p.add_argument("--json", action="store_true", help="also print the rows as one JSON object on the last line")
+    g = p.add_argument_group("internal (what preflight runs on a remote host over ssh)")
+    g.add_argument("--probe", action="store_true",
+                   help="print this host's facts (versions, accelerators, env, port, data dir) as JSON and exit")
+    g.add_argument("--probe_names", default="", help="with --probe: comma-separated variables to report")
+    g.add_argument("--probe_port", type=int, default=0, help="with --probe: port to test (0: none)")
+    g.add_argument("--probe_data_dir", default="", help="with --probe: directory to test (empty: none)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.probe:
+        names = [n for n in args.probe_names.split(",") if n]
+        print(json.dumps(probe(names, args.probe_port, args.probe_data_dir)))
+        return 0
+    rows = run_checks(args)
+    print(format_table(rows))
+    failed = [r for r in rows if r[2] == FAIL]
+    print(f"preflight: {len(failed)} of {len(rows)} checks failed" if failed else f"preflight: all {len(rows)} "
+          "checks passed")
+    if args.json:
+        print(json.dumps({"ok": not failed, "rows": [dict(zip(("host", "check", "result", "detail"), r))
+                                                       for r in rows]}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
