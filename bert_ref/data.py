@@ -30,10 +30,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import torch
+
+# torch is imported where batches are built, so `bert-prep` (which shares the layout checks) starts fast
+if TYPE_CHECKING:
+    import torch
 
 # Label value for every position that is not a masked token. -100 is the default `ignore_index` of
 # torch.nn.CrossEntropyLoss and what transformers' BertForPreTraining expects, so labels go straight into the HF model
@@ -255,6 +258,8 @@ def make_batch(arrays: dict[str, np.ndarray], idx: np.ndarray) -> dict[str, torc
     masked_lm_positions is 0-padded: position 0 is [CLS] and is never masked, so a 0 entry is padding (NVIDIA's
     loader reads the same convention). Every pair (row, position) is written at once; padding entries write
     IGNORE_INDEX onto position 0, which holds IGNORE_INDEX anyway."""
+    import torch
+
     ids = np.take(arrays["input_ids"], idx, axis=0)
     pos = np.take(arrays["masked_lm_positions"], idx, axis=0)
     mlm = np.take(arrays["masked_lm_ids"], idx, axis=0)
@@ -271,6 +276,8 @@ def make_batch(arrays: dict[str, np.ndarray], idx: np.ndarray) -> dict[str, torc
 
 
 def _concat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    import torch
+
     return parts[0] if len(parts) == 1 else {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
