@@ -1,0 +1,210 @@
+"""HPU device pipeline: a Habana media pipe decodes, center-crops, resizes and normalizes JPEGs on the Gaudi.
+
+Graph (habana_frameworks.mediapipe, documented operators only):
+    fn.MediaExtReaderOp (our reader: file list + tokens + row ids, from CaptionData's per-rank order)
+      -> fn.ImageDecoder(device="hpu", output_format=RGB_P, random_crop_type=CENTER_CROP, resize=[S, S], BICUBIC)
+      -> fn.CropMirrorNorm(crop S x S, mean*255, 1/(std*255), FLOAT32)
+and habana_frameworks.mediapipe.plugins.iterator_pytorch.HPUGenericPytorchIterator hands the outputs to torch.
+
+Differences from the host pipeline, stated rather than hidden: the decoder's CENTER_CROP takes the largest centered
+square and resizes it to S x S, which equals "shorter side to S, then center crop" except for the reference's
+size_divisor flooring and its 1333/800 long-side cap (aspect > 1.67 pads in the reference). The HPU decoder reads
+JPEG files only, at a fixed batch size: rows that are not plain RGB/grayscale JPEG files (missing, empty, truncated
+without an EOI marker, PNG content, CMYK) are replaced by a known-good file and dropped after decoding, and count as
+bad images exactly as on the other pipelines.
+
+This module is imported only when `--image_pipeline device|auto` resolves to an HPU with the media package present.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import numpy as np
+import torch
+
+from .images import CLIP_MEAN, CLIP_STD, BadImage, open_image
+
+try:
+    from habana_frameworks.mediapipe import fn
+    from habana_frameworks.mediapipe.media_types import dtype as mdt
+    from habana_frameworks.mediapipe.media_types import ftype, imgtype, randomCropType, readerOutType
+    from habana_frameworks.mediapipe.mediapipe import MediaPipe
+    from habana_frameworks.mediapipe.operators.reader_nodes.reader_nodes import (media_ext_reader_op_impl,
+                                                                                 media_ext_reader_op_tensor_info)
+    from habana_frameworks.mediapipe.plugins.iterator_pytorch import HPUGenericPytorchIterator
+    _IMPORT_ERROR = None
+except ImportError as e:  # pragma: no cover - only on Gaudi machines
+    _IMPORT_ERROR = e
+    media_ext_reader_op_impl = object
+    MediaPipe = object
+
+
+def check_hpu_media() -> None:
+    if _IMPORT_ERROR is not None:
+        raise RuntimeError("--image_pipeline device on HPU needs habana_frameworks.mediapipe (pip package "
+                           f"habana-media-loader, part of the Gaudi software stack): {_IMPORT_ERROR}")
+
+
+def jpeg_file_problem(path: str, max_pixels: int) -> str | None:
+    """Why the HPU JPEG decoder should not get this file (None when it is fine). Header-only checks."""
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return "empty file (0 bytes)"
+        with open(path, "rb") as f:
+            head = f.read(65536)
+            f.seek(max(0, size - 2))
+            tail = f.read(2)
+    except FileNotFoundError:
+        return "file not found"
+    except OSError as e:
+        return f"cannot read: {e}"
+    if not head.startswith(b"\xff\xd8\xff"):
+        return "not JPEG content (the HPU decoder reads JPEG only; use --image_pipeline host for other formats)"
+    if tail != b"\xff\xd9":
+        return "truncated JPEG (no end-of-image marker)"
+    try:
+        im = open_image(head, path, max_pixels)  # lazy: the header is enough for size and mode
+        if im.mode not in ("RGB", "L"):
+            return f"JPEG mode {im.mode} (the HPU decoder takes RGB/grayscale; use --image_pipeline host)"
+    except BadImage as e:
+        return e.reason
+    return None
+
+
+class _Reader(media_ext_reader_op_impl):
+    """Media pipe reader: one fixed-size batch of file paths + caption tokens + row codes (see prepare)."""
+
+    def __init__(self, params, fw_params):
+        self.loader: HpuMediaLoader = params["priv_params"]["loader"]
+        self.batch_size = fw_params.batch_size
+
+    def gen_output_info(self):
+        b, t = self.batch_size, self.loader.max_len
+        return [media_ext_reader_op_tensor_info(mdt.NDT, np.array([b], dtype=np.uint32), ""),
+                media_ext_reader_op_tensor_info(mdt.UINT32, np.array([t, b], dtype=np.uint32), ""),
+                media_ext_reader_op_tensor_info(mdt.UINT32, np.array([t, b], dtype=np.uint32), ""),
+                media_ext_reader_op_tensor_info(mdt.UINT32, np.array([b], dtype=np.uint32), "")]
+
+    def get_largest_file(self):
+        return self.loader.largest_file
+
+    def get_media_output_type(self):
+        return readerOutType.FILE_LIST
+
+    def __len__(self):
+        return self.loader.remaining_batches()
+
+    def __iter__(self):
+        self._batches = iter(self.loader.batch_specs())
+        return self
+
+    def __next__(self):
+        end, rows = next(self._batches)
+        return self.loader.prepare(end, rows)
+
+
+class _Pipe(MediaPipe):
+    def __init__(self, loader: "HpuMediaLoader", batch_size: int, size: int):
+        super().__init__(device="legacy", batch_size=batch_size, prefetch_depth=2,
+                         pipe_name=f"BridgeTowerPipe:{id(loader)}")
+        self.reader = fn.MediaExtReaderOp(impl=_Reader, num_outputs=4, priv_params={"loader": loader})
+        self.decode = fn.ImageDecoder(device="hpu", output_format=imgtype.RGB_P,
+                                      random_crop_type=randomCropType.CENTER_CROP, resize=[size, size],
+                                      resampling_mode=ftype.BICUBIC)
+        mean = np.array(CLIP_MEAN, dtype=np.float32) * 255
+        inv_std = 1.0 / (np.array(CLIP_STD, dtype=np.float32) * 255)
+        self.mean = fn.MediaConst(data=mean, shape=[1, 1, 3], dtype=mdt.FLOAT32)
+        self.inv_std = fn.MediaConst(data=inv_std, shape=[1, 1, 3], dtype=mdt.FLOAT32)
+        self.cmn = fn.CropMirrorNorm(crop_w=size, crop_h=size, crop_pos_x=0.5, crop_pos_y=0.5, crop_d=0,
+                                     dtype=mdt.FLOAT32)
+
+    def definegraph(self):
+        files, ids, mask, rowid = self.reader()
+        images = self.cmn(self.decode(files), self.mean(), self.inv_std())
+        return images, ids, mask, rowid
+
+
+class HpuMediaLoader:
+    """Drives the media pipe for one CaptionData; yields its batch dicts (same keys as the other pipelines)."""
+
+    def __init__(self, data, pad_to_max_length: bool = True):
+        check_hpu_media()
+        self.data = data
+        self.max_len = data.args.max_seq_length
+        table = data.table
+        paths = [table.path(i) for i in range(len(table))]
+        if any(p is None for p in paths):
+            raise RuntimeError(f"{table.source}: the HPU media pipe reads image files, but this dataset holds "
+                               "images as bytes; save them as files (path column) or use --image_pipeline host")
+        self.paths = paths
+        sizes = [(os.path.getsize(p) if os.path.exists(p) else 0, p) for p in paths]
+        self.largest_file = max(sizes)[1]
+        self._good_path: str | None = None
+        self._pending: deque = deque()  # (end, [(name, reason), ...]) in pipe order
+        self._iter = None
+
+    def remaining_batches(self) -> int:
+        return len(list(self.batch_specs()))
+
+    def batch_specs(self):
+        order, b = self.data._order, self.data.micro_batch
+        for start in range(self.data._offset, len(order), b):
+            yield min(start + b, len(order)), order[start:start + b]
+
+    def prepare(self, end: int, rows: np.ndarray):
+        b, t = self.data.micro_batch, self.max_len
+        files, caps, rowid, bad = [], [], np.zeros([b], dtype=np.uint32), []
+        for k in range(b):
+            r = int(rows[k]) if k < len(rows) else None
+            real = None if r is None else (-1 - r if r < 0 else r)
+            problem = None if real is None else jpeg_file_problem(self.paths[real], self.data.args.max_image_pixels)
+            if real is not None and problem is None:
+                files.append(self.paths[real])
+                caps.append(self.data.table.captions[real])
+                rowid[k] = r + 2 if r >= 0 else 1  # 0: dropped row, 1: eval pad row (index -1), else row + 2
+                self._good_path = self._good_path or self.paths[real]
+            else:
+                if real is not None:
+                    bad.append((self.data.table.name(real), problem))
+                files.append(None)
+                caps.append("")
+        filler = self._good_path or self._find_good()
+        files = np.array([f or filler for f in files])
+        enc = self.data.tokenizer(caps, truncation=True, max_length=t, padding="max_length", return_tensors="np")
+        self._pending.append((end, bad))
+        return (files, np.ascontiguousarray(enc["input_ids"].astype(np.uint32)),
+                np.ascontiguousarray(enc["attention_mask"].astype(np.uint32)), rowid)
+
+    def _find_good(self) -> str:
+        for p in self.paths:
+            if jpeg_file_problem(p, self.data.args.max_image_pixels) is None:
+                self._good_path = p
+                return p
+        raise RuntimeError(f"{self.data.table.source}: no readable RGB JPEG file at all for the HPU media pipe")
+
+    def iterate(self):
+        if self._iter is None:
+            self._iter = HPUGenericPytorchIterator(mediapipe=_Pipe(self, self.data.micro_batch, self.data.size))
+        dev = self.data.device
+        for images, ids, mask, rowid in self._iter:
+            end, bad = self._pending.popleft()
+            self.data.record_bad(bad)
+            rowid = rowid.to(torch.int64).cpu()
+            keep = torch.nonzero(rowid != 0).flatten()
+            self.data._offset = end
+            if keep.numel() == 0:
+                batch = self.data._fill_in()
+                if batch is not None:
+                    yield batch
+                continue
+            index = rowid[keep] - 2
+            keep_d = keep.to(dev)
+            batch = {"input_ids": ids.to(dev).long()[keep_d], "attention_mask": mask.to(dev).long()[keep_d],
+                     "index": index.to(dev), "pixel_values": images.to(dev)[keep_d].float(),
+                     "pixel_mask": torch.ones((keep.numel(), self.data.size, self.data.size), dtype=torch.long,
+                                              device=dev)}
+            if self.data.world_size > 1:
+                self.data._last_good = {k: v[:1] for k, v in batch.items()}
+            yield batch
