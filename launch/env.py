@@ -125,9 +125,11 @@ def resolve_profile(name: str, environ: Mapping[str, str] | None = None) -> dict
 def read_env_file(path: str | os.PathLike) -> dict[str, str]:
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")  # bytes: read_text() would hide a \r before the newline
     except OSError as e:
         raise EnvFileError(f"{p}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise EnvFileError(f"{p}: not UTF-8 text ({e})") from None
     return {name: value for name, _, value in parse_env_text(text, str(p))}
 
 
