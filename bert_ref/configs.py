@@ -121,6 +121,8 @@ class BertArgs:
                                            "~1/3 more compute; reported FLOPs exclude the recompute).",
                                            default=False)
     attn_implementation: str = _help("transformers attention kernel: 'sdpa' or 'eager'.", default="sdpa")
+    export_hf: bool = _help("At the end write run_dir/hf_model (save_pretrained format, ZeRO-3 gathered): the "
+                            "--init_checkpoint of the next phase.", default=True)
 
     def validate(self) -> None:
         get_preset(self.preset, self.phase)

@@ -31,9 +31,9 @@ def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkp
     from transformers import BertForPreTraining
 
     if init_checkpoint:
-        model = BertForPreTraining.from_pretrained(init_checkpoint, local_files_only=True,
-                                                   attn_implementation=attn_implementation)
-        got = model.config
+        from transformers import BertConfig
+
+        got = BertConfig.from_pretrained(init_checkpoint, local_files_only=True)  # check before loading weights
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             if getattr(got, key) != getattr(preset, key):
                 raise ConfigError(f"--init_checkpoint {init_checkpoint}: {key} = {getattr(got, key)} but preset "
@@ -44,6 +44,8 @@ def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkp
         if got.vocab_size > preset.vocab_size:
             raise ConfigError(f"--init_checkpoint {init_checkpoint}: vocab_size {got.vocab_size} > preset "
                               f"{preset.name} vocab_size {preset.vocab_size}")
+        model = BertForPreTraining.from_pretrained(init_checkpoint, local_files_only=True,
+                                                   attn_implementation=attn_implementation)
         if got.vocab_size < preset.vocab_size:  # a published 30522-token checkpoint: pad rows to 30528
             model.resize_token_embeddings(preset.vocab_size)
         # Dropout follows the preset, not the checkpoint (phase 2 continues phase 1's regularisation).
@@ -55,7 +57,11 @@ def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkp
     if activation_checkpointing:
         # Non-reentrant checkpointing works with ZeRO-3's parameter gathering hooks and with inputs that do not
         # require grad (the embeddings' output does, but the non-reentrant variant does not depend on it).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
 
 

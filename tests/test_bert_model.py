@@ -1,0 +1,122 @@
+"""bert_ref presets, parameter counts (meta device), FLOPs formula, losses, checkpoint init, named errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bert_ref.configs import (BertArgs, InputDirError, PhaseMismatchError, UnknownPresetError, bert_1p5b,
+                              bert_large, check_data_matches, debug, get_preset, pad_vocab)
+from bert_ref.model import build_model, flops_per_sequence, param_counts
+from bert_ref.step import pretraining_losses
+from ds_core.config import ConfigError
+
+
+def test_presets_shapes_and_phases():
+    assert pad_vocab(30522) == 30528 and pad_vocab(1024) == 1024
+    for make in (bert_large, bert_1p5b, debug):
+        p1, p2 = make(1), make(2)
+        assert (p1.seq_len, p1.max_predictions_per_seq) == (128, 20)
+        assert (p2.seq_len, p2.max_predictions_per_seq) == (512, 80)
+    large, big = bert_large(), bert_1p5b()
+    assert (large.num_hidden_layers, large.hidden_size, large.num_attention_heads, large.intermediate_size) == \
+        (24, 1024, 16, 4096)
+    assert (big.num_hidden_layers, big.hidden_size, big.num_attention_heads, big.intermediate_size) == \
+        (48, 1600, 25, 6400)
+    assert large.vocab_size == big.vocab_size == 30528
+    assert get_preset("bert_1p5b", 2) == bert_1p5b(2)
+    with pytest.raises(ConfigError):
+        get_preset("bert_large", 3)
+
+
+def test_param_counts_on_meta_device():
+    large = param_counts(bert_large())
+    big = param_counts(bert_1p5b())
+    assert 335e6 <= large["total"] <= 340e6, large
+    assert 1.45e9 <= big["total"] <= 1.6e9, big
+    assert large["embeddings"] == (30528 + 512 + 2) * 1024 + 2 * 1024
+    assert large["encoder"] == 24 * (4 * 1024 * 1024 + 2 * 1024 * 4096 + 9 * 1024 + 4096)
+
+
+def test_flops_formula():
+    p = bert_large()
+    f = flops_per_sequence(p)
+    S, h, L, V, inter = 128, 1024, 24, 30528, 4096
+    by_hand = 3 * (L * (2 * S * (4 * h * h + 2 * h * inter) + 4 * S * S * h) + 2 * S * (h * h + h * V)
+                   + 2 * (h * h + 2 * h))
+    assert f == by_hand
+    assert f == pytest.approx(6 * param_counts(p)["total"] * S, rel=0.05)  # the usual rule of thumb
+    assert flops_per_sequence(bert_large(2)) > 4 * f  # seq 512: 4x the tokens plus the quadratic term
+
+
+def test_named_errors(tmp_path):
+    with pytest.raises(UnknownPresetError, match="bert_huge"):
+        get_preset("bert_huge")
+    with pytest.raises(UnknownPresetError, match="bert_huge"):
+        BertArgs(preset="bert_huge", input_dir=str(tmp_path)).validate()
+    with pytest.raises(InputDirError, match="no_such_dir"):
+        BertArgs(preset="debug", input_dir=str(tmp_path / "no_such_dir")).validate()
+    with pytest.raises(InputDirError):
+        BertArgs(preset="debug", input_dir="").validate()
+
+
+def test_phase_shard_mismatch_is_named(tmp_path):
+    from bert_ref.data import build_data
+    from bert_ref.prep.h5io import synthetic_arrays, write_shard
+
+    write_shard(tmp_path / "part-0.hdf5", synthetic_arrays(8, 128, 20, vocab_size=1024))
+    data = build_data(str(tmp_path), 0, 1, micro_batch=2)
+    try:
+        check_data_matches(bert_large(1), data, str(tmp_path))  # phase 1 shards, phase 1 preset: fine
+        with pytest.raises(PhaseMismatchError, match=r"seq_len=128.*seq_len=512"):
+            check_data_matches(bert_large(2), data, str(tmp_path))
+    finally:
+        data.close()
+
+
+def test_train_cli_fails_fast_with_named_errors(tmp_path):
+    from bert_ref.train import main
+
+    with pytest.raises(UnknownPresetError):
+        main(["--preset", "nope", "--input_dir", str(tmp_path), "--run_dir", str(tmp_path / "r")])
+    with pytest.raises(InputDirError):
+        main(["--preset", "debug", "--input_dir", str(tmp_path / "missing"), "--run_dir", str(tmp_path / "r")])
+
+
+def test_losses_are_separate_and_ignore_unmasked():
+    torch.manual_seed(0)
+    model = build_model(debug()).eval()
+    ids = torch.randint(5, 1000, (2, 16))
+    out = model(input_ids=ids, token_type_ids=torch.zeros_like(ids), attention_mask=torch.ones_like(ids))
+    assert out.prediction_logits.shape == (2, 16, 1024) and out.seq_relationship_logits.shape == (2, 2)
+    labels = torch.full_like(ids, -100)
+    labels[0, 3], labels[1, 5] = 7, 9
+    nsp_label = torch.tensor([0, 1])
+    mlm, nsp = pretraining_losses(out.prediction_logits, out.seq_relationship_logits, labels, nsp_label)
+    logp = out.prediction_logits.float().log_softmax(-1)
+    assert mlm.item() == pytest.approx(-(logp[0, 3, 7] + logp[1, 5, 9]).item() / 2, rel=1e-5)
+    assert nsp.item() == pytest.approx(
+        torch.nn.functional.cross_entropy(out.seq_relationship_logits, nsp_label).item(), rel=1e-5)
+
+
+def test_init_checkpoint_loads_and_pads_vocab(tmp_path):
+    from transformers import BertForPreTraining
+
+    from bert_ref.model import hf_config
+
+    cfg = hf_config(debug())
+    cfg.vocab_size = 1018  # an unpadded checkpoint vocabulary, like the published 30522
+    src = BertForPreTraining(cfg)
+    src.save_pretrained(tmp_path / "ckpt")
+    model = build_model(debug(2), init_checkpoint=str(tmp_path / "ckpt"), activation_checkpointing=True)
+    emb = model.bert.embeddings.word_embeddings.weight
+    assert emb.shape == (1024, 64)
+    assert torch.equal(emb[:1018], src.bert.embeddings.word_embeddings.weight)
+    assert model.cls.predictions.decoder.weight.data_ptr() == emb.data_ptr()  # still tied
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    cfg2 = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    cfg2["hidden_size"] = 128
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg2))
+    with pytest.raises(ConfigError, match="hidden_size"):
+        build_model(debug(), init_checkpoint=str(tmp_path / "ckpt"))
