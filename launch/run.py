@@ -80,7 +80,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="no_ssh: this node's index in the hostfile (0 = the master_addr node); $LAUNCH_NODE_RANK")
     g.add_argument("--launcher_arg", action="append", default=[], metavar="ARG",
                    help="one extra argument for the underlying launcher (mpirun / srun / DeepSpeed's "
-                        "--launcher_args for openmpi/mpich); repeat for several")
+                        "--launcher_args for openmpi/mpich); repeat for several; write --launcher_arg=-x for one that "
+                        "starts with '-'")
     g.add_argument("--mpi_flavor", choices=("auto", "mpich", "openmpi"), default="auto",
                    help="mpirun launcher: which MPI's flags to use (auto: ask `mpirun --version`)")
     g.add_argument("--slots", type=int, default=int(_env_default("LAUNCH_SLOTS", "8")),

@@ -1,0 +1,73 @@
+"""launch.preflight on localhost: a passing table, and each failure shown per host with a non-zero exit."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+from conftest import REPO, dist_env, free_port
+from launch import preflight
+
+
+def run_preflight(cwd, *args, env=None) -> tuple[int, dict, str]:
+    proc = subprocess.run([sys.executable, "-m", "launch.preflight", "--json", *args], cwd=cwd,
+                          env=env or dist_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          timeout=120)
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    return proc.returncode, {(r["host"], r["check"]): r for r in rows}, proc.stdout
+
+
+def test_localhost_passes(tmp_path):
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "shard_0.h5").write_bytes(b"x")
+    (tmp_path / ".deepspeed_env").write_text("GLOO_SOCKET_IFNAME=lo\n")
+    env = dist_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")  # the rest of the tcp profile
+    code, rows, out = run_preflight(tmp_path, "--hostfile", "hostfile", "--data_dir", "data", "--profile", "tcp",
+                                    "--deepspeed_config", str(REPO / "ds_configs" / "zero1_bf16.json"),
+                                    "--master_port", str(free_port()), env=env)
+    assert code == 0, out
+    for check in ("reachable", "python", "torch", "deepspeed", "ds-scale-toolkit", "accelerators", "master_port",
+                  "profile tcp", "data_dir"):
+        assert rows[("localhost", check)]["result"] == "PASS", out
+    assert rows[("localhost", "reachable")]["detail"] == "local (no ssh)"
+    assert "world 2: train_batch 16 = micro 8 x accum 1 x 2" in rows[("(job)", "deepspeed_config")]["detail"]
+    assert "host" in out.splitlines()[0] and "result" in out.splitlines()[0]
+
+
+def test_failures_are_reported_per_host(tmp_path):
+    (tmp_path / "hostfile").write_text(f"127.0.0.1 slots={(__import__('os').cpu_count() or 1) + 1}\n")
+    (tmp_path / "bad_ds.json").write_text(json.dumps({"train_batch_size": 5, "train_micro_batch_size_per_gpu": 2,
+                                                      "gradient_accumulation_steps": 1}))
+    env = dist_env(DS_ACCELERATOR="cpu")
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        code, rows, out = run_preflight(tmp_path, "--hostfile", "hostfile", "--data_dir", "nowhere", "--profile",
+                                        "tcp", "--deepspeed_config", "bad_ds.json", "--master_port", str(port),
+                                        env=env)
+    assert code == 1, out
+    host = "127.0.0.1"
+    assert rows[(host, "reachable")]["result"] == "PASS"
+    assert rows[(host, "accelerators")]["result"] == "FAIL" and "< slots" in rows[(host, "accelerators")]["detail"]
+    assert rows[(host, "master_port")]["result"] == "FAIL" and "in use" in rows[(host, "master_port")]["detail"]
+    assert rows[(host, "data_dir")]["result"] == "FAIL" and "nowhere" in rows[(host, "data_dir")]["detail"]
+    assert rows[(host, "profile tcp")]["result"] == "FAIL" and "GLOO_SOCKET_IFNAME" in rows[(host, "profile tcp")][
+        "detail"]
+    assert rows[("(job)", "deepspeed_config")]["result"] == "FAIL"
+    assert "checks failed" in out
+
+
+def test_bad_hostfile_fails_preflight(tmp_path):
+    (tmp_path / "hostfile").write_text("localhost slots=1\nlocalhost slots=1\n")
+    code, rows, out = run_preflight(tmp_path, "--hostfile", "hostfile")
+    assert code == 1 and "line 2: duplicate host localhost" in rows[("(hostfile)", "hostfile")]["detail"]
+
+
+def test_only_remote_hosts_use_ssh():
+    assert preflight.is_local("localhost") and preflight.is_local("127.0.0.1")
+    assert preflight.is_local(socket.gethostname())
+    assert not preflight.is_local("node-that-does-not-exist.invalid")

@@ -1,0 +1,187 @@
+"""launch.run / launch.slurm / launch.aws_batch: commands as argument lists for every launcher, named settings,
+--help that explains every option, AWS Batch registration (bounded wait), Slurm per-node entry. No training here."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, dist_env, free_port
+from launch import run as runmod
+
+
+def py(module: str, *args: str, cwd: Path, env=None, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env or dist_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+
+
+def dry(cwd: Path, *args: str, env=None) -> dict:
+    proc = py("launch.run", "--dry_run", *args, cwd=cwd, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture
+def hosts(tmp_path) -> Path:
+    (tmp_path / "hostfile").write_text("node0 slots=2\nnode1 slots=2\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("module", ["launch.run", "launch.preflight", "launch.aws_batch", "launch.slurm"])
+def test_help_explains_every_option(module):
+    import importlib
+
+    mod = importlib.import_module(module)
+    proc = py(module, "--help", cwd=REPO)
+    assert proc.returncode == 0
+    parser = mod.build_parser() if hasattr(mod, "build_parser") else None
+    if parser is None:  # entries that extend launch.run's parser
+        return
+    for action in parser._actions:
+        for opt in action.option_strings:
+            assert opt in proc.stdout, f"{module} --help does not show {opt}"
+        assert action.help and len(action.help) > 10, f"{module}: {action.option_strings} has no help"
+
+
+def test_named_settings_come_from_env_with_defaults(hosts):
+    out = dry(hosts, "--launcher", "no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1")
+    argv = out["argv"]
+    assert argv[1:] == ["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
+                        "--master_port", "29500", "--module", "bert_ref.train", "--deepspeed_config",
+                        "ds_configs/zero1_bf16.json"]
+    env = dist_env(LAUNCH_LAUNCHER="no_ssh", LAUNCH_NODE_RANK="0", MASTER_ADDR="10.0.0.9", MASTER_PORT="29611",
+                   LAUNCH_PRESET="debug", LAUNCH_MODULE="bridgetower_ds.train", LAUNCH_NODES="1")
+    argv = dry(hosts, env=env)["argv"]
+    for pair in (["--node_rank", "0"], ["--master_addr", "10.0.0.9"], ["--master_port", "29611"],
+                 ["--module", "bridgetower_ds.train"], ["--preset", "debug"], ["--num_nodes", "1"]):
+        i = argv.index(pair[0])
+        assert argv[i:i + 2] == pair
+    # a flag beats the variable
+    assert "--preset" in dry(hosts, "--preset", "bert_large", env=env)["argv"]
+
+
+def test_arguments_stay_whole_and_nothing_runs(hosts):
+    marker = hosts / "pwned"
+    nasty = f"a b; touch {marker}"
+    for launcher in ("pdsh", "openmpi", "mpich", "mpirun"):
+        extra = ["--mpi_flavor", "mpich"] if launcher == "mpirun" else []
+        out = dry(hosts, "--launcher", launcher, "--master_addr", "10.0.0.1", *extra, "--", "--run_dir", nasty)
+        assert out["argv"][-2:] == ["--run_dir", nasty], launcher
+    assert not marker.exists()
+
+
+def test_each_launcher_builds_its_command(hosts):
+    (hosts / ".deepspeed_env").write_text("HCCL_OVER_OFI=0\nHCCL_OVER_TCP=0\nHCCL_SOCKET_IFNAME=eth0\n")
+    pdsh = dry(hosts, "--profile", "roce", "--preset", "debug")["argv"]
+    assert pdsh[1:3] == ["--hostfile", "hostfile"] and "--no_ssh" not in pdsh
+    mpi = dry(hosts, "--launcher", "openmpi", "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1",
+              "--master_addr", "10.0.0.1")["argv"]
+    i = mpi.index("--launcher_args")
+    assert mpi[mpi.index("--launcher") + 1] == "openmpi" and mpi[i + 1] == "--mca 'btl_tcp_if_include eth1'"
+    mpich = dry(hosts, "--launcher", "mpich", "--master_addr", "10.0.0.1")["argv"]
+    assert mpich[mpich.index("--launcher") + 1] == "mpich"
+    # mpirun directly: ranks find each other through mpi4py; the profile travels as -genv / -x arguments
+    direct = dry(hosts, "--launcher", "mpirun", "--mpi_flavor", "mpich", "--profile", "tcp")
+    argv = direct["argv"]
+    assert argv[:7] == ["mpirun", "-n", "4", "-ppn", "2", "-hosts", "node0,node1"]
+    assert ["-genv", "GLOO_SOCKET_IFNAME", "lo"] == argv[argv.index("GLOO_SOCKET_IFNAME") - 1:][:3]
+    assert ["-genv", "MASTER_ADDR", "node0"] == argv[argv.index("MASTER_ADDR") - 1:][:3]
+    assert argv[argv.index("-m") + 1] == "bert_ref.train"
+    ompi = dry(hosts, "--launcher", "mpirun", "--mpi_flavor", "openmpi", "--profile", "tcp")["argv"]
+    assert ompi[:7] == ["mpirun", "-n", "4", "-H", "node0:2,node1:2", "--map-by", "ppr:2:node"]
+    assert "-x" in ompi and "DS_ACCELERATOR=cpu" in ompi
+    # srun: one launch.slurm per node
+    srun = dry(hosts, "--launcher", "srun", "--nodes", "2", "--profile", "roce")["argv"]
+    assert srun[:4] == ["srun", "--nodes", "2", "--ntasks-per-node=1"]
+    assert srun[srun.index("-m") + 1] == "launch.slurm"
+    # no_ssh: DeepSpeed skips .deepspeed_env there, so the wrapper hands profile + file to the launcher's env
+    nossh = dry(hosts, "--launcher", "no_ssh", "--node_rank", "0", "--master_addr", "10.0.0.1", "--profile", "tcp")
+    assert nossh["env_added"]["DS_ACCELERATOR"] == "cpu" and nossh["env_added"]["HCCL_OVER_OFI"] == "0"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--launcher", "no_ssh", "--node_rank", "0"], "--master_addr (or $MASTER_ADDR) is required"),
+    (["--launcher", "no_ssh", "--node_rank", "2", "--master_addr", "x"], "--node_rank 2 is outside 0..1"),
+    (["--profile", "efa"], "profile efa: .deepspeed_env lacks HCCL_OVER_OFI"),
+    (["--launcher", "mpich", "--hostfile", "uneven"], "uneven line 2: host node1 has slots=1 but node0"),
+    (["--hostfile", "missing"], "missing: cannot read hostfile"),
+    (["--launcher", "openmpi", "--nodes", "1"], "cannot limit nodes"),
+    (["--launcher", "srun"], "not inside a Slurm allocation"),
+])
+def test_launch_errors_name_the_problem(hosts, args, message):
+    (hosts / "uneven").write_text("node0 slots=2\nnode1 slots=1\n")
+    env = dist_env()
+    env.pop("MASTER_ADDR", None)
+    env.pop("SLURM_JOB_ID", None)
+    proc = py("launch.run", *args, cwd=hosts, env=env)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_slurm_entry_builds_hostfile_and_node_rank(tmp_path):
+    env = dist_env(SLURM_JOB_ID="77", SLURM_NODEID="2", SLURM_JOB_NODELIST="gaudi[01-03]", SLURM_GPUS_ON_NODE="",
+                   TMPDIR=str(tmp_path))
+    proc = py("launch.slurm", "--dry_run", "--slots", "8", "--profile", "roce", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(proc.stdout)["argv"]
+    hostfile = Path(argv[argv.index("--hostfile") + 1])
+    assert hostfile.read_text() == "gaudi01 slots=8\ngaudi02 slots=8\ngaudi03 slots=8\n"
+    assert argv[argv.index("--node_rank") + 1] == "2" and argv[argv.index("--master_addr") + 1] == "gaudi01"
+    assert "--no_ssh" in argv
+
+
+def _batch_env(index: int, num: int, main_addr: str = "", **extra) -> dict:
+    env = dist_env(AWS_BATCH_JOB_NUM_NODES=str(num), AWS_BATCH_JOB_NODE_INDEX=str(index),
+                   AWS_BATCH_JOB_MAIN_NODE_INDEX="0", **extra)
+    env.pop("AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS", None)
+    if main_addr:
+        env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = main_addr
+    return env
+
+
+def test_aws_batch_main_and_child_agree(tmp_path):
+    port = free_port()
+    common = ["--dry_run", "--slots", "1", "--register_port", str(port), "--register_timeout", "60"]
+    cmd = [sys.executable, "-m", "launch.aws_batch"]
+    (tmp_path / "n0").mkdir()
+    (tmp_path / "n1").mkdir()
+    main = subprocess.Popen([*cmd, *common, "--", "--max_steps", "2"], cwd=tmp_path / "n0", env=_batch_env(0, 2),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # either order works: the child retries until the main node listens
+    # on one machine the child registers from another loopback address so the two hosts differ
+    child = subprocess.run([*cmd, *common, "--node_addr", "127.0.0.2"], cwd=tmp_path / "n1",
+                           env=_batch_env(1, 2, "127.0.0.1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, timeout=90)
+    out, err = main.communicate(timeout=90)
+    assert main.returncode == 0 and child.returncode == 0, err + child.stderr
+    for node, text in ((0, out), (1, child.stdout)):
+        argv = json.loads(text[text.index("{"):])["argv"]
+        assert argv[argv.index("--node_rank") + 1] == str(node)
+        assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"
+        assert (tmp_path / f"n{node}" / "hostfile").read_text() == "127.0.0.1 slots=1\n127.0.0.2 slots=1\n"
+
+
+def test_aws_batch_main_gives_up_with_a_clear_error(tmp_path):
+    t0 = time.monotonic()
+    proc = py("launch.aws_batch", "--register_port", str(free_port()), "--register_timeout", "2", cwd=tmp_path,
+              env=_batch_env(0, 3), timeout=60)
+    assert proc.returncode == 3
+    assert "0 of 2 child nodes registered within 2 s; missing node indices [1, 2]" in proc.stderr
+    assert time.monotonic() - t0 < 50
+    child = py("launch.aws_batch", "--register_port", str(free_port()), "--register_timeout", "2", cwd=tmp_path,
+               env=_batch_env(1, 2, "127.0.0.1"), timeout=60)
+    assert child.returncode == 3 and "could not register with the main node 127.0.0.1" in child.stderr
+
+
+def test_run_module_imports_no_torch():
+    """The wrappers must start fast on a login node: no torch / deepspeed import."""
+    code = "import sys, launch.run, launch.preflight, launch.aws_batch, launch.slurm; " \
+           "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dist_env(), stdout=subprocess.PIPE, text=True,
+                         timeout=60).stdout.strip()
+    assert out == "[]"
+    assert runmod.LAUNCHERS == ("pdsh", "no_ssh", "openmpi", "mpich", "mpirun", "srun")
