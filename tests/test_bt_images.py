@@ -1,0 +1,231 @@
+"""bridgetower_ds.images: reference equality, bad images, device decoders, pipeline selection. Real JPEGs via PIL."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from bridgetower_ds import images as I
+
+# Tolerances, in normalized units (1 grey level = 1/255/std ~ 0.0142..0.0150), measured on photo-like JPEGs:
+#  * no JPEG draft (640x480 at S=288 never drafts): torch's uint8 bicubic-antialias kernel vs PIL's (the reference)
+#    differ by rounding only: max <= 2 grey levels on isolated pixels, mean abs diff < 0.005 (typically < 1e-4).
+#  * draft engaged (JPEG >= 2x the resize target, e.g. 1600x1200): libjpeg's DCT downscale replaces part of the
+#    bicubic filtering: mean abs diff < 0.015 (~1 grey level), max < 0.5 at sharp edges.
+ONE_LEVEL = 1 / 255 / min(I.CLIP_STD) + 1e-5
+MAX_DIFF, MEAN_DIFF = 2 * ONE_LEVEL, 0.005
+DRAFT_MAX_DIFF, DRAFT_MEAN_DIFF = 0.5, 0.015
+
+
+def photo(w: int, h: int, seed: int = 0) -> np.ndarray:
+    """Smooth gradients + shapes + mild noise: compresses and resamples like a photograph."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.stack([128 + 90 * np.sin(x / (30 + 40 * rng.random()) + 6 * rng.random()),
+                    128 + 90 * np.cos(y / (25 + 40 * rng.random())),
+                    255 * (x + y) / (w + h)], -1)
+    cx, cy, r = w * rng.random(), h * rng.random(), min(w, h) / 4
+    img[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.random(3) * 255
+    img += rng.normal(0, 6, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def jpeg_bytes(arr: np.ndarray, mode: str = "RGB", fmt: str = "JPEG", quality: int = 90) -> bytes:
+    im = Image.fromarray(arr)
+    if mode != "RGB":
+        im = im.convert(mode)
+    buf = io.BytesIO()
+    im.save(buf, fmt, **({"quality": quality} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def reference(data: bytes) -> torch.Tensor:
+    from transformers import BridgeTowerImageProcessorPil
+
+    proc = BridgeTowerImageProcessorPil()  # the torchvision-free backend of BridgeTowerImageProcessor
+    # do_convert_rgb: transformers' own RGB conversion (CMYK, L, alpha composited onto white), as our decoder does
+    return proc(Image.open(io.BytesIO(data)), do_convert_rgb=True, return_tensors="pt")["pixel_values"][0]
+
+
+def ours(data: bytes, size: int = 288, draft: bool = True) -> torch.Tensor:
+    u8 = I.host_transform(data, "x.jpg", size, draft)
+    return I.normalize(torch.from_numpy(u8)[None])[0]
+
+
+@pytest.mark.parametrize("h,w", [(480, 640), (640, 480), (300, 700), (1000, 250), (100, 150), (427, 640), (288, 384)])
+def test_resize_target_matches_transformers(h, w):
+    from transformers.models.bridgetower.image_processing_pil_bridgetower import get_resize_output_image_size
+
+    ref = get_resize_output_image_size(np.zeros((3, h, w)), shorter=288, longer=int(1333 / 800 * 288),
+                                       size_divisor=32)
+    assert I.resize_target(h, w, 288) == ref
+
+
+@pytest.mark.parametrize("w,h", [(640, 480), (480, 640), (700, 300), (150, 100), (333, 517)])
+def test_host_equals_bridgetower_image_processor(w, h):
+    data = jpeg_bytes(photo(w, h, seed=w))
+    ref, got = reference(data), ours(data)
+    assert got.shape == ref.shape == (3, 288, 288)
+    diff = (got - ref).abs()
+    assert diff.max() <= MAX_DIFF, diff.max()
+    assert diff.mean() < MEAN_DIFF, diff.mean()
+
+
+def test_draft_decode_within_stated_tolerance():
+    data = jpeg_bytes(photo(1600, 1200, seed=3))
+    ref = reference(data)
+    exact = (ours(data, draft=False) - ref).abs()
+    assert exact.max() <= MAX_DIFF and exact.mean() < MEAN_DIFF
+    drafted = (ours(data, draft=True) - ref).abs()
+    assert drafted.mean() < DRAFT_MEAN_DIFF and drafted.max() < DRAFT_MAX_DIFF, (drafted.mean(), drafted.max())
+    arr, orig = I.decode(data, "x", 288, draft=True)
+    assert orig == (1200, 1600) and arr.shape[:2] == (300, 400)  # 1/4 DCT scale, still >= the 288 x 384 target
+
+
+def test_normalize_arithmetic_matches_reference_formula():
+    u8 = torch.randint(0, 256, (2, 8, 8, 3), dtype=torch.uint8)
+    got = I.normalize(u8)
+    x = u8.permute(0, 3, 1, 2).double() / 255
+    want = (x - torch.tensor(I.CLIP_MEAN, dtype=torch.float64).view(1, 3, 1, 1)) / torch.tensor(
+        I.CLIP_STD, dtype=torch.float64).view(1, 3, 1, 1)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 8, 8)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+
+
+def test_crop_or_pad_matches_reference_padding():
+    from transformers.image_transforms import center_crop
+
+    x = torch.arange(3 * 5 * 9, dtype=torch.uint8).view(3, 5, 9)
+    ref = center_crop(x.numpy(), (8, 8), input_data_format="channels_first")
+    assert np.array_equal(I.crop_or_pad(x, 8).numpy(), ref)
+
+
+# ---------------------------------------------------------------------------------------------------- bad images
+def test_truncated_jpeg_is_bad():
+    data = jpeg_bytes(photo(64, 48))
+    with pytest.raises(I.BadImage, match="decode failed"):
+        I.host_transform(data[: len(data) // 2], "t.jpg", 32)
+
+
+def test_empty_and_missing_files(tmp_path):
+    (tmp_path / "zero.jpg").write_bytes(b"")
+    with pytest.raises(I.BadImage, match="0 bytes"):
+        I.read_bytes(str(tmp_path / "zero.jpg"))
+    with pytest.raises(I.BadImage, match="not found") as e:
+        I.read_bytes(str(tmp_path / "nope.jpg"))
+    assert e.value.name.endswith("nope.jpg")
+    with pytest.raises(I.BadImage, match="0 bytes"):
+        I.host_transform(b"", "zero.jpg", 32)
+
+
+def test_garbage_bytes_are_bad():
+    with pytest.raises(I.BadImage, match="not a recognised image"):
+        I.host_transform(b"this is not an image at all", "g.jpg", 32)
+
+
+def test_cmyk_and_grayscale_are_converted_like_reference():
+    arr = photo(120, 90, seed=5)
+    for mode in ("CMYK", "L"):
+        data = jpeg_bytes(arr, mode=mode)
+        ref, got = reference(data), ours(data, size=288)
+        assert (got - ref).abs().max() <= MAX_DIFF, mode
+
+
+def test_png_named_jpg_decodes_by_content_and_alpha_composites_on_white():
+    rgba = np.dstack([photo(80, 60, seed=7), np.full((60, 80), 128, np.uint8)])
+    data = jpeg_bytes(rgba, fmt="PNG")
+    ref, got = reference(data), ours(data)
+    assert (got - ref).abs().max() <= MAX_DIFF
+
+
+def test_very_large_image_uses_draft_and_bomb_guard():
+    big = Image.new("RGB", (8000, 8000), (200, 30, 60))
+    buf = io.BytesIO()
+    big.save(buf, "JPEG", quality=90)
+    data = buf.getvalue()
+    del big
+    arr, orig = I.decode(data, "big.jpg", 288)
+    assert orig == (8000, 8000) and arr.shape == (1000, 1000, 3)  # 1/8 DCT scale: 3 MB instead of 192 MB
+    out = I.host_transform(data, "big.jpg", 288)
+    assert out.shape == (288, 288, 3) and abs(int(out[100, 100, 0]) - 200) <= 2
+    with pytest.raises(I.BadImage, match="decompression bomb"):
+        I.host_transform(data, "big.jpg", 288, max_pixels=50_000_000)
+
+
+# ---------------------------------------------------------------------------------------------------- device side
+def test_thread_decoder_equals_host_and_reports_bad():
+    datas = [jpeg_bytes(photo(160, 120, seed=s)) for s in range(3)]
+    items = [datas[0], b"", datas[1], I.BadImage("gone.jpg", "file not found"), datas[2]]
+    names = ["a.jpg", "zero.jpg", "b.jpg", "gone.jpg", "c.jpg"]
+    dec = I.ThreadDecoder(64, "cpu", threads=2)
+    try:
+        pv, keep, bad = dec(items, names)
+    finally:
+        dec.close()
+    assert keep == [0, 2, 4]
+    assert sorted(b.name for b in bad) == ["gone.jpg", "zero.jpg"]
+    host = I.normalize(torch.from_numpy(np.stack([I.host_transform(d, "x", 64) for d in datas])))
+    assert torch.equal(pv, host)
+
+
+def test_cuda_resize_path_matches_host_on_cpu_tensors():
+    """The CUDA decoder's float resize (used on GPU tensors) agrees with the host uint8 kernel: checked on CPU."""
+    arr = photo(640, 480, seed=11)
+    host = I.resize_crop_u8(arr, (480, 640), 288).astype(np.int16)
+    t = torch.from_numpy(arr).permute(2, 0, 1)[None].float()
+    dev = I.crop_or_pad(I.resize_float(t, I.resize_target(480, 640, 288)), 288)[0].permute(1, 2, 0)
+    assert np.abs(dev.numpy().astype(np.int16) - host).max() <= 1
+
+
+def test_resolve_pipeline_choices_and_errors(monkeypatch):
+    assert I.resolve_pipeline("host", "cpu")[0] == "host"
+    assert I.resolve_pipeline("device", "cpu")[0] == "device-cpu"
+    name, why = I.resolve_pipeline("auto", "cpu")
+    assert name == "device-cpu" and "habana" in why.lower() or "hpu" in why.lower()
+    monkeypatch.setattr(I, "cuda_available", lambda: (False, "no CUDA device"))
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        I.resolve_pipeline("device", "cuda")
+    with pytest.raises(RuntimeError, match="habana"):
+        I.resolve_pipeline("device", "hpu")
+    with pytest.raises(ValueError, match="host, device or auto"):
+        I.resolve_pipeline("gpu", "cpu")
+
+
+def test_cuda_decoder_needs_torchvision_error_is_clear():
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="torchvision"):
+            I.CudaDecoder(288, "cpu")
+    else:
+        pytest.skip("torchvision is installed here")
+
+
+def test_hpu_media_module_imports_without_habana_and_says_what_is_missing():
+    from bridgetower_ds import hpu_media
+
+    if hpu_media._IMPORT_ERROR is None:
+        pytest.skip("habana_frameworks.mediapipe present")
+    with pytest.raises(RuntimeError, match="habana-media-loader"):
+        hpu_media.check_hpu_media()
+
+
+def test_hpu_jpeg_file_checks(tmp_path):
+    from bridgetower_ds.hpu_media import jpeg_file_problem
+
+    good = tmp_path / "g.jpg"
+    good.write_bytes(jpeg_bytes(photo(40, 30)))
+    assert jpeg_file_problem(str(good), I.DEFAULT_MAX_PIXELS) is None
+    trunc = tmp_path / "t.jpg"
+    trunc.write_bytes(good.read_bytes()[:300])
+    assert "truncated" in jpeg_file_problem(str(trunc), I.DEFAULT_MAX_PIXELS)
+    png = tmp_path / "p.jpg"
+    png.write_bytes(jpeg_bytes(photo(40, 30), fmt="PNG"))
+    assert "not JPEG" in jpeg_file_problem(str(png), I.DEFAULT_MAX_PIXELS)
+    cmyk = tmp_path / "c.jpg"
+    cmyk.write_bytes(jpeg_bytes(photo(40, 30), mode="CMYK"))
+    assert "CMYK" in jpeg_file_problem(str(cmyk), I.DEFAULT_MAX_PIXELS)
+    assert "not found" in jpeg_file_problem(str(tmp_path / "none.jpg"), I.DEFAULT_MAX_PIXELS)
