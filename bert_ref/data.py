@@ -157,22 +157,21 @@ def _read(path: str, f, lo: int, hi: int) -> dict[str, np.ndarray]:
 
 
 def check_arrays(path: str, a: dict[str, np.ndarray], seq_len: int, first_row: int = 0) -> None:
-    """Content checks on a slice of a shard (vectorized). Raises ShardError naming the file, dataset and row."""
-
-    def bad(name: str, mask: np.ndarray, what: str) -> None:
-        rows = np.nonzero(mask.reshape(mask.shape[0], -1).any(axis=1))[0]
-        if len(rows):
-            raise ShardError(path, name, f"{what} (first at sample {first_row + int(rows[0])}, "
-                                         f"{len(rows)} samples in rows {first_row}:{first_row + mask.shape[0]})")
-
-    pos = a["masked_lm_positions"]
-    bad("masked_lm_positions", (pos < 0) | (pos >= seq_len), f"positions out of range [0, {seq_len})")
-    bad("input_ids", a["input_ids"] < 0, "negative token ids")
-    bad("masked_lm_ids", a["masked_lm_ids"] < 0, "negative token ids")
-    bad("input_mask", (a["input_mask"] != 0) & (a["input_mask"] != 1), "values other than 0/1")
-    bad("segment_ids", (a["segment_ids"] != 0) & (a["segment_ids"] != 1), "values other than 0/1")
-    nsp = a["next_sentence_labels"]
-    bad("next_sentence_labels", (nsp != 0) & (nsp != 1), "values other than 0/1")
+    """Content checks on a slice of a shard. Raises ShardError naming the file, dataset and first bad row.
+    Fast path: one min/max pass per dataset; the row search runs only when a bound is violated."""
+    # dataset -> (lowest allowed, highest allowed, what)
+    bounds = {"masked_lm_positions": (0, seq_len - 1, f"positions out of range [0, {seq_len})"),
+              "input_ids": (0, None, "negative token ids"), "masked_lm_ids": (0, None, "negative token ids"),
+              "input_mask": (0, 1, "values other than 0/1"), "segment_ids": (0, 1, "values other than 0/1"),
+              "next_sentence_labels": (0, 1, "values other than 0/1")}
+    for name, (lo, hi, what) in bounds.items():
+        x = a[name]
+        if x.size == 0 or (x.min() >= lo and (hi is None or x.max() <= hi)):
+            continue
+        bad = (x < lo) | (x > hi) if hi is not None else x < lo
+        rows = np.nonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0]
+        raise ShardError(path, name, f"{what} (first at sample {first_row + int(rows[0])}, "
+                                     f"{len(rows)} samples in rows {first_row}:{first_row + x.shape[0]})")
 
 
 # ---------------------------------------------------------------------------------------------- pure planning
@@ -442,11 +441,12 @@ class PretrainingData:
     def summary_stats(self) -> dict:
         return {"data_files": len(self.files), "data_samples": self.num_samples}
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Drop the blocks held and stop the prefetch thread (`wait`: until a read in progress has finished)."""
         with self._lock:
             self._cache, self._current = {}, None
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None
 
     def __del__(self):  # the prefetch thread must not keep the interpreter alive

@@ -30,8 +30,12 @@ def write_shard(path: str | os.PathLike, arrays: dict[str, np.ndarray], compress
     try:
         with h5py.File(tmp, "w") as f:
             for name, (dtype, _) in SCHEMA.items():
-                a = np.asarray(arrays[name])
-                f.create_dataset(name, data=a.astype(dtype, copy=False), dtype=dtype,
+                a = np.asarray(arrays[name]).astype(dtype, copy=False)
+                # chunks of whole rows (~256 KiB): the loader reads sample ranges, and h5py's automatic chunking
+                # for compressed data cuts columns too, which makes such reads touch many more, smaller chunks
+                row_bytes = max(1, a[:1].nbytes)
+                chunks = (max(1, min(len(a), (256 << 10) // row_bytes)), *a.shape[1:]) if a.size else None
+                f.create_dataset(name, data=a, dtype=dtype, chunks=chunks if compression else None,
                                  compression=compression if a.size else None)
         atomic_replace(tmp, path)
     finally:
