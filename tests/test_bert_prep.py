@@ -150,7 +150,17 @@ def test_resume_skips_finished_outputs(prepared, tmp_path, capsys):
     assert "2 of 3 outputs already done" in capsys.readouterr().out
     assert files[1].exists() and all(f.stat().st_mtime_ns == t for f, t in before.items())
     assert main(["check", str(out), "--no-progress"]) == 0  # the .tmp file is not taken as a shard
-    # text and vocab stages skip a finished output too
+    # the text and vocab stages skip a finished output too (same parameters), and redo it when they change
+    raw = write_corpus(tmp_path / "raw")
+    t_args = ["text", "--input", str(raw), "--output", str(tmp_path / "text"), "--num-shards", "2", "--no-progress"]
+    assert main(t_args) == 0 and main(t_args) == 0
+    assert "2 shards already done, skipping" in capsys.readouterr().out
+    assert main(t_args[:-2] + ["3", "--no-progress"]) == 0
+    assert "already done" not in capsys.readouterr().out
+    v_args = ["vocab", "--input", str(tmp_path / "text"), "--output", str(tmp_path / "vocab.txt"),
+              "--vocab-size", "120", "--no-progress"]
+    assert main(v_args) == 0 and main(v_args) == 0
+    assert "already done, skipping" in capsys.readouterr().out
     assert main(["text", "--input", str(tmp_path / "none"), "--output", str(text), "--num-shards", "3",
                  "--no-progress"]) == 2  # missing input is an error, named
     assert "input not found" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`python -m bert_ref.prep` / `bert-prep`: raw text -> text shards -> vocab -> h5 shards -> check.
+r"""`python -m bert_ref.prep` / `bert-prep`: raw text -> text shards -> vocab -> h5 shards -> check.
 
     bert-prep text   --input RAW --output WORK/text --num-shards 64 --workers 8
     bert-prep vocab  --input WORK/text --output WORK/vocab.txt --vocab-size 30522        (or --vocab-file vocab.txt)

@@ -226,6 +226,8 @@ def run_text(p: TextParams, output: str | os.PathLike, workers: int = 1, docs_pe
             raise PrepError(f"no documents with >= {p.min_sentences} sentences in {p.input}")
         for t, n in zip(tmps, names):
             atomic_replace(t, out / n)
+        for stale in set(out.glob("text_shard_*.txt")) - {out / n for n in names}:  # from a run with more shards
+            stale.unlink()
         sizes = {n: (out / n).stat().st_size for n in names}
         tmp = tmp_name(manifest_path)
         tmp.write_text(json.dumps({"params": asdict(p), "documents": dict(zip(names, counts)), "bytes": sizes},
