@@ -1,0 +1,506 @@
+"""ZeRO memory model and config recommendation: which (ZeRO stage, micro batch, grad accumulation) fits a model.
+
+Per rank, bf16 mixed precision with Adam(W):
+
+  model states   ZeRO-2 and ZeRO-3 come from DeepSpeed's own estimators
+                 (``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``,
+                 cpu_offload=False). DeepSpeed has none for ZeRO-0 and ZeRO-1, so those are ADDED here, in the same
+                 bytes-per-parameter terms (P parameters, N data-parallel ranks):
+                   ZeRO-0: 2 bf16 params + 2 bf16 grads + 4 fp32 grads + 4 fp32 master + 8 Adam   = 20 P
+                   ZeRO-1: 2 bf16 params + 2 bf16 grads (not partitioned) + 16 P / N (fp32 grads, master, Adam)
+                 ZeRO-3 ADDS 2 P / N for the rank's bf16 parameter partition, which the estimator leaves out.
+  optimizer step ADDED: non-fused Adam (torch's, used on the CPU accelerator) allocates one fp32 temporary the size
+                 of the tensor it steps: the rank's flat partition (4 P / N) or, at ZeRO-0, the largest parameter;
+                 fused Adam on Gaudi/CUDA does not.
+  buffers        ADDED: gradient reduce bucket (reduce_bucket_size elements of bf16; x2 with overlap_comm), the
+                 ZeRO-0 all-reduce flattening buffer, the ZeRO-3 reduce-scatter staging copy and prefetch bucket.
+  activations    ADDED, per micro batch (Korthikanti et al. 2022, generalised to any FFN width):
+                 per layer s*(18h + 4i) + 5*a*s^2 bytes per sample, plus embeddings and the MLM head
+                 (bf16 logits + fp32 log-softmax + its gradient, 10*s*V); with activation checkpointing each layer
+                 keeps only its 2*s*h input and one layer is live again during its recomputation.
+  usable memory  capacity minus 8 % for allocator fragmentation and runtime context.
+
+    ds-tune --model bert-1.5b --accelerator gaudi --accelerators-per-node 8 --nodes 8 --global-batch 4096
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+GB = 1e9
+# Accelerator memory per device (decimal GB as vendors quote it). cpu: machine RAM shared by the node's ranks.
+ACCELERATOR_MEMORY_GB = {"gaudi": 32.0, "gaudi2": 96.0, "a100-80g": 80.0, "h100": 80.0, "cpu": None}
+USABLE_FRACTION = 0.92
+STAGES = (0, 1, 2, 3)
+# Buckets written into the recommended DeepSpeed JSON (elements); the memory model uses the same numbers.
+DEFAULT_BUCKETS = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
+                   "stage3_prefetch_bucket_size": 50_000_000}
+# Tokens per micro batch beyond which a bigger micro batch buys little more accelerator efficiency; used only to
+# rank configurations (see recommend()).
+SATURATING_TOKENS = 4096
+
+# HF-config-like descriptions (no model package is imported: ds_core sits below them). Exact parameter counts come
+# from building the matching transformers class on the meta device.
+MODELS = {
+    "bert-large": {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 1024,
+                   "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+                   "vocab_size": 30522, "max_position_embeddings": 512, "type_vocab_size": 2, "seq_len": 128},
+    # the DeepSpeed/Habana BERT-1.5B shape (48 x 1600, 25 heads)
+    "bert-1.5b": {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 1600,
+                  "num_hidden_layers": 48, "num_attention_heads": 25, "intermediate_size": 6400,
+                  "vocab_size": 32008, "max_position_embeddings": 512, "type_vocab_size": 2, "seq_len": 128},
+    # BridgeTower/bridgetower-large-itm-mlm-itc: RoBERTa-large text tower, CLIP ViT-L/14 at 294 px, 6 cross layers
+    "bridgetower-large": {"model_type": "bridgetower", "architectures": ["BridgeTowerForContrastiveLearning"],
+                          "hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16,
+                          "contrastive_hidden_size": 512, "seq_len": 50,
+                          "text_config": {"vocab_size": 50265, "hidden_size": 1024, "num_hidden_layers": 24,
+                                          "num_attention_heads": 16, "intermediate_size": 4096,
+                                          "max_position_embeddings": 514},
+                          "vision_config": {"hidden_size": 1024, "num_hidden_layers": 24, "patch_size": 14,
+                                            "image_size": 294}},
+}
+
+
+class TuningError(ValueError):
+    """Bad model spec, accelerator or batch; the message names the value and what was expected."""
+
+
+# ----------------------------------------------------------------------------------------------- model shapes
+
+@dataclass
+class Tower:
+    """A stack of identical transformer layers seen by the activation model."""
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+    seq: int
+    cross_seq: int = 0          # >0: each layer also cross-attends to a sequence this long (BridgeTower)
+
+
+@dataclass
+class ModelShape:
+    name: str
+    params: int
+    largest_layer_params: int   # largest parameter count held directly by one module (ZeRO-3 gathers it whole)
+    towers: list
+    vocab: int                  # MLM head width (0: no token-level head)
+    head_seq: int
+    exact: bool                 # params counted on a meta-device model, not by formula
+
+
+def load_spec(model: str) -> tuple:
+    if model in MODELS:
+        return model, dict(MODELS[model])
+    p = Path(model)
+    if not p.is_file():
+        raise TuningError(f"--model {model!r}: not one of {sorted(MODELS)} and not an HF config.json file")
+    try:
+        spec = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise TuningError(f"{p}: not JSON ({e})") from None
+    if not isinstance(spec, dict) or "model_type" not in spec:
+        raise TuningError(f"{p}: expected an HF config with a 'model_type' key")
+    return p.stem, spec
+
+
+def _hf_config(spec: dict):
+    from transformers import AutoConfig
+
+    kw = {k: v for k, v in spec.items() if k not in ("model_type", "seq_len", "architectures")}
+    return AutoConfig.for_model(spec["model_type"], **kw)
+
+
+def _count_on_meta(spec: dict) -> tuple:
+    """(params, largest single-module params) of the real transformers class, built on the meta device."""
+    import torch
+    import transformers
+
+    cfg = _hf_config(spec)
+    arch = (spec.get("architectures") or [None])[0]
+    with torch.device("meta"):
+        if arch and hasattr(transformers, arch):
+            model = getattr(transformers, arch)(cfg)
+        else:
+            model = transformers.AutoModel.from_config(cfg)
+    params = sum(p.numel() for p in model.parameters())           # tied weights counted once
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return params, largest
+
+
+def _get(cfg: dict, *names, default=None):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return default
+
+
+def _analytic_params(h: int, i: int, layers: int, vocab: int, pos: int) -> int:
+    per_layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h     # qkvo + biases, ffn, 2 layernorms
+    return layers * per_layer + (vocab + pos + 2) * h + 2 * h
+
+
+@lru_cache(maxsize=16)
+def _shape_cached(model: str, seq_len: int) -> ModelShape:
+    name, spec = load_spec(model)
+    mt = spec["model_type"]
+    if mt == "bridgetower":
+        t, v = spec["text_config"], spec["vision_config"]
+        s_txt = seq_len or spec.get("seq_len", 50)
+        s_img = (v["image_size"] // v["patch_size"]) ** 2 + 1
+        h, heads = spec["hidden_size"], spec["num_attention_heads"]
+        towers = [Tower("text", t["num_hidden_layers"], t["hidden_size"], t["num_attention_heads"],
+                        t.get("intermediate_size", 4 * t["hidden_size"]), s_txt),
+                  Tower("vision", v["num_hidden_layers"], v["hidden_size"], v.get("num_attention_heads", 16),
+                        v.get("intermediate_size", 4 * v["hidden_size"]), s_img),
+                  Tower("cross-text", spec["num_hidden_layers"], h, heads, 4 * h, s_txt, cross_seq=s_img),
+                  Tower("cross-image", spec["num_hidden_layers"], h, heads, 4 * h, s_img, cross_seq=s_txt)]
+        vocab, head_seq = t["vocab_size"], s_txt
+        approx = (_analytic_params(t["hidden_size"], 4 * t["hidden_size"], t["num_hidden_layers"], t["vocab_size"],
+                                   514)
+                  + _analytic_params(v["hidden_size"], 4 * v["hidden_size"], v["num_hidden_layers"], 0, s_img)
+                  + 2 * spec["num_hidden_layers"] * (_analytic_params(h, 4 * h, 1, 0, 0) + 4 * h * h))
+        approx_largest = max(t["vocab_size"] * t["hidden_size"], 4 * h * h)
+        # only BridgeTowerForMaskedLM computes token logits; the contrastive/ITM heads are small
+        if "MaskedLM" not in str(spec.get("architectures")):
+            vocab = 0
+    else:
+        h = _get(spec, "hidden_size", "n_embd", "d_model")
+        layers = _get(spec, "num_hidden_layers", "n_layer", "num_layers")
+        heads = _get(spec, "num_attention_heads", "n_head")
+        if not (h and layers and heads):
+            raise TuningError(f"{model}: need hidden_size, num_hidden_layers and num_attention_heads in the config")
+        i = _get(spec, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h
+        vocab = _get(spec, "vocab_size", default=0)
+        pos = _get(spec, "max_position_embeddings", "n_positions", default=512)
+        s = seq_len or spec.get("seq_len") or min(pos, 512)
+        towers = [Tower("encoder" if mt == "bert" else "layers", layers, h, heads, i, s)]
+        head_seq = s
+        approx = _analytic_params(h, i, layers, vocab, pos)
+        approx_largest = max(vocab * h, h * i)
+    try:
+        params, largest = _count_on_meta(spec)
+        exact = True
+    except Exception:                                  # unknown model_type / no transformers: formula is close
+        params, largest, exact = approx, approx_largest, False
+    return ModelShape(name=name, params=params, largest_layer_params=largest, towers=towers, vocab=vocab,
+                      head_seq=head_seq, exact=exact)
+
+
+def model_shape(model: str, seq_len: int = 0) -> ModelShape:
+    return _shape_cached(model, int(seq_len or 0))
+
+
+# ------------------------------------------------------------------------------------------------ memory model
+
+@dataclass
+class Estimate:
+    stage: int
+    micro_batch: int
+    checkpointing: bool
+    parts: dict = field(default_factory=dict)    # component -> bytes per rank
+    sources: dict = field(default_factory=dict)  # component -> "deepspeed estimator" | "added"
+
+    @property
+    def model_states(self) -> float:
+        return sum(v for k, v in self.parts.items() if k.startswith("states"))
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def _ds_estimator(stage: int, params: int, largest: int, per_node: int, nodes: int) -> float | None:
+    """DeepSpeed's own number (bytes on the accelerator, no offload) where it has one; None for ZeRO-0/1."""
+    try:
+        if stage == 2:
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as est2
+            return float(est2(params, per_node, nodes, cpu_offload=False)[1])
+        if stage == 3:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as est3
+            return float(est3(params, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False,
+                              zero_init=True)[1])
+    except ImportError:      # same formulas, copied from deepspeed 0.19 for machines without it
+        n = per_node * nodes
+        return float(2 * params + int(18 * params / n)) if stage == 2 else float(4 * largest + int(18 * params / n))
+    return None
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, checkpointing: bool) -> float:
+    """bf16 activations kept for backward, per micro batch (see module docstring)."""
+    per_sample = 0.0
+    live_layer = 0.0
+    for t in shape.towers:
+        s, h = t.seq, t.hidden
+        layer = s * (18 * h + 4 * t.intermediate) + 5 * t.heads * s * s
+        if t.cross_seq:
+            layer += 13 * s * h + 5 * t.heads * s * t.cross_seq
+        per_sample += 7 * s * h                                    # embeddings sum, layernorm, dropout
+        per_sample += t.layers * (2 * s * h if checkpointing else layer)
+        live_layer = max(live_layer, layer)
+    if checkpointing:
+        per_sample += live_layer                                   # one layer recomputed at a time
+    if shape.vocab:
+        h = shape.towers[0].hidden
+        per_sample += shape.head_seq * (6 * h + 10 * shape.vocab)  # transform + logits/log-softmax/grad
+    return micro_batch * per_sample
+
+
+def estimate(shape: ModelShape, stage: int, micro_batch: int, ranks_per_node: int, nodes: int, *,
+             checkpointing: bool = False, fused_adam: bool = True, buckets: dict | None = None,
+             overlap_comm: bool = False) -> Estimate:
+    """Predicted peak bytes per rank, as named components."""
+    if stage not in STAGES:
+        raise TuningError(f"ZeRO stage {stage}: expected one of {STAGES}")
+    b = {**DEFAULT_BUCKETS, **(buckets or {})}
+    P, n = shape.params, ranks_per_node * nodes
+    e = Estimate(stage=stage, micro_batch=micro_batch, checkpointing=checkpointing)
+    ds = _ds_estimator(stage, P, shape.largest_layer_params, ranks_per_node, nodes)
+    if stage == 0:
+        e.parts["states: bf16 params + grads, fp32 grads + master, Adam (20 B/param)"] = 20.0 * P
+        e.sources["states"] = "added (DeepSpeed has no ZeRO-0 estimator)"
+        e.parts["buffer: all-reduce flattening"] = 2.0 * min(P, b["reduce_bucket_size"])
+    elif stage == 1:
+        e.parts["states: bf16 params + bf16 grads (4 B/param)"] = 4.0 * P
+        e.parts["states: fp32 grads + master + Adam partition (16 B/param / N)"] = 16.0 * P / n
+        e.sources["states"] = "added (DeepSpeed has no ZeRO-1 estimator)"
+    elif stage == 2:
+        e.parts["states: DeepSpeed estimate_zero2 (2 P + 18 P / N)"] = ds
+        e.sources["states"] = "deepspeed estimator"
+    else:
+        e.parts["states: DeepSpeed estimate_zero3 (4 x largest layer + 18 P / N)"] = ds
+        e.parts["states: bf16 param partition (2 P / N, added)"] = 2.0 * P / n
+        e.sources["states"] = "deepspeed estimator + bf16 partition added"
+    if stage in (1, 2, 3):
+        e.parts["buffer: gradient reduce bucket"] = 2.0 * min(P, b["reduce_bucket_size"]) * (2 if overlap_comm else 1)
+    if stage == 3:
+        # reduce_scatter_coalesced stages the whole bucket in a flat copy plus this rank's output slice
+        e.parts["buffer: reduce-scatter staging"] = 2.0 * min(P, b["reduce_bucket_size"]) * (1 + 1 / n)
+        e.parts["buffer: parameter prefetch bucket"] = 2.0 * min(P, b["stage3_prefetch_bucket_size"])
+    if not fused_adam:
+        # torch Adam makes one fp32 temporary per tensor it steps: ZeRO-1/2/3 step one flat partition (P / N);
+        # ZeRO-0 with a non-fused optimizer keeps per-parameter fp32 copies (FP16_UnfusedOptimizer): largest tensor
+        e.parts["transient: non-fused Adam temporary"] = 4.0 * (shape.largest_layer_params if stage == 0 else P / n)
+    e.parts["activations"] = activation_bytes(shape, micro_batch, checkpointing)
+    return e
+
+
+def capacity_bytes(accelerator: str, ranks_per_node: int) -> float:
+    if accelerator not in ACCELERATOR_MEMORY_GB:
+        raise TuningError(f"--accelerator {accelerator!r}: expected one of {sorted(ACCELERATOR_MEMORY_GB)}")
+    gb = ACCELERATOR_MEMORY_GB[accelerator]
+    if gb is None:
+        import psutil
+
+        return psutil.virtual_memory().total / max(1, ranks_per_node)   # ranks of a node share its RAM
+    return gb * GB
+
+
+# ------------------------------------------------------------------------------------------- search + advice
+
+@dataclass
+class Option:
+    stage: int
+    micro_batch: int
+    grad_accum: int
+    checkpointing: bool
+    estimate: Estimate
+    usable: float
+
+    @property
+    def headroom(self) -> float:
+        return self.usable - self.estimate.total
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+
+def micro_batches(per_rank_batch: int, limit: int = 1024) -> list:
+    return [m for m in range(1, min(per_rank_batch, limit) + 1) if per_rank_batch % m == 0]
+
+
+def search(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, global_batch: int,
+           checkpointing: str = "auto", stages: Sequence[int] = STAGES) -> list:
+    """Every (stage, micro batch, grad accumulation, checkpointing) with its estimate; feasible or not."""
+    n = ranks_per_node * nodes
+    if global_batch <= 0 or global_batch % n:
+        raise TuningError(f"--global-batch {global_batch} is not a positive multiple of {n} ranks "
+                          f"({nodes} nodes x {ranks_per_node}); train_batch_size = micro x accum x ranks")
+    if checkpointing not in ("auto", "on", "off"):
+        raise TuningError(f"--activation-checkpointing {checkpointing!r}: expected auto, on or off")
+    usable = capacity_bytes(accelerator, ranks_per_node) * USABLE_FRACTION
+    ckpts = {"auto": (False, True), "on": (True,), "off": (False,)}[checkpointing]
+    fused = accelerator != "cpu"
+    per_rank = global_batch // n
+    return [Option(st, m, per_rank // m, ck,
+                   estimate(shape, st, m, ranks_per_node, nodes, checkpointing=ck, fused_adam=fused), usable)
+            for ck in ckpts for st in stages for m in micro_batches(per_rank)]
+
+
+_STAGE_PREFERENCE = {1: 0, 2: 1, 0: 2, 3: 3}
+
+
+def rank_key(o: Option, seq: int) -> tuple:
+    """Best first. (1) no activation checkpointing (recomputing costs about a third more compute); (2) a micro batch
+    large enough to keep the accelerator busy (tokens capped at SATURATING_TOKENS); (3) the cheapest ZeRO stage in
+    communication: ZeRO-1 moves the same bytes as ZeRO-0 with less memory, ZeRO-2 reduces gradients every micro
+    step, ZeRO-3 adds parameter all-gathers (~1.5x traffic); (4) the larger micro batch."""
+    return (o.checkpointing, -min(o.micro_batch * seq, SATURATING_TOKENS), _STAGE_PREFERENCE[o.stage],
+            -o.micro_batch)
+
+
+def recommend(options: Sequence[Option], seq: int) -> Option | None:
+    feasible = [o for o in options if o.fits]
+    return min(feasible, key=lambda o: rank_key(o, seq)) if feasible else None
+
+
+def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, checkpointing: str) -> list:
+    """Advice when nothing fits at micro batch 1."""
+    usable = capacity_bytes(accelerator, ranks_per_node) * USABLE_FRACTION
+    fused = accelerator != "cpu"
+    tips = []
+    if checkpointing == "off":
+        e = estimate(shape, 3, 1, ranks_per_node, nodes, checkpointing=True, fused_adam=fused)
+        if e.total <= usable:
+            tips.append("turn on activation checkpointing (--activation-checkpointing on): ZeRO-3, micro batch 1 "
+                        f"then needs {e.total / GB:.1f} GB of {usable / GB:.1f} GB")
+    for more in range(nodes + 1, max(nodes * 64, 1024) + 1):
+        e = estimate(shape, 3, 1, ranks_per_node, more, checkpointing=checkpointing != "off", fused_adam=fused)
+        if e.total <= usable:
+            tips.append(f"use at least {more} nodes with ZeRO-3 (micro batch 1: {e.total / GB:.1f} GB per rank); "
+                        "the global batch must stay a multiple of the rank count")
+            break
+    if not tips:
+        tips.append("no data-parallel ZeRO configuration fits: model states alone exceed one accelerator even "
+                    "fully partitioned; use ZeRO-Offload (not modelled here) or tensor/pipeline parallelism")
+    return tips
+
+
+def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4) -> dict:
+    """The DeepSpeed JSON for an option (DeepSpeed settings only; validates with ds_core.config.load_ds_config)."""
+    zero: dict = {"stage": o.stage, "reduce_bucket_size": DEFAULT_BUCKETS["reduce_bucket_size"]}
+    if o.stage in (1, 2):
+        zero.update(allgather_bucket_size=DEFAULT_BUCKETS["allgather_bucket_size"], overlap_comm=False,
+                    contiguous_gradients=True)
+    if o.stage == 3:
+        zero.update(overlap_comm=False, contiguous_gradients=True,
+                    stage3_prefetch_bucket_size=DEFAULT_BUCKETS["stage3_prefetch_bucket_size"],
+                    stage3_param_persistence_threshold=100_000, stage3_gather_16bit_weights_on_model_save=True)
+    cfg = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": o.micro_batch,
+           "gradient_accumulation_steps": o.grad_accum, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+           "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                     "weight_decay": 0.01}},
+           "steps_per_print": 1_000_000, "wall_clock_breakdown": False}
+    if o.checkpointing:
+        # the model must also enable it (HF: model.gradient_checkpointing_enable()); these are DeepSpeed's knobs
+        cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
+                                           "cpu_checkpointing": False}
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+
+def _table(options: Sequence[Option], best: Option | None) -> str:
+    lines = ["| ZeRO | micro batch | grad accum | act. ckpt | model states GB | activations GB | total GB "
+             "| headroom GB | |", "|---:|---:|---:|:---:|---:|---:|---:|---:|:---|"]
+    for o in options:
+        e = o.estimate
+        lines.append(f"| {o.stage} | {o.micro_batch} | {o.grad_accum} | {'on' if o.checkpointing else 'off'} | "
+                     f"{e.model_states / GB:.2f} | {e.parts['activations'] / GB:.2f} | {e.total / GB:.2f} | "
+                     f"{o.headroom / GB:.2f} | {'**recommended**' if o is best else ''} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help=f"{' | '.join(MODELS)} | PATH_TO_HF_CONFIG.json")
+    p.add_argument("--accelerator", required=True, choices=sorted(ACCELERATOR_MEMORY_GB))
+    p.add_argument("--accelerators-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step (train_batch_size)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the model's preset; "
+                                                         "BridgeTower: text tokens)")
+    p.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider (comma separated)")
+    p.add_argument("--out", default="ds_config_tuned.json", help="where the recommended DeepSpeed JSON goes")
+    p.add_argument("--all", action="store_true", help="also list configurations that do not fit")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of markdown")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        if a.accelerators_per_node <= 0 or a.nodes <= 0:
+            raise TuningError("--accelerators-per-node and --nodes must be positive")
+        stages = tuple(int(s) for s in a.stages.split(","))
+        shape = model_shape(a.model, a.seq_len)
+        options = search(shape, a.accelerator, a.accelerators_per_node, a.nodes, a.global_batch,
+                         a.activation_checkpointing, stages)
+    except (TuningError, ValueError) as e:
+        print(f"ds-tune: error: {e}", file=sys.stderr)
+        return 2
+    seq = shape.towers[0].seq
+    best = recommend(options, seq)
+    shown = sorted((o for o in options if a.all or o.fits), key=lambda o: rank_key(o, seq))
+    n = a.accelerators_per_node * a.nodes
+    cap = capacity_bytes(a.accelerator, a.accelerators_per_node)
+    tips = [] if best else what_would_fit(shape, a.accelerator, a.accelerators_per_node, a.nodes,
+                                          a.activation_checkpointing)
+    if best:
+        cfg = ds_config(best, a.global_batch)
+        Path(a.out).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    if a.json:
+        print(json.dumps({
+            "model": shape.name, "params": shape.params, "ranks": n, "capacity_gb": cap / GB,
+            "usable_gb": cap * USABLE_FRACTION / GB,
+            "feasible": [{"stage": o.stage, "micro_batch": o.micro_batch, "grad_accum": o.grad_accum,
+                          "checkpointing": o.checkpointing, "predicted_gb": o.estimate.total / GB,
+                          "headroom_gb": o.headroom / GB} for o in shown if o.fits],
+            "recommended": None if not best else {"stage": best.stage, "micro_batch": best.micro_batch,
+                                                  "grad_accum": best.grad_accum,
+                                                  "checkpointing": best.checkpointing,
+                                                  "predicted_gb": best.estimate.total / GB,
+                                                  "breakdown_gb": {k: v / GB for k, v in best.estimate.parts.items()},
+                                                  "ds_config": a.out},
+            "advice": tips}, indent=2))
+        return 0 if best else 1
+    print(f"## ds-tune: {shape.name} ({shape.params / 1e6:.1f} M parameters{'' if shape.exact else ', by formula'}), "
+          f"seq {seq}, {a.nodes} node(s) x {a.accelerators_per_node} {a.accelerator} = {n} ranks, "
+          f"global batch {a.global_batch}")
+    print(f"Memory per rank: {cap / GB:.1f} GB, usable {cap * USABLE_FRACTION / GB:.1f} GB "
+          f"({100 * (1 - USABLE_FRACTION):.0f} % kept for fragmentation and runtime).")
+    print("Model states: ZeRO-2/3 from DeepSpeed's estimators; ZeRO-0/1 formulas, the ZeRO-3 bf16 partition, "
+          "buffers and activations added by ds_core.tuning.\n")
+    if shown:
+        print(_table(shown, best))
+    else:
+        print("Nothing fits.")
+    if best:
+        e = best.estimate
+        print(f"\nRecommended: ZeRO-{best.stage}, micro batch {best.micro_batch}, gradient accumulation "
+              f"{best.grad_accum}, activation checkpointing {'on' if best.checkpointing else 'off'}: "
+              f"{e.total / GB:.2f} GB predicted, {best.headroom / GB:.2f} GB headroom.")
+        for k, v in e.parts.items():
+            print(f"  {k}: {v / GB:.2f} GB")
+        print(f"DeepSpeed JSON written to {a.out}")
+        if best.checkpointing:
+            print("Note: the model must enable activation checkpointing too (HF: model.gradient_checkpointing_enable()).")
+        return 0
+    print("\nNothing fits. What would:")
+    for t in tips:
+        print(f"  - {t}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
