@@ -109,6 +109,11 @@ def test_prefetch_and_blocks_do_not_change_batches(shard_dir):
         got = PretrainingData(shard_dir, 1, 2, 4, seed=0, prefetch=prefetch, block_samples=block)
         batches = list(got)
         assert len(batches) == len(ref)
+        if prefetch and block == 16:  # the block after the current one is already being read
+            fresh = PretrainingData(shard_dir, 1, 2, 4, seed=0, prefetch=True, block_samples=16)
+            next(iter(fresh))
+            assert len(fresh._cache) == 2
+            fresh.close(wait=True)
         if block == 1000:
             assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(batches, ref))
         else:  # smaller blocks shuffle within smaller windows: other order (so another dropped tail), no repeats
@@ -151,6 +156,38 @@ def test_resume_equals_uninterrupted_across_ranks(shard_dir, world, block):
         next(it), next(it)
         other.load_state_dict(st.state_dict())
         assert torch.equal(next(iter(other))["input_ids"], epoch0[2]["input_ids"])
+
+
+def test_resume_reads_one_block_and_replays_nothing(shard_dir, monkeypatch):
+    import bert_ref.data as data_mod
+
+    loads, made = [], []
+    real_load, real_make = data_mod.load_block, data_mod.make_batch
+    monkeypatch.setattr(data_mod, "load_block", lambda seg, L: loads.append(seg) or real_load(seg, L))
+    monkeypatch.setattr(data_mod, "make_batch", lambda a, idx: made.append(len(idx)) or real_make(a, idx))
+    ref = PretrainingData(shard_dir, 0, 1, 4, seed=2, prefetch=False, block_samples=16)
+    n = len(ref)
+    state = {**ref.state_dict(), "samples": (n - 1) * 4, "batches": n - 1}
+    resumed = PretrainingData(shard_dir, 0, 1, 4, seed=2, prefetch=False, block_samples=16)
+    resumed.load_state_dict(state)
+    loads.clear(), made.clear()
+    batches = list(resumed)
+    assert len(batches) == 1 and sum(made) == 4  # only the one remaining batch is built
+    assert 1 <= len(loads) <= 2  # the block the position falls in (and the next, if the batch straddles two)
+
+
+def test_corrupt_chunk_found_while_reading(tmp_path):
+    path = tmp_path / "c_training_0.hdf5"
+    write_shard(path, synthetic_arrays(20000, L, P, V, seed=0), compression="gzip")  # ~10 chunks of input_ids
+    with h5py.File(path, "r") as f:
+        ds = f["input_ids"]
+        middle = ds.id.get_chunk_info(ds.id.get_num_chunks() // 2)
+    raw = bytearray(path.read_bytes())
+    raw[middle.byte_offset:middle.byte_offset + 32] = b"\x00" * 32
+    path.write_bytes(bytes(raw))
+    data = PretrainingData(tmp_path, 0, 1, 8)  # first and last rows are fine: opens
+    with pytest.raises(ShardError, match=r"c_training_0.hdf5 \[dataset 'input_ids'\]: cannot read"):
+        list(data)
 
 
 def test_resume_refuses_other_world_or_data(shard_dir):
