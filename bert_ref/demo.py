@@ -1,0 +1,134 @@
+"""`make demo`: a generated text corpus -> bert-prep (text -> vocab -> shards) -> 2-rank ZeRO-1 bf16 pretraining of
+the debug preset -> metrics.jsonl -> throughput summary. A few minutes on 2 CPU cores; nothing is downloaded.
+
+    python -m bert_ref.demo --out demo_out [--steps 60] [--ranks 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A small generated "encyclopedia": each document keeps to one topic, so next-sentence prediction has a signal
+# (a random next sentence usually comes from another topic) and masked words are predictable from their context.
+_TOPICS = {
+    "river": ("water", "bank", "boat", "fish", "bridge", "current", "delta", "valley"),
+    "castle": ("tower", "wall", "king", "gate", "knight", "moat", "hall", "banner"),
+    "forest": ("tree", "fox", "path", "leaf", "owl", "moss", "deer", "trail"),
+    "harbor": ("ship", "sailor", "dock", "crane", "cargo", "lighthouse", "pier", "anchor"),
+    "mountain": ("peak", "glacier", "climber", "ridge", "snow", "cabin", "goat", "pass"),
+    "city": ("street", "market", "tram", "square", "bakery", "museum", "clock", "station"),
+}
+_ADJ = ("old", "quiet", "bright", "narrow", "ancient", "busy", "cold", "green", "small", "famous", "northern", "wide")
+_VERB = ("crosses", "faces", "guards", "follows", "surrounds", "reaches", "overlooks", "shelters", "joins", "hides")
+_PLACE = ("near the coast", "in the spring", "after the storm", "before dawn", "during the festival",
+          "by the old road", "at the edge of town", "under a grey sky")
+
+
+def make_corpus(path: Path, docs: int = 240, seed: int = 0) -> None:
+    """Plain text, documents separated by blank lines (bert-prep text's plain format)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(docs):
+        topic = rng.choice(sorted(_TOPICS))
+        words = _TOPICS[topic]
+        sents = [f"The {topic} is {rng.choice(_ADJ)} and well known."]
+        for _ in range(rng.randint(6, 12)):
+            a, b = rng.sample(words, 2)
+            sents.append(f"The {rng.choice(_ADJ)} {a} {rng.choice(_VERB)} the {b} {rng.choice(_PLACE)}.")
+        out.append(" ".join(sents))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(out) + "\n")
+
+
+def _run(cmd: list[str], env: dict | None = None, log: Path | None = None) -> None:
+    print("+", " ".join(cmd), flush=True)
+    if log is None:
+        subprocess.run(cmd, check=True, cwd=REPO, env=env)
+        return
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        sys.stdout.write(log.read_text()[-6000:])
+        raise SystemExit(f"demo: {cmd[0]} failed (exit {proc.returncode}); full log: {log}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="demo_out", help="output directory (replaced)")
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    ap.add_argument("--ranks", type=int, default=2, help="local ranks (deepspeed --num_gpus)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    out = Path(args.out).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    py = sys.executable
+    prep = [py, "-m", "bert_ref.prep"]
+
+    make_corpus(out / "raw" / "corpus.txt")
+    _run([*prep, "text", "--input", str(out / "raw"), "--output", str(out / "text"), "--num-shards", "2",
+          "--workers", "1", "--no-progress"])
+    # <= 1024 tokens: the debug preset's vocabulary
+    _run([*prep, "vocab", "--input", str(out / "text"), "--output", str(out / "vocab.txt"), "--vocab-size", "1000",
+          "--no-progress"])
+    _run([*prep, "shards", "--input", str(out / "text"), "--vocab", str(out / "vocab.txt"), "--output",
+          str(out / "hdf5_seq128"), "--max-seq-length", "128", "--max-predictions-per-seq", "20",
+          "--dupe-factor", "2", "--workers", "1", "--no-progress"])
+    t_prep = time.perf_counter() - t0
+
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    if env["DS_ACCELERATOR"] == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.ranks)))
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false")
+    run_dir = out / "run"
+    deepspeed = str(Path(py).parent / "deepspeed")
+    _run([deepspeed, "--num_gpus", str(args.ranks), "--master_port", str(_free_port()), "--module", "bert_ref.train",
+          "--preset", "debug", "--deepspeed_config", "ds_configs/bert_debug_zero1_bf16.json",
+          "--input_dir", str(out / "hdf5_seq128"), "--run_dir", str(run_dir), "--max_steps", str(args.steps),
+          "--optimizer", "lamb", "--learning_rate", "0.02", "--warmup_proportion", "0.1",
+          "--num_steps_per_checkpoint", str(max(1, args.steps // 2)), "--progress_bar", "false"],
+         env=env, log=out / "train.log")
+
+    metrics = run_dir / "metrics.jsonl"
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in recs if r["type"] == "step"]
+    s = next(r for r in reversed(recs) if r["type"] == "summary")
+
+    def fmt(v, spec=".3g"):
+        return "n/a" if v is None else format(v, spec)
+
+    print("\n== BERT debug pretraining demo: ZeRO-%s %s, %d ranks x micro batch %d, seq %d ==" % (
+        s["zero_stage"], s["precision"], s["world_size"], s["micro_batch"], s["seq_len"]))
+    print(f"steps {s['steps']} (throughput over {s['measured_steps']} steps after {s['warmup_steps_excluded']} "
+          f"warm-up steps, {fmt(s['measured_seconds'], '.2f')} s)")
+    k = max(1, min(5, len(steps) // 4))
+    avg = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+    print(f"MLM loss {avg(steps[:k], 'mlm_loss'):.3f} -> {avg(steps[-k:], 'mlm_loss'):.3f}   NSP loss "
+          f"{avg(steps[:k], 'nsp_loss'):.3f} -> {avg(steps[-k:], 'nsp_loss'):.3f}   (mean of first / last {k} steps)")
+    print(f"samples/s {fmt(s['samples_per_s'])}   seqs/s per accelerator {fmt(s['seqs_per_s_per_accelerator'])}   "
+          f"tokens/s {fmt(s['tokens_per_s'])}")
+    print(f"TFLOPs per accelerator {fmt(s['tflops_per_accelerator'])}   MFU {fmt(s['mfu'])} "
+          f"(peak {fmt(s['peak_tflops_per_accelerator'])} TFLOPs, measured bf16 matmul on this CPU)")
+    print(f"prep {t_prep:.0f} s, total {time.perf_counter() - t0:.0f} s; training log: {out / 'train.log'}")
+    print(f"metrics: {metrics}")
+    return s
+
+
+if __name__ == "__main__":
+    main()
