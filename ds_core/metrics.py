@@ -30,8 +30,9 @@ PEAK_TFLOPS: dict[str, float] = {
 
 def cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds: float = 0.5) -> float:
     """Measured matmul peak of this process on the CPU (its current torch thread count): best of a short probe."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+    g = torch.Generator().manual_seed(0)  # private stream: the probe must not shift the run's RNG (exact resume)
+    a = torch.randn(n, n, generator=g).to(dtype)
+    b = torch.randn(n, n, generator=g).to(dtype)
     torch.mm(a, b)  # warm-up (allocations, kernels)
     best, t_end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < t_end:
