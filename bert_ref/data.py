@@ -418,11 +418,18 @@ class PretrainingData:
         segs, starts, nb = self._plan(self.epoch)
         s = self.samples_done
         if s >= nb * self.micro_batch:
-            return {"file": None, "block_start": None, "offset_in_block": None}
+            return {"file": None, "range_start": None, "block_start": None, "offset_in_block": None,
+                    "offset_in_range": None}
         b = bisect.bisect_right(starts, s) - 1
-        return {"file": Path(segs[b].path).name, "block_start": segs[b].start, "offset_in_block": s - starts[b]}
+        first = b  # first block of this file's range: the offset in the range counts from there
+        while first > 0 and segs[first - 1].path == segs[b].path and segs[first - 1].stop == segs[first].start:
+            first -= 1
+        return {"file": Path(segs[b].path).name, "range_start": segs[first].start, "block_start": segs[b].start,
+                "offset_in_block": s - starts[b], "offset_in_range": s - starts[first]}
 
     def state_dict(self) -> dict:
+        """JSON-able position after the last yielded batch. `samples` (consumed in `epoch`) is what a resume uses and
+        is the same on every rank; file order / file / offsets are this rank's view of it, for people and logs."""
         files = [Path(p).name for p in assign_shards(self.files, self.rank, self.world_size, self.epoch, self.seed)]
         return {"version": 1, "epoch": self.epoch, "samples": self.samples_done,
                 "batches": self.samples_done // self.micro_batch, "micro_batch": self.micro_batch,
