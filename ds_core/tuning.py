@@ -50,11 +50,11 @@ SATURATING_TOKENS = 4096
 MODELS = {
     "bert-large": {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 1024,
                    "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
-                   "vocab_size": 30522, "max_position_embeddings": 512, "type_vocab_size": 2, "seq_len": 128},
+                   "vocab_size": 30528, "max_position_embeddings": 512, "type_vocab_size": 2, "seq_len": 128},
     # the DeepSpeed/Habana BERT-1.5B shape (48 x 1600, 25 heads)
     "bert-1.5b": {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 1600,
                   "num_hidden_layers": 48, "num_attention_heads": 25, "intermediate_size": 6400,
-                  "vocab_size": 32008, "max_position_embeddings": 512, "type_vocab_size": 2, "seq_len": 128},
+                  "vocab_size": 30528, "max_position_embeddings": 512, "type_vocab_size": 2, "seq_len": 128},
     # BridgeTower/bridgetower-large-itm-mlm-itc: RoBERTa-large text tower, CLIP ViT-L/14 at 294 px, 6 cross layers
     "bridgetower-large": {"model_type": "bridgetower", "architectures": ["BridgeTowerForContrastiveLearning"],
                           "hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16,

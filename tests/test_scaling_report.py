@@ -1,0 +1,138 @@
+"""ds_core.scaling: the published BERT-Large table, hand-written metrics.jsonl fixtures (grouping, baseline, broken
+runs), --plot, and (slow) real metrics.jsonl written by ds_core.loop on 1 and 2 ranks."""
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_deepspeed
+from ds_core import scaling
+
+# BERT-Large on 1, 2, 4, 8 nodes of 8 accelerators (issue 7)
+PUBLISHED = "nodes,accelerators,throughput\n1,8,1379.76\n2,16,2705.57\n4,32,5291.58\n8,64,9977.54\n"
+SUMMARY = {"type": "summary", "model": "bert_large", "accelerators_per_node": 8, "accelerator": "hpu",
+           "micro_batch": 64, "grad_accum": 1, "zero_stage": 1, "precision": "bf16", "seq_len": 128,
+           "warmup_steps_excluded": 3, "steps": 50, "tokens_per_s": 0.0, "mfu": 0.4}
+
+
+def write_run(root: Path, name: str, nodes: int, throughput: float, **over) -> Path:
+    """A run directory whose metrics.jsonl has step records and a final summary, as ds_core writes it."""
+    d = root / name
+    d.mkdir(parents=True)
+    world = nodes * over.pop("per_node", 8)
+    summary = {**SUMMARY, "world_size": world, "nodes": nodes, "global_batch": world * 64,
+               "samples_per_s": throughput, "seqs_per_s_per_accelerator": throughput / world, **over}
+    lines = [json.dumps({"type": "step", "step": s, "loss": 5.0, "samples_per_s": throughput}) for s in (1, 2)]
+    (d / "metrics.jsonl").write_text("\n".join(lines + [json.dumps(summary)]) + "\n")
+    return d
+
+
+def report(argv, capsys) -> str:
+    assert scaling.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_published_bert_large_table(tmp_path, capsys):
+    csv = tmp_path / "published.csv"
+    csv.write_text(PUBLISHED)
+    rows = json.loads(report(["--from-table", str(csv), "--format", "json"], capsys))
+    assert [r["nodes"] for r in rows] == [1, 2, 4, 8]
+    assert [r["accelerators"] for r in rows] == [8, 16, 32, 64]
+    assert [round(r["per_accelerator"], 2) for r in rows] == [172.47, 169.10, 165.36, 155.90]
+    assert [round(100 * r["efficiency"], 2) for r in rows] == [100.0, 98.04, 95.88, 90.39]
+    assert [round(r["speedup"], 2) for r in rows] == [1.0, 1.96, 3.84, 7.23]
+    for r in rows:
+        assert {"nodes", "accelerators", "throughput", "per_accelerator", "efficiency", "speedup"} <= set(r)
+    md = report(["--from-table", str(csv)], capsys)
+    assert "| 8 | 64 | 9977.54 | 155.90 | 90.39 | 7.23 |" in md
+    out = report(["--from-table", str(csv), "--format", "csv"], capsys).splitlines()
+    assert out[0].startswith("group,nodes,accelerators,throughput,per_accelerator,efficiency,speedup")
+    assert out[2].startswith("1,2,16,2705.57,169.10,0.9804,1.96")
+
+
+def test_runs_from_metrics_jsonl_and_baseline_nodes(tmp_path, capsys):
+    for nodes, thr in ((1, 1379.76), (2, 2705.57), (4, 5291.58)):
+        write_run(tmp_path, f"n{nodes}", nodes, thr)
+    # a run directory, a metrics.jsonl path and a parent of run directories are all accepted
+    rows = json.loads(report([str(tmp_path / "n1"), str(tmp_path / "n2" / "metrics.jsonl"), str(tmp_path / "n4"),
+                              "--format", "json"], capsys))
+    assert [round(100 * r["efficiency"], 2) for r in rows] == [100.0, 98.04, 95.88]
+    assert rows[0]["baseline"] and rows[0]["model"] == "bert_large"
+    assert len(json.loads(report([str(tmp_path), "--format", "json"], capsys))) == 3
+    rows = json.loads(report([str(tmp_path), "--baseline-nodes", "2", "--format", "json"], capsys))
+    by_nodes = {r["nodes"]: r for r in rows}
+    assert by_nodes[2]["efficiency"] == 1.0 and by_nodes[2]["speedup"] == 1.0
+    assert round(by_nodes[1]["efficiency"], 4) == round(172.47 / (2705.57 / 16), 4)
+    assert scaling.main([str(tmp_path), "--baseline-nodes", "3"]) == 2
+    assert "runs at nodes [1, 2, 4] only" in capsys.readouterr().err
+
+
+def test_incomparable_runs_are_grouped_with_reasons(tmp_path, capsys):
+    write_run(tmp_path, "a1", 1, 1000.0)
+    write_run(tmp_path, "a2", 2, 1900.0)
+    write_run(tmp_path, "mb", 2, 2500.0, micro_batch=32)           # different micro batch
+    write_run(tmp_path, "seq", 2, 600.0, seq_len=512)               # different sequence length
+    write_run(tmp_path, "fp32", 1, 300.0, precision="fp32")         # different precision
+    write_run(tmp_path, "bt", 1, 90.0, model="bridgetower_large")   # different model
+    rows = json.loads(report([str(tmp_path), "--format", "json"], capsys))
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group_index"], []).append(r)
+    assert len(groups) == 5
+    assert [r["nodes"] for r in groups[1]] == [1, 2] and groups[1][0]["reason"] == ""
+    assert round(groups[1][1]["efficiency"], 4) == 0.95
+    reasons = {r["reason"] for g in list(groups.values())[1:] for r in g}
+    assert any("micro_batch 32 vs 64" in x for x in reasons)
+    assert any("seq_len 512 vs 128" in x for x in reasons)
+    assert any("precision 'fp32' vs 'bf16'" in x for x in reasons)
+    assert any("model 'bridgetower_large' vs 'bert_large'" in x for x in reasons)
+    # each separate group is its own baseline: nothing is averaged across groups
+    for g in list(groups.values())[1:]:
+        assert len(g) == 1 and g[0]["efficiency"] == 1.0
+    md = report([str(tmp_path)], capsys)
+    assert md.count("### Group") == 5 and "not comparable with the first group" in md
+
+
+def test_broken_inputs_name_the_file(tmp_path, capsys):
+    d = tmp_path / "crashed"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(json.dumps({"type": "step", "step": 1}) + "\n{\"type\": \"sum")
+    assert scaling.main([str(d)]) == 2
+    err = capsys.readouterr().err
+    assert str(d / "metrics.jsonl") in err and "no {\"type\": \"summary\"} record" in err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("nodes,gpus,throughput\n1,8,10\n")
+    assert scaling.main(["--from-table", str(bad)]) == 2
+    assert "expected at least ['accelerators', 'nodes', 'throughput']" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png_that_opens(tmp_path, capsys):
+    from PIL import Image
+
+    csv = tmp_path / "published.csv"
+    csv.write_text(PUBLISHED)
+    png = tmp_path / "scaling.png"
+    report(["--from-table", str(csv), "--plot", str(png)], capsys)
+    with Image.open(png) as im:
+        im.verify()
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size[0] > 400 and im.size[1] > 200
+
+
+@pytest.mark.slow
+def test_real_metrics_from_two_small_ds_core_runs(tmp_path, capsys):
+    """tests/tiny_train.py trains through ds_core.loop.train on 1 and then 2 ranks; the reporter reads what the loop
+    wrote (no hand-made numbers)."""
+    for ranks in (1, 2):
+        run_deepspeed([str(REPO / "tests" / "tiny_train.py"), "--run_dir", str(tmp_path / f"r{ranks}"),
+                       "--max_steps", "6", "--throughput_warmup_steps", "2", "--progress_bar", "false",
+                       "--save_final_checkpoint", "false", "--num_samples", "256"], num_ranks=ranks)
+    rows = json.loads(report([str(tmp_path / "r1"), str(tmp_path / "r2"), "--format", "json"], capsys))
+    assert [r["accelerators"] for r in rows] == [1, 2]
+    assert len({r["group_index"] for r in rows}) == 1 and rows[0]["baseline"]
+    s2 = [json.loads(x) for x in (tmp_path / "r2" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert s2["type"] == "summary"
+    assert rows[1]["throughput"] == pytest.approx(s2["samples_per_s"], rel=1e-4)
+    assert rows[1]["per_accelerator"] == pytest.approx(s2["samples_per_s"] / 2, rel=1e-4)
+    assert rows[1]["efficiency"] == pytest.approx(rows[1]["per_accelerator"] / rows[0]["per_accelerator"])
+    assert rows[1]["efficiency"] > 0
