@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+from array import array
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
@@ -111,10 +112,10 @@ def _mask(tokens: list[int], p: ShardParams, vocab: Vocab, rng: random.Random) -
     return [i for i, _ in picked], [t for _, t in picked]
 
 
-def instances_from_document(docs: list[list[list[int]]], d: int, p: ShardParams, vocab: Vocab,
+def instances_from_document(docs: list[list[array]], d: int, p: ShardParams, vocab: Vocab,
                             rng: random.Random, out: list) -> None:
     """Append (tokens, len_a, positions, ids, is_random_next) for document `d` (BERT's original algorithm)."""
-    document = docs[d]
+    document = docs[d]  # sentences of int32 token ids
     max_tokens = p.max_seq_length - 3
     target = max_tokens if rng.random() >= p.short_seq_prob else rng.randint(2, max_tokens)
     chunk: list[list[int]] = []
@@ -147,7 +148,7 @@ def instances_from_document(docs: list[list[list[int]]], d: int, p: ShardParams,
                 if a and b:
                     tokens = [vocab.cls, *a, vocab.sep, *b, vocab.sep]
                     positions, ids = _mask(tokens, p, vocab, rng)
-                    out.append((tokens, len(a), positions, ids, random_next))
+                    out.append((array("i", tokens), len(a), array("i", positions), array("i", ids), random_next))
             chunk, length = [], 0
         i += 1
 
@@ -170,7 +171,10 @@ def to_arrays(instances: list, p: ShardParams) -> dict[str, np.ndarray]:
 _TOKENIZER = None
 
 
-def _tokenize_docs(docs: list[list[str]], vocab_file: str, lowercase: bool) -> list[list[list[int]]]:
+def _tokenize_docs(docs: list[list[str]], vocab_file: str, lowercase: bool,
+                   batch_sentences: int = 8192) -> list[list[array]]:
+    """Sentences -> WordPiece ids, as compact int32 arrays (a Python list of ints costs ~8x more memory).
+    Encoded in batches: tokenizers' Encoding objects are large, and a whole shard of them would not be."""
     global _TOKENIZER
     if _TOKENIZER is None or _TOKENIZER[0] != (vocab_file, lowercase):
         from tokenizers import BertWordPieceTokenizer
@@ -178,15 +182,21 @@ def _tokenize_docs(docs: list[list[str]], vocab_file: str, lowercase: bool) -> l
         _TOKENIZER = ((vocab_file, lowercase), BertWordPieceTokenizer(vocab_file, lowercase=lowercase,
                                                                       strip_accents=None, clean_text=True))
     tok = _TOKENIZER[1]
-    flat = [s for doc in docs for s in doc]
-    enc = tok.encode_batch(flat, add_special_tokens=False) if flat else []
-    out, k = [], 0
-    for doc in docs:
-        sents = [e.ids for e in enc[k:k + len(doc)]]
-        k += len(doc)
-        sents = [s for s in sents if s]
-        if sents:
-            out.append(sents)
+    out: list[list[array]] = []
+    start = 0
+    while start < len(docs):
+        stop, n = start, 0
+        while stop < len(docs) and (n == 0 or n + len(docs[stop]) <= batch_sentences):
+            n += len(docs[stop])
+            stop += 1
+        enc = tok.encode_batch([s for doc in docs[start:stop] for s in doc], add_special_tokens=False)
+        k = 0
+        for doc in docs[start:stop]:
+            sents = [array("i", e.ids) for e in enc[k:k + len(doc)] if e.ids]
+            k += len(doc)
+            if sents:
+                out.append(sents)
+        start = stop
     return out
 
 
