@@ -110,3 +110,6 @@ class RunArgs:
     do_predict: bool = field(default=False, metadata={"help": "evaluate on the test split after training"})
     eval_micro_batch_size: int = field(default=0, metadata={
         "help": "per-rank evaluation batch; 0 -> the training micro batch"})
+    export_dir: str = field(default="", metadata={
+        "help": "after the run, write the model (ZeRO-3 partitions gathered) and tokenizer here in "
+                "save_pretrained format; empty -> no export"})

@@ -130,8 +130,10 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
             if not real:
                 continue
             n = b["input_ids"].shape[0]
-            loss_sum += out.loss.detach().double() * n
-            n_sum += n
+            # rows with index < 0 are padding/fill-in repeats: they weigh nothing and are not ranked
+            n_real = int((b["index"] >= 0).sum().item()) if "index" in b else n
+            loss_sum += out.loss.detach().double() * n_real
+            n_sum += n_real
             texts.append(out.text_embeds.float())
             images.append(out.image_embeds.float())
             rows.append(b["index"].long() if "index" in b else
@@ -151,10 +153,10 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
         torch_dist.all_reduce(loss_sum)
         torch_dist.all_reduce(n_sum)
     text, image, row = _gather_rows(text), _gather_rows(image), _gather_rows(row)
-    # A distributed sampler may pad the split with repeats so ranks get equal shares: keep one of each row.
+    # Ranks' shares may be padded with repeats (marked index -1, or a repeated row id): keep one of each row.
     row_sorted, order = torch.sort(row, stable=True)
-    keep = torch.ones_like(row_sorted, dtype=torch.bool)
-    keep[1:] = row_sorted[1:] != row_sorted[:-1]
+    keep = row_sorted >= 0
+    keep[1:] &= row_sorted[1:] != row_sorted[:-1]
     order = order[keep]
     text, image = text[order], image[order]
     result = {f"{prefix}_loss": (loss_sum / n_sum.clamp(min=1)).item(), f"{prefix}_samples": int(text.shape[0])}

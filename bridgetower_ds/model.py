@@ -25,6 +25,30 @@ class BridgeTowerContrastive(BridgeTowerForContrastiveLearning):
 
     global_negatives: bool = False
 
+    def __init__(self, config: BridgeTowerConfig):
+        super().__init__(config)
+        # Checkpoints keep `logit_scale` 0-dim (the transformers layout); see logit_scale_as_1d for why it changes.
+        self.register_state_dict_post_hook(_logit_scale_to_0d)
+        self.register_load_state_dict_pre_hook(_logit_scale_from_0d)
+
+    def logit_scale_as_1d(self) -> None:
+        """Make `logit_scale` a [1] parameter (call before deepspeed.initialize).
+
+        DeepSpeed 0.19 broadcasts parameters as `p.data.view(torch.uint8)` (engine start, ZeRO-3 conversion and
+        gathered saves), which fails on 0-dim tensors ("self.dim() cannot be 0 to view ... as Byte"). The forward
+        pass broadcasts [1] like a scalar; state_dict() / save_pretrained still write the 0-dim layout, and
+        load_state_dict accepts it.
+        """
+        if self.logit_scale.dim() == 0:
+            self.logit_scale = torch.nn.Parameter(self.logit_scale.detach().reshape(1),
+                                                  requires_grad=self.logit_scale.requires_grad)
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is not None:  # e.g. ZeRO-3's gathered state dict, shaped like the live [1] parameter
+            state_dict = dict(state_dict)
+            _logit_scale_to_0d(self, state_dict, "", None)
+        return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, pixel_values=None,
                 pixel_mask=None, inputs_embeds=None, image_embeds=None, return_loss=None, **kwargs):
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
@@ -34,6 +58,20 @@ class BridgeTowerContrastive(BridgeTowerForContrastiveLearning):
             out["loss"] = contrastive_loss(out.text_embeds, out.image_embeds, out.cross_embeds, self.logit_scale,
                                            global_negatives=self.global_negatives)
         return out
+
+
+def _logit_scale_to_0d(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "logit_scale"
+    value = state_dict.get(key)
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == 1:
+        state_dict[key] = value.reshape(())
+
+
+def _logit_scale_from_0d(module, state_dict, prefix, *args) -> None:
+    key = prefix + "logit_scale"
+    value = state_dict.get(key)
+    if isinstance(value, torch.Tensor) and value.dim() != module.logit_scale.dim() and value.numel() == 1:
+        state_dict[key] = value.reshape(module.logit_scale.shape)
 
 
 def load_config(args: ModelArgs) -> BridgeTowerConfig:

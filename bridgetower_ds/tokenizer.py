@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -79,3 +80,17 @@ def load_tokenizer(args: ModelArgs, model_max_length: int = 128) -> PreTrainedTo
         raise ValueError(f"preset {args.preset!r} needs the model's tokenizer: pass --model_name_or_path or "
                          f"--tokenizer_name_or_path (a local directory); only the debug preset builds its own")
     return debug_tokenizer(model_max_length)
+
+
+def expected_padded_length(tokenizer, captions: Sequence[str], micro_batch: int, max_length: int,
+                           pad_to_max: bool = False, sample: int = 2048) -> int:
+    """Caption tokens the model actually runs per sample: max_length when padding to it, else the mean over
+    consecutive micro batches of their longest caption (batches pad to their longest), from the first `sample`
+    captions. Used for FLOPs per sample; never for shapes."""
+    if pad_to_max or not len(captions):
+        return int(max_length)
+    caps = [str(c) for c in captions[:sample]]
+    lengths = [len(ids) for ids in tokenizer(caps, truncation=True, max_length=max_length)["input_ids"]]
+    b = max(1, int(micro_batch))
+    longest = [max(lengths[i:i + b]) for i in range(0, len(lengths), b)]
+    return max(1, round(sum(longest) / len(longest)))

@@ -66,8 +66,10 @@ def test_evaluate_single_process_dedupes_rows_and_restores_mode():
     idx = torch.arange(6)
     # two batches of 4 where the second repeats rows 0 and 1 (padding of a distributed sampler)
     order = [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5, 0, 1])]
+    idx = torch.tensor([0, 1, 2, 3, 4, 5])
     batches = [{"input_ids": enc["input_ids"][o], "attention_mask": enc["attention_mask"][o],
                 "pixel_values": px[o], "index": idx[o]} for o in order]
+    batches[1]["index"][3] = -1  # an eval pad row (data.py marks repeats with -1)
     res = evaluate(model, batches, prefix="test")
     assert res["test_samples"] == 6 and model.training
     assert set(res) >= {"test_loss", "test_i2t_r1", "test_t2i_r10"} and res["test_i2t_r10"] == 1.0

@@ -160,3 +160,23 @@ def test_step_fn_on_plain_module():
     assert out.samples == 4 and out.tokens == int(b["attention_mask"].sum()) and out.loss.ndim == 0
     out.loss.backward()
     assert model.logit_scale.grad is not None
+
+
+def test_logit_scale_1d_for_deepspeed_keeps_checkpoint_layout(tmp_path):
+    model = build_model(ModelArgs(preset="debug"))
+    b = _batch(debug_tokenizer())
+    inputs = {k: v for k, v in b.items() if k != "index"}
+    model.eval()
+    before = model(**inputs, return_loss=True).loss
+    model.logit_scale_as_1d()
+    assert model.logit_scale.shape == (1,) and model.logit_scale.requires_grad
+    assert torch.allclose(model(**inputs, return_loss=True).loss, before)
+    sd = model.state_dict()
+    assert sd["logit_scale"].shape == ()
+    model.load_state_dict(sd)  # 0-dim in, [1] parameter kept
+    assert model.logit_scale.shape == (1,)
+    # save_pretrained with an explicit (e.g. ZeRO-3 gathered) state dict still writes the 0-dim layout
+    model.save_pretrained(tmp_path / "m", state_dict={k: v for k, v in model.named_parameters()} |
+                          {k: v for k, v in model.named_buffers() if k in sd})
+    stock = BridgeTowerForContrastiveLearning.from_pretrained(tmp_path / "m", local_files_only=True)
+    assert stock.logit_scale.shape == () and torch.equal(stock.logit_scale, sd["logit_scale"])
