@@ -25,6 +25,7 @@ Per rank, bf16 mixed precision with Adam(W):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -220,6 +221,10 @@ class Estimate:
 def _ds_estimator(stage: int, params: int, largest: int, per_node: int, nodes: int) -> float | None:
     """DeepSpeed's own number (bytes on the accelerator, no offload) where it has one; None for ZeRO-0/1."""
     try:
+        if stage in (2, 3):
+            # deepspeed's first import logs (accelerator detection) to stdout; keep stdout for the report
+            with contextlib.redirect_stdout(sys.stderr):
+                import deepspeed.runtime.zero.stage3  # noqa: F401
         if stage == 2:
             from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as est2
             return float(est2(params, per_node, nodes, cpu_offload=False)[1])
