@@ -52,7 +52,7 @@ def test_named_settings_come_from_env_with_defaults(hosts):
     argv = out["argv"]
     assert argv[1:] == ["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
                         "--master_port", "29500", "--module", "bert_ref.train", "--deepspeed_config",
-                        "ds_configs/zero1_bf16.json"]
+                        "ds_configs/bert_large_zero1_bf16.json"]
     env = dist_env(LAUNCH_LAUNCHER="no_ssh", LAUNCH_NODE_RANK="0", MASTER_ADDR="10.0.0.9", MASTER_PORT="29611",
                    LAUNCH_PRESET="debug", LAUNCH_MODULE="bridgetower_ds.train", LAUNCH_NODES="1")
     argv = dry(hosts, env=env)["argv"]
