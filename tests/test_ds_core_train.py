@@ -15,11 +15,12 @@ SUMMARY_FIELDS = ["model", "world_size", "nodes", "accelerators_per_node", "acce
                   "tokens_per_s", "tflops_per_accelerator", "mfu"]
 
 
-def ds_json(tmp_path: Path, stage: int, lr: float = 3e-3, accum: int = 1) -> str:
+def ds_json(tmp_path: Path, stage: int, lr: float = 3e-3, accum: int = 1, **extra) -> str:
     """A shipped ZeRO config with a learning rate that lets the tiny model learn in a few steps."""
     cfg = json.loads((DS_CONFIG_DIR / f"zero{stage}_bf16.json").read_text())
     cfg["optimizer"]["params"]["lr"] = lr
     cfg["gradient_accumulation_steps"] = accum
+    cfg.update(extra)
     p = tmp_path / f"zero{stage}.json"
     p.write_text(json.dumps(cfg))
     return str(p)
@@ -37,7 +38,10 @@ def losses(run_dir: Path) -> dict[int, float]:
 def test_tiny_model_trains_with_each_zero_stage(tmp_path, stage):
     run = tmp_path / "run"
     extra = ["--export_dir", str(tmp_path / "hf")] if stage == 3 else []
-    run_deepspeed([SCRIPT, "--run_dir", str(run), "--deepspeed_config", ds_json(tmp_path, stage, accum=2),
+    # ZeRO-2 also checks that metrics reach DeepSpeed's monitor when the JSON enables one.
+    monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "tiny"}} \
+        if stage == 2 else {}
+    run_deepspeed([SCRIPT, "--run_dir", str(run), "--deepspeed_config", ds_json(tmp_path, stage, accum=2, **monitor),
                    "--max_steps", "30", "--progress_bar", "false", "--save_final_checkpoint", "false", *extra])
     ls = losses(run)
     first, last = sum(ls[s] for s in (1, 2, 3)) / 3, sum(ls[s] for s in (28, 29, 30)) / 3
@@ -46,6 +50,9 @@ def test_tiny_model_trains_with_each_zero_stage(tmp_path, stage):
     assert summary["zero_stage"] == stage and summary["world_size"] == 2 and summary["grad_accum"] == 2
     for f in SUMMARY_FIELDS:
         assert summary[f] is not None, f
+    if stage == 2:
+        csvs = {p.name for p in (tmp_path / "csv").rglob("*.csv")}
+        assert "Train_samples_per_s.csv" in csvs and "Train_loss.csv" in csvs, csvs
     if stage == 3:  # ZeRO-3 partitions were gathered into a loadable Hugging Face model
         from transformers import BertForSequenceClassification
 
@@ -90,3 +97,21 @@ def test_nan_stops_run_and_incompatible_resume_is_named(tmp_path):
                          check=False)
     assert proc.returncode != 0
     assert "zero_stage: checkpoint 1, this run 3" in proc.stdout
+
+
+def test_mpirun_discovery(tmp_path):
+    """`mpirun -n 2 python script.py`: ranks come from mpi4py discovery (no launcher variables)."""
+    import subprocess
+    import sys
+
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if not mpirun.exists():
+        pytest.skip("no mpirun in the venv (install the 'mpi' extra)")
+    env = {k: v for k, v in dist_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    run = tmp_path / "run"
+    proc = subprocess.run([str(mpirun), "-n", "2", sys.executable, SCRIPT, "--run_dir", str(run), "--max_steps", "3",
+                           "--progress_bar", "false", "--deepspeed_config", ds_json(tmp_path, 1)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    summary = records(run, "summary")[0]
+    assert summary["world_size"] == 2 and summary["steps"] == 3
