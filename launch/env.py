@@ -122,6 +122,31 @@ def resolve_profile(name: str, environ: Mapping[str, str] | None = None) -> dict
     return out
 
 
+def profile_entries(name: str) -> list[tuple[str, str, str]]:
+    """The profile's raw (name, op, value) entries, after checking that it resolves."""
+    resolve_profile(name)
+    path = profile_path(name)
+    return parse_env_text(path.read_text(), str(path), profile=True)
+
+
+def compare_with_profile(entries: list[tuple[str, str, str]], seen: Mapping[str, str]) -> tuple[bool, str]:
+    """Whether `seen` (what a rank will get) holds the profile: `=` entries equal, `+=` path parts contained."""
+    missing, differ = [], []
+    for name, op, value in entries:
+        have = seen.get(name)
+        if have is None:
+            missing.append(name)
+        elif op == "+=":
+            if not all(p in have.split(":") for p in value.split(":") if p):
+                differ.append(name)
+        elif have != value:
+            differ.append(f"{name}={have}")
+    if missing or differ:
+        return False, "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
+                                              f"differs {', '.join(differ)}" if differ else ""]))
+    return True, f"{len(entries)} variables set"
+
+
 def read_env_file(path: str | os.PathLike) -> dict[str, str]:
     p = Path(path)
     try:

@@ -152,24 +152,6 @@ def probe_remote(host: str, args, names: Sequence[str], port: int) -> tuple[dict
         return None, f"ssh {host}: unreadable probe output {proc.stdout[-200:]!r}"
 
 
-def profile_check(profile_raw: list[tuple[str, str, str]], seen: dict[str, str]) -> tuple[bool, str]:
-    missing, differ = [], []
-    for name, op, value in profile_raw:
-        have = seen.get(name)
-        if have is None:
-            missing.append(name)
-        elif op == "+=":
-            parts = have.split(":")
-            if not all(p in parts for p in value.split(":") if p):
-                differ.append(name)
-        elif have != value:
-            differ.append(f"{name}={have}")
-    if missing or differ:
-        return False, "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
-                                              f"differs {', '.join(differ)}" if differ else ""]))
-    return True, f"{len(profile_raw)} variables set"
-
-
 def ds_config_check(path: str, world: int) -> tuple[bool, str]:
     try:
         from ds_core.config import ConfigError, load_ds_config
@@ -196,10 +178,8 @@ def run_checks(args) -> list[tuple[str, str, str, str]]:
     profile_raw: list[tuple[str, str, str]] = []
     if args.profile:
         try:
-            path = envmod.profile_path(args.profile)
-            envmod.resolve_profile(args.profile)  # validates the prepended values too
             # raw entries: a `+=` path list only has to be contained in the host's value
-            profile_raw = envmod.parse_env_text(path.read_text(), str(path), profile=True)
+            profile_raw = envmod.profile_entries(args.profile)
         except envmod.EnvFileError as e:
             rows.append(("(job)", "profile", FAIL, str(e)))
     try:
@@ -236,7 +216,7 @@ def run_checks(args) -> list[tuple[str, str, str, str]]:
         if args.profile and profile_raw:
             seen = dict(info["env"])
             seen.update(exported)
-            ok, detail = profile_check(profile_raw, seen)
+            ok, detail = envmod.compare_with_profile(profile_raw, seen)
             rows.append((h.name, f"profile {args.profile}", PASS if ok else FAIL, detail))
         if args.data_dir:
             ok, detail = info["data_dir"]

@@ -132,17 +132,14 @@ def rank_env_additions(args, cwd: str | None = None) -> dict[str, str]:
 def check_deepspeed_env_has_profile(args, cwd: str | None = None) -> None:
     """pdsh/openmpi/mpich: DeepSpeed exports .deepspeed_env itself; make sure the file is readable by it and holds
     the profile, so a node never starts without its fabric settings."""
-    present = envmod.load_deepspeed_env(cwd)
+    present = envmod.load_deepspeed_env(cwd)  # validates the file even without a profile
     if not args.profile:
         return
-    want = envmod.resolve_profile(args.profile)
-    missing = [k for k, v in want.items() if k not in present]
-    differ = [k for k, v in want.items() if k in present and present[k] != v and k != "LD_LIBRARY_PATH"]
-    if missing or differ:
+    ok, detail = envmod.compare_with_profile(envmod.profile_entries(args.profile), present)
+    if not ok:
         raise LaunchError(
-            f"profile {args.profile}: .deepspeed_env lacks {', '.join(missing) or '-'}"
-            f"{'; differs for ' + ', '.join(differ) if differ else ''}. DeepSpeed exports only that file to other "
-            f"nodes: run `python -m launch.env write --profile {args.profile}` here first")
+            f"profile {args.profile}: .deepspeed_env {detail}. DeepSpeed exports only that file to other nodes: "
+            f"run `python -m launch.env write --profile {args.profile}` here first")
 
 
 def _mpi_flavor(args) -> str:

@@ -106,6 +106,7 @@ def two_namespaces():
     made = []
     try:
         for ns in names:
+            _ip("netns", "del", ns)  # a leftover of an earlier interrupted run of this test (same pid)
             r = _ip("netns", "add", ns)
             if r.returncode != 0:
                 pytest.skip(f"network namespace variant: `ip netns add` failed ({r.stderr.strip()}); needs root or "

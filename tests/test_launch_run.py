@@ -106,7 +106,7 @@ def test_each_launcher_builds_its_command(hosts):
 @pytest.mark.parametrize("args, message", [
     (["--launcher", "no_ssh", "--node_rank", "0"], "--master_addr (or $MASTER_ADDR) is required"),
     (["--launcher", "no_ssh", "--node_rank", "2", "--master_addr", "x"], "--node_rank 2 is outside 0..1"),
-    (["--profile", "efa"], "profile efa: .deepspeed_env lacks HCCL_OVER_OFI"),
+    (["--profile", "efa"], "profile efa: .deepspeed_env missing HCCL_OVER_OFI"),
     (["--launcher", "mpich", "--hostfile", "uneven"], "uneven line 2: host node1 has slots=1 but node0"),
     (["--hostfile", "missing"], "missing: cannot read hostfile"),
     (["--launcher", "openmpi", "--nodes", "1"], "cannot limit nodes"),
