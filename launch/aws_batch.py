@@ -144,8 +144,7 @@ def prepare(args, env: Mapping[str, str]) -> None:
           f"hostfile {args.hostfile}", flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    own, extra = run.split_extra(sys.argv[1:] if argv is None else argv)
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.aws_batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_run_arguments(p)
@@ -158,7 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("--node_addr", default="",
                    help="address this node registers with (default: the local address of its connection to the "
                         "main node)")
-    args = p.parse_args(own)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    own, extra = run.split_extra(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(own)
     try:
         prepare(args, os.environ)
         return run.launch(args, extra)

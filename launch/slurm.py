@@ -23,29 +23,35 @@ def slots_from_env(env: Mapping[str, str], default: int) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else default
 
 
-def prepare(args, env: Mapping[str, str]) -> None:
+def prepare(args, env: Mapping[str, str], hostfile_given: bool = False) -> None:
     """Fill hostfile / node_rank / master_addr / launcher from the Slurm environment."""
     node_id = env.get("SLURM_NODEID", "")
     if not node_id.isdigit():
         raise run.LaunchError("launch.slurm: SLURM_NODEID is not set; start it with "
                               "`srun --ntasks-per-node=1 python -m launch.slurm ...` inside an allocation")
     hosts = hf.hosts_from_slurm(env, slots_from_env(env, args.slots))
-    path = Path(args.hostfile) if "LAUNCH_HOSTFILE" in env else \
+    # default: a node-local file, so nodes sharing a working directory never write the same path
+    path = Path(args.hostfile) if hostfile_given else \
         Path(tempfile.gettempdir()) / f"ds_hostfile_{env.get('SLURM_JOB_ID', 'nojob')}_{socket.gethostname()}"
-    hf.write_hostfile(hosts, path)  # node-local path; every node writes identical contents
+    hf.write_hostfile(hosts, path)  # every node writes identical contents
     args.hostfile = str(path)
     args.node_rank = int(node_id)
     args.master_addr = args.master_addr or hosts[0].name
     args.launcher = "no_ssh"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    own, extra = run.split_extra(sys.argv[1:] if argv is None else argv)
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__)
     run.add_run_arguments(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    own, extra = run.split_extra(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
     args = p.parse_args(own)
     try:
-        prepare(args, os.environ)
+        prepare(args, os.environ, hostfile_given=args.hostfile != p.get_default("hostfile"))
         return run.launch(args, extra)
     except (run.LaunchError, hf.HostfileError, run.envmod.EnvFileError) as e:
         print(f"error: {e}", file=sys.stderr)

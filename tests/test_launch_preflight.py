@@ -71,3 +71,27 @@ def test_only_remote_hosts_use_ssh():
     assert preflight.is_local("localhost") and preflight.is_local("127.0.0.1")
     assert preflight.is_local(socket.gethostname())
     assert not preflight.is_local("node-that-does-not-exist.invalid")
+
+
+def test_remote_hosts_are_probed_over_ssh_with_quoted_arguments(tmp_path):
+    """A stand-in `ssh` runs the remote command string with bash, as sshd would: the probe's arguments must arrive
+    whole (a data dir named like a shell command runs nothing) and an unreachable host is a FAIL row."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ssh"
+    fake.write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift 2; done\nhost=$1; shift\n'
+                    'if [[ "$host" == down* ]]; then echo "ssh: connect to host $host: refused" >&2; exit 255; fi\n'
+                    'exec bash -c "$*"\n')
+    fake.chmod(0o755)
+    marker = tmp_path / "pwned"
+    (tmp_path / "hostfile").write_text("remote-a slots=1\ndown-b slots=1\n")
+    env = dist_env(DS_ACCELERATOR="cpu", PATH=f"{bin_dir}:{__import__('os').environ['PATH']}")
+    code, rows, out = run_preflight(tmp_path, "--hostfile", "hostfile", "--data_dir", f"x'; touch {marker}; '",
+                                    "--master_port", str(free_port()), env=env)
+    assert code == 1, out
+    assert rows[("remote-a", "reachable")] == {"host": "remote-a", "check": "reachable", "result": "PASS",
+                                                "detail": "ssh ok"}
+    assert rows[("remote-a", "python")]["result"] == "PASS" and rows[("remote-a", "master_port")]["result"] == "PASS"
+    assert rows[("remote-a", "data_dir")]["result"] == "FAIL"
+    assert rows[("down-b", "reachable")]["result"] == "FAIL" and "refused" in rows[("down-b", "reachable")]["detail"]
+    assert not marker.exists()
