@@ -5,10 +5,12 @@ at int(1333/800*S), both are floored to a multiple of `size_divisor` (32), then 
 when the resized image is smaller than S (very wide or tall images). Zero padding happens in uint8 space, before
 normalization, as in the reference.
 
-Speed, per the issue: JPEGs are decoded at a reduced DCT scale (`Image.draft`) when that still leaves at least the
-resize target, and pixels stay uint8 until the accelerator normalizes them. The resize itself is torch's uint8
-bicubic antialias kernel (channels-last, vectorized), which agrees with PIL's bicubic to within 1 grey level at ~8x
-the speed of PIL on this machine; the geometry and the filter (Keys a=-0.5 with antialias support) are PIL's.
+Speed, per the issue: JPEGs are decoded at a reduced DCT scale (1/2, 1/4, 1/8) when that still leaves at least the
+resize target (`--jpeg_draft`, PIL's `Image.draft` semantics), and pixels stay uint8 until the accelerator normalizes
+them. JPEG decoding goes through simplejpeg (libjpeg-turbo into numpy, bit-identical to PIL's output, less overhead)
+when installed, PIL otherwise and for everything that is not a plain RGB/grayscale JPEG. The resize is torch's uint8
+bicubic antialias kernel (channels-last, vectorized): same geometry and filter as PIL's bicubic (Keys a=-0.5,
+support scaled when downsampling), within 2 grey levels of it (rounding), several times faster on the CPU.
 
 Device pipelines (`--image_pipeline device`) take encoded bytes from the loader workers and decode on the accelerator:
 CUDA uses torchvision's batched nvJPEG decoder, HPU a Habana media pipe (see `hpu_pipe.py`), and CPU a thread pool in
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +31,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
+
+try:  # libjpeg-turbo straight into a numpy array: bit-identical to PIL's decode, ~40% less CPU per 640x480 image
+    import simplejpeg
+except ImportError:  # optional: PIL does everything, just slower
+    simplejpeg = None
 
 log = logging.getLogger(__name__)
 # np.asarray(PIL image) is read-only; torch warns when wrapping it. We never write into it (resize makes new memory),
@@ -127,9 +135,38 @@ def to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+def draft_scale(height: int, width: int, size: int) -> int:
+    """The DCT reduction (1, 2, 4, 8) PIL's draft would pick: the largest that keeps >= the resize target."""
+    th, tw = resize_target(height, width, size)
+    scale = max(1, min(width // max(tw, 1), height // max(th, 1)))  # 0 when upsampling
+    return next(s for s in (8, 4, 2, 1) if scale >= s)
+
+
+def _decode_turbo(data: bytes, name: str, size: int, draft: bool, max_pixels: int):
+    """simplejpeg fast path for plain JPEGs; None -> let PIL handle it (CMYK, odd files, real errors)."""
+    try:
+        h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    if colorspace not in ("YCbCr", "Gray", "RGB") or h <= 0 or w <= 0:
+        return None
+    if w * h > max_pixels:
+        raise BadImage(name, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (decompression bomb guard)")
+    s = draft_scale(h, w, size) if draft else 1
+    try:
+        arr = simplejpeg.decode_jpeg(data, "RGB", min_height=-(-h // s), min_width=-(-w // s))
+    except ValueError:  # truncated / corrupt: PIL decides and words the error
+        return None
+    return arr, (h, w)
+
+
 def decode(data: bytes, name: str, size: int, draft: bool = True,
            max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, tuple[int, int]]:
     """Decode to RGB uint8 HWC. Returns (pixels, (orig_h, orig_w)); pixels may be DCT-reduced when `draft`."""
+    if simplejpeg is not None and data[:3] == JPEG_MAGIC:
+        out = _decode_turbo(data, name, size, draft, max_pixels)
+        if out is not None:
+            return out
     im = open_image(data, name, max_pixels)
     w, h = im.size
     try:
@@ -162,31 +199,62 @@ def resize_float(t: torch.Tensor, out_hw: tuple[int, int]) -> torch.Tensor:
     return F.interpolate(t, out_hw, mode="bicubic", antialias=True).round_().clamp_(0, 255)
 
 
+def crop_window(n_in: int, n_out: int, start: int, size: int, max_den: int = 16) -> tuple[int, int, int, int] | None:
+    """Resize only the part of one axis that the center crop keeps, plus a margin wider than the filter support.
+
+    With in/out = p/q, an output range [lo, hi) with lo, hi multiples of q maps to the integer input range
+    [lo*p/q, hi*p/q), and the antialias filter taps of interior outputs are the same as in the full resize, so the
+    kept pixels come out bit-identical (checked in tests) for ~15% less work on 4:3 photos. None -> resize it all.
+    """
+    from fractions import Fraction  # noqa: PLC0415
+
+    r = Fraction(n_in, n_out)
+    q = r.denominator
+    if q > max_den or start < 0:
+        return None
+    margin = math.ceil(2 * max(r, 1) / r) + 2  # filter support (2 input px, scaled when downsampling) in output px
+    lo = max(0, (start - margin) // q * q)
+    hi = min(n_out, -(-(start + size + margin) // q) * q)
+    if hi - lo >= n_out - q:
+        return None
+    return int(lo * r), int(hi * r), lo, hi
+
+
 def resize_crop_u8(arr: np.ndarray, orig_hw: tuple[int, int], size: int) -> np.ndarray:
-    """HWC uint8 (possibly draft-reduced) -> S x S x 3 uint8 with the reference geometry, on the CPU."""
+    """HWC uint8 (possibly draft-reduced) -> [3, S, S] uint8 (CHW) with the reference geometry, on the CPU."""
     th, tw = resize_target(orig_hw[0], orig_hw[1], size)
     t = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1).unsqueeze(0)  # channels-last view, no copy
-    if t.shape[-2:] != (th, tw):
-        t = _resize_u8_cpu(t, (th, tw))
-    t = crop_or_pad(t, size)
-    return t[0].permute(1, 2, 0).contiguous().numpy()
+    h, w = t.shape[-2:]
+    if (h, w) != (th, tw):
+        top, left = (th - size) // 2, (tw - size) // 2
+        win_y = crop_window(h, th, top, size) if top >= 0 and left >= 0 else None
+        win_x = crop_window(w, tw, left, size) if top >= 0 and left >= 0 else None
+        y0, y1, oy0, oy1 = win_y or (0, h, 0, th)
+        x0, x1, ox0, ox1 = win_x or (0, w, 0, tw)
+        t = _resize_u8_cpu(t[..., y0:y1, x0:x1], (oy1 - oy0, ox1 - ox0))
+        if win_y or win_x:
+            t = t[..., top - oy0:top - oy0 + size, left - ox0:left - ox0 + size]
+    # The one copy of the crop, into CHW: the accelerator then converts contiguous memory (no strided gather).
+    return crop_or_pad(t, size)[0].contiguous().numpy()
 
 
 def host_transform(data: bytes, name: str, size: int, draft: bool = True,
                    max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """The host pipeline for one image: bytes -> S x S x 3 uint8 (normalization happens on the accelerator)."""
+    """The host pipeline for one image: bytes -> [3, S, S] uint8 (normalization happens on the accelerator)."""
     arr, orig = decode(data, name, size, draft, max_pixels)
     return resize_crop_u8(arr, orig, size)
 
 
-def normalize(u8_bhwc: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-    """[B,S,S,3] uint8 -> [B,3,S,S] float32 normalized with CLIP mean/std, computed on `device`."""
-    x = u8_bhwc.to(device, non_blocking=True) if device is not None else u8_bhwc
-    x = x.permute(0, 3, 1, 2).float()
-    mean = torch.tensor(CLIP_MEAN, device=x.device, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD, device=x.device, dtype=torch.float32).view(1, 3, 1, 1)
-    # Same arithmetic order as the reference (rescale by 1/255, then (x - mean) / std) so float32 results agree.
-    return (x * (1 / 255) - mean) / std
+def normalize(u8: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """[B,3,S,S] uint8 -> [B,3,S,S] float32 CLIP-normalized, computed on `device` (the uint8 batch is what moves).
+
+    One fused scale-and-shift, x * 1/(255 std) - mean/std: within 1e-6 of the reference's (x/255 - mean)/std.
+    """
+    x = u8.to(device, non_blocking=True) if device is not None else u8
+    std = torch.tensor(CLIP_STD, dtype=torch.float64)
+    scale = (1.0 / (255.0 * std)).float().view(1, 3, 1, 1).to(x.device)
+    shift = (-torch.tensor(CLIP_MEAN, dtype=torch.float64) / std).float().view(1, 3, 1, 1).to(x.device)
+    return torch.addcmul(shift, x.float(), scale)
 
 
 # ---------------------------------------------------------------------------------------------------- device decoders
@@ -277,8 +345,7 @@ class CudaDecoder(DeviceDecoder):
         if im.format != "JPEG" or im.mode not in ("RGB", "L"):
             return None
         w, h = im.size
-        th, tw = resize_target(h, w, self.size)
-        if self.draft and min(w // max(tw, 1), h // max(th, 1)) >= 2:
+        if self.draft and draft_scale(h, w, self.size) >= 2:
             return None
         return h, w
 
@@ -319,14 +386,11 @@ class CudaDecoder(DeviceDecoder):
             arrs, keep, cbad = self.cpu.decode_u8([items[i] for i in cpu_rows], [names[i] for i in cpu_rows])
             bad.extend(cbad)
             for k, a in zip(keep, arrs):
-                out[cpu_rows[k]] = torch.from_numpy(a).to(self.device, non_blocking=True).permute(2, 0, 1)
+                out[cpu_rows[k]] = torch.from_numpy(a).to(self.device, non_blocking=True)
         keep = sorted(out)
         if not keep:
             return None, keep, bad
-        x = torch.stack([out[i].float() for i in keep])  # [B,3,S,S] 0..255
-        mean = torch.tensor(CLIP_MEAN, device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(CLIP_STD, device=x.device).view(1, 3, 1, 1)
-        return (x * (1 / 255) - mean) / std, keep, bad
+        return normalize(torch.stack([out[i].to(torch.uint8) for i in keep])), keep, bad
 
     def close(self):
         self.cpu.close()

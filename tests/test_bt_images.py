@@ -86,9 +86,9 @@ def test_draft_decode_within_stated_tolerance():
 
 
 def test_normalize_arithmetic_matches_reference_formula():
-    u8 = torch.randint(0, 256, (2, 8, 8, 3), dtype=torch.uint8)
+    u8 = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
     got = I.normalize(u8)
-    x = u8.permute(0, 3, 1, 2).double() / 255
+    x = u8.double() / 255
     want = (x - torch.tensor(I.CLIP_MEAN, dtype=torch.float64).view(1, 3, 1, 1)) / torch.tensor(
         I.CLIP_STD, dtype=torch.float64).view(1, 3, 1, 1)
     assert got.dtype == torch.float32 and got.shape == (2, 3, 8, 8)
@@ -150,7 +150,7 @@ def test_very_large_image_uses_draft_and_bomb_guard():
     arr, orig = I.decode(data, "big.jpg", 288)
     assert orig == (8000, 8000) and arr.shape == (1000, 1000, 3)  # 1/8 DCT scale: 3 MB instead of 192 MB
     out = I.host_transform(data, "big.jpg", 288)
-    assert out.shape == (288, 288, 3) and abs(int(out[100, 100, 0]) - 200) <= 2
+    assert out.shape == (3, 288, 288) and abs(int(out[0, 100, 100]) - 200) <= 2
     with pytest.raises(I.BadImage, match="decompression bomb"):
         I.host_transform(data, "big.jpg", 288, max_pixels=50_000_000)
 
@@ -171,12 +171,21 @@ def test_thread_decoder_equals_host_and_reports_bad():
     assert torch.equal(pv, host)
 
 
+@pytest.mark.parametrize("w,h", [(640, 480), (480, 640), (800, 600), (1024, 768), (500, 375), (640, 427), (150, 100)])
+def test_windowed_resize_equals_full_resize_then_crop(w, h):
+    arr = photo(w, h, seed=h)
+    th, tw = I.resize_target(h, w, 288)
+    t = torch.from_numpy(arr).permute(2, 0, 1)[None]
+    full = I.crop_or_pad(torch.nn.functional.interpolate(t, (th, tw), mode="bicubic", antialias=True), 288)[0]
+    assert torch.equal(torch.from_numpy(I.resize_crop_u8(arr, (h, w), 288)), full)
+
+
 def test_cuda_resize_path_matches_host_on_cpu_tensors():
     """The CUDA decoder's float resize (used on GPU tensors) agrees with the host uint8 kernel: checked on CPU."""
     arr = photo(640, 480, seed=11)
     host = I.resize_crop_u8(arr, (480, 640), 288).astype(np.int16)
     t = torch.from_numpy(arr).permute(2, 0, 1)[None].float()
-    dev = I.crop_or_pad(I.resize_float(t, I.resize_target(480, 640, 288)), 288)[0].permute(1, 2, 0)
+    dev = I.crop_or_pad(I.resize_float(t, I.resize_target(480, 640, 288)), 288)[0]
     assert np.abs(dev.numpy().astype(np.int16) - host).max() <= 1
 
 
@@ -229,3 +238,11 @@ def test_hpu_jpeg_file_checks(tmp_path):
     cmyk.write_bytes(jpeg_bytes(photo(40, 30), mode="CMYK"))
     assert "CMYK" in jpeg_file_problem(str(cmyk), I.DEFAULT_MAX_PIXELS)
     assert "not found" in jpeg_file_problem(str(tmp_path / "none.jpg"), I.DEFAULT_MAX_PIXELS)
+
+
+def test_pil_fallback_without_simplejpeg_is_identical(monkeypatch):
+    datas = [jpeg_bytes(photo(640, 480, seed=21)), jpeg_bytes(photo(1300, 900, seed=22))]
+    fast = [I.host_transform(d, "x", 288) for d in datas]
+    monkeypatch.setattr(I, "simplejpeg", None)
+    slow = [I.host_transform(d, "x", 288) for d in datas]
+    assert all(np.array_equal(a, b) for a, b in zip(fast, slow))  # same libjpeg-turbo output, same draft scale
