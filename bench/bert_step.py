@@ -1,0 +1,213 @@
+"""BERT training-step benchmark on the CPU accelerator (DeepSpeed engine, bf16).
+
+1. MFU: one process, ZeRO-0, a BERT-Large-shaped slice (hidden 1024, 16 heads, 4 layers, seq 128, vocab 30528).
+   Training-step TFLOPs come from ds_core.metrics (the one clock, warm-up steps excluded) with bert_ref's FLOPs per
+   sequence; the baseline is this CPU's bf16 matmul peak, measured in the same run by ds_core.metrics.cpu_peak_tflops
+   with the same thread count. MFU = step TFLOPs / matmul peak.
+2. Memory: two ranks, a BERT-1.5B-shaped slice (hidden 1600, 25 heads, 2 layers), LANS (the 1.5B optimizer), one
+   launch with ZeRO-0 and one with ZeRO-1. Per rank: optimizer-state bytes (fp32 master weights + moments, read from
+   the tensors the optimizer holds) and the process peak RSS.
+The last line printed is one JSON object (mfu, zero1_over_zero0_optimizer_memory, ...).
+
+    python bench/bert_step.py [--micro_batch 16] [--grad_accum 2] [--steps 6] [--threads N] [--compile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+LARGE_SLICE = dict(name="bert_large_4l", num_hidden_layers=4)
+BIG_SLICE = dict(name="bert_1p5b_2l", num_hidden_layers=2)
+
+
+def _ds_config(micro: int, accum: int, stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
+            "bf16": {"enabled": True}, "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000_000},
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+
+
+def _shards(tmp: Path, n: int, seq: int, preds: int, vocab: int) -> Path:
+    from bert_ref.prep.h5io import synthetic_arrays, write_shard
+
+    d = tmp / f"shards_{seq}"
+    d.mkdir(parents=True, exist_ok=True)
+    write_shard(d / "part-00000.hdf5", synthetic_arrays(n, seq, preds, vocab_size=vocab, seed=0), compression=None)
+    return d
+
+
+def _engine(preset, ds_config: dict, optimizer: str, compile_model: bool = False):
+    from bert_ref.model import build_model
+    from bert_ref.optim import OptimArgs, build_optimizer, schedule_for
+    from ds_core.engine import build_engine
+
+    model = build_model(preset)
+    args = OptimArgs(optimizer=optimizer, learning_rate=1e-4, warmup_proportion=0.0)
+    engine = build_engine(model, ds_config, optimizer=build_optimizer(model, args),
+                          lr_scheduler=schedule_for(args, 10**6))
+    if compile_model:
+        engine.compile()
+    return engine
+
+
+def mfu_part(a: argparse.Namespace, tmp: Path) -> dict:
+    """One process: the whole training step (fwd, bwd, bf16 grads -> fp32 master, clip, LAMB) through ds_core.train."""
+    import dataclasses
+
+    import torch
+
+    from bert_ref.configs import bert_large
+    from bert_ref.data import build_data
+    from bert_ref.model import flops_per_sequence
+    from bert_ref.step import step_fn
+    from ds_core.config import TrainConfig
+    from ds_core.engine import init_distributed, set_seed
+    from ds_core.loop import train
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    preset = dataclasses.replace(bert_large(1), **LARGE_SLICE)
+    dist = init_distributed()
+    set_seed(0)
+    total = a.micro_batch * a.grad_accum * (a.steps + a.warmup)
+    data = build_data(str(_shards(tmp, total, 128, 20, 30522)), 0, 1, a.micro_batch)
+    engine = _engine(preset, _ds_config(a.micro_batch, a.grad_accum, 0), "lamb", a.compile)
+    cfg = TrainConfig(run_dir=str(tmp / "mfu_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
+                      save_final_checkpoint=False, progress_bar=False)
+    s = train(engine, step_fn, data, cfg, dist, model_name=preset.name, flops_per_sample=flops_per_sequence(preset),
+              seq_len=preset.seq_len)
+    data.close()
+    print(f"[mfu] {preset.name}: micro {a.micro_batch} x accum {a.grad_accum}, threads {torch.get_num_threads()}, "
+          f"compile {a.compile}: {s['samples_per_s']:.2f} seq/s, {s['tflops_per_accelerator']:.3f} TFLOPs vs bf16 "
+          f"matmul peak {s['peak_tflops_per_accelerator']:.3f} TFLOPs -> MFU {s['mfu']:.3f}", flush=True)
+    return {"mfu": s["mfu"], "step_tflops": s["tflops_per_accelerator"],
+            "peak_bf16_matmul_tflops": s["peak_tflops_per_accelerator"], "seqs_per_s": s["samples_per_s"],
+            "flops_per_seq": flops_per_sequence(preset), "micro_batch": a.micro_batch, "grad_accum": a.grad_accum,
+            "threads": torch.get_num_threads(), "compile": a.compile}
+
+
+def optimizer_state_bytes(engine) -> dict:
+    """Bytes of the tensors the wrapped torch optimizer holds on this rank: its parameters (DeepSpeed's fp32 master
+    copies: the full model under ZeRO-0, this rank's flat partition under ZeRO-1) and its state (moments)."""
+    import torch
+
+    inner = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    seen: set = set()
+
+    def nbytes(tensors) -> int:
+        n = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.numel() > 1:
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+                if key not in seen:
+                    seen.add(key)
+                    n += t.numel() * t.element_size()
+        return n
+
+    master = nbytes(p for g in inner.param_groups for p in g["params"])
+    moments = nbytes(v for st in inner.state.values() for v in st.values())
+    return {"master_bytes": master, "moment_bytes": moments, "optimizer_state_bytes": master + moments}
+
+
+def memory_worker(stage: int, out: Path) -> None:
+    """One rank of the memory launch: build the 1.5B slice engine, run 2 optimizer steps, write this rank's numbers."""
+    import dataclasses
+
+    from bert_ref.configs import bert_1p5b
+    from bert_ref.data import build_data
+    from bert_ref.step import step_fn
+    from ds_core.engine import init_distributed, set_seed
+
+    preset = dataclasses.replace(bert_1p5b(1), **BIG_SLICE)
+    dist = init_distributed()
+    set_seed(0)
+    data = build_data(os.environ["BENCH_SHARDS"], dist.rank, dist.world_size, 2)
+    engine = _engine(preset, _ds_config(2, 1, stage), "lans")
+    it = iter(data)
+    for _ in range(2):
+        out_ = step_fn(engine, next(it))
+        engine.backward(out_.loss)
+        engine.step()
+    rec = dict(optimizer_state_bytes(engine), rank=dist.rank, zero_stage=stage,
+               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               params=sum(p.numel() for p in engine.module.parameters()))
+    data.close()
+    (out / f"mem_zero{stage}_rank{dist.rank}.json").write_text(json.dumps(rec))
+
+
+def memory_part(tmp: Path) -> dict:
+    shards = _shards(tmp, 16, 128, 20, 30522)
+    res: dict = {}
+    for stage in (0, 1):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", BENCH_SHARDS=str(shards),
+                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+               str(Path(__file__).resolve()), "--memory_worker", str(stage), "--out", str(tmp)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode:
+            sys.stdout.write(proc.stdout[-6000:])
+            raise SystemExit(f"memory launch with ZeRO-{stage} failed (exit {proc.returncode})")
+        ranks = [json.loads((tmp / f"mem_zero{stage}_rank{r}.json").read_text()) for r in (0, 1)]
+        res[stage] = {k: max(r[k] for r in ranks) for k in ("optimizer_state_bytes", "master_bytes", "moment_bytes",
+                                                           "peak_rss_bytes")}
+        res[stage]["params"] = ranks[0]["params"]
+        gib = 2**30
+        print(f"[memory] {BIG_SLICE['name']} ({ranks[0]['params'] / 1e6:.0f}M params), 2 ranks, ZeRO-{stage}: "
+              f"optimizer state {res[stage]['optimizer_state_bytes'] / gib:.3f} GiB/rank (master "
+              f"{res[stage]['master_bytes'] / gib:.3f} + moments {res[stage]['moment_bytes'] / gib:.3f}), peak RSS "
+              f"{res[stage]['peak_rss_bytes'] / gib:.3f} GiB/rank", flush=True)
+    return {"zero0_optimizer_state_bytes_per_rank": res[0]["optimizer_state_bytes"],
+            "zero1_optimizer_state_bytes_per_rank": res[1]["optimizer_state_bytes"],
+            "zero1_over_zero0_optimizer_memory": res[1]["optimizer_state_bytes"] / res[0]["optimizer_state_bytes"],
+            "zero0_peak_rss_bytes_per_rank": res[0]["peak_rss_bytes"],
+            "zero1_peak_rss_bytes_per_rank": res[1]["peak_rss_bytes"],
+            "zero1_over_zero0_peak_rss": res[1]["peak_rss_bytes"] / res[0]["peak_rss_bytes"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--micro_batch", type=int, default=16)
+    ap.add_argument("--grad_accum", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2, help="optimizer steps excluded from the measurement")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for the MFU part (0: torch's default)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (DeepSpeed engine.compile)")
+    ap.add_argument("--skip_memory", action="store_true")
+    ap.add_argument("--skip_mfu", action="store_true")
+    ap.add_argument("--memory_worker", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.memory_worker >= 0:
+        memory_worker(a.memory_worker, Path(a.out))
+        return
+    result: dict = {"bench": "bert_step"}
+    with tempfile.TemporaryDirectory(prefix="bert_step_") as d:
+        tmp = Path(d)
+        if not a.skip_memory:  # first: before this process holds a 4-layer model and a process group
+            result.update(memory_part(tmp))
+        if not a.skip_mfu:
+            result.update(mfu_part(a, tmp))
+    result.update(targets={"mfu": 0.5, "zero1_over_zero0_optimizer_memory": 0.55})
+    if "mfu" in result:
+        result["mfu_target_met"] = bool(result["mfu"] and result["mfu"] >= 0.5)
+    if "zero1_over_zero0_optimizer_memory" in result:
+        result["memory_target_met"] = result["zero1_over_zero0_optimizer_memory"] <= 0.55
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
