@@ -1,0 +1,196 @@
+"""Part (b) of bench/image_pipeline.py: end-to-end BridgeTower fine-tuning samples/s, ours vs a Trainer baseline.
+
+Both sides: the debug BridgeTower (same config, random init), the same images and captions, batch, worker count,
+max_seq_length (captions padded to it on both sides, so the model does identical work), AdamW lr 1e-5 with
+clipping 1.0, fp32, one process on the CPU, OMP_NUM_THREADS=1, the same number of optimizer steps after the same
+number of warm-up steps, which are excluded from the timing on both sides.
+
+  baseline: transformers `Trainer` with the reference-style transform, i.e. a torch Dataset whose __getitem__ opens
+            the image with PIL and runs BridgeTowerImageProcessor on it (per sample) and tokenizes the caption; the
+            DataLoader has the same workers (persistent, to give the baseline its best case).
+  ours:     `python -m bridgetower_ds.train` (our data pipeline: JPEG draft decode, uint8 resize/crop in workers,
+            normalization in the training process; the DeepSpeed engine with ZeRO-0), throughput from its
+            metrics.jsonl summary (ds_core's clock, warm-up excluded).
+
+Each side runs in its own subprocess so neither inherits the other's process group, threads or caches.
+
+    python bench/_bt_e2e.py [--image_dir DIR] [--steps 40] [--warmup 5] [--batch 32] [--workers 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_SEQ = 32
+
+_WORDS = {
+    "color": ["red", "blue", "green", "yellow", "white", "black", "brown", "orange", "pink", "gray"],
+    "thing": ["dog", "cat", "car", "bus", "tree", "house", "pizza", "boat", "horse", "kite", "bird", "table"],
+    "place": ["street", "park", "beach", "kitchen", "field", "room", "snow", "water", "city", "grass"],
+}
+
+
+def _caption(i: int) -> str:
+    w = _WORDS
+    c, t, p = w["color"][i % 10], w["thing"][(i // 10) % 12], w["place"][(i * 7) % 10]
+    return f"a {c} {t} in the {p} next to {['one', 'two', 'three'][i % 3]} people on a bright day"
+
+
+def make_manifest(image_dir: Path, out_dir: Path) -> Path:
+    """A JSONL manifest over every *.jpg of image_dir (absolute paths) with a synthetic COCO-like caption each."""
+    paths = sorted(Path(image_dir).glob("*.jpg"))
+    if not paths:
+        raise FileNotFoundError(f"no *.jpg in {image_dir}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = out_dir / "captions.jsonl"
+    manifest.write_text("".join(json.dumps({"image": str(p.resolve()), "caption": _caption(i)}) + "\n"
+                                for i, p in enumerate(paths)))
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------- baseline
+def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: int, out: str) -> None:
+    """transformers Trainer + per-sample BridgeTowerImageProcessor (runs in its own process)."""
+    import torch
+    from PIL import Image
+    from transformers import (BridgeTowerForContrastiveLearning, BridgeTowerImageProcessor, Trainer,
+                              TrainerCallback, TrainingArguments)
+
+    from bridgetower_ds.configs import debug
+    from bridgetower_ds.tokenizer import debug_tokenizer
+
+    rows = [json.loads(line) for line in Path(manifest).read_text().splitlines() if line.strip()]
+    cfg = debug()
+    size = int(cfg.vision_config.image_size)
+    processor = BridgeTowerImageProcessor(size={"shortest_edge": size}, crop_size={"shortest_edge": size})
+    tokenizer = debug_tokenizer()
+
+    class ReferenceDataset(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            r = rows[i]
+            image = Image.open(r["image"]).convert("RGB")
+            pixels = processor(images=image, return_tensors="pt")
+            enc = tokenizer(r["caption"], padding="max_length", max_length=MAX_SEQ, truncation=True,
+                            return_tensors="pt")
+            return {"pixel_values": pixels["pixel_values"][0], "input_ids": enc["input_ids"][0],
+                    "attention_mask": enc["attention_mask"][0]}
+
+    def collate(items):
+        batch_ = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        batch_["return_loss"] = True
+        return batch_
+
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter())
+
+    torch.manual_seed(0)
+    model = BridgeTowerForContrastiveLearning(cfg)
+    args = TrainingArguments(
+        output_dir=str(Path(out).parent / "trainer_out"), use_cpu=True, per_device_train_batch_size=batch,
+        max_steps=warmup + steps, learning_rate=1e-5, weight_decay=0.0, lr_scheduler_type="constant",
+        optim="adamw_torch", max_grad_norm=1.0, dataloader_num_workers=workers,
+        dataloader_persistent_workers=workers > 0, dataloader_drop_last=True, remove_unused_columns=False,
+        save_strategy="no", logging_strategy="no", report_to=[], disable_tqdm=True, seed=0)
+    Trainer(model=model, args=args, train_dataset=ReferenceDataset(), data_collator=collate,
+            callbacks=[Clock()]).train()
+    measured = times[-1] - times[warmup - 1] if warmup else times[-1] - times[0]
+    n_steps = len(times) - warmup if warmup else len(times) - 1
+    Path(out).write_text(json.dumps({"samples_per_s": n_steps * batch / measured, "steps": n_steps,
+                                     "seconds": measured}))
+
+
+# ------------------------------------------------------------------------------------------------- ours
+def run_ours(manifest: str, steps: int, warmup: int, batch: int, workers: int, work: Path, env: dict) -> dict:
+    ds = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+          "zero_optimization": {"stage": 0},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                    "weight_decay": 0.0}},
+          "steps_per_print": 1000000}
+    (work / "ds_zero0_fp32.json").write_text(json.dumps(ds))
+    run_dir = work / "ours_run"
+    cmd = [sys.executable, "-m", "bridgetower_ds.train", "--do_train", "--preset", "debug",
+           "--dataset_path", manifest, "--validation_fraction", "0", "--test_fraction", "0",
+           "--deepspeed_config", str(work / "ds_zero0_fp32.json"), "--run_dir", str(run_dir),
+           "--max_steps", str(warmup + steps), "--throughput_warmup_steps", str(warmup),
+           "--dataloader_num_workers", str(workers), "--max_seq_length", str(MAX_SEQ), "--pad_to_max_length", "true",
+           "--image_pipeline", "host", "--save_final_checkpoint", "false", "--progress_bar", "false", "--seed", "0"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ours failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in recs if r["type"] == "summary")
+    return {"samples_per_s": summary["samples_per_s"], "steps": summary["measured_steps"],
+            "seconds": summary["measured_seconds"]}
+
+
+def bench_e2e(image_dir: str | None = None, steps: int = 40, warmup: int = 5, batch: int = 32,
+              workers: int = 2, n_images: int = 500) -> dict:
+    """Run both sides; print their samples/s and e2e_ratio = ours / baseline; return the numbers."""
+    with tempfile.TemporaryDirectory(prefix="bt_e2e_") as tmp:
+        work = Path(tmp)
+        if image_dir is None:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from image_pipeline import make_images  # noqa: PLC0415 - the same generated photographs
+
+            image_dir = str(work / "jpeg640x480")
+            make_images(Path(image_dir), n_images)
+        manifest = make_manifest(Path(image_dir), work)
+        n = sum(1 for _ in manifest.open())
+        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", ACCELERATE_USE_CPU="1",
+                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        common = dict(steps=steps, warmup=warmup, batch=batch, workers=workers)
+        print(f"(b) end-to-end fine-tuning, debug BridgeTower, {n} JPEGs 640x480 -> 32x32, batch {batch}, "
+              f"{workers} workers, {steps} steps after {warmup} warm-up steps, 1 process, CPU, fp32:")
+        out = work / "baseline.json"
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--baseline", "--manifest",
+                               str(manifest), "--out", str(out)] + [f"--{k}={v}" for k, v in common.items()],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"baseline failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+        base = json.loads(out.read_text())
+        print(f"    baseline transformers Trainer + per-sample BridgeTowerImageProcessor: "
+              f"{base['samples_per_s']:7.1f} samples/s")
+        ours = run_ours(str(manifest), work=work, env=env, **common)
+        print(f"    ours (bridgetower_ds.train, host pipeline, DeepSpeed ZeRO-0):           "
+              f"{ours['samples_per_s']:7.1f} samples/s")
+        ratio = ours["samples_per_s"] / base["samples_per_s"]
+        print(f"    e2e_ratio = {ratio:.2f} (target >= 1.5)")
+        return {"e2e_ratio": round(ratio, 3), "e2e_samples_per_s": round(ours["samples_per_s"], 2),
+                "e2e_baseline_samples_per_s": round(base["samples_per_s"], 2), "e2e_batch": batch,
+                "e2e_workers": workers, "e2e_steps": steps, "e2e_warmup_steps": warmup}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--image_dir", default=None, help="JPEGs to use (default: generate 500 photo-like 640x480)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)  # internal: the baseline process
+    ap.add_argument("--manifest", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.baseline:
+        sys.path.insert(0, str(REPO))
+        run_baseline(a.manifest, a.steps, a.warmup, a.batch, a.workers, a.out)
+        return
+    print(json.dumps(bench_e2e(a.image_dir, a.steps, a.warmup, a.batch, a.workers)))
+
+
+if __name__ == "__main__":
+    main()
