@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from bert_ref.prep.h5io import write_shard
 from bert_ref.prep.text import PrepError, list_text_shards, read_text_shard
-from bert_ref.prep.vocab import SPECIAL_TOKENS, read_vocab, vocab_lowercase
+from bert_ref.prep.vocab import SPECIAL_TOKENS, read_vocab
 
 
 @dataclass
