@@ -71,6 +71,9 @@ class DataArgs:
         "help": "Threads of the device pipeline's CPU decoder (0 -> min(8, cores))."})
     max_image_pixels: int = field(default=DEFAULT_MAX_PIXELS, metadata={
         "help": "Images with more pixels (from the header) are bad images: decompression-bomb guard."})
+    image_cache_dir: str = field(default="", metadata={
+        "help": "HPU media pipe only: where images stored as bytes in the dataset are written as files (it reads "
+                "files); empty -> a folder under the system temp dir named after the dataset."})
     dataloader_timeout_s: int = field(default=600, metadata={
         "help": "Seconds to wait for one batch from a worker before failing (instead of hanging)."})
 

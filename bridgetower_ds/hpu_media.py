@@ -9,7 +9,8 @@ and habana_frameworks.mediapipe.plugins.iterator_pytorch.HPUGenericPytorchIterat
 Differences from the host pipeline, stated rather than hidden: the decoder's CENTER_CROP takes the largest centered
 square and resizes it to S x S, which equals "shorter side to S, then center crop" except for the reference's
 size_divisor flooring and its 1333/800 long-side cap (aspect > 1.67 pads in the reference). The HPU decoder reads
-JPEG files only, at a fixed batch size: rows that are not plain RGB/grayscale JPEG files (missing, empty, truncated
+JPEG files only (images stored as bytes in a dataset are written to files once: `--image_cache_dir`), at a
+fixed batch size: rows that are not plain RGB/grayscale JPEG files (missing, empty, truncated
 without an EOI marker, PNG content, CMYK) are replaced by a known-good file and dropped after decoding, and count as
 bad images exactly as on the other pipelines.
 
@@ -71,6 +72,34 @@ def jpeg_file_problem(path: str, max_pixels: int) -> str | None:
     except BadImage as e:
         return e.reason
     return None
+
+
+def materialize(table, cache_dir: str, rank: int) -> list[str]:
+    """Write images stored as bytes (e.g. a save_to_disk of a parquet dataset such as the New Yorker caption
+    contest) to files once, since the media pipe's decoder reads files. Atomic per file (temp name + rename), so
+    ranks sharing the directory can race safely; existing files are reused. Returns one path per row."""
+    import hashlib  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    root = cache_dir or os.path.join(tempfile.gettempdir(),
+                                     "bt_images_" + hashlib.sha1(table.source.encode()).hexdigest()[:12])
+    os.makedirs(root, exist_ok=True)
+    if rank == 0:
+        print(f"[bridgetower_ds] HPU media pipe: writing {len(table)} embedded images of {table.source} to {root} "
+              "(once; reused afterwards)", flush=True)
+    paths = []
+    for i in range(len(table)):
+        p = table.path(i)
+        if p is None:
+            p = os.path.join(root, f"row{i:09d}.jpg")
+            if not os.path.exists(p):
+                data, _ = table.load(i)
+                tmp = f"{p}.tmp{os.getpid()}"
+                with open(tmp, "wb") as f:
+                    f.write(data if isinstance(data, bytes) else b"")  # a bad row stays bad (0 bytes)
+                os.replace(tmp, p)
+        paths.append(p)
+    return paths
 
 
 class _Reader(media_ext_reader_op_impl):
@@ -136,8 +165,7 @@ class HpuMediaLoader:
         table = data.table
         paths = [table.path(i) for i in range(len(table))]
         if any(p is None for p in paths):
-            raise RuntimeError(f"{table.source}: the HPU media pipe reads image files, but this dataset holds "
-                               "images as bytes; save them as files (path column) or use --image_pipeline host")
+            paths = materialize(table, data.args.image_cache_dir, data.rank)
         self.paths = paths
         sizes = [(os.path.getsize(p) if os.path.exists(p) else 0, p) for p in paths]
         self.largest_file = max(sizes)[1]

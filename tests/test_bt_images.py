@@ -246,3 +246,15 @@ def test_pil_fallback_without_simplejpeg_is_identical(monkeypatch):
     monkeypatch.setattr(I, "simplejpeg", None)
     slow = [I.host_transform(d, "x", 288) for d in datas]
     assert all(np.array_equal(a, b) for a, b in zip(fast, slow))  # same libjpeg-turbo output, same draft scale
+
+
+def test_hpu_materialize_writes_embedded_images_once(tmp_path):
+    from bridgetower_ds.data import CaptionTable
+    from bridgetower_ds.hpu_media import materialize
+
+    good = jpeg_bytes(photo(40, 30))
+    table = CaptionTable([good, b"", str(tmp_path / "on_disk.jpg")], ["a", "b", "c"], str(tmp_path), "mem")
+    paths = materialize(table, str(tmp_path / "cache"), rank=0)
+    assert open(paths[0], "rb").read() == good and open(paths[1], "rb").read() == b""
+    assert paths[2] == str(tmp_path / "on_disk.jpg")
+    assert materialize(table, str(tmp_path / "cache"), rank=1) == paths
