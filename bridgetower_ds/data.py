@@ -395,7 +395,7 @@ class CaptionData:
         if pipeline is None:
             pipeline, why = resolve_pipeline(args.requested_pipeline, self.device)
             if rank == 0:
-                log.warning("[bridgetower_ds] image pipeline: %s (%s)", pipeline, why)
+                print(f"[bridgetower_ds] image pipeline: {pipeline} ({why})", flush=True)
         self.pipeline = pipeline
         if shuffle and len(table) < world_size:
             raise ValueError(f"{table.source}: {len(table)} rows < world size {world_size}")

@@ -45,9 +45,11 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 SIZE_DIVISOR = 32
-# Our own decompression-bomb limit, checked from the header before any pixel is decoded. 8000 x 8000 (64 MP) is a
-# legitimate photo and passes (and is decoded at 1/8 scale via draft); anything beyond this is refused as a bad image.
-DEFAULT_MAX_PIXELS = 16384 * 16384
+# The decompression-bomb limit, checked by us from the header before any pixel is decoded (PIL's own default,
+# ~89.5 MP, deliberately: PIL would only warn there and raise at twice that). 8000 x 8000 (64 MP) is a legitimate
+# photo and passes (JPEGs that large are decoded at 1/8 scale); beyond the limit an image is a bad image. Raise it with
+# --max_image_pixels; PIL itself still refuses non-JPEG images above 2x its limit (also reported as bad images).
+DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 JPEG_MAGIC = b"\xff\xd8\xff"
 
 

@@ -258,3 +258,10 @@ def test_hpu_materialize_writes_embedded_images_once(tmp_path):
     assert open(paths[0], "rb").read() == good and open(paths[1], "rb").read() == b""
     assert paths[2] == str(tmp_path / "on_disk.jpg")
     assert materialize(table, str(tmp_path / "cache"), rank=1) == paths
+
+
+def test_default_pixel_limit_rejects_a_bomb_from_its_header():
+    buf = io.BytesIO()
+    Image.new("1", (9500, 9500)).save(buf, "PNG")  # 90 MP > PIL's 89.5 MP limit, a few KB on disk
+    with pytest.raises(I.BadImage, match="decompression bomb"):
+        I.host_transform(buf.getvalue(), "bomb.png", 288)
