@@ -330,7 +330,8 @@ class CudaDecoder(DeviceDecoder):
     """CUDA device pipeline: batched nvJPEG decode (torchvision.io.decode_jpeg on the GPU) + GPU resize/crop/normalize.
 
     Images nvJPEG should not take go to a CPU thread pool with the host path's semantics: non-JPEG content (a PNG named
-    .jpg), CMYK JPEGs, and JPEGs that `draft` would reduce >= 2x (8000 x 8000 photos: decoding them at full size on the
+    .jpg), CMYK JPEGs, JPEGs without an end marker (truncated: PIL decides and words the error), and JPEGs that
+    `draft` would reduce >= 2x (8000 x 8000 photos: decoding them at full size on the
     GPU would cost hundreds of MB per image for pixels that are thrown away).
     """
 
@@ -345,6 +346,8 @@ class CudaDecoder(DeviceDecoder):
         """(h, w) when nvJPEG should decode it; None -> CPU fallback. Raises BadImage on header problems."""
         im = open_image(data, name, self.max_pixels)
         if im.format != "JPEG" or im.mode not in ("RGB", "L"):
+            return None
+        if not data.rstrip(b"\x00").endswith(b"\xff\xd9"):  # no end-of-image marker: nvJPEG may not complain
             return None
         w, h = im.size
         if self.draft and draft_scale(h, w, self.size) >= 2:
@@ -367,12 +370,13 @@ class CudaDecoder(DeviceDecoder):
             datas = [torch.frombuffer(bytearray(items[i]), dtype=torch.uint8) for i in gpu_rows]
             try:
                 decoded = self.tvio.decode_jpeg(datas, mode=self.tvio.ImageReadMode.RGB, device=self.device)
-            except RuntimeError:  # one corrupt stream fails the whole batch call: retry one by one
+            except (RuntimeError, TypeError, ValueError):  # one corrupt stream fails the whole batched call (older
+                # torchvision: no list input at all): decode one by one
                 decoded = []
                 for i, d in zip(gpu_rows, datas):
                     try:
                         decoded.append(self.tvio.decode_jpeg(d, mode=self.tvio.ImageReadMode.RGB, device=self.device))
-                    except RuntimeError:
+                    except (RuntimeError, ValueError):
                         decoded.append(None)
                         cpu_rows.append(i)  # PIL decides whether it is really bad (and says why)
             for i, img in zip(gpu_rows, decoded):

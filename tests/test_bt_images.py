@@ -265,3 +265,40 @@ def test_default_pixel_limit_rejects_a_bomb_from_its_header():
     Image.new("1", (9500, 9500)).save(buf, "PNG")  # 90 MP > PIL's 89.5 MP limit, a few KB on disk
     with pytest.raises(I.BadImage, match="decompression bomb"):
         I.host_transform(buf.getvalue(), "bomb.png", 288)
+
+
+class _FakeTvio:
+    """Stands in for torchvision.io on this CPU-only machine: decode_jpeg with PIL, same call shapes."""
+
+    class ImageReadMode:
+        RGB = "RGB"
+
+    calls = 0
+
+    @classmethod
+    def decode_jpeg(cls, data, mode=None, device=None):
+        cls.calls += 1
+        if isinstance(data, list):
+            return [cls.decode_jpeg(d, mode, device) for d in data]
+        im = Image.open(io.BytesIO(data.numpy().tobytes()))
+        im.load()
+        return torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1).contiguous().to(device)
+
+
+def test_cuda_decoder_logic_with_a_stand_in_decoder(monkeypatch):
+    """Routing (GPU batch vs CPU fallback), float resize, crop and normalize of CudaDecoder, run on the CPU."""
+    monkeypatch.setattr(I, "_torchvision_io", lambda: _FakeTvio)
+    ok = [jpeg_bytes(photo(640, 480, seed=s)) for s in range(2)]
+    png = jpeg_bytes(photo(120, 90, seed=3), fmt="PNG")
+    cmyk = jpeg_bytes(photo(120, 90, seed=4), mode="CMYK")
+    big = jpeg_bytes(photo(1400, 1000, seed=5))  # draft 1/4 -> CPU path
+    trunc = ok[0][: len(ok[0]) // 2]
+    items = [ok[0], png, trunc, cmyk, ok[1], big, b"garbage"]
+    dec = I.CudaDecoder(288, "cpu", threads=2)
+    try:
+        pv, keep, bad = dec(items, [f"r{i}" for i in range(len(items))])
+    finally:
+        dec.close()
+    assert keep == [0, 1, 3, 4, 5] and sorted(b.name for b in bad) == ["r2", "r6"]
+    host = I.normalize(torch.from_numpy(np.stack([I.host_transform(items[i], "x", 288) for i in keep])))
+    assert (pv - host).abs().max() <= 2 * ONE_LEVEL  # float resize on the device vs the uint8 kernel: rounding only
