@@ -99,6 +99,8 @@ class ModelArgs:
     freeze_text_model: bool = field(default=False, metadata={"help": "freeze the text tower (RoBERTa)"})
     freeze_text_pooler: bool = field(default=True, metadata={
         "help": "freeze the text tower's pooler (unused by the contrastive loss, so it gets no gradient)"})
+    global_negatives: bool = field(default=False, metadata={
+        "help": "contrastive negatives from every rank's micro batch (all-gather) instead of this rank's only"})
 
 
 @dataclass

@@ -28,10 +28,11 @@ def contrastive_loss(text: torch.Tensor, image: torch.Tensor, cross: torch.Tenso
     labels = torch.arange(text.shape[0], device=text.device)
     if global_negatives and torch_dist.is_available() and torch_dist.is_initialized() \
             and torch_dist.get_world_size() > 1:
-        # Keys from every rank (gradients flow through this rank's slice only), queries stay local.
-        rank = torch_dist.get_rank()
-        image_k, cross_k = _gather_with_grad(image), _gather_with_grad(cross)
-        labels = labels + rank * text.shape[0]  # assumes equal micro batches across ranks
+        # Keys from every rank (gradients flow through this rank's slice only), queries stay local. Micro batches
+        # may differ in size across ranks (dropped bad images), so the gather pads and trims.
+        sizes = _rank_sizes(text.shape[0], text.device)
+        image_k, cross_k = _gather_with_grad(image, sizes), _gather_with_grad(cross, sizes)
+        labels = labels + sum(sizes[:torch_dist.get_rank()])
     else:
         image_k, cross_k = image, cross
     t2i = F.cross_entropy(text @ image_k.t() * scale, labels)
@@ -40,9 +41,19 @@ def contrastive_loss(text: torch.Tensor, image: torch.Tensor, cross: torch.Tenso
     return (t2i + t2c + i2c) / 3.0
 
 
-def _gather_with_grad(x: torch.Tensor) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(torch_dist.get_world_size())]
-    torch_dist.all_gather(parts, x.detach().contiguous())
+def _rank_sizes(n: int, device: torch.device) -> list[int]:
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(torch_dist.get_world_size())]
+    torch_dist.all_gather(sizes, torch.tensor([n], dtype=torch.long, device=device))
+    return [int(t.item()) for t in sizes]
+
+
+def _gather_with_grad(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Concatenation of every rank's [n_r, D] rows; only this rank's slice carries gradient."""
+    pad = max(sizes) - x.shape[0]
+    padded = torch.cat([x.detach(), x.new_zeros((pad, *x.shape[1:]))]) if pad else x.detach()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch_dist.all_gather(parts, padded.contiguous())
+    parts = [p[:n] for p, n in zip(parts, sizes)]
     parts[torch_dist.get_rank()] = x
     return torch.cat(parts, dim=0)
 

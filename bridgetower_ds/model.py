@@ -102,6 +102,7 @@ def build_model(args: ModelArgs) -> BridgeTowerContrastive:
     else:
         model = BridgeTowerContrastive(cfg)
     apply_freezing(model, args)
+    model.global_negatives = args.global_negatives
     return model
 
 

@@ -74,3 +74,47 @@ def test_evaluate_single_process_dedupes_rows_and_restores_mode():
     assert res["test_samples"] == 6 and model.training
     assert set(res) >= {"test_loss", "test_i2t_r1", "test_t2i_r10"} and res["test_i2t_r10"] == 1.0
     assert 0.0 < res["test_loss"] < 10
+
+
+def _global_negatives_worker(rank: int, world: int, port: int, q) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(0)
+        allt, alli, allc = (F.normalize(torch.randn(7, 8, generator=g), dim=-1) for _ in range(3))
+        rows = slice(0, 3) if rank == 0 else slice(3, 7)  # unequal micro batches (3 and 4)
+        image = alli[rows].clone().requires_grad_(True)
+        loss = contrastive_loss(allt[rows], image, allc[rows], torch.tensor(2.6592), global_negatives=True)
+        loss.backward()
+        q.put((rank, loss.item(), image.grad.abs().sum().item()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_global_negatives_across_ranks_with_unequal_batches():
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_global_negatives_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, (loss, grad)) for r, loss, grad in (q.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    g = torch.Generator().manual_seed(0)
+    t, i, c = (F.normalize(torch.randn(7, 8, generator=g), dim=-1) for _ in range(3))
+    scale = torch.tensor(2.6592).exp()
+    for rank, rows in ((0, slice(0, 3)), (1, slice(3, 7))):
+        labels = torch.arange(7)[rows]
+        ref = (F.cross_entropy(t[rows] @ i.t() * scale, labels) + F.cross_entropy(t[rows] @ c.t() * scale, labels)
+               + F.cross_entropy(i[rows] @ c.t() * scale, labels)) / 3
+        assert got[rank][0] == pytest.approx(ref.item(), rel=1e-5)
+        assert got[rank][1] > 0  # gradient reaches this rank's own embeddings

@@ -70,12 +70,13 @@ COMMON = ["--max_steps", "16", "--micro_batch_size", "8", "--max_seq_length", "1
 
 
 @pytest.mark.slow
-def test_zero1_two_ranks_host_pipeline_train_eval_predict(caption_set, tmp_path):
+def test_zero1_two_ranks_host_pipeline_global_negatives_train_eval_predict(caption_set, tmp_path):
     run = tmp_path / "run"
     proc = run_deepspeed(["--module", "bridgetower_ds.train", "--do_train", "--do_eval", "--do_predict",
                           "--dataset_path", str(caption_set), "--run_dir", str(run),
                           "--deepspeed_config", str(ds_json(tmp_path, "bridgetower_zero1_bf16.json")),
-                          "--dataloader_num_workers", "1", "--eval_every", "8", *COMMON])
+                          "--dataloader_num_workers", "1", "--eval_every", "8", "--global_negatives", "true",
+                          *COMMON])
     recs = records(run)
     assert_loss_falls(recs)
     summary = next(r for r in recs if r["type"] == "summary")
