@@ -254,9 +254,10 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
         x = [r["accelerators"] for r in rows]
         color = f"C{i % 10}"
         base_per_acc = g.baseline.throughput / g.baseline.accelerators
-        ax1.plot(x, [r["throughput"] for r in rows], "o-", color=color, label=g.title)
-        ax1.plot(x, [base_per_acc * a for a in x], "--", color=color, alpha=0.5, label=f"ideal ({g.title})")
-        ax2.plot(x, [100 * r["efficiency"] for r in rows], "o-", color=color, label=g.title)
+        label = f"{i + 1}: {g.key[0]}" if len(groups) > 1 else str(g.key[0])
+        ax1.plot(x, [r["throughput"] for r in rows], "o-", color=color, label=label)
+        ax1.plot(x, [base_per_acc * a for a in x], "--", color=color, alpha=0.5, label=f"{label} ideal")
+        ax2.plot(x, [100 * r["efficiency"] for r in rows], "o-", color=color, label=label)
     ax1.set_xlabel("accelerators")
     ax1.set_ylabel("sequences/s")
     ax1.set_title("Throughput (dashed: ideal linear scaling)")
@@ -265,11 +266,16 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
     ax2.axhline(100, color="grey", lw=0.8, ls=":")
     ax2.set_ylim(bottom=0)
     ax2.set_title("Per-accelerator throughput vs baseline")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if len({a for g in groups for a in (r.accelerators for r in g.runs)}) > 2:
             ax.set_xscale("log", base=2)
     ax1.legend(fontsize=7)
+    if len(groups) == 1:
+        fig.suptitle(groups[0].title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -238,6 +238,18 @@ def _ds_estimator(stage: int, params: int, largest: int, per_node: int, nodes: i
     return None
 
 
+def resident_state_bytes(shape: ModelShape, stage: int, ranks: int, buckets: dict | None = None) -> float:
+    """What a rank holds BETWEEN steps (no gradients in flight): bf16 params, fp32 master, Adam, plus the
+    partitioned bf16 gradient accumulators and reduce bucket that ZeRO-2/3 keep allocated. Checked by the bench
+    against the live tensors after a step; the peak estimate() adds gradients, step temporaries and activations."""
+    P, n = shape.params, ranks
+    rb = 2.0 * min(P, {**DEFAULT_BUCKETS, **(buckets or {})}["reduce_bucket_size"])
+    return {0: 14.0 * P,                           # 2 bf16 + 4 master + 8 Adam
+            1: 2.0 * P + 12.0 * P / n,             # bf16 params + partitioned master and Adam
+            2: 2.0 * P + 14.0 * P / n + rb,        # + bf16 gradient partition, contiguous reduce bucket
+            3: 16.0 * P / n + rb}[stage]           # bf16 param + grad partitions, master, Adam; reduce bucket
+
+
 def activation_bytes(shape: ModelShape, micro_batch: int, checkpointing: bool) -> float:
     """bf16 activations kept for backward, per micro batch (see module docstring)."""
     per_sample = 0.0

@@ -55,6 +55,10 @@ def test_memory_falls_with_stage_and_with_more_ranks(bert_large):
     for stage in (1, 2, 3):
         per_nodes = [tuning.estimate(bert_large, stage, 8, 8, n).total for n in (1, 2, 4, 8)]
         assert per_nodes == sorted(per_nodes, reverse=True) and len(set(per_nodes)) == 4, (stage, per_nodes)
+        # what a rank holds between steps never exceeds the predicted peak, and falls with more ranks too
+        resident = [tuning.resident_state_bytes(bert_large, stage, 8 * n) for n in (1, 2, 4, 8)]
+        assert resident == sorted(resident, reverse=True)
+        assert all(r < tuning.estimate(bert_large, stage, 1, 8, n).total for r, n in zip(resident, (1, 2, 4, 8)))
     # ZeRO-0 replicates everything: more ranks change nothing
     assert len({tuning.estimate(bert_large, 0, 8, 8, n).total for n in (1, 2, 4)}) == 1
 
