@@ -6,6 +6,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ds_core.config import ConfigError
 from ds_core.loop import StepOutput
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
@@ -25,6 +26,11 @@ def step_fn(engine: Any, batch: dict) -> StepOutput:
     """Moves the CPU batch to the engine's device, runs the (DeepSpeed-wrapped) BertForPreTraining, returns
     loss = MLM + NSP (the original BERT objective) with both parts in logs."""
     dev = engine.device
+    vocab = engine.module.config.vocab_size
+    top = int(batch["input_ids"].max())  # on the CPU batch: cheap, and clearer than an index error in the embedding
+    if top >= vocab:
+        raise ConfigError(f"token id {top} in the data >= the model's vocab_size {vocab}: the shards were made with a "
+                          f"larger vocabulary than the preset's (bert-prep vocab --vocab-size)")
     inputs = {k: batch[k].to(dev, non_blocking=True) for k in MODEL_INPUTS}
     out = engine(**inputs)
     mlm, nsp = pretraining_losses(out.prediction_logits, out.seq_relationship_logits,

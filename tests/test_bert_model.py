@@ -120,3 +120,4 @@ def test_init_checkpoint_loads_and_pads_vocab(tmp_path):
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg2))
     with pytest.raises(ConfigError, match="hidden_size"):
         build_model(debug(), init_checkpoint=str(tmp_path / "ckpt"))
+
