@@ -180,3 +180,16 @@ def test_logit_scale_1d_for_deepspeed_keeps_checkpoint_layout(tmp_path):
                           {k: v for k, v in model.named_buffers() if k in sd})
     stock = BridgeTowerForContrastiveLearning.from_pretrained(tmp_path / "m", local_files_only=True)
     assert stock.logit_scale.shape == () and torch.equal(stock.logit_scale, sd["logit_scale"])
+
+
+def test_expected_padded_length():
+    from bridgetower_ds.tokenizer import expected_padded_length
+
+    tok = debug_tokenizer()
+    # 4, 12, 4, 4 tokens with <s> </s>
+    caps = ["a dog", "a red circle on a blue background near a tree", "a cat", "two dogs"]
+    assert [len(x) for x in tok(caps)["input_ids"]] == [4, 12, 4, 4]
+    assert expected_padded_length(tok, caps, micro_batch=2, max_length=128) == 8  # batches pad to 12 and 4
+    assert expected_padded_length(tok, caps, micro_batch=4, max_length=128) == 12
+    assert expected_padded_length(tok, caps, micro_batch=2, max_length=128, pad_to_max=True) == 128
+    assert expected_padded_length(tok, caps, micro_batch=2, max_length=6) == 5  # truncation caps at 6
