@@ -135,9 +135,22 @@ class _Reader(media_ext_reader_op_impl):
 
 
 class _Pipe(MediaPipe):
-    def __init__(self, loader: "HpuMediaLoader", batch_size: int, size: int):
-        super().__init__(device="legacy", batch_size=batch_size, prefetch_depth=2,
-                         pipe_name=f"BridgeTowerPipe:{id(loader)}")
+    def __init__(self, loader: "HpuMediaLoader", batch_size: int, size: int, threads: int = 2):
+        import inspect  # noqa: PLC0415
+
+        kw = dict(batch_size=batch_size, prefetch_depth=2, pipe_name=f"BridgeTowerPipe:{id(loader)}")
+        if "num_threads" in inspect.signature(MediaPipe.__init__).parameters:
+            kw["num_threads"] = threads
+        # "mixed" (CPU reader + HPU ops) in current releases; "legacy" and "hpu" name the same in older ones.
+        errors = []
+        for device in ("mixed", "legacy", "hpu"):
+            try:
+                super().__init__(device=device, **kw)
+                break
+            except (ValueError, RuntimeError, TypeError) as e:
+                errors.append(f"{device}: {e}")
+        else:
+            raise RuntimeError("cannot create the Habana media pipe: " + "; ".join(errors))
         self.reader = fn.MediaExtReaderOp(impl=_Reader, num_outputs=4, priv_params={"loader": loader})
         self.decode = fn.ImageDecoder(device="hpu", output_format=imgtype.RGB_P,
                                       random_crop_type=randomCropType.CENTER_CROP, resize=[size, size],
@@ -214,7 +227,8 @@ class HpuMediaLoader:
 
     def iterate(self):
         if self._iter is None:
-            self._iter = HPUGenericPytorchIterator(mediapipe=_Pipe(self, self.data.micro_batch, self.data.size))
+            pipe = _Pipe(self, self.data.micro_batch, self.data.size, max(1, self.data.args.dataloader_num_workers))
+            self._iter = HPUGenericPytorchIterator(mediapipe=pipe)
         dev = self.data.device
         for images, ids, mask, rowid in self._iter:
             end, bad = self._pending.popleft()
