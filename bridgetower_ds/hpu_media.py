@@ -125,7 +125,8 @@ class _Reader(media_ext_reader_op_impl):
     def __len__(self):
         return self.loader.remaining_batches()
 
-    def __iter__(self):
+    def __iter__(self):  # called by the pipe's iter_init(): a new pass from CaptionData's current position
+        self.loader._pending.clear()  # batches prefetched for an abandoned pass never reach the consumer
         self._batches = iter(self.loader.batch_specs())
         return self
 
@@ -243,7 +244,9 @@ class HpuMediaLoader:
                 continue
             index = rowid[keep] - 2
             keep_d = keep.to(dev)
-            batch = {"input_ids": ids.to(dev).long()[keep_d], "attention_mask": mask.to(dev).long()[keep_d],
+            # reader outputs are host tensors (uint32): widen on the host, then move
+            batch = {"input_ids": ids.cpu().to(torch.int64).to(dev)[keep_d],
+                     "attention_mask": mask.cpu().to(torch.int64).to(dev)[keep_d],
                      "index": index.to(dev), "pixel_values": images.to(dev)[keep_d].float(),
                      "pixel_mask": torch.ones((keep.numel(), self.data.size, self.data.size), dtype=torch.long,
                                               device=dev)}
