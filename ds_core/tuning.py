@@ -45,6 +45,8 @@ DEFAULT_BUCKETS = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50
 # Tokens per micro batch beyond which a bigger micro batch buys little more accelerator efficiency; used only to
 # rank configurations (see recommend()).
 SATURATING_TOKENS = 4096
+# Headroom (fraction of usable memory) a recommendation keeps when any option allows it.
+SAFETY_MARGIN = 0.10
 
 # HF-config-like descriptions (no model package is imported: ds_core sits below them). Exact parameter counts come
 # from building the matching transformers class on the meta device.
@@ -375,8 +377,11 @@ def rank_key(o: Option, seq: int) -> tuple:
 
 
 def recommend(options: Sequence[Option], seq: int) -> Option | None:
+    """The best-ranked feasible option, preferring those with SAFETY_MARGIN headroom (the bench measures this model
+    within a few per cent, not exactly)."""
     feasible = [o for o in options if o.fits]
-    return min(feasible, key=lambda o: rank_key(o, seq)) if feasible else None
+    safe = [o for o in feasible if o.headroom >= SAFETY_MARGIN * o.usable]
+    return min(safe or feasible, key=lambda o: rank_key(o, seq)) if feasible else None
 
 
 def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, checkpointing: str) -> list:
@@ -451,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="ds_config_tuned.json", help="where the recommended DeepSpeed JSON goes")
     p.add_argument("--all", action="store_true", help="also list configurations that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of markdown")
+    p.add_argument("--top", type=int, default=0, help="list only the N best-ranked options (default: all)")
     return p
 
 
@@ -469,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seq = shape.towers[0].seq
     best = recommend(options, seq)
     shown = sorted((o for o in options if a.all or o.fits), key=lambda o: rank_key(o, seq))
+    if a.top:
+        shown = shown[:a.top] + ([best] if best and best not in shown[:a.top] else [])
     n = a.accelerators_per_node * a.nodes
     cap = capacity_bytes(a.accelerator, a.accelerators_per_node)
     tips = [] if best else what_would_fit(shape, a.accelerator, a.accelerators_per_node, a.nodes,
@@ -507,6 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nRecommended: ZeRO-{best.stage}, micro batch {best.micro_batch}, gradient accumulation "
               f"{best.grad_accum}, activation checkpointing {'on' if best.checkpointing else 'off'}: "
               f"{e.total / GB:.2f} GB predicted, {best.headroom / GB:.2f} GB headroom.")
+        if best.headroom < SAFETY_MARGIN * best.usable:
+            print(f"Warning: less than {100 * SAFETY_MARGIN:.0f} % headroom; nothing else fits with more.")
         for k, v in e.parts.items():
             print(f"  {k}: {v / GB:.2f} GB")
         print(f"DeepSpeed JSON written to {a.out}")
