@@ -193,7 +193,7 @@ def test_resolve_pipeline_choices_and_errors(monkeypatch):
     assert I.resolve_pipeline("host", "cpu")[0] == "host"
     assert I.resolve_pipeline("device", "cpu")[0] == "device-cpu"
     name, why = I.resolve_pipeline("auto", "cpu")
-    assert name == "device-cpu" and "habana" in why.lower() or "hpu" in why.lower()
+    assert name == "device-cpu" and ("habana" in why.lower() or "hpu" in why.lower())
     monkeypatch.setattr(I, "cuda_available", lambda: (False, "no CUDA device"))
     with pytest.raises(RuntimeError, match="no CUDA device"):
         I.resolve_pipeline("device", "cuda")
