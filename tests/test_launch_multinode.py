@@ -180,3 +180,36 @@ def test_a_rank_dies_the_other_exits_and_the_checkpoint_is_intact(tmp_path):
     assert len(optim) == 2, sorted(p.name for p in (root / tag).iterdir())
     for f in [*optim, *(root / tag).glob("mp_rank_*_model_states.pt")]:
         torch.load(f, weights_only=False, map_location="cpu")
+
+
+@pytest.mark.skip(reason="ds_core.init_distributed passes dist_timeout_s to init_process_group only; DeepSpeed's ZeRO "
+                  "groups come from torch new_group(), which defaults to 30 min, so a stopped rank hangs the survivor. "
+                  "Remove this skip once ds_core also sets torch.distributed.distributed_c10d.default_pg_timeout.")
+def test_a_hung_rank_is_cut_off_by_the_collective_timeout(tmp_path):
+    """A rank that stops answering but keeps its sockets open (SIGSTOP: a hung driver, a swapped-out host) is only
+    noticed through the collective timeout: the survivor must fail after --dist_timeout_s instead of waiting."""
+    (tmp_path / "hostfile").write_text("node0 slots=1\nnode1 slots=1\n")
+    data, run_dir, port = make_data(tmp_path / "data"), tmp_path / "run", free_port()
+    train = ["--max_steps", "100000", "--num_steps_per_checkpoint", "0", "--save_final_checkpoint", "false",
+             "--dist_timeout_s", "20", "--log_every", "50"]
+    procs = start_nodes([node_cmd(i, "127.0.0.1", port, run_dir, data, *train) for i in range(2)], tmp_path,
+                        dist_env())
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    while not (run_dir / "metrics.jsonl").exists() or '"type": "step"' not in (run_dir / "metrics.jsonl").read_text():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            wait_all(procs, tmp_path, 1)
+            pytest.fail("training never started:\n" + logs(tmp_path))
+        time.sleep(0.2)
+    victim = next(c for c in psutil.Process(procs[1].pid).children(recursive=True)
+                  if c.cmdline()[2:4] == ["-m", "bert_ref.train"])
+    victim.suspend()  # SIGSTOP: alive, sockets open, silent
+    try:
+        code = procs[0].wait(timeout=240)  # node 0 alone: node 1's launcher still sees a live child
+    except subprocess.TimeoutExpired:
+        pytest.fail("node 0 still waiting on the stopped rank after 240 s:\n" + logs(tmp_path))
+    finally:
+        victim.kill()
+        wait_all(procs, tmp_path, 60)
+    assert code != 0, logs(tmp_path)
+    assert "timed out" in (tmp_path / "node0.log").read_text().lower() or \
+        "timeout" in (tmp_path / "node0.log").read_text().lower(), logs(tmp_path)
