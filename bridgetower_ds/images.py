@@ -23,7 +23,6 @@ import io
 import logging
 import math
 import os
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -38,9 +37,6 @@ except ImportError:  # optional: PIL does everything, just slower
     simplejpeg = None
 
 log = logging.getLogger(__name__)
-# np.asarray(PIL image) is read-only; torch warns when wrapping it. We never write into it (resize makes new memory),
-# and copying 0.9 MB per image just to silence the warning would cost more than the crop.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -178,7 +174,7 @@ def decode(data: bytes, name: str, size: int, draft: bool = True,
             im.draft("RGB", (max(tw, 1), max(th, 1)))
         im.load()
         im = to_rgb(im)
-        arr = np.asarray(im)
+        arr = np.array(im)  # writable (torch.from_numpy warns on PIL's read-only view); the fast path is simplejpeg
     except BadImage:
         raise
     except Exception as e:  # noqa: BLE001 - truncated JPEG, broken PNG, odd modes: all bad images
