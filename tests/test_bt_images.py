@@ -260,6 +260,7 @@ def test_hpu_materialize_writes_embedded_images_once(tmp_path):
     assert materialize(table, str(tmp_path / "cache"), rank=1) == paths
 
 
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL warns at open; we then refuse
 def test_default_pixel_limit_rejects_a_bomb_from_its_header():
     buf = io.BytesIO()
     Image.new("1", (9500, 9500)).save(buf, "PNG")  # 90 MP > PIL's 89.5 MP limit, a few KB on disk
