@@ -59,6 +59,14 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     accel = get_accelerator()
+    # The timeout given to init_process_group covers the world group only; DeepSpeed's ZeRO groups come from
+    # torch.distributed.new_group(), which reads torch's module-level defaults (30 min). Set those too, so a dead or
+    # hung rank fails every collective after timeout_s.
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timedelta(seconds=timeout_s)
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), auto_mpi_discovery=True,
                                timeout=timedelta(seconds=timeout_s), verbose=False)
     rank = torch.distributed.get_rank()

@@ -182,9 +182,6 @@ def test_a_rank_dies_the_other_exits_and_the_checkpoint_is_intact(tmp_path):
         torch.load(f, weights_only=False, map_location="cpu")
 
 
-@pytest.mark.skip(reason="ds_core.init_distributed passes dist_timeout_s to init_process_group only; DeepSpeed's ZeRO "
-                  "groups come from torch new_group(), which defaults to 30 min, so a stopped rank hangs the survivor. "
-                  "Remove this skip once ds_core also sets torch.distributed.distributed_c10d.default_pg_timeout.")
 def test_a_hung_rank_is_cut_off_by_the_collective_timeout(tmp_path):
     """A rank that stops answering but keeps its sockets open (SIGSTOP: a hung driver, a swapped-out host) is only
     noticed through the collective timeout: the survivor must fail after --dist_timeout_s instead of waiting."""
