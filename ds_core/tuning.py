@@ -406,8 +406,10 @@ def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nod
     return tips
 
 
-def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4) -> dict:
-    """The DeepSpeed JSON for an option (DeepSpeed settings only; validates with ds_core.config.load_ds_config)."""
+def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4, optimizer: str = "adamw") -> dict:
+    """The DeepSpeed JSON for an option (DeepSpeed settings only; validates with ds_core.config.load_ds_config).
+    optimizer="none": no optimizer section, for entry points that build their own (bert_ref.train's LAMB); the
+    memory model holds for any optimizer with two fp32 states per parameter (Adam, AdamW, LAMB)."""
     zero: dict = {"stage": o.stage, "reduce_bucket_size": DEFAULT_BUCKETS["reduce_bucket_size"]}
     if o.stage in (1, 2):
         zero.update(allgather_bucket_size=DEFAULT_BUCKETS["allgather_bucket_size"], overlap_comm=False,
@@ -418,10 +420,12 @@ def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4) -> dict:
                     stage3_param_persistence_threshold=100_000, stage3_gather_16bit_weights_on_model_save=True)
     cfg = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": o.micro_batch,
            "gradient_accumulation_steps": o.grad_accum, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-           "zero_optimization": zero,
-           "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                     "weight_decay": 0.01}},
-           "steps_per_print": 1_000_000, "wall_clock_breakdown": False}
+           "zero_optimization": zero, "steps_per_print": 1_000_000, "wall_clock_breakdown": False}
+    if optimizer == "adamw":
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                        "weight_decay": 0.01}}
+    else:
+        cfg["zero_allow_untested_optimizer"] = True     # a client optimizer such as LAMB
     if o.checkpointing:
         # the model must also enable it (HF: model.gradient_checkpointing_enable()); these are DeepSpeed's knobs
         cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
@@ -456,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="ds_config_tuned.json", help="where the recommended DeepSpeed JSON goes")
     p.add_argument("--all", action="store_true", help="also list configurations that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of markdown")
+    p.add_argument("--optimizer", choices=("adamw", "none"), default="adamw",
+                   help="optimizer section of the JSON; none: the entry point builds its own (bert_ref.train: LAMB)")
     p.add_argument("--top", type=int, default=0, help="list only the N best-ranked options (default: all)")
     return p
 
@@ -482,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tips = [] if best else what_would_fit(shape, a.accelerator, a.accelerators_per_node, a.nodes,
                                           a.activation_checkpointing)
     if best:
-        cfg = ds_config(best, a.global_batch)
+        cfg = ds_config(best, a.global_batch, optimizer=a.optimizer)
         Path(a.out).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     if a.json:
         print(json.dumps({

@@ -99,6 +99,8 @@ def test_ds_tune_recommends_and_its_json_validates(tmp_path, capsys):
     shape = tuning.model_shape("bert-large")
     for o in tuning.search(shape, "gaudi", 8, 2, 512, "on")[::7]:
         load_ds_config(tuning.ds_config(o, 512), world_size=16)
+        no_opt = load_ds_config(tuning.ds_config(o, 512, optimizer="none"), world_size=16)
+        assert "optimizer" not in no_opt and no_opt["zero_allow_untested_optimizer"]
 
 
 def test_bert_1p5b_on_8_nodes_of_first_gen_gaudi(tmp_path, capsys):
