@@ -152,11 +152,11 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                             f"loss is {loss} at optimizer step {step + 1} (epoch {epoch}); the update was not "
                             f"applied and the latest checkpoint is still "
                             f"{ckpt.latest_tag(ckpt_root) or 'none'} in {ckpt_root}")
+                    lr = engine.get_lr()[0] if engine.get_lr() else None  # the LR this update uses
                 engine.step()
                 if not boundary:
                     continue
                 step += 1
-                lr = engine.get_lr()[0] if engine.get_lr() else None
                 metrics.step(step, samples, tokens, loss=loss, lr=lr, logs=logs)
                 acc.reset()
                 if cfg.num_steps_per_checkpoint and step % cfg.num_steps_per_checkpoint == 0:
