@@ -192,6 +192,20 @@ def rows_of(group: Group) -> list:
     return rows
 
 
+def repeat_notes(group: Group) -> list:
+    """Runs repeated at one scale are listed, not averaged; their spread says how much to trust one efficiency."""
+    notes = []
+    by_scale: dict = {}
+    for r in group.runs:
+        by_scale.setdefault((r.nodes, r.accelerators), []).append(r.throughput / r.accelerators)
+    for (nodes, acc), vals in sorted(by_scale.items()):
+        if len(vals) > 1:
+            notes.append(f"{len(vals)} runs at {nodes} node(s) / {acc} accelerator(s): {min(vals):.2f} to "
+                         f"{max(vals):.2f} sequences/s per accelerator (spread {100 * (max(vals) / min(vals) - 1):.0f} "
+                         "%); efficiencies are against the baseline run named above.")
+    return notes
+
+
 # ------------------------------------------------------------------------------------------------- formatting
 
 _COLS = ("nodes", "accelerators", "throughput", "per_accelerator", "efficiency", "speedup")
@@ -204,6 +218,14 @@ def _cells(row: dict) -> list:
             f"{row['per_accelerator']:.2f}", f"{100 * row['efficiency']:.2f}", f"{row['speedup']:.2f}"]
 
 
+def _short(source: str) -> str:
+    """runs/bert/n2/metrics.jsonl -> bert/n2: enough to tell repeated runs apart in a table."""
+    p = Path(source)
+    if p.name == "metrics.jsonl":
+        p = p.parent
+    return "/".join(p.parts[-2:])
+
+
 def format_md(groups: Sequence[Group]) -> str:
     out = []
     for i, g in enumerate(groups, 1):
@@ -211,10 +233,11 @@ def format_md(groups: Sequence[Group]) -> str:
         out.append(f"### Group {i}: {g.title}")
         if g.reason:
             out.append(f"\n_{g.reason}_")
-        out.append(f"\nBaseline: {b.nodes} node(s), {b.accelerators} accelerator(s).\n")
-        out.append("| " + " | ".join(_HEAD) + " |")
-        out.append("|" + "|".join("---:" for _ in _HEAD) + "|")
-        out += ["| " + " | ".join(_cells(r)) + " |" for r in rows_of(g)]
+        out.append(f"\nBaseline: {b.nodes} node(s), {b.accelerators} accelerator(s) ({_short(b.source)}).\n")
+        out.append("| " + " | ".join(_HEAD) + " | run |")
+        out.append("|" + "|".join("---:" for _ in _HEAD) + "|:---|")
+        out += ["| " + " | ".join(_cells(r)) + f" | {_short(r['source'])} |" for r in rows_of(g)]
+        out += [f"\n{note}" for note in repeat_notes(g)]
         out.append("")
     return "\n".join(out)
 

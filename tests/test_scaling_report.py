@@ -63,6 +63,11 @@ def test_runs_from_metrics_jsonl_and_baseline_nodes(tmp_path, capsys):
     by_nodes = {r["nodes"]: r for r in rows}
     assert by_nodes[2]["efficiency"] == 1.0 and by_nodes[2]["speedup"] == 1.0
     assert round(by_nodes[1]["efficiency"], 4) == round(172.47 / (2705.57 / 16), 4)
+    # a repeated run at one scale is listed, with the spread, never averaged
+    write_run(tmp_path, "n1_again", 1, 1300.0)
+    md = report([str(tmp_path)], capsys)
+    assert "| 1 | 8 | 1300.00 |" in md and "| 1 | 8 | 1379.76 |" in md
+    assert "2 runs at 1 node(s) / 8 accelerator(s): 162.50 to 172.47" in md
     assert scaling.main([str(tmp_path), "--baseline-nodes", "3"]) == 2
     assert "runs at nodes [1, 2, 4] only" in capsys.readouterr().err
 
