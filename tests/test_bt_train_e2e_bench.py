@@ -21,6 +21,6 @@ def test_bench_e2e_toy(tmp_path, capsys):
         from _bt_e2e import bench_e2e
     finally:
         sys.path.remove(str(REPO / "bench"))
-    out = bench_e2e(image_dir=str(tmp_path), steps=2, warmup=1, batch=4, workers=0)
+    out = bench_e2e(image_dir=str(tmp_path), steps=2, warmup=1, batch=4, workers=0, rounds=1)
     assert out["e2e_ratio"] > 0 and out["e2e_samples_per_s"] > 0 and out["e2e_baseline_samples_per_s"] > 0
     assert "e2e_ratio =" in capsys.readouterr().out
