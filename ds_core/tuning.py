@@ -60,7 +60,7 @@ MODELS = {
     # BridgeTower/bridgetower-large-itm-mlm-itc: RoBERTa-large text tower, CLIP ViT-L/14 at 294 px, 6 cross layers
     "bridgetower-large": {"model_type": "bridgetower", "architectures": ["BridgeTowerForContrastiveLearning"],
                           "hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16,
-                          "contrastive_hidden_size": 512, "seq_len": 50,
+                          "contrastive_hidden_size": 512, "logit_scale_init_value": 2.6592, "seq_len": 50,
                           "text_config": {"vocab_size": 50265, "hidden_size": 1024, "num_hidden_layers": 24,
                                           "num_attention_heads": 16, "intermediate_size": 4096,
                                           "max_position_embeddings": 514},
