@@ -61,11 +61,14 @@ MODELS = {
     "bridgetower-large": {"model_type": "bridgetower", "architectures": ["BridgeTowerForContrastiveLearning"],
                           "hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16,
                           "contrastive_hidden_size": 512, "logit_scale_init_value": 2.6592, "seq_len": 50,
+                          "share_cross_modal_transformer_layers": True, "share_link_tower_layers": False,
+                          "link_tower_type": "add", "tie_word_embeddings": False,
                           "text_config": {"vocab_size": 50265, "hidden_size": 1024, "num_hidden_layers": 24,
                                           "num_attention_heads": 16, "intermediate_size": 4096,
-                                          "max_position_embeddings": 514},
+                                          "max_position_embeddings": 514, "type_vocab_size": 1, "pad_token_id": 1},
                           "vision_config": {"hidden_size": 1024, "num_hidden_layers": 24, "patch_size": 14,
-                                            "image_size": 294}},
+                                            "image_size": 294, "share_layernorm": True,
+                                            "remove_last_layer": False}},
 }
 
 
