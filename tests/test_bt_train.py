@@ -95,9 +95,10 @@ def test_zero1_two_ranks_host_pipeline_global_negatives_train_eval_predict(capti
 
 
 @pytest.mark.slow
-def test_zero3_two_ranks_device_pipeline_export_then_reload_eval_only(caption_set, tmp_path):
+def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(caption_set, tmp_path):
     run, export = tmp_path / "run3", tmp_path / "export"
-    proc = run_deepspeed(["--module", "bridgetower_ds.train", "--do_train", "--dataset_path", str(caption_set),
+    proc = run_deepspeed(["--module", "bridgetower_ds.train", "--do_train", "--do_eval",
+                          "--dataset_path", str(caption_set),
                           "--run_dir", str(run), "--image_pipeline", "device", "--dataloader_num_workers", "1",
                           "--deepspeed_config", str(ds_json(tmp_path, "bridgetower_zero3_bf16.json")),
                           "--export_dir", str(export), *COMMON])
@@ -106,6 +107,9 @@ def test_zero3_two_ranks_device_pipeline_export_then_reload_eval_only(caption_se
     summary = next(r for r in recs if r["type"] == "summary")
     assert summary["zero_stage"] == 3 and summary["world_size"] == 2
     assert "image pipeline: device-cpu" in proc.stdout
+    # evaluation under ZeRO-3: both ranks run forwards in lock-step (gathers), results gathered and deduplicated
+    trained = json.loads((run / "eval_results.json").read_text())
+    assert trained["eval_samples"] == 10 and trained["eval_i2t_r10"] == 1.0
     assert (export / "config.json").is_file() and (export / "tokenizer.json").is_file()
 
     # one process, `python -m`, from the exported directory (weights + tokenizer), evaluation only
@@ -119,6 +123,26 @@ def test_zero3_two_ranks_device_pipeline_export_then_reload_eval_only(caption_se
     assert out.returncode == 0, out.stdout[-6000:]
     res = json.loads((run_eval / "eval_results.json").read_text())
     assert res["eval_samples"] == 10 and res["eval_loss"] > 0
+    # the exported weights are the trained ones: per-sample embeddings do not depend on the batch, so retrieval over
+    # the gathered split ranks the same (one row may flip on a bf16 near-tie); the loss does depend on the batching
+    # (in-batch negatives: 5 per rank there, 8 + 2 here), so it is not compared
+    for k in ("i2t_r1", "t2i_r1", "i2t_r5", "t2i_r5"):
+        assert res[f"eval_{k}"] == pytest.approx(trained[f"eval_{k}"], abs=0.11), k
+    from transformers import BridgeTowerForContrastiveLearning
+
+    import torch
+
+    from bridgetower_ds.configs import ModelArgs
+    from bridgetower_ds.model import build_model
+
+    exported = BridgeTowerForContrastiveLearning.from_pretrained(export, local_files_only=True).float()
+    assert exported.logit_scale.shape == ()
+    torch.manual_seed(42)  # the run's --seed: the same initial weights
+    fresh = build_model(ModelArgs(preset="debug"))
+    pooler, head = "bridgetower.text_model.pooler.dense.weight", "itc_text_head.fc.weight"
+    got, init = exported.state_dict(), fresh.state_dict()
+    assert torch.allclose(got[pooler], init[pooler].bfloat16().float())  # frozen by default: unchanged
+    assert (got[head] - init[head]).abs().max() > 1e-2  # trained
     assert json.loads((run_eval / "config.json").read_text())["RunArgs"]["do_train"] is False
 
 
