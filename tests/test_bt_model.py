@@ -193,3 +193,53 @@ def test_expected_padded_length():
     assert expected_padded_length(tok, caps, micro_batch=4, max_length=128) == 12
     assert expected_padded_length(tok, caps, micro_batch=2, max_length=128, pad_to_max=True) == 128
     assert expected_padded_length(tok, caps, micro_batch=2, max_length=6) == 5  # truncation caps at 6
+
+
+# The published Large ITM/MLM/ITC checkpoint's config.json (its architecture fields), as shipped with the weights.
+PUBLISHED_LARGE_CONFIG = {
+    "architectures": ["BridgeTowerForContrastiveLearning"], "model_type": "bridgetower",
+    "contrastive_hidden_size": 512, "share_cross_modal_transformer_layers": True, "drop_rate": 0.1,
+    "head_hidden_scale": 2, "hidden_act": "gelu", "hidden_size": 1024, "initializer_factor": 1,
+    "is_encoder_decoder": False, "layer_norm_eps": 1e-05, "share_link_tower_layers": False, "link_tower_type": "add",
+    "logit_scale_init_value": 2.6592, "num_attention_heads": 16, "num_hidden_layers": 6,
+    "tie_word_embeddings": False, "text_config_dict": None, "init_layernorm_from_vision_encoder": False,
+    "text_config": {"architectures": ["BridgeTowerTextModel"], "vocab_size": 50265, "hidden_size": 1024,
+                    "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+                    "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
+                    "max_position_embeddings": 514, "type_vocab_size": 1, "initializer_factor": 1,
+                    "initializer_range": 0.02, "layer_norm_eps": 1e-05, "pad_token_id": 1, "bos_token_id": 0,
+                    "eos_token_id": 2, "position_embedding_type": "absolute", "use_cache": True,
+                    "classifier_dropout": None},
+    "vision_config_dict": None,
+    "vision_config": {"architectures": ["BridgeTowerVisionModel"], "hidden_size": 1024, "num_hidden_layers": 24,
+                      "patch_size": 14, "image_size": 294, "initializer_factor": 1, "stop_gradient": False,
+                      "share_layernorm": True, "remove_last_layer": False},
+}
+
+
+def test_published_large_config_json_matches_the_preset(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_LARGE_CONFIG))
+    loaded = load_config(ModelArgs(model_name_or_path=str(tmp_path)))
+    ours = configs.bridgetower_large()
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "contrastive_hidden_size",
+                "logit_scale_init_value", "share_cross_modal_transformer_layers", "share_link_tower_layers",
+                "link_tower_type"):
+        assert getattr(loaded, key) == getattr(ours, key), key
+    for sub in ("text_config", "vision_config"):
+        a, b = getattr(loaded, sub).to_dict(), getattr(ours, sub).to_dict()
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                    "patch_size", "image_size", "max_position_embeddings", "share_layernorm"):
+            assert a.get(key) == b.get(key), (sub, key)
+    # same parameter shapes: a checkpoint of this architecture loads into the preset's model
+    with torch.device("meta"):
+        shapes_loaded = {k: v.shape for k, v in BridgeTowerForContrastiveLearning(loaded).state_dict().items()}
+        shapes_ours = {k: v.shape for k, v in BridgeTowerForContrastiveLearning(ours).state_dict().items()}
+    assert shapes_loaded == shapes_ours
+    # a checkpoint config without the ITC fields (e.g. ITM/MLM-only) gets the published values
+    itm_mlm = {k: v for k, v in PUBLISHED_LARGE_CONFIG.items()
+               if k not in ("contrastive_hidden_size", "logit_scale_init_value")}
+    (tmp_path / "config.json").write_text(json.dumps(itm_mlm))
+    patched = load_config(ModelArgs(model_name_or_path=str(tmp_path)))
+    assert (patched.contrastive_hidden_size, patched.logit_scale_init_value) == (512, 2.6592)
