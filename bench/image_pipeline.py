@@ -37,7 +37,7 @@ from PIL import Image, ImageDraw, ImageFilter  # noqa: E402
 
 from bridgetower_ds.images import host_transform, normalize, read_bytes  # noqa: E402
 
-SIZE = 288  # BridgeTower Large's vision image size
+SIZE = 294  # BridgeTower Large's vision image size (published config: 294 px, patch 14)
 
 
 def photo_like(rng: np.random.Generator, w: int = 640, h: int = 480) -> Image.Image:
