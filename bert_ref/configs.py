@@ -9,11 +9,11 @@ tokens with at most 20 masked positions, phase 2 continues from phase 1's weight
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ds_core.config import ConfigError
+from ds_core.config import ConfigError, arg
 
 BERT_VOCAB = 30522  # the uncased WordPiece vocabulary of the original BERT release
 PHASES = {1: (128, 20), 2: (512, 80)}  # phase -> (max_seq_length, max_predictions_per_seq)
@@ -101,27 +101,24 @@ def get_preset(name: str, phase: int = 1) -> BertPreset:
     return PRESETS[name](phase)
 
 
-def _help(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
-
 
 @dataclass
 class BertArgs:
     """Model and data settings of bert_ref.train (optimizer settings: bert_ref.optim.OptimArgs)."""
 
-    preset: str = _help(f"Model preset: one of {', '.join(PRESETS)}.", default="bert_large")
-    phase: int = _help("1: seq 128 / 20 masked positions; 2: seq 512 / 80 (usually with --init_checkpoint).",
+    preset: str = arg(f"Model preset: one of {', '.join(PRESETS)}.", default="bert_large")
+    phase: int = arg("1: seq 128 / 20 masked positions; 2: seq 512 / 80 (usually with --init_checkpoint).",
                        default=1)
-    input_dir: str = _help("Directory of pretraining shards written by `python -m bert_ref.prep shards`.",
+    input_dir: str = arg("Directory of pretraining shards written by `python -m bert_ref.prep shards`.",
                            default="")
-    init_checkpoint: str = _help("Local Hugging Face checkpoint directory to start from (phase 1 output for phase "
+    init_checkpoint: str = arg("Local Hugging Face checkpoint directory to start from (phase 1 output for phase "
                                  "2, or a published BertForPreTraining checkpoint on disk); '' = random init.",
                                  default="")
-    activation_checkpointing: bool = _help("Recompute each encoder layer's activations in backward (less memory, "
+    activation_checkpointing: bool = arg("Recompute each encoder layer's activations in backward (less memory, "
                                            "~1/3 more compute; reported FLOPs exclude the recompute).",
                                            default=False)
-    attn_implementation: str = _help("transformers attention kernel: 'sdpa' or 'eager'.", default="sdpa")
-    export_hf: bool = _help("At the end write run_dir/hf_model (save_pretrained format, ZeRO-3 gathered): the "
+    attn_implementation: str = arg("transformers attention kernel: 'sdpa' or 'eager'.", default="sdpa")
+    export_hf: bool = arg("At the end write run_dir/hf_model (save_pretrained format, ZeRO-3 gathered): the "
                             "--init_checkpoint of the next phase.", default=True)
 
     def validate(self) -> None:

@@ -10,38 +10,35 @@ partition. That is what DeepSpeed's own LAMB and Habana's ZeRO-1 BERT-1.5B runs 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
-from ds_core.config import ConfigError
+from ds_core.config import ConfigError, arg
 
 OPTIMIZERS = ("lamb", "lans", "adamw")
 
-
-def _help(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
 
 
 @dataclass
 class OptimArgs:
     """Optimizer and learning-rate schedule of bert_ref.train (DeepSpeed JSON has no optimizer section for BERT)."""
 
-    optimizer: str = _help("lamb (You et al. 2019), lans (Zheng et al. 2020; BERT-1.5B on Gaudi) or adamw.",
+    optimizer: str = arg("lamb (You et al. 2019), lans (Zheng et al. 2020; BERT-1.5B on Gaudi) or adamw.",
                            default="lamb")
-    learning_rate: float = _help("Peak learning rate (before --scale_lr_with_nodes).", default=0.0015)
-    weight_decay: float = _help("Weight decay for all weights except biases and LayerNorm.", default=0.01)
-    beta1: float = _help("Adam beta1.", default=0.9)
-    beta2: float = _help("Adam beta2.", default=0.999)
-    eps: float = _help("Adam epsilon.", default=1e-6)
-    warmup_proportion: float = _help("Fraction of max_steps with linear warm-up from 0 to the peak LR.", default=0.05)
-    constant_proportion: float = _help("Fraction of max_steps held at the peak LR after warm-up.", default=0.0)
-    poly_degree: float = _help("Degree of the polynomial decay to 0 over the remaining steps (1 = linear).",
+    learning_rate: float = arg("Peak learning rate (before --scale_lr_with_nodes).", default=0.0015)
+    weight_decay: float = arg("Weight decay for all weights except biases and LayerNorm.", default=0.01)
+    beta1: float = arg("Adam beta1.", default=0.9)
+    beta2: float = arg("Adam beta2.", default=0.999)
+    eps: float = arg("Adam epsilon.", default=1e-6)
+    warmup_proportion: float = arg("Fraction of max_steps with linear warm-up from 0 to the peak LR.", default=0.05)
+    constant_proportion: float = arg("Fraction of max_steps held at the peak LR after warm-up.", default=0.0)
+    poly_degree: float = arg("Degree of the polynomial decay to 0 over the remaining steps (1 = linear).",
                                default=1.0)
-    scale_lr_with_nodes: bool = _help("Use learning_rate * nodes / base_nodes (the published BERT-1.5B runs: "
+    scale_lr_with_nodes: bool = arg("Use learning_rate * nodes / base_nodes (the published BERT-1.5B runs: "
                                       "0.0015 at 8 nodes, 0.003 at 16).", default=False)
-    base_nodes: int = _help("Node count that learning_rate was tuned for (with --scale_lr_with_nodes).", default=8)
+    base_nodes: int = arg("Node count that learning_rate was tuned for (with --scale_lr_with_nodes).", default=8)
 
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:

@@ -24,7 +24,8 @@ class ConfigError(ValueError):
     """A config problem; the message names the file, the key and what was expected."""
 
 
-def _help(text: str, **kw: Any) -> Any:
+def arg(text: str, **kw: Any) -> Any:
+    """A dataclass field with its one-line help (HfArgumentParser shows it in --help)."""
     return field(metadata={"help": text}, **kw)
 
 
@@ -32,28 +33,28 @@ def _help(text: str, **kw: Any) -> Any:
 class TrainConfig:
     """Settings of the training loop shared by every model (DeepSpeed's own settings stay in the DeepSpeed JSON)."""
 
-    run_dir: str = _help("Output directory: config.json, ds_config.json, metrics.jsonl, checkpoints/.",
+    run_dir: str = arg("Output directory: config.json, ds_config.json, metrics.jsonl, checkpoints/.",
                          default="runs/default")
-    deepspeed_config: str = _help("DeepSpeed JSON (path, or a file name inside ds_configs/).", default="")
-    max_steps: int = _help("Optimizer steps to run; 0 runs max_epochs.", default=0)
-    max_epochs: int = _help("Epochs to run when max_steps is 0 (max_steps, when set, wins and cycles the data).", default=1)
-    num_steps_per_checkpoint: int = _help("Save a checkpoint every N optimizer steps; 0 saves none periodically.",
+    deepspeed_config: str = arg("DeepSpeed JSON (path, or a file name inside ds_configs/).", default="")
+    max_steps: int = arg("Optimizer steps to run; 0 runs max_epochs.", default=0)
+    max_epochs: int = arg("Epochs to run when max_steps is 0 (max_steps, when set, wins and cycles the data).", default=1)
+    num_steps_per_checkpoint: int = arg("Save a checkpoint every N optimizer steps; 0 saves none periodically.",
                                           default=0)
-    save_final_checkpoint: bool = _help("Save a checkpoint when training ends.", default=True)
-    resume: bool = _help("Resume from the latest complete checkpoint in run_dir/checkpoints.", default=False)
-    log_every: int = _help("Write a metrics record every N optimizer steps.", default=1)
-    eval_every: int = _help("Run the eval hook every N optimizer steps; 0 runs it once at the end.", default=0)
-    throughput_warmup_steps: int = _help("Optimizer steps excluded from throughput (compilation, caches).",
+    save_final_checkpoint: bool = arg("Save a checkpoint when training ends.", default=True)
+    resume: bool = arg("Resume from the latest complete checkpoint in run_dir/checkpoints.", default=False)
+    log_every: int = arg("Write a metrics record every N optimizer steps.", default=1)
+    eval_every: int = arg("Run the eval hook every N optimizer steps; 0 runs it once at the end.", default=0)
+    throughput_warmup_steps: int = arg("Optimizer steps excluded from throughput (compilation, caches).",
                                          default=3)
-    seed: int = _help("Seed for python, numpy and torch.", default=42)
-    micro_batch_size: int = _help("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
+    seed: int = arg("Seed for python, numpy and torch.", default=42)
+    micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
                                   default=0)
-    gradient_accumulation_steps: int = _help("Override gradient_accumulation_steps of the DeepSpeed JSON; 0 keeps it.",
+    gradient_accumulation_steps: int = arg("Override gradient_accumulation_steps of the DeepSpeed JSON; 0 keeps it.",
                                              default=0)
-    zero_stage: int = _help("Override zero_optimization.stage of the DeepSpeed JSON; -1 keeps it.", default=-1)
-    dist_timeout_s: int = _help("Collective timeout in seconds: a dead rank makes the others fail after this.",
+    zero_stage: int = arg("Override zero_optimization.stage of the DeepSpeed JSON; -1 keeps it.", default=-1)
+    dist_timeout_s: int = arg("Collective timeout in seconds: a dead rank makes the others fail after this.",
                                 default=1800)
-    progress_bar: bool = _help("Show a rank-0 tqdm progress bar.", default=True)
+    progress_bar: bool = arg("Show a rank-0 tqdm progress bar.", default=True)
 
     def validate(self) -> None:
         checks = [

@@ -18,7 +18,6 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from launch import hostfile as hf

@@ -1,6 +1,5 @@
 """ds_core.config: batch arithmetic, malformed JSON, unknown keys, CLI + JSON round trip, shipped DeepSpeed configs."""
 import json
-from pathlib import Path
 
 import pytest
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dist_env
+from conftest import dist_env
 from launch import env as envmod
 
 
