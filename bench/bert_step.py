@@ -46,12 +46,12 @@ def _shards(tmp: Path, n: int, seq: int, preds: int, vocab: int) -> Path:
     return d
 
 
-def _engine(preset, ds_config: dict, optimizer: str, compile_model: bool = False):
+def _engine(preset, ds_config: dict, optimizer: str, compile_model: bool = False, sparse_mlm: bool = False):
     from bert_ref.model import build_model
     from bert_ref.optim import OptimArgs, build_optimizer, schedule_for
     from ds_core.engine import build_engine
 
-    model = build_model(preset)
+    model = build_model(preset, sparse_mlm=sparse_mlm)
     args = OptimArgs(optimizer=optimizer, learning_rate=1e-4, warmup_proportion=0.0)
     engine = build_engine(model, ds_config, optimizer=build_optimizer(model, args),
                           lr_scheduler=schedule_for(args, 10**6))
@@ -69,7 +69,7 @@ def mfu_part(a: argparse.Namespace, tmp: Path) -> dict:
     from bert_ref.configs import bert_large
     from bert_ref.data import build_data
     from bert_ref.model import flops_per_sequence
-    from bert_ref.step import step_fn
+    from bert_ref.step import make_step_fn
     from ds_core.config import TrainConfig
     from ds_core.engine import init_distributed, set_seed
     from ds_core.loop import train
@@ -81,19 +81,24 @@ def mfu_part(a: argparse.Namespace, tmp: Path) -> dict:
     set_seed(0)
     total = a.micro_batch * a.grad_accum * (a.steps + a.warmup)
     data = build_data(str(_shards(tmp, total, 128, 20, 30522)), 0, 1, a.micro_batch)
-    engine = _engine(preset, _ds_config(a.micro_batch, a.grad_accum, 0), "lamb", a.compile)
+    engine = _engine(preset, _ds_config(a.micro_batch, a.grad_accum, 0), "lamb", a.compile, not a.dense_mlm)
+    preds = 0 if a.dense_mlm else preset.max_predictions_per_seq
+    flops = flops_per_sequence(preset, mlm_positions=preds)
     cfg = TrainConfig(run_dir=str(tmp / "mfu_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
                       save_final_checkpoint=False, progress_bar=False)
-    s = train(engine, step_fn, data, cfg, dist, model_name=preset.name, flops_per_sample=flops_per_sequence(preset),
+    s = train(engine, make_step_fn(preds), data, cfg, dist, model_name=preset.name, flops_per_sample=flops,
               seq_len=preset.seq_len)
     data.close()
+    head = "dense" if a.dense_mlm else f"sparse ({preds}/seq)"
     print(f"[mfu] {preset.name}: micro {a.micro_batch} x accum {a.grad_accum}, threads {torch.get_num_threads()}, "
-          f"compile {a.compile}: {s['samples_per_s']:.2f} seq/s, {s['tflops_per_accelerator']:.3f} TFLOPs vs bf16 "
+          f"compile {a.compile}, MLM head {head}: {s['samples_per_s']:.2f} seq/s, {s['tflops_per_accelerator']:.3f} "
+          f"TFLOPs vs bf16 "
           f"matmul peak {s['peak_tflops_per_accelerator']:.3f} TFLOPs -> MFU {s['mfu']:.3f}", flush=True)
     return {"mfu": s["mfu"], "step_tflops": s["tflops_per_accelerator"],
             "peak_bf16_matmul_tflops": s["peak_tflops_per_accelerator"], "seqs_per_s": s["samples_per_s"],
-            "flops_per_seq": flops_per_sequence(preset), "micro_batch": a.micro_batch, "grad_accum": a.grad_accum,
-            "threads": torch.get_num_threads(), "compile": a.compile}
+            "flops_per_seq": flops, "mlm_head": head, "micro_batch": a.micro_batch, "grad_accum": a.grad_accum,
+            "threads": torch.get_num_threads(), "compile": a.compile,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
 
 def optimizer_state_bytes(engine) -> dict:
@@ -177,14 +182,25 @@ def memory_part(tmp: Path) -> dict:
             "zero1_over_zero0_peak_rss": res[1]["peak_rss_bytes"] / res[0]["peak_rss_bytes"]}
 
 
+# glibc malloc returns big freed blocks to the OS (mmap/munmap, trim), so every step page-faults its activations in
+# again; keeping them in the heap is the allocator setting Intel's PyTorch CPU guide gets from jemalloc/tcmalloc.
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184"
+
+
 def main() -> None:
+    if "GLIBC_TUNABLES" not in os.environ and "--no_malloc_tuning" not in sys.argv:  # read at process start only
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro_batch", type=int, default=16)
     ap.add_argument("--grad_accum", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2, help="optimizer steps excluded from the measurement")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads for the MFU part (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for the MFU part (0: torch's default); the peak probe uses the same count")
+    ap.add_argument("--dense_mlm", action="store_true",
+                    help="MLM decoder at all seq_len positions (transformers' default) instead of the sparse head")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (DeepSpeed engine.compile)")
+    ap.add_argument("--no_malloc_tuning", action="store_true", help="keep glibc's default malloc thresholds")
     ap.add_argument("--skip_memory", action="store_true")
     ap.add_argument("--skip_mfu", action="store_true")
     ap.add_argument("--memory_worker", type=int, default=-1, help=argparse.SUPPRESS)

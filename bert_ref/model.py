@@ -24,11 +24,39 @@ def hf_config(preset: BertPreset, attn_implementation: str = "sdpa"):
     return cfg
 
 
-def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkpointing: bool = False,
-                attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A BertForPreTraining (MLM + NSP heads, decoder tied to the word embeddings), randomly initialised from the
-    preset or loaded from a local Hugging Face checkpoint directory (never downloaded)."""
+def _sparse_mlm_class():
+    """BertForPreTraining whose forward also takes `masked_lm_positions` [B, P] (0-padded, as in the shards): then
+    the MLM head (transform + decoder over the vocabulary) runs only at those B * P positions, the sparse MLM head
+    of NVIDIA's and Habana's BERT recipes, and prediction_logits is [B, P, V]. Same parameters and state dict as
+    BertForPreTraining; without masked_lm_positions it is BertForPreTraining."""
     from transformers import BertForPreTraining
+    from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
+
+    class BertForPreTrainingSparseMLM(BertForPreTraining):
+        def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, masked_lm_positions=None,
+                    **kwargs):
+            if masked_lm_positions is None:
+                return super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                                       token_type_ids=token_type_ids, **kwargs)
+            out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, return_dict=True,
+                            **kwargs)
+            seq, pooled = out[:2]
+            idx = masked_lm_positions.unsqueeze(-1).expand(-1, -1, seq.size(-1))
+            pred, nsp = self.cls(torch.gather(seq, 1, idx), pooled)
+            return BertForPreTrainingOutput(prediction_logits=pred, seq_relationship_logits=nsp)
+
+    return BertForPreTrainingSparseMLM
+
+
+def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkpointing: bool = False,
+                attn_implementation: str = "sdpa", sparse_mlm: bool = False) -> torch.nn.Module:
+    """A BertForPreTraining (MLM + NSP heads, decoder tied to the word embeddings), randomly initialised from the
+    preset or loaded from a local Hugging Face checkpoint directory (never downloaded). sparse_mlm: the subclass
+    whose forward takes masked_lm_positions (see _sparse_mlm_class; bert_ref.step.make_step_fn(sparse_mlm=...))."""
+    from transformers import BertForPreTraining
+
+    if sparse_mlm:
+        BertForPreTraining = _sparse_mlm_class()  # noqa: N806
 
     if init_checkpoint:
         from transformers import BertConfig
@@ -81,7 +109,7 @@ def param_counts(preset: BertPreset) -> dict[str, int]:
     return {"total": total, "embeddings": emb, "encoder": enc, "heads": total - emb - enc}
 
 
-def flops_per_sequence(preset: BertPreset, seq_len: int | None = None) -> float:
+def flops_per_sequence(preset: BertPreset, seq_len: int | None = None, mlm_positions: int | None = None) -> float:
     """Model FLOPs to TRAIN on one sequence (forward + backward), counting matmuls only (2 FLOPs per multiply-add).
 
     With S = seq_len, h = hidden, I = intermediate, L = layers, V = vocab (padded):
@@ -89,7 +117,10 @@ def flops_per_sequence(preset: BertPreset, seq_len: int | None = None) -> float:
         projections  2 * S * (4 h^2 + 2 h I)    Q, K, V, attention output (4 h x h) + FFN in and out (2 h x I)
         attention    2 * 2 * S^2 * h            Q K^T scores and probs x V (all heads together)
       MLM head, forward: 2 * S * (h^2 + h V)    transform dense + decoder; transformers computes prediction logits
-                                                at all S positions (not only the masked ones), so all S count
+                                                at all S positions (not only the masked ones), so all S count;
+                                                with the sparse MLM head (mlm_positions = P, the preset's
+                                                max_predictions_per_seq) it runs at P positions per sequence
+                                                (padding slots included: they are computed), so 2 * P * (h^2 + h V)
       pooler + NSP, forward: 2 * (h^2 + 2 h)    once per sequence
       train = 3 * forward                       backward = 2 x forward (grads w.r.t. activations and weights)
     Embedding lookups, LayerNorm, GELU, softmax and the optimizer are not counted (the usual MFU convention), and the
@@ -98,7 +129,7 @@ def flops_per_sequence(preset: BertPreset, seq_len: int | None = None) -> float:
     S = seq_len or preset.seq_len
     h, inter, L, V = preset.hidden_size, preset.intermediate_size, preset.num_hidden_layers, preset.vocab_size
     layer = 2 * S * (4 * h * h + 2 * h * inter) + 4 * S * S * h
-    mlm = 2 * S * (h * h + h * V)
+    mlm = 2 * (mlm_positions or S) * (h * h + h * V)
     nsp = 2 * (h * h + 2 * h)
     return float(3 * (L * layer + mlm + nsp))
 

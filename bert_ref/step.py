@@ -1,7 +1,7 @@
 """One BERT pretraining micro step: batch -> MLM and NSP losses (separately, so both are logged) and counts."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,7 @@ from ds_core.config import ConfigError
 from ds_core.loop import StepOutput
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
+IGNORE_INDEX = -100
 
 
 def pretraining_losses(prediction_logits: torch.Tensor, seq_relationship_logits: torch.Tensor,
@@ -22,9 +23,40 @@ def pretraining_losses(prediction_logits: torch.Tensor, seq_relationship_logits:
     return mlm, nsp
 
 
+def masked_positions(labels: torch.Tensor, max_predictions: int) -> torch.Tensor:
+    """[B, P] positions of the masked tokens (labels != -100) of each row, ascending, 0-padded like the shards'
+    masked_lm_positions (position 0 is [CLS], never masked, so its label is -100 and padding slots add no loss)."""
+    B, S = labels.shape
+    n = int((labels != IGNORE_INDEX).sum(1).max()) if labels.numel() else 0
+    if n > max_predictions:
+        raise ConfigError(f"a sequence has {n} masked tokens > max_predictions_per_seq {max_predictions}: the shards "
+                          f"were made for another phase than the preset")
+    col = torch.arange(S, device=labels.device).expand(B, S)
+    key = torch.where(labels != IGNORE_INDEX, col, S)
+    pos = key.sort(dim=1).values[:, :max_predictions]
+    return torch.where(pos < S, pos, 0)
+
+
+def make_step_fn(sparse_mlm_predictions: int = 0) -> Callable[[Any, dict], StepOutput]:
+    """step_fn, or with sparse_mlm_predictions = P > 0 the sparse-MLM step: the model (build_model(...,
+    sparse_mlm=True)) computes the MLM head only at P positions per sequence (the masked ones, 0-padded), the loss is
+    the same mean over the masked tokens. FLOPs: flops_per_sequence(preset, mlm_positions=P)."""
+    if not sparse_mlm_predictions:
+        return step_fn
+
+    def sparse_step_fn(engine: Any, batch: dict) -> StepOutput:
+        return _step(engine, batch, sparse_mlm_predictions)
+
+    return sparse_step_fn
+
+
 def step_fn(engine: Any, batch: dict) -> StepOutput:
     """Moves the CPU batch to the engine's device, runs the (DeepSpeed-wrapped) BertForPreTraining, returns
     loss = MLM + NSP (the original BERT objective) with both parts in logs."""
+    return _step(engine, batch, 0)
+
+
+def _step(engine: Any, batch: dict, sparse_predictions: int) -> StepOutput:
     dev = engine.device
     vocab = engine.module.config.vocab_size
     top = int(batch["input_ids"].max())  # on the CPU batch: cheap, and clearer than an index error in the embedding
@@ -32,9 +64,14 @@ def step_fn(engine: Any, batch: dict) -> StepOutput:
         raise ConfigError(f"token id {top} in the data >= the model's vocab_size {vocab}: the shards were made with a "
                           f"larger vocabulary than the preset's (bert-prep vocab --vocab-size)")
     inputs = {k: batch[k].to(dev, non_blocking=True) for k in MODEL_INPUTS}
+    labels = batch["labels"]
+    if sparse_predictions:
+        pos = masked_positions(labels, sparse_predictions)
+        labels = torch.gather(labels, 1, pos)
+        inputs["masked_lm_positions"] = pos.to(dev, non_blocking=True)
     out = engine(**inputs)
     mlm, nsp = pretraining_losses(out.prediction_logits, out.seq_relationship_logits,
-                                  batch["labels"].to(dev, non_blocking=True),
+                                  labels.to(dev, non_blocking=True),
                                   batch["next_sentence_label"].to(dev, non_blocking=True))
     loss = mlm + nsp
     ids = batch["input_ids"]

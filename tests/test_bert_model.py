@@ -121,3 +121,46 @@ def test_init_checkpoint_loads_and_pads_vocab(tmp_path):
     with pytest.raises(ConfigError, match="hidden_size"):
         build_model(debug(), init_checkpoint=str(tmp_path / "ckpt"))
 
+
+
+def test_sparse_mlm_head_matches_dense_loss_and_grads():
+    """build_model(sparse_mlm=True) + make_step_fn(P): the MLM head runs at P positions per sequence only, with the
+    same loss and gradients as the dense head (dropout off); FLOPs count P positions for the MLM head."""
+    import dataclasses
+
+    import numpy as np
+
+    from bert_ref.data import make_batch
+    from bert_ref.prep.h5io import synthetic_arrays
+    from bert_ref.step import make_step_fn, masked_positions, step_fn
+
+    p = dataclasses.replace(debug(1), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = build_model(p, sparse_mlm=True)
+    arr = synthetic_arrays(3, p.seq_len, p.max_predictions_per_seq, vocab_size=p.vocab_size, seed=1)
+    batch = make_batch(arr, np.arange(3))
+
+    class Engine:  # the two things step_fn uses of a DeepSpeed engine
+        device = torch.device("cpu")
+        module = model
+
+        def __call__(self, **kw):
+            return model(**kw)
+
+    outs, grads = [], []
+    for fn in (step_fn, make_step_fn(p.max_predictions_per_seq)):
+        model.zero_grad()
+        out = fn(Engine(), batch)
+        out.loss.backward()
+        outs.append(out)
+        grads.append([q.grad.clone() for q in model.parameters()])
+    assert torch.allclose(outs[0].loss, outs[1].loss, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
+    pos = masked_positions(batch["labels"], p.max_predictions_per_seq)
+    assert pos.shape == (3, p.max_predictions_per_seq)
+    assert ((batch["labels"] != -100).sum(1) == (pos > 0).sum(1)).all()
+    with pytest.raises(ConfigError):
+        masked_positions(batch["labels"], 1)
+    S, h, V = p.seq_len, p.hidden_size, p.vocab_size
+    dense, sparse = flops_per_sequence(p), flops_per_sequence(p, mlm_positions=p.max_predictions_per_seq)
+    assert dense - sparse == 3 * 2 * (S - p.max_predictions_per_seq) * (h * h + h * V)
