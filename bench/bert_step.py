@@ -46,12 +46,13 @@ def _shards(tmp: Path, n: int, seq: int, preds: int, vocab: int) -> Path:
     return d
 
 
-def _engine(preset, ds_config: dict, optimizer: str, compile_model: bool = False, sparse_mlm: bool = False):
+def _engine(preset, ds_config: dict, optimizer: str, compile_model: bool = False, sparse_mlm: bool = False,
+            fast_dropout: bool = False):
     from bert_ref.model import build_model
     from bert_ref.optim import OptimArgs, build_optimizer, schedule_for
     from ds_core.engine import build_engine
 
-    model = build_model(preset, sparse_mlm=sparse_mlm)
+    model = build_model(preset, sparse_mlm=sparse_mlm, fast_dropout=fast_dropout)
     args = OptimArgs(optimizer=optimizer, learning_rate=1e-4, warmup_proportion=0.0)
     engine = build_engine(model, ds_config, optimizer=build_optimizer(model, args),
                           lr_scheduler=schedule_for(args, 10**6))
@@ -81,7 +82,8 @@ def mfu_part(a: argparse.Namespace, tmp: Path) -> dict:
     set_seed(0)
     total = a.micro_batch * a.grad_accum * (a.steps + a.warmup)
     data = build_data(str(_shards(tmp, total, 128, 20, 30522)), 0, 1, a.micro_batch)
-    engine = _engine(preset, _ds_config(a.micro_batch, a.grad_accum, 0), "lamb", a.compile, not a.dense_mlm)
+    engine = _engine(preset, _ds_config(a.micro_batch, a.grad_accum, 0), "lamb", a.compile, not a.dense_mlm,
+                     not a.torch_dropout)
     preds = 0 if a.dense_mlm else preset.max_predictions_per_seq
     flops = flops_per_sequence(preset, mlm_positions=preds)
     cfg = TrainConfig(run_dir=str(tmp / "mfu_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
@@ -97,7 +99,7 @@ def mfu_part(a: argparse.Namespace, tmp: Path) -> dict:
     return {"mfu": s["mfu"], "step_tflops": s["tflops_per_accelerator"],
             "peak_bf16_matmul_tflops": s["peak_tflops_per_accelerator"], "seqs_per_s": s["samples_per_s"],
             "flops_per_seq": flops, "mlm_head": head, "micro_batch": a.micro_batch, "grad_accum": a.grad_accum,
-            "threads": torch.get_num_threads(), "compile": a.compile,
+            "threads": torch.get_num_threads(), "compile": a.compile, "fast_dropout": not a.torch_dropout,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
 
@@ -199,6 +201,8 @@ def main() -> None:
                     help="torch threads for the MFU part (0: torch's default); the peak probe uses the same count")
     ap.add_argument("--dense_mlm", action="store_true",
                     help="MLM decoder at all seq_len positions (transformers' default) instead of the sparse head")
+    ap.add_argument("--torch_dropout", action="store_true",
+                    help="torch's nn.Dropout for the hidden dropouts instead of bert_ref.model.FastDropout")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (DeepSpeed engine.compile)")
     ap.add_argument("--no_malloc_tuning", action="store_true", help="keep glibc's default malloc thresholds")
     ap.add_argument("--skip_memory", action="store_true")

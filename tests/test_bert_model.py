@@ -164,3 +164,18 @@ def test_sparse_mlm_head_matches_dense_loss_and_grads():
     S, h, V = p.seq_len, p.hidden_size, p.vocab_size
     dense, sparse = flops_per_sequence(p), flops_per_sequence(p, mlm_positions=p.max_predictions_per_seq)
     assert dense - sparse == 3 * 2 * (S - p.max_predictions_per_seq) * (h * h + h * V)
+
+
+def test_fast_dropout_rate_scale_and_grad():
+    from bert_ref.model import FastDropout
+
+    d = FastDropout(0.1)
+    x = torch.ones(400_000, requires_grad=True)
+    y = d(x)
+    y.sum().backward()
+    assert abs(float((y > 0).float().mean()) - 0.9) < 0.005
+    assert abs(float(y.detach().mean()) - 1.0) < 0.01  # kept values scaled by 1 / (1 - p)
+    assert torch.equal(x.grad, y.detach())  # d y / d x = mask * scale
+    assert torch.equal(d.eval()(x), x)
+    model = build_model(debug(1), fast_dropout=True)
+    assert any(isinstance(m, FastDropout) for m in model.modules())
