@@ -4,12 +4,20 @@
    Training-step TFLOPs come from ds_core.metrics (the one clock, warm-up steps excluded) with bert_ref's FLOPs per
    sequence; the baseline is this CPU's bf16 matmul peak, measured in the same run by ds_core.metrics.cpu_peak_tflops
    with the same thread count. MFU = step TFLOPs / matmul peak.
+   Settings (each can be turned back for comparison): 1 torch thread (--threads; on this 2-vCPU shared VM two threads
+   do not raise the probe's AMX peak but every matmul waits at a barrier for the busier core), the sparse MLM head
+   (--dense_mlm; the MLM transform + decoder run at the max_predictions_per_seq = 20 positions per sequence, and the
+   FLOPs count exactly those: 2 * 20 * (h^2 + hV) instead of 2 * 128 * (h^2 + hV)), bert_ref.model.FastDropout for
+   the hidden dropouts (--torch_dropout), glibc malloc thresholds that keep freed activations in the heap
+   (--no_malloc_tuning). Tried without gain here: --compile, micro batch 32, copying dY^T contiguous for the weight
+   gradient matmuls (the bf16 transpose copy costs what it saves).
 2. Memory: two ranks, a BERT-1.5B-shaped slice (hidden 1600, 25 heads, 2 layers), LANS (the 1.5B optimizer), one
    launch with ZeRO-0 and one with ZeRO-1. Per rank: optimizer-state bytes (fp32 master weights + moments, read from
    the tensors the optimizer holds) and the process peak RSS.
 The last line printed is one JSON object (mfu, zero1_over_zero0_optimizer_memory, ...).
 
-    python bench/bert_step.py [--micro_batch 16] [--grad_accum 2] [--steps 6] [--threads N] [--compile]
+    python bench/bert_step.py [--micro_batch 16] [--grad_accum 2] [--steps 4] [--threads 1] [--compile] [--dense_mlm]
+        [--torch_dropout] [--no_malloc_tuning] [--skip_memory] [--skip_mfu]
 """
 from __future__ import annotations
 
