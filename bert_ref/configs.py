@@ -118,6 +118,11 @@ class BertArgs:
                                            "~1/3 more compute; reported FLOPs exclude the recompute).",
                                            default=False)
     attn_implementation: str = arg("transformers attention kernel: 'sdpa' or 'eager'.", default="sdpa")
+    sparse_mlm: bool = arg("Run the MLM head (transform + vocabulary decoder) only at the max_predictions_per_seq "
+                           "masked positions, as NVIDIA's and Habana's recipes do; same loss, fewer FLOPs (and the "
+                           "reported FLOPs count only those positions).", default=False)
+    fast_dropout: bool = arg("Hidden dropouts draw 16-bit random numbers (bert_ref.model.FastDropout, p rounded to "
+                             "a multiple of 2^-15): faster on CPU.", default=False)
     export_hf: bool = arg("At the end write run_dir/hf_model (save_pretrained format, ZeRO-3 gathered): the "
                             "--init_checkpoint of the next phase.", default=True)
 

@@ -14,7 +14,7 @@ from bert_ref.configs import BertArgs, check_data_matches  # noqa: E402
 from bert_ref.data import build_data  # noqa: E402
 from bert_ref.model import build_model, flops_per_sequence  # noqa: E402
 from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E402
-from bert_ref.step import step_fn  # noqa: E402
+from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
 from ds_core.config import ConfigError, TrainConfig, ds_config_for, parse_args, save_run_config  # noqa: E402
 from ds_core.engine import build_engine, init_distributed, set_seed  # noqa: E402
@@ -39,12 +39,16 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"{args.input_dir}: {len(data)} micro batches per epoch on rank {dist.rank} make no "
                           f"optimizer step of {accum} accumulated micro batches")
 
-    model = build_model(preset, args.init_checkpoint, args.activation_checkpointing, args.attn_implementation)
+    model = build_model(preset, args.init_checkpoint, args.activation_checkpointing, args.attn_implementation,
+                        sparse_mlm=args.sparse_mlm, fast_dropout=args.fast_dropout)
+    mlm_positions = preset.max_predictions_per_seq if args.sparse_mlm else 0
     optimizer = build_optimizer(model, opt_args, nodes=dist.nodes)
     engine = build_engine(model, ds_config, optimizer=optimizer, lr_scheduler=schedule_for(opt_args, total_steps))
 
-    summary = train(engine, step_fn, data, train_cfg, dist, model_name=f"{preset.name}_phase{preset.phase}",
-                    flops_per_sample=flops_per_sequence(preset), seq_len=preset.seq_len,
+    summary = train(engine, make_step_fn(mlm_positions), data, train_cfg, dist,
+                    model_name=f"{preset.name}_phase{preset.phase}",
+                    flops_per_sample=flops_per_sequence(preset, mlm_positions=mlm_positions or None),
+                    seq_len=preset.seq_len,
                     fingerprint={"preset": preset.name, "optimizer": opt_args.optimizer})
     if args.export_hf:
         export_hf(engine, Path(train_cfg.run_dir) / "hf_model")  # --init_checkpoint of phase 2

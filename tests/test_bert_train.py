@@ -74,12 +74,19 @@ def test_zero1_overfits_and_resume_matches_uninterrupted(shards, tmp_path):
 
 @pytest.mark.slow
 def test_zero3_lans_activation_checkpointing_overfits_and_exports(shards, tmp_path):
+    """Also the sparse MLM head: same objective, and the summary's FLOPs count only the masked positions."""
     run_dir = tmp_path / "z3"
     run_deepspeed(["bert_ref/train.py",
                    *_args(shards, run_dir, "bert_debug_zero3_bf16.json", "--optimizer", "lans", "--learning_rate",
-                          "0.02", "--activation_checkpointing", "true")])
+                          "0.02", "--activation_checkpointing", "true", "--sparse_mlm", "true")])
     _assert_overfits(_records(run_dir))
-    assert _records(run_dir, "summary")[-1]["zero_stage"] == 3
+    summary = _records(run_dir, "summary")[-1]
+    assert summary["zero_stage"] == 3
+    from bert_ref.configs import debug as _debug
+    from bert_ref.model import flops_per_sequence
+
+    assert summary["flops_per_sample"] == pytest.approx(flops_per_sequence(_debug(1), mlm_positions=20))
+    assert summary["flops_per_sample"] < flops_per_sequence(_debug(1))
     # the exported model (ZeRO-3 partitions gathered) is phase 2's --init_checkpoint
     from bert_ref.configs import debug
     from bert_ref.model import build_model
