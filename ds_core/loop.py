@@ -18,7 +18,7 @@ import torch.distributed as tdist
 from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig, atomic_write_text, precision_of
 from ds_core.engine import DistInfo
-from ds_core.metrics import Metrics, accelerator_kind, peak_tflops_for
+from ds_core.metrics import Metrics, accelerator_kind, peak_probe_for, peak_tflops_for
 
 
 class TrainingDiverged(RuntimeError):
@@ -122,7 +122,8 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                       total_steps=cfg.max_steps or None,
                       peak_tflops=peak_tflops_for(kind) if dist.rank == 0 else None,
                       monitor=getattr(engine, "monitor", None), progress_bar=cfg.progress_bar,
-                      sync=accel.synchronize, start_step=step)
+                      sync=accel.synchronize, start_step=step,
+                      peak_probe=peak_probe_for(kind) if dist.rank == 0 else None)
 
     def save() -> None:
         ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict()}, fp)

@@ -18,11 +18,11 @@ class Clock:
         return self.t
 
 
-def make(tmp_path, clock, warmup=2, world=4, rank=0):
+def make(tmp_path, clock, warmup=2, world=4, rank=0, **kw):
     return Metrics(tmp_path, rank=rank, world_size=world, nodes=2, accelerators_per_node=2, accelerator="gaudi2",
                    model_name="m", micro_batch=8, grad_accum=2, zero_stage=1, precision="bf16",
                    flops_per_sample=1e12, seq_len=128, warmup_steps=warmup, peak_tflops=10.0, progress_bar=False,
-                   clock=clock)
+                   clock=clock, **kw)
 
 
 def test_warmup_steps_are_excluded_and_rates_are_per_accelerator(tmp_path):
@@ -73,3 +73,16 @@ def test_only_rank0_writes(tmp_path):
 
 def test_cpu_peak_probe_measures_something():
     assert cpu_peak_tflops(n=256, seconds=0.05) > 0
+
+
+def test_a_better_peak_probe_at_the_end_lowers_mfu(tmp_path):
+    """A measured peak that read low (busy machine) is re-probed at the end; the better probe wins."""
+    clock = Clock()
+    m = make(tmp_path, clock, warmup=0, peak_probe=lambda: 20.0)  # first probe said 10 TFLOPs
+    m.begin()
+    clock.t += 2.0
+    m.step(1, samples=64)
+    s = m.summary()
+    m.close()
+    assert s["peak_tflops_per_accelerator"] == 20.0
+    assert s["mfu"] == pytest.approx(s["tflops_per_accelerator"] / 20.0)
