@@ -40,6 +40,16 @@ class Host:
     line: int = 0  # 1-based line in the source file (0: built in memory)
 
 
+
+def _add_host(hosts: list, seen: dict, name: str, slots: int, position: int, where: str, first: str) -> None:
+    """The checks every host source shares: at least one slot, no host twice (`first` says where it came first)."""
+    if slots <= 0:
+        raise HostfileError(f"{where}: host {name} has slots={slots} (a host needs at least 1 slot)")
+    if name in seen:
+        raise HostfileError(f"{where}: duplicate host {name} (first {first} {seen[name]})")
+    seen[name] = position
+    hosts.append(Host(name, slots, position))
+
 def _where(source: str, line: int) -> str:
     return f"{source} line {line}" if source else f"line {line}"
 
@@ -66,13 +76,7 @@ def parse_hostfile(text: str, source: str = "") -> list[Host]:
         check_host_name(name, where)
         if not slots_text.isdigit():
             raise HostfileError(f"{where}: slots must be a whole number, got slots={slots_text!r}")
-        slots = int(slots_text)
-        if slots == 0:
-            raise HostfileError(f"{where}: host {name} has slots=0 (a host needs at least 1 slot)")
-        if name in seen:
-            raise HostfileError(f"{where}: duplicate host {name} (first on line {seen[name]})")
-        seen[name] = lineno
-        hosts.append(Host(name, slots, lineno))
+        _add_host(hosts, seen, name, int(slots_text), lineno, where, "on line")
     if not hosts:
         raise HostfileError(f"{source or 'hostfile'}: no hosts (every line is blank or a comment)")
     return hosts
@@ -132,13 +136,7 @@ def hosts_from_names(names: Sequence[str], slots: int, source: str) -> list[Host
         check_host_name(name, where)
         if n and not n.isdigit():
             raise HostfileError(f"{where}: slots must be a whole number, got {item!r}")
-        count = int(n) if n else slots
-        if count <= 0:
-            raise HostfileError(f"{where}: host {name} has slots={count} (a host needs at least 1 slot)")
-        if name in seen:
-            raise HostfileError(f"{where}: duplicate host {name} (first as item {seen[name]})")
-        seen[name] = i
-        hosts.append(Host(name, count, i))
+        _add_host(hosts, seen, name, int(n) if n else slots, i, where, "as item")
     if not hosts:
         raise HostfileError(f"{source}: no hosts given")
     return hosts
