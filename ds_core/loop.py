@@ -135,6 +135,7 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
             metrics.eval(step, logs)
 
     acc = _Accumulator(dist.device)
+    resumed_in_epoch = state is not None  # a resumed epoch may legitimately be empty (checkpoint at its very end)
     try:
         engine.train()
         metrics.begin()
@@ -153,7 +154,8 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                             f"loss is {loss} at optimizer step {step + 1} (epoch {epoch}); the update was not "
                             f"applied and the latest checkpoint is still "
                             f"{ckpt.latest_tag(ckpt_root) or 'none'} in {ckpt_root}")
-                    lr = engine.get_lr()[0] if engine.get_lr() else None  # the LR this update uses
+                    lrs = engine.get_lr()
+                    lr = lrs[0] if lrs else None  # the LR this update uses
                 engine.step()
                 if not boundary:
                     continue
@@ -166,16 +168,15 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                     run_eval()
                 if step >= max_steps:
                     break
-            else:
-                if batches == 0 and state is None:
-                    raise RuntimeError(f"the data source yielded no batch in epoch {epoch} on rank {dist.rank}: "
-                                       f"too little data for micro batch {engine.train_micro_batch_size_per_gpu()}")
-                state = None  # a resumed epoch may legitimately be empty (checkpoint at its very end)
-                epoch += 1
-                if epoch < max_epochs and step < max_steps:
-                    data.set_epoch(epoch)
-                continue
-            break
+            if step >= max_steps:
+                break
+            if batches == 0 and not resumed_in_epoch:
+                raise RuntimeError(f"the data source yielded no batch in epoch {epoch} on rank {dist.rank}: "
+                                   f"too little data for micro batch {engine.train_micro_batch_size_per_gpu()}")
+            resumed_in_epoch = False
+            epoch += 1
+            if epoch < max_epochs:
+                data.set_epoch(epoch)
         if cfg.save_final_checkpoint and step > 0:
             save()
         if eval_fn is not None and not (cfg.eval_every and step % cfg.eval_every == 0):
