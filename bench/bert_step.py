@@ -14,10 +14,13 @@
 2. Memory: two ranks, a BERT-1.5B-shaped slice (hidden 1600, 25 heads, 2 layers), LANS (the 1.5B optimizer), one
    launch with ZeRO-0 and one with ZeRO-1. Per rank: optimizer-state bytes (fp32 master weights + moments, read from
    the tensors the optimizer holds) and the process peak RSS.
+3. Bound (after 1, --skip_bound): mfu_upper_bound, the MFU the step would have if only its linear layers' GEMMs and
+   the LAMB update cost anything (see bound_part): where it is below the target, the target is out of reach on this
+   CPU at these settings.
 The last line printed is one JSON object (mfu, zero1_over_zero0_optimizer_memory, ...).
 
     python bench/bert_step.py [--micro_batch 16] [--grad_accum 2] [--steps 4] [--threads 1] [--compile] [--dense_mlm]
-        [--torch_dropout] [--no_malloc_tuning] [--skip_memory] [--skip_mfu]
+        [--torch_dropout] [--no_malloc_tuning] [--skip_memory] [--skip_mfu] [--skip_bound]
 """
 from __future__ import annotations
 
@@ -116,6 +119,82 @@ def mfu_part(a: argparse.Namespace, tmp: Path) -> dict:
             "peak_probes_tflops": probes, "threads": torch.get_num_threads(), "compile": a.compile,
             "fast_dropout": not a.torch_dropout,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
+
+
+def bound_part(a: argparse.Namespace, peak: float) -> dict:
+    """What this CPU allows at all: the MFU the step would have if everything but its linear layers' GEMMs and the
+    optimizer's own update were free (attention, softmax, LayerNorm, GELU, dropout, embeddings, loss, DeepSpeed's
+    bf16 <-> fp32 copies and clipping cost nothing). Same threads, shapes, micro batch and accumulation as mfu_part.
+
+    t_linear: forward + backward (input and weight gradients) of every nn.Linear of the slice at its real row count
+    (B*S rows in the encoder, B*P in the sparse MLM head, B in pooler/NSP), bf16, median of 5.
+    t_opt: one step of the bench's LAMB over two flat fp32 tensors holding the slice's parameters (the decay and
+    no-decay groups: the layout DeepSpeed's bf16 optimizer hands it), median of 3.
+    mfu_upper_bound = step FLOPs / (accum * t_linear + t_opt) / peak; linear_only_mfu = linear FLOPs / t_linear /
+    peak. On a CPU where mfu_upper_bound is below the 0.5 target the target is out of reach however the rest is done."""
+    import dataclasses
+    import statistics
+    import time
+
+    import torch
+
+    from bert_ref.configs import bert_large
+    from bert_ref.model import flops_per_sequence, hf_config
+    from bert_ref.optim import OptimArgs, build_optimizer, param_groups
+
+    preset = dataclasses.replace(bert_large(1), **LARGE_SLICE)
+    h, inter, B = preset.hidden_size, preset.intermediate_size, a.micro_batch
+    P = preset.seq_len if a.dense_mlm else preset.max_predictions_per_seq
+    rows_in_out = ([(B * preset.seq_len, h, h)] * 4 + [(B * preset.seq_len, h, inter), (B * preset.seq_len, inter, h)]
+                   ) * preset.num_hidden_layers + [(B * P, h, h), (B * P, h, preset.vocab_size), (B, h, h), (B, h, 2)]
+    g = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(r, k, generator=g).bfloat16(),
+               torch.nn.Linear(k, n).bfloat16(), torch.randn(r, n, generator=g).bfloat16()) for r, k, n in rows_in_out]
+    for _, lin, _ in layers:
+        lin.requires_grad_(True)
+    linear_flops = sum(6 * r * k * n for r, k, n in rows_in_out)
+
+    def linear_pass() -> float:
+        t0 = time.perf_counter()
+        for x, lin, dy in layers:
+            xg = x.requires_grad_(True)
+            lin(xg).backward(dy)
+            xg.grad = None
+            lin.weight.grad = lin.bias.grad = None
+        return time.perf_counter() - t0
+
+    linear_pass()
+    t_linear = statistics.median(linear_pass() for _ in range(5))
+    del layers
+
+    # the slice's parameters as DeepSpeed's bf16 optimizer holds them: one flat fp32 tensor per weight-decay group
+    from transformers import BertForPreTraining
+
+    with torch.device("meta"):
+        groups = param_groups(BertForPreTraining(hf_config(preset)), 0.01)
+    sizes = [sum(prm.numel() for prm in grp["params"]) for grp in groups]
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.zeros(sizes[0]))
+    model.bias = torch.nn.Parameter(torch.zeros(sizes[1]))
+    opt = build_optimizer(model, OptimArgs(optimizer="lamb", learning_rate=1e-4, warmup_proportion=0.0))
+    for prm in (model.weight, model.bias):
+        prm.grad = torch.randn(prm.shape, generator=g)
+
+    def opt_step() -> float:
+        t0 = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t0
+
+    opt_step()
+    t_opt = statistics.median(opt_step() for _ in range(3))
+    step_flops = flops_per_sequence(preset, mlm_positions=0 if a.dense_mlm else P) * B * a.grad_accum
+    bound = step_flops / (a.grad_accum * t_linear + t_opt) / 1e12 / peak
+    linear_only = linear_flops / t_linear / 1e12 / peak
+    print(f"[bound] linear layers fwd+bwd {t_linear:.3f} s per micro batch ({linear_flops / t_linear / 1e12:.3f} "
+          f"TFLOPs, {linear_only:.3f} of peak), LAMB update {t_opt:.3f} s per step over "
+          f"{sum(sizes) / 1e6:.1f}M params -> MFU upper bound {bound:.3f}", flush=True)
+    return {"mfu_upper_bound": bound, "linear_only_mfu": linear_only, "linear_fwd_bwd_s_per_micro": t_linear,
+            "optimizer_update_s_per_step": t_opt}
 
 
 def optimizer_state_bytes(engine) -> dict:
@@ -222,6 +301,7 @@ def main() -> None:
     ap.add_argument("--no_malloc_tuning", action="store_true", help="keep glibc's default malloc thresholds")
     ap.add_argument("--skip_memory", action="store_true")
     ap.add_argument("--skip_mfu", action="store_true")
+    ap.add_argument("--skip_bound", action="store_true", help="skip the MFU upper bound (linear layers + optimizer)")
     ap.add_argument("--memory_worker", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
@@ -236,6 +316,8 @@ def main() -> None:
             result.update(memory_part(tmp))
         if not a.skip_mfu:
             result.update(mfu_part(a, tmp))
+            if not a.skip_bound:
+                result.update(bound_part(a, result["peak_bf16_matmul_tflops"]))
     result.update(targets={"mfu": 0.5, "zero1_over_zero0_optimizer_memory": 0.55})
     if "mfu" in result:
         result["mfu_target_met"] = bool(result["mfu"] and result["mfu"] >= 0.5)
