@@ -11,6 +11,7 @@ import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,6 +50,35 @@ def _in_mpi() -> bool:
     return any(v in os.environ for v in _MPI_RANK_VARS)
 
 
+SHM_DIR = Path("/dev/shm")
+
+
+def cpu_shm_buffer_name(rank: int) -> str:
+    """Name of the shared-memory workspace DeepSpeed's CPU allreduce op (ShareMemCommBuilder, shm.cpp) creates for a
+    rank: deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>."""
+    return (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def release_cpu_shm_buffer(rank: int, world: int) -> bool:
+    """Unlink this rank's DeepSpeed CPU allreduce workspace from /dev/shm; True if it was there.
+
+    DeepSpeed 0.19 creates one ~66 MB workspace per rank when all ranks share a host (LOCAL_SIZE == world size) and
+    never unlinks it (shm.cpp has a shared_close that nothing calls), so every multi-rank CPU run, finished or
+    killed, leaves its workspaces in /dev/shm, which is RAM: a few hundred runs filled 20 GB of a 24 GB machine here.
+    Once every rank has passed shm_initialize (which maps each peer's workspace before returning) the names are no
+    longer needed: after a barrier each rank unlinks its own, the mappings stay valid until the processes exit, and
+    the kernel frees the memory when the last one does, whichever way it ends."""
+    if world < 2:
+        return False
+    torch.distributed.barrier()  # every rank has mapped every peer's workspace
+    try:
+        (SHM_DIR / cpu_shm_buffer_name(rank)).unlink()
+    except FileNotFoundError:  # op not built / ranks on several hosts (no shm path), or a different layout
+        return False
+    return True
+
+
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
     """Initialise torch.distributed through deepspeed on the accelerator deepspeed finds; idempotent."""
     import deepspeed
@@ -73,6 +103,8 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     world = torch.distributed.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     name = accel.device_name()
+    if name == "cpu":
+        release_cpu_shm_buffer(rank, world)
     if name != "cpu":
         accel.set_device(local_rank)
         device = torch.device(accel.device_name(local_rank))

@@ -1,6 +1,7 @@
 """ds_core end to end on the real DeepSpeed engine (CPU accelerator, gloo, 2 ranks): ZeRO 0-3 training, kill -9 during
 a save then bitwise-exact resume, NaN guard, incompatible resume, ZeRO-3 export to Hugging Face format."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from ds_core.config import DS_CONFIG_DIR
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "tests" / "tiny_train.py")
+SHM_DIR_EXISTS = Path("/dev/shm").is_dir()
 SUMMARY_FIELDS = ["model", "world_size", "nodes", "accelerators_per_node", "accelerator", "micro_batch", "grad_accum",
                   "zero_stage", "precision", "warmup_steps_excluded", "samples_per_s", "seqs_per_s_per_accelerator",
                   "tokens_per_s", "tflops_per_accelerator", "mfu"]
@@ -115,3 +117,42 @@ def test_mpirun_discovery(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:]
     summary = records(run, "summary")[0]
     assert summary["world_size"] == 2 and summary["steps"] == 3
+
+
+SHM_WORKER = """
+import os
+import deepspeed
+import torch
+from ds_core.engine import SHM_DIR, cpu_shm_buffer_name, init_distributed
+
+deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed alone: its CPU allreduce workspace is created
+rank = torch.distributed.get_rank()
+existed = (SHM_DIR / cpu_shm_buffer_name(rank)).exists()
+torch.distributed.barrier()
+dist = init_distributed()  # ours, on top: releases the name
+gone = not (SHM_DIR / cpu_shm_buffer_name(rank)).exists()
+x = torch.full((4,), float(rank + 1), dtype=torch.bfloat16)
+torch.distributed.all_reduce(x)
+print(f"SHM rank={rank} port={os.environ['MASTER_PORT']} existed={existed} gone={gone} sum={x[0].item()}", flush=True)
+"""
+
+
+def test_cpu_allreduce_workspace_is_not_left_in_dev_shm(tmp_path):
+    """DeepSpeed's CPU allreduce op leaves a ~66 MB /dev/shm file per rank after every run; init_distributed unlinks
+    each rank's own once all ranks have mapped it, and collectives still work."""
+    if not SHM_DIR_EXISTS:
+        pytest.skip("no /dev/shm")
+    script = tmp_path / "shm_worker.py"
+    script.write_text(SHM_WORKER)
+    proc = run_deepspeed([str(script)])
+    # the ranks' lines can interleave on the launcher's stdout: match the records, not lines
+    keys = ("rank", "port", "existed", "gone", "sum")
+    fields = [dict(zip(keys, m)) for m in
+              re.findall(r"SHM rank=(\d+) port=(\d+) existed=(\w+) gone=(\w+) sum=([\d.]+)", proc.stdout)]
+    assert sorted(f["rank"] for f in fields) == ["0", "1"], proc.stdout[-3000:]
+    for f in fields:
+        assert f["existed"] == "True", f"DeepSpeed created no workspace (layout changed?): {f}"
+        assert f["gone"] == "True" and f["sum"] == "3.0", f
+    port = fields[0]["port"]
+    left = [p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
+    assert not left, f"left in /dev/shm after the run: {left}"
