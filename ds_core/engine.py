@@ -79,6 +79,29 @@ def release_cpu_shm_buffer(rank: int, world: int) -> bool:
     return True
 
 
+def stale_build_locks(max_age_s: float = 600) -> list[tuple[Path, float]]:
+    """JIT build locks of torch extensions (DeepSpeed's ops: fused_adam, deepspeed_shm_comm, ...) older than max_age_s.
+
+    torch.utils.cpp_extension serialises a build with a `lock` file in the op's build directory and removes it when
+    the build ends; a build killed on the way (SIGKILL, OOM, a timed-out job) leaves it, and every later process that
+    needs the op waits for it forever, silently, after DeepSpeed's "Loading extension module" line. A build takes
+    about a minute here, so a lock much older than that is almost certainly stale."""
+    import time
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    now, found = time.time(), []
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+        try:
+            age = now - lock.stat().st_mtime
+        except FileNotFoundError:  # a build just finished
+            continue
+        if age > max_age_s:
+            found.append((lock, age))
+    return found
+
+
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
     """Initialise torch.distributed through deepspeed on the accelerator deepspeed finds; idempotent."""
     import deepspeed
@@ -89,6 +112,11 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     accel = get_accelerator()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        for lock, age in stale_build_locks():
+            print(f"[ds_core] warning: {lock} is {age / 60:.0f} min old: a torch extension build that held it was "
+                  f"probably killed, and this run will wait for it forever when it needs that op. If no build is "
+                  f"running on this machine, remove the file.", flush=True)
     # The timeout given to init_process_group covers the world group only; DeepSpeed's ZeRO groups come from
     # torch.distributed.new_group(), which reads torch's module-level defaults (30 min). Set those too, so a dead or
     # hung rank fails every collective after timeout_s.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dist_env, run_deepspeed
+from conftest import REPO, dist_env, run_deepspeed, run_group
 from ds_core.config import DS_CONFIG_DIR
 
 pytestmark = pytest.mark.slow
@@ -103,7 +103,6 @@ def test_nan_stops_run_and_incompatible_resume_is_named(tmp_path):
 
 def test_mpirun_discovery(tmp_path):
     """`mpirun -n 2 python script.py`: ranks come from mpi4py discovery (no launcher variables)."""
-    import subprocess
     import sys
 
     mpirun = Path(sys.executable).parent / "mpirun"
@@ -111,9 +110,8 @@ def test_mpirun_discovery(tmp_path):
         pytest.skip("no mpirun in the venv (install the 'mpi' extra)")
     env = {k: v for k, v in dist_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     run = tmp_path / "run"
-    proc = subprocess.run([str(mpirun), "-n", "2", sys.executable, SCRIPT, "--run_dir", str(run), "--max_steps", "3",
-                           "--progress_bar", "false", "--deepspeed_config", ds_json(tmp_path, 1)], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    proc = run_group([str(mpirun), "-n", "2", sys.executable, SCRIPT, "--run_dir", str(run), "--max_steps", "3",
+                      "--progress_bar", "false", "--deepspeed_config", ds_json(tmp_path, 1)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     summary = records(run, "summary")[0]
     assert summary["world_size"] == 2 and summary["steps"] == 3
