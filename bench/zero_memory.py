@@ -92,7 +92,9 @@ def worker(stage: int, out: Path) -> None:
     import deepspeed
     from transformers import BertConfig, BertForPreTraining
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from ds_core.engine import init_distributed
+
+    init_distributed()  # DeepSpeed's, plus the release of its CPU allreduce workspace name in /dev/shm
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     # warm-up: load the bf16 matmul/optimizer kernels and gloo buffers so their pages are in the baseline

@@ -60,17 +60,16 @@ def cpu_shm_buffer_name(rank: int) -> str:
             f"{os.environ.get('MASTER_PORT', '')}_{rank}")
 
 
-def release_cpu_shm_buffer(rank: int, world: int) -> bool:
+def release_cpu_shm_buffer(rank: int) -> bool:
     """Unlink this rank's DeepSpeed CPU allreduce workspace from /dev/shm; True if it was there.
 
-    DeepSpeed 0.19 creates one ~66 MB workspace per rank when all ranks share a host (LOCAL_SIZE == world size) and
-    never unlinks it (shm.cpp has a shared_close that nothing calls), so every multi-rank CPU run, finished or
-    killed, leaves its workspaces in /dev/shm, which is RAM: a few hundred runs filled 20 GB of a 24 GB machine here.
+    DeepSpeed 0.19 creates one ~66 MB workspace per rank when all ranks share a host (LOCAL_SIZE == world size, a
+    world of one under the deepspeed launcher included) and never unlinks it (shm.cpp has a shared_close that nothing
+    calls), so every CPU run, finished or killed, leaves its workspaces in /dev/shm, which is RAM: a few hundred runs
+    filled 20 GB of a 24 GB machine here.
     Once every rank has passed shm_initialize (which maps each peer's workspace before returning) the names are no
     longer needed: after a barrier each rank unlinks its own, the mappings stay valid until the processes exit, and
     the kernel frees the memory when the last one does, whichever way it ends."""
-    if world < 2:
-        return False
     torch.distributed.barrier()  # every rank has mapped every peer's workspace
     try:
         (SHM_DIR / cpu_shm_buffer_name(rank)).unlink()
@@ -132,7 +131,7 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     name = accel.device_name()
     if name == "cpu":
-        release_cpu_shm_buffer(rank, world)
+        release_cpu_shm_buffer(rank)
     if name != "cpu":
         accel.set_device(local_rank)
         device = torch.device(accel.device_name(local_rank))

@@ -135,22 +135,23 @@ print(f"SHM rank={rank} port={os.environ['MASTER_PORT']} existed={existed} gone=
 """
 
 
-def test_cpu_allreduce_workspace_is_not_left_in_dev_shm(tmp_path):
-    """DeepSpeed's CPU allreduce op leaves a ~66 MB /dev/shm file per rank after every run; init_distributed unlinks
-    each rank's own once all ranks have mapped it, and collectives still work."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_cpu_allreduce_workspace_is_not_left_in_dev_shm(tmp_path, ranks):
+    """DeepSpeed's CPU allreduce op leaves a ~66 MB /dev/shm file per rank after every run (a world of one too);
+    init_distributed unlinks each rank's own once all ranks have mapped it, and collectives still work."""
     if not SHM_DIR_EXISTS:
         pytest.skip("no /dev/shm")
     script = tmp_path / "shm_worker.py"
     script.write_text(SHM_WORKER)
-    proc = run_deepspeed([str(script)])
+    proc = run_deepspeed([str(script)], num_ranks=ranks)
     # the ranks' lines can interleave on the launcher's stdout: match the records, not lines
     keys = ("rank", "port", "existed", "gone", "sum")
     fields = [dict(zip(keys, m)) for m in
               re.findall(r"SHM rank=(\d+) port=(\d+) existed=(\w+) gone=(\w+) sum=([\d.]+)", proc.stdout)]
-    assert sorted(f["rank"] for f in fields) == ["0", "1"], proc.stdout[-3000:]
+    assert sorted(f["rank"] for f in fields) == [str(r) for r in range(ranks)], proc.stdout[-3000:]
     for f in fields:
         assert f["existed"] == "True", f"DeepSpeed created no workspace (layout changed?): {f}"
-        assert f["gone"] == "True" and f["sum"] == "3.0", f
+        assert f["gone"] == "True" and float(f["sum"]) == ranks * (ranks + 1) / 2, f
     port = fields[0]["port"]
     left = [p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
     assert not left, f"left in /dev/shm after the run: {left}"
