@@ -130,12 +130,11 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     world = torch.distributed.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     name = accel.device_name()
-    if name == "cpu":
-        release_cpu_shm_buffer(rank)
     if name != "cpu":
         accel.set_device(local_rank)
         device = torch.device(accel.device_name(local_rank))
     else:
+        release_cpu_shm_buffer(rank)
         device = torch.device("cpu")
     local_world = next((int(os.environ[v]) for v in _LOCAL_SIZE_VARS if os.environ.get(v, "").isdigit()), 0)
     if not local_world:

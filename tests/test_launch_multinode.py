@@ -146,25 +146,39 @@ def test_two_nodes_in_network_namespaces(tmp_path, two_namespaces):
     assert (s["world_size"], s["nodes"]) == (2, 2), s
 
 
-def test_a_rank_dies_the_other_exits_and_the_checkpoint_is_intact(tmp_path):
+def start_long_two_node_run(tmp_path: Path, *train: str) -> tuple[list, Path]:
+    """Two simulated nodes of one rank each on loopback, training far more steps than a test lets them run (with
+    --dist_timeout_s in `train`, so no survivor can wait 30 minutes); returns the launchers and the run dir."""
     (tmp_path / "hostfile").write_text("node0 slots=1\nnode1 slots=1\n")
     data, run_dir, port = make_data(tmp_path / "data"), tmp_path / "run", free_port()
-    # far more steps than we let it run; a short collective timeout so no survivor can wait 30 minutes
-    train = ["--max_steps", "100000", "--num_steps_per_checkpoint", "3", "--save_final_checkpoint", "false",
-             "--dist_timeout_s", "30", "--log_every", "50"]
+    train = ("--max_steps", "100000", "--save_final_checkpoint", "false", "--log_every", "50", *train)
     procs = start_nodes([node_cmd(i, "127.0.0.1", port, run_dir, data, *train) for i in range(2)], tmp_path,
                         dist_env())
-    latest = run_dir / "checkpoints" / "latest"
+    return procs, run_dir
+
+
+def wait_for(ready, procs: list, tmp_path: Path, what: str) -> None:
+    """Poll until ready() while every launcher lives; fail naming `what` if one exits or LAUNCH_TIMEOUT passes."""
     deadline = time.monotonic() + LAUNCH_TIMEOUT
-    while not latest.exists():
+    while not ready():
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
             wait_all(procs, tmp_path, 1)
-            pytest.fail("no checkpoint before the kill:\n" + logs(tmp_path))
+            pytest.fail(f"{what}:\n" + logs(tmp_path))
         time.sleep(0.2)
-    # the rank itself (`python -u -m bert_ref.train ...`), not DeepSpeed's per-node launcher whose arguments
-    # also name the module
-    victim = next(c for c in psutil.Process(procs[1].pid).children(recursive=True)
-                  if c.cmdline()[2:4] == ["-m", "bert_ref.train"])
+
+
+def node_rank_process(launcher) -> psutil.Process:
+    """The rank itself (`python -u -m bert_ref.train ...`) under a node's launcher, not DeepSpeed's per-node launcher
+    whose arguments also name the module."""
+    return next(c for c in psutil.Process(launcher.pid).children(recursive=True)
+                if c.cmdline()[2:4] == ["-m", "bert_ref.train"])
+
+
+def test_a_rank_dies_the_other_exits_and_the_checkpoint_is_intact(tmp_path):
+    procs, run_dir = start_long_two_node_run(tmp_path, "--num_steps_per_checkpoint", "3", "--dist_timeout_s", "30")
+    latest = run_dir / "checkpoints" / "latest"
+    wait_for(latest.exists, procs, tmp_path, "no checkpoint before the kill")
+    victim = node_rank_process(procs[1])
     victim.send_signal(signal.SIGKILL)  # node 1's only rank, mid-run
     codes = wait_all(procs, tmp_path, 240)  # bounded: a survivor hanging in a collective fails here
     assert codes[0] != 0 and codes[1] != 0, logs(tmp_path)
@@ -185,20 +199,11 @@ def test_a_rank_dies_the_other_exits_and_the_checkpoint_is_intact(tmp_path):
 def test_a_hung_rank_is_cut_off_by_the_collective_timeout(tmp_path):
     """A rank that stops answering but keeps its sockets open (SIGSTOP: a hung driver, a swapped-out host) is only
     noticed through the collective timeout: the survivor must fail after --dist_timeout_s instead of waiting."""
-    (tmp_path / "hostfile").write_text("node0 slots=1\nnode1 slots=1\n")
-    data, run_dir, port = make_data(tmp_path / "data"), tmp_path / "run", free_port()
-    train = ["--max_steps", "100000", "--num_steps_per_checkpoint", "0", "--save_final_checkpoint", "false",
-             "--dist_timeout_s", "20", "--log_every", "50"]
-    procs = start_nodes([node_cmd(i, "127.0.0.1", port, run_dir, data, *train) for i in range(2)], tmp_path,
-                        dist_env())
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    while not (run_dir / "metrics.jsonl").exists() or '"type": "step"' not in (run_dir / "metrics.jsonl").read_text():
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            wait_all(procs, tmp_path, 1)
-            pytest.fail("training never started:\n" + logs(tmp_path))
-        time.sleep(0.2)
-    victim = next(c for c in psutil.Process(procs[1].pid).children(recursive=True)
-                  if c.cmdline()[2:4] == ["-m", "bert_ref.train"])
+    procs, run_dir = start_long_two_node_run(tmp_path, "--num_steps_per_checkpoint", "0", "--dist_timeout_s", "20")
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and '"type": "step"' in metrics.read_text(), procs, tmp_path,
+             "training never started")
+    victim = node_rank_process(procs[1])
     victim.suspend()  # SIGSTOP: alive, sockets open, silent
     try:
         code = procs[0].wait(timeout=240)  # node 0 alone: node 1's launcher still sees a live child
