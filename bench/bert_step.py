@@ -83,7 +83,7 @@ def mfu_part(a: argparse.Namespace, tmp: Path) -> dict:
     from bert_ref.model import flops_per_sequence
     from bert_ref.step import make_step_fn
     from ds_core.config import TrainConfig
-    from ds_core.engine import init_distributed, set_seed
+    from ds_core.engine import init_distributed, set_seed, shutdown_distributed
     from ds_core.loop import train
 
     if a.threads:
@@ -102,6 +102,7 @@ def mfu_part(a: argparse.Namespace, tmp: Path) -> dict:
     s = train(engine, make_step_fn(preds), data, cfg, dist, model_name=preset.name, flops_per_sample=flops,
               seq_len=preset.seq_len)
     data.close()
+    shutdown_distributed()
     # ds_core probes the peak once, best of 0.5 s; on shared cores that window can be all contention (seen: 0.49 vs
     # 1.14 TFLOPs), which would inflate the MFU. Probe again after the run (2 s) and divide by the best probe.
     from ds_core.metrics import cpu_peak_tflops
@@ -227,7 +228,7 @@ def memory_worker(stage: int, out: Path) -> None:
     from bert_ref.configs import bert_1p5b
     from bert_ref.data import build_data
     from bert_ref.step import step_fn
-    from ds_core.engine import init_distributed, set_seed
+    from ds_core.engine import init_distributed, set_seed, shutdown_distributed
 
     preset = dataclasses.replace(bert_1p5b(1), **BIG_SLICE)
     dist = init_distributed()
@@ -244,6 +245,7 @@ def memory_worker(stage: int, out: Path) -> None:
                params=sum(p.numel() for p in engine.module.parameters()))
     data.close()
     (out / f"mem_zero{stage}_rank{dist.rank}.json").write_text(json.dumps(rec))
+    shutdown_distributed()
 
 
 def memory_part(tmp: Path) -> dict:

@@ -92,7 +92,7 @@ def worker(stage: int, out: Path) -> None:
     import deepspeed
     from transformers import BertConfig, BertForPreTraining
 
-    from ds_core.engine import init_distributed
+    from ds_core.engine import init_distributed, shutdown_distributed
 
     init_distributed()  # DeepSpeed's, plus the release of its CPU allreduce workspace name in /dev/shm
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -132,6 +132,7 @@ def worker(stage: int, out: Path) -> None:
            "optimizer": type(engine.optimizer).__name__}
     (out / f"rank{rank}.json").write_text(json.dumps(rec))
     torch.distributed.barrier()
+    shutdown_distributed()
 
 
 # ------------------------------------------------------------------------------------------------- driver

@@ -17,7 +17,7 @@ from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E40
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
 from ds_core.config import ConfigError, TrainConfig, ds_config_for, parse_args, save_run_config  # noqa: E402
-from ds_core.engine import build_engine, init_distributed, set_seed  # noqa: E402
+from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed  # noqa: E402
 from ds_core.loop import train  # noqa: E402
 
 
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.export_hf:
         export_hf(engine, Path(train_cfg.run_dir) / "hf_model")  # --init_checkpoint of phase 2
     data.close()
+    shutdown_distributed()
     return summary
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ds_core.checkpoint import export_hf
 from ds_core.config import ConfigError, TrainConfig, atomic_write_text, ds_config_for, parse_args, save_run_config
-from ds_core.engine import build_engine, init_distributed, set_seed
+from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import train
 
 from bridgetower_ds.configs import ModelArgs, RunArgs
@@ -83,6 +83,7 @@ def main(argv=None) -> dict:
         Path(train_cfg.run_dir).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(train_cfg.run_dir) / "eval_results.json", json.dumps(results, indent=2) + "\n")
         print("[bridgetower] " + json.dumps(results), flush=True)
+    shutdown_distributed()
     return {**summary, **results}
 
 

@@ -121,7 +121,7 @@ SHM_WORKER = """
 import os
 import deepspeed
 import torch
-from ds_core.engine import SHM_DIR, cpu_shm_buffer_name, init_distributed
+from ds_core.engine import SHM_DIR, cpu_shm_buffer_name, init_distributed, shutdown_distributed
 
 deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed alone: its CPU allreduce workspace is created
 rank = torch.distributed.get_rank()
@@ -131,27 +131,34 @@ dist = init_distributed()  # ours, on top: releases the name
 gone = not (SHM_DIR / cpu_shm_buffer_name(rank)).exists()
 x = torch.full((4,), float(rank + 1), dtype=torch.bfloat16)
 torch.distributed.all_reduce(x)
-print(f"SHM rank={rank} port={os.environ['MASTER_PORT']} existed={existed} gone={gone} sum={x[0].item()}", flush=True)
+shutdown_distributed()  # right after a collective: without it about one run in four aborted at exit
+shutdown_distributed()  # a second call is a no-op
+down = not torch.distributed.is_initialized()
+print(f"SHM rank={rank} port={os.environ['MASTER_PORT']} existed={existed} gone={gone} sum={x[0].item()} "
+      f"down={down}", flush=True)
 """
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_cpu_allreduce_workspace_is_not_left_in_dev_shm(tmp_path, ranks):
     """DeepSpeed's CPU allreduce op leaves a ~66 MB /dev/shm file per rank after every run (a world of one too);
-    init_distributed unlinks each rank's own once all ranks have mapped it, and collectives still work."""
+    init_distributed unlinks each rank's own once all ranks have mapped it, and collectives still work.
+    shutdown_distributed then tears the group down, so the ranks exit cleanly right after a collective."""
     if not SHM_DIR_EXISTS:
         pytest.skip("no /dev/shm")
     script = tmp_path / "shm_worker.py"
     script.write_text(SHM_WORKER)
     proc = run_deepspeed([str(script)], num_ranks=ranks)
     # the ranks' lines can interleave on the launcher's stdout: match the records, not lines
-    keys = ("rank", "port", "existed", "gone", "sum")
+    keys = ("rank", "port", "existed", "gone", "sum", "down")
     fields = [dict(zip(keys, m)) for m in
-              re.findall(r"SHM rank=(\d+) port=(\d+) existed=(\w+) gone=(\w+) sum=([\d.]+)", proc.stdout)]
+              re.findall(r"SHM rank=(\d+) port=(\d+) existed=(\w+) gone=(\w+) sum=([\d.]+) down=(\w+)",
+                         proc.stdout)]
     assert sorted(f["rank"] for f in fields) == [str(r) for r in range(ranks)], proc.stdout[-3000:]
     for f in fields:
         assert f["existed"] == "True", f"DeepSpeed created no workspace (layout changed?): {f}"
         assert f["gone"] == "True" and float(f["sum"]) == ranks * (ranks + 1) / 2, f
+        assert f["down"] == "True", f
     port = fields[0]["port"]
     left = [p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
     assert not left, f"left in /dev/shm after the run: {left}"

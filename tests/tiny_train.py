@@ -15,7 +15,7 @@ import torch
 
 from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig, ds_config_for, parse_args, save_run_config
-from ds_core.engine import build_engine, init_distributed, set_seed
+from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import StepOutput, train
 
 
@@ -97,6 +97,7 @@ def main(argv=None) -> dict:
                     seq_len=args.seq_len)
     if args.export_dir:
         ckpt.export_hf(engine, args.export_dir)
+    shutdown_distributed()
     return summary
 
 
