@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
         micro = ds_config["train_micro_batch_size_per_gpu"]
         train_data = data("train", micro, shuffle=True)
         seq_len = expected_padded_length(tokenizer, train_data.table.captions, micro, data_args.max_seq_length,
-                                         data_args.pad_to_max_length or dist.accelerator == "hpu")
+                                         train_data.pad_to_max)  # the data's one padding policy
         eval_fn = (lambda eng, step: run_split("validation", "eval")) if run_args.do_eval else None
         name = Path(model_args.model_name_or_path).name if model_args.model_name_or_path else model_args.preset
         summary = train(engine, step_fn, train_data, train_cfg, dist, model_name=f"bridgetower:{name}",
