@@ -67,7 +67,8 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 @torch.no_grad()
 def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[str, float]:
     """One pass over a split: mean contrastive loss (in-batch negatives, sample-weighted over all batches of all
-    ranks), and i2t / t2i recall@1/5/10 over the gathered split. Every rank must call it (collectives).
+    ranks), and i2t / t2i recall@1/5/10 over the gathered split. Every rank must call it (collectives). Without any
+    batch of two or more real rows there is no loss and `{prefix}_loss` is left out.
 
     Ranks advance in lock-step: while any rank still has a batch, all run a forward (a rank that ran out repeats
     its last batch and drops the result), so ZeRO-3's parameter gathers never wait on a rank that has finished.
@@ -134,7 +135,9 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
     keep[1:] &= row_sorted[1:] != row_sorted[:-1]
     order = order[keep]
     text, image = text[order], image[order]
-    result = {f"{prefix}_loss": (loss_sum / n_sum.clamp(min=1)).item(), f"{prefix}_samples": int(text.shape[0])}
+    result = {f"{prefix}_samples": int(text.shape[0])}
+    if n_sum.item() > 0:  # no batch of >= 2 rows (eval micro batch 1): no contrastive loss to report, not 0.0
+        result[f"{prefix}_loss"] = (loss_sum / n_sum).item()
     if text.shape[0]:
         for k, v in recall_at_k(image @ text.t()).items():
             result[f"{prefix}_{k}"] = v

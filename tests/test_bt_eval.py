@@ -177,3 +177,20 @@ def test_eval_loss_and_recall_do_not_depend_on_the_world_size(tmp_path):
             assert got[rank]["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5), (world, rank)
             for k in ("i2t_r1", "t2i_r1", "i2t_r5", "t2i_r10"):
                 assert got[rank][f"eval_{k}"] == pytest.approx(single[f"eval_{k}"]), (world, k)
+
+
+def test_evaluate_reports_no_loss_without_negatives():
+    from bridgetower_ds.configs import ModelArgs
+    from bridgetower_ds.model import build_model
+    from bridgetower_ds.tokenizer import debug_tokenizer
+
+    torch.manual_seed(0)
+    model = build_model(ModelArgs(preset="debug"))
+    enc = debug_tokenizer()(["a red circle", "a blue square"], padding="longest", return_tensors="pt")
+    px = torch.randn(2, 3, 32, 32)
+    one_row = [{"input_ids": enc["input_ids"][i:i + 1], "attention_mask": enc["attention_mask"][i:i + 1],
+                "pixel_values": px[i:i + 1], "index": torch.tensor([i])} for i in range(2)]
+    res = evaluate(model, one_row)
+    assert res["eval_samples"] == 2 and "eval_loss" not in res  # a one-row batch's loss is exactly 0: not a figure
+    both = evaluate(model, [{k: torch.cat([a[k], b[k]]) for k in a} for a, b in [one_row]])
+    assert both["eval_loss"] > 0
