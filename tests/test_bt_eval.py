@@ -150,10 +150,13 @@ def _world_worker(rank: int, world: int, port: int, root, q) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 3 processes building the model (minutes on a loaded 2-core machine)
 def test_eval_loss_and_recall_do_not_depend_on_the_world_size(tmp_path):
     """11 rows (one a missing file), eval micro batch 4. Before the batch plan, ranks split the rows first and then
     batched their share: on 2 ranks 5 + 5 rows, on 1 rank 4 + 4 + 2, so the in-batch negatives and the loss
-    differed (1.29 vs 1.96 in the issue). Now batch c runs on rank c mod W: the same batches on 1, 2 or 3 ranks."""
+    differed (1.29 vs 1.96 in the issue; 1.118 vs 1.259 here before the change: each rank's 5 rows made a 4-row and
+    a 1-row batch whose loss is exactly 0). Now batch c runs on rank c mod W: the same batches on any number of ranks
+    (the plan's unit tests check 1, 2 and 3 ranks; here 1 and 2 end to end, with a bad image in the split)."""
     import torch.multiprocessing as mp
 
     from conftest import free_port
@@ -163,7 +166,7 @@ def test_eval_loss_and_recall_do_not_depend_on_the_world_size(tmp_path):
     single = _eval_split(tmp_path, 0, 1)
     assert single["eval_samples"] == 10 and single["eval_loss"] > 0
     ctx = mp.get_context("spawn")
-    for world in (2, 3):
+    for world in (2,):
         q = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=_world_worker, args=(r, world, port, tmp_path, q)) for r in range(world)]
