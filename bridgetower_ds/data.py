@@ -5,9 +5,8 @@ directory (images + metadata.jsonl/csv, split sub-folders optional), or a manife
 rows hold an image path (relative to the manifest's folder) and a caption. Missing validation/test splits are carved
 out of train deterministically (`split_seed`), so every rank and every rerun sees the same split.
 
-Order and resume are pure functions (`rank_order`): epoch e shuffles all rows with seed+e, trims the tail so every
-rank gets the same count (train) or pads it with marked repeats (eval: index -1), and rank r takes rows r::world.
-The position is (epoch, offset into that rank's list), so a resumed run continues with exactly the next batch.
+Order, rank share and resume position come from batching.BatchPlan (pure); every pipeline turns decoded rows into a
+batch with batching.BatchAssembler. The position saved in checkpoints is a point in the epoch's global sample order.
 
 Pipelines: "host" decodes/resizes/crops in DataLoader workers and ships uint8 [B,S,S,3]; normalization happens on
 the training device. "device-*" pipelines ship encoded bytes from the workers and decode on the accelerator
@@ -16,9 +15,8 @@ the training device. "device-*" pipelines ship encoded bytes from the workers an
 from __future__ import annotations
 
 import csv
+import io
 import json
-import logging
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,14 +25,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length,
+                       tokenize)
 from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, BadImage, host_transform, make_device_decoder,  # noqa: F401
                      normalize, read_bytes, resolve_pipeline)
 
-log = logging.getLogger(__name__)
-
 FORMATS = ("auto", "hf", "imagefolder", "json", "jsonl", "csv")
 ROLES = ("train", "validation", "test")
-MAX_BAD_EXAMPLES = 10
 
 
 @dataclass
@@ -200,11 +197,21 @@ class _LazyColumn:
         return _LazyColumn(self.ds.select(rows), self.column)
 
 
+def _manifest_text(path: Path) -> str:
+    """The manifest as text; not UTF-8 -> ValueError naming the file, the line and the offending byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")  # a leading BOM (Excel's "CSV UTF-8") is not part of the first column name
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
+                         "save the manifest as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def _read_manifest(path: Path, fmt: str) -> list[dict]:
+    text = _manifest_text(path)
     if fmt == "csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f))
-    text = path.read_text(encoding="utf-8")
+        return list(csv.DictReader(io.StringIO(text, newline="")))
     if fmt == "jsonl":
         rows = []
         for n, line in enumerate(text.splitlines(), 1):
@@ -214,7 +221,10 @@ def _read_manifest(path: Path, fmt: str) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
         return rows
-    obj = json.loads(text)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
     if isinstance(obj, dict) and "data" in obj and isinstance(obj["data"], list):
         obj = obj["data"]
     if not isinstance(obj, list):
@@ -269,63 +279,76 @@ def carve_splits(n: int, need_val: bool, need_test: bool, val_fraction: float, t
     return {"test": perm[:n_test], "validation": perm[n_test:n_test + n_val], "train": perm[n_test + n_val:]}
 
 
-def select_split(args: DataArgs, split: str, tables: dict[str, CaptionTable] | None = None) -> CaptionTable:
-    """The table for role/name `split` (train|validation|test or the configured split names)."""
-    names = {"train": args.train_split, "validation": args.validation_split, "test": args.test_split}
-    role = split if split in names else next((r for r, n in names.items() if n == split), None)
-    if role is None:
-        raise ValueError(f"unknown split {split!r}: expected one of {sorted(names)} or {sorted(names.values())}")
-    tables = tables if tables is not None else load_tables(args)
-    if names[role] in tables:
-        if role != "train":
+class Splits:
+    """The dataset of one run, opened once; train/validation/test tables, missing ones carved out of train once
+    (deterministically, `split_seed`). Every evaluation of the run reuses the same tables."""
+
+    def __init__(self, args: DataArgs, tables: dict[str, CaptionTable] | None = None):
+        self.args = args
+        self.tables = tables if tables is not None else load_tables(args)
+        self.names = {"train": args.train_split, "validation": args.validation_split, "test": args.test_split}
+        self._carved: dict[str, np.ndarray] | None = None
+        self._cache: dict[str, CaptionTable] = {}
+
+    def role(self, split: str) -> str:
+        role = split if split in self.names else next((r for r, n in self.names.items() if n == split), None)
+        if role is None:
+            raise ValueError(f"unknown split {split!r}: expected one of {sorted(self.names)} or "
+                             f"{sorted(self.names.values())}")
+        return role
+
+    def get(self, split: str) -> CaptionTable:
+        """The table for role/name `split` (train|validation|test or the configured split names)."""
+        role = self.role(split)
+        if role not in self._cache:
+            self._cache[role] = self._select(role)
+        return self._cache[role]
+
+    def _select(self, role: str) -> CaptionTable:
+        args, names, tables = self.args, self.names, self.tables
+        if names[role] in tables and role != "train":
             return tables[names[role]]
-    if names["train"] not in tables:
-        raise KeyError(f"{args.dataset_path}: no split {names[role]!r} and no {names['train']!r} split to carve it "
-                       f"from (splits: {sorted(tables)})")
-    train = tables[names["train"]]
-    need_val, need_test = names["validation"] not in tables, names["test"] not in tables
-    if role == "train" and not (need_val or need_test):
-        return train
-    rows = carve_splits(len(train), need_val, need_test, args.validation_fraction, args.test_fraction, args.split_seed)
-    return train.subset(rows[role], f"{train.source}->{role}(seed {args.split_seed})")
+        if names["train"] not in tables:
+            raise KeyError(f"{args.dataset_path}: no split {names[role]!r} and no {names['train']!r} split to carve "
+                           f"it from (splits: {sorted(tables)})")
+        train = tables[names["train"]]
+        need_val, need_test = names["validation"] not in tables, names["test"] not in tables
+        if role == "train" and not (need_val or need_test):
+            return train
+        if self._carved is None:
+            self._carved = carve_splits(len(train), need_val, need_test, args.validation_fraction,
+                                        args.test_fraction, args.split_seed)
+        return train.subset(self._carved[role], f"{train.source}->{role}(seed {args.split_seed})")
 
 
-# ---------------------------------------------------------------------------------------------------- order / resume
-def rank_order(n: int, epoch: int, seed: int, rank: int, world_size: int, shuffle: bool) -> np.ndarray:
-    """This rank's rows for the epoch. shuffle (train): the tail is dropped so all ranks have n // world rows.
-    No shuffle (eval): every row once, ranks padded to equal length with repeats encoded as -1 - row."""
-    order = np.random.default_rng(seed + epoch).permutation(n) if shuffle else np.arange(n)
-    if shuffle:
-        per = n // world_size
-        order = order[:per * world_size]
-    else:
-        per = -(-n // world_size)
-        pad = per * world_size - n
-        if pad:
-            order = np.concatenate([order, -1 - order[:pad]])
-    return order[rank::world_size]
+def open_dataset(args: DataArgs) -> Splits:
+    """Open the run's dataset once (the splits are carved on first use and kept)."""
+    return Splits(args)
+
+
+def select_split(args: DataArgs, split: str, tables: dict[str, CaptionTable] | None = None) -> CaptionTable:
+    """One table without keeping the Splits (tests, tools); a run uses open_dataset once."""
+    return Splits(args, tables).get(split)
 
 
 # ---------------------------------------------------------------------------------------------------- workers
 class _Batches(torch.utils.data.Sampler):
-    """Yields (end_offset, rows) per batch from the current (epoch, offset); iterated in the main process each time
+    """Yields (batches_done_after, rows) from the source's current position; iterated in the main process each time
     the DataLoader starts, so persistent workers follow epoch changes and resumes."""
 
     def __init__(self, owner: "CaptionData"):
         self.owner = owner
 
     def __iter__(self):
-        order, b = self.owner._order, self.owner.micro_batch
-        for start in range(self.owner._offset, len(order), b):
-            end = min(start + b, len(order))
-            yield end, order[start:end]
+        return iter(self.owner.pending_batches())
 
     def __len__(self) -> int:
-        return math.ceil(max(0, len(self.owner._order) - self.owner._offset) / self.owner.micro_batch)
+        return len(self.owner.pending_batches())
 
 
 class _Fetch(torch.utils.data.Dataset):
-    """Worker side: one call builds one batch (host: decoded uint8 pixels; device: encoded bytes) plus tokens."""
+    """Worker side: one call builds one batch's candidates (host: decoded uint8 pixels; device: encoded bytes) and
+    their tokens; rows whose image is already known bad are dropped here and reported."""
 
     def __init__(self, table: CaptionTable, tokenizer, size: int, host: bool, draft: bool, max_pixels: int,
                  max_len: int, pad_to_max: bool):
@@ -335,18 +358,10 @@ class _Fetch(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.table)
 
-    def _tokens(self, captions: list[str]) -> dict:
-        enc = self.tokenizer(captions, truncation=True, max_length=self.max_len, return_tensors="pt",
-                             padding="max_length" if self.pad_to_max else "longest")
-        return {"input_ids": enc["input_ids"].long(), "attention_mask": enc["attention_mask"].long()}
-
     def __getitem__(self, spec) -> dict:
         end, rows = spec
-        index = np.where(rows < 0, -1, rows)  # -1 marks an eval pad row (a repeat, to be ignored by metrics)
-        real = np.where(rows < 0, -1 - rows, rows)
-        items, names, bad = [], [], []
-        keep = []
-        for k, r in enumerate(real):
+        items, names, bad, keep = [], [], [], []
+        for r in rows:
             data, name = self.table.load(int(r))
             if self.host and not isinstance(data, BadImage):
                 try:
@@ -356,13 +371,12 @@ class _Fetch(torch.utils.data.Dataset):
             if isinstance(data, BadImage):  # dropped here; device decoders report their own failures
                 bad.append((data.name, data.reason))
                 continue
-            keep.append(k)
+            keep.append(int(r))
             items.append(data)
             names.append(name)
-        out = {"end": int(end), "bad": bad, "rows": len(rows)}
-        caps = [self.table.captions[int(real[k])] for k in keep]
-        out.update(self._tokens(caps) if caps else {})
-        out["index"] = torch.as_tensor(index[keep], dtype=torch.long)
+        out = {"end": int(end), "bad": bad, "index": torch.as_tensor(keep, dtype=torch.long)}
+        if keep:
+            out.update(tokenize(self.tokenizer, [self.table.captions[r] for r in keep], self.max_len, self.pad_to_max))
         if self.host:
             out["pixels_u8"] = torch.from_numpy(np.stack(items)) if items else None
         else:
@@ -372,100 +386,122 @@ class _Fetch(torch.utils.data.Dataset):
 
 # ---------------------------------------------------------------------------------------------------- data source
 class CaptionData:
-    """ds_core.loop.DataSource over one split for one rank. Yields dicts on `device`:
-    input_ids [B,T] long, attention_mask [B,T] long, pixel_values [B,3,S,S] float32 (CLIP-normalized),
-    pixel_mask [B,S,S] long, index [B] long (dataset row; -1 for eval pad rows and fill-in rows).
+    """ds_core.loop.DataSource over one split for one rank; yields BatchAssembler's batch dicts on `device`.
 
-    Bad images are dropped (batch may be smaller). A batch with nothing valid is skipped on one rank; with several
-    ranks it is replaced by one already-seen valid sample (index -1) so every rank runs the same number of steps
-    (a skipped step on one rank would leave the others waiting in a collective).
+    The rows come from a `BatchPlan` (train: shuffled, equal share per rank, a last one-row batch dropped; eval:
+    batch c on rank c mod W). Bad images are dropped (a batch may be smaller). In training, a batch left with fewer
+    than two valid rows is skipped on one rank and replaced by the last good batch (index -1) on several, so every
+    rank runs the same number of steps. In evaluation such batches are skipped (evaluate keeps ranks in step).
     """
 
     def __init__(self, args: DataArgs, table: CaptionTable, tokenizer, image_size: int, rank: int, world_size: int,
-                 micro_batch: int, seed: int, device, shuffle: bool = True, pipeline: str | None = None):
-        args.validate()
-        if micro_batch < 1:
-            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+                 micro_batch: int, seed: int, device, shuffle: bool = True, pipeline: str | None = None,
+                 media_pipe_iterator=None):
+        """media_pipe_iterator: with pipeline "device-hpu", what builds the pipe's output iterator (default: the
+        Habana media pipe; tests pass a stand-in decoder, see hpu_media.HpuMediaLoader)."""
         self.args, self.table, self.tokenizer = args, table, tokenizer
         self.size = int(args.image_size or image_size)
         if self.size < 1:
-            raise ValueError("image size unknown: pass image_size (the model's vision size) or --image_size")
+            raise ValueError("image size unknown: pass image_size (the model's vision image size) or --image_size")
         self.rank, self.world_size, self.micro_batch, self.seed = rank, world_size, micro_batch, seed
         self.device, self.shuffle = torch.device(device), shuffle
+        try:
+            self.plan = BatchPlan(len(table), rank, world_size, micro_batch, seed, train=shuffle)
+        except ValueError as e:
+            raise ValueError(f"{table.source}: {e}") from None
         if pipeline is None:
             pipeline, why = resolve_pipeline(args.requested_pipeline, self.device)
             if rank == 0:
                 print(f"[bridgetower_ds] image pipeline: {pipeline} ({why})", flush=True)
         self.pipeline = pipeline
-        if shuffle and len(table) < world_size:
-            raise ValueError(f"{table.source}: {len(table)} rows < world size {world_size}")
-        self._epoch, self._offset = 0, 0
-        self._order = rank_order(len(table), 0, seed, rank, world_size, shuffle)
-        self.bad_images = 0
-        self.bad_examples: list[str] = []
-        self.filler_batches = 0
-        self._last_good: dict | None = None
-        pad_to_max = args.pad_to_max_length or self.device.type == "hpu"
+        self.epoch, self.batches_done = 0, 0
+        self._batches = self.plan.rank_batches(0)
+        self.pad_to_max = pad_to_max_length(args.pad_to_max_length, self.device)
+        self.bad = BadImageLog(args.bad_image, rank)
+        self.assembler = BatchAssembler(size=self.size, device=self.device, world_size=world_size,
+                                        pad_to_max=self.pad_to_max,
+                                        min_rows=min(MIN_CONTRASTIVE_ROWS, micro_batch) if shuffle else 1,
+                                        fill_in=shuffle, bad=self.bad, first_valid=self._first_valid_batch)
         self._fetch = _Fetch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft, args.max_image_pixels,
-                             args.max_seq_length, pad_to_max)
+                             args.max_seq_length, self.pad_to_max)
         self._decoder = None
         self._hpu = None
         if pipeline == "device-hpu":
             from .hpu_media import HpuMediaLoader  # noqa: PLC0415
 
-            self._hpu = HpuMediaLoader(self, pad_to_max_length=True)
+            self._hpu = HpuMediaLoader(self, media_pipe_iterator)
         elif pipeline != "host":
             self._decoder = make_device_decoder(pipeline, self.size, self.device, args.jpeg_draft,
                                                 args.max_image_pixels, args.decode_threads)
         self._loader = None
 
+    # -- the plan, as every pipeline reads it
+    def pending_batches(self) -> list[tuple[int, np.ndarray]]:
+        """(batches_done after this batch, rows) for the rest of the epoch from the current position."""
+        return [(k + 1, rows) for k, rows in enumerate(self._batches) if k >= self.batches_done]
+
     # -- DataSource protocol
     def set_epoch(self, epoch: int) -> None:
-        self._epoch, self._offset = int(epoch), 0
-        self._order = rank_order(len(self.table), self._epoch, self.seed, self.rank, self.world_size, self.shuffle)
+        self.epoch, self.batches_done = int(epoch), 0
+        self._batches = self.plan.rank_batches(self.epoch)
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "offset": self._offset, "seed": self.seed, "world_size": self.world_size,
-                "rows": len(self.table), "bad_images": self.bad_images}
+        """The position as a point in the epoch's global (world-size-independent) sample order."""
+        return {"epoch": self.epoch, "sample_offset": self.plan.sample_offset(self.epoch, self.batches_done),
+                "seed": self.seed, "world_size": self.world_size, "micro_batch": self.micro_batch,
+                "rows": len(self.table), "bad_images": self.bad.count}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("world_size", self.world_size) != self.world_size or state.get("rows", len(self.table)) != len(
-                self.table):
-            raise ValueError(f"data position was saved for world size {state.get('world_size')} and "
-                             f"{state.get('rows')} rows; this run has {self.world_size} and {len(self.table)}: "
-                             "the per-rank order would differ, so the position cannot be restored exactly")
+        saved = {k: state.get(k, now) for k, now in (("world_size", self.world_size), ("rows", len(self.table)),
+                                                     ("micro_batch", self.micro_batch), ("seed", self.seed))}
+        now = {"world_size": self.world_size, "rows": len(self.table), "micro_batch": self.micro_batch,
+               "seed": self.seed}
+        if saved != now:
+            diff = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in now if saved[k] != now[k])
+            raise ValueError(f"data position was saved with a different plan ({diff}): the per-rank order would "
+                             "differ, so the position cannot be restored exactly")
         self.set_epoch(int(state["epoch"]))
-        self._offset = int(state["offset"])
-        self.bad_images = int(state.get("bad_images", self.bad_images))
+        if "sample_offset" in state:
+            self.batches_done = self.plan.batches_done(self.epoch, int(state["sample_offset"]))
+        else:  # positions saved before the global offset: rows into this rank's list
+            self.batches_done = -(-int(state["offset"]) // self.micro_batch)
+        self.bad.count = int(state.get("bad_images", self.bad.count))
 
     def summary_stats(self) -> dict:
-        out = {"bad_images": self.bad_images, "bad_image_examples": list(self.bad_examples)}
-        if self.filler_batches:
-            out["filler_batches"] = self.filler_batches
+        out = {"bad_images": self.bad.count, "bad_image_examples": list(self.bad.examples)}
+        if self.assembler.filler_batches:
+            out["filler_batches"] = self.assembler.filler_batches
         return out
+
+    @property
+    def bad_images(self) -> int:
+        return self.bad.count
 
     def __len__(self) -> int:
         """Batches in a full epoch on this rank."""
-        return math.ceil(len(self._order) / self.micro_batch)
+        return len(self._batches)
 
     def __iter__(self) -> Iterator[dict]:
-        if self._hpu is not None:
-            yield from self._hpu.iterate()
-            return
-        for raw in self._raw_batches():
-            batch = self._finish(raw)
-            self._offset = raw["end"]
+        yielded = False
+        source = self._hpu.batches() if self._hpu is not None else self._assembled()
+        for end, batch in source:
+            self.batches_done = end
             if batch is None:
-                batch = self._fill_in()
+                batch = self.assembler.fill_in()
                 if batch is None:
                     continue
+            yielded = True
             yield batch
+        if not yielded and not self.plan.train and self.world_size > 1 and self.batches_done == len(self._batches):
+            # this rank's evaluation share is empty (or all bad) while other ranks have batches: one stand-in
+            # forward keeps the ranks in step (evaluate ignores index -1 rows)
+            yield self.assembler.stand_in()
 
     # -- internals
     def _raw_batches(self) -> Iterator[dict]:
         workers = self.args.dataloader_num_workers
         if workers == 0:
-            for spec in _Batches(self):
+            for spec in self.pending_batches():
                 yield self._fetch[spec]
             return
         if self._loader is None:
@@ -475,18 +511,12 @@ class CaptionData:
                 collate_fn=_identity)
         yield from self._loader
 
-    def record_bad(self, bad: list) -> None:
-        for name, reason in bad:
-            if self.args.bad_image == "error":
-                raise BadImage(name, reason + " (--bad_image error; use --bad_image skip to drop such images)")
-            self.bad_images += 1
-            entry = f"{name}: {reason}"
-            if len(self.bad_examples) < MAX_BAD_EXAMPLES and entry not in self.bad_examples:
-                self.bad_examples.append(entry)
-                log.warning("[bridgetower_ds] rank %d skipping bad image %s", self.rank, entry)
+    def _assembled(self) -> Iterator[tuple[int, dict | None]]:
+        """Host and CPU/CUDA device pipelines: worker output -> decode (device pipelines) -> assemble."""
+        for raw in self._raw_batches():
+            yield raw["end"], self._decode_and_assemble(raw, self.assembler)
 
-    def _finish(self, raw: dict) -> dict | None:
-        """Worker output -> batch on the device (decoding there for device pipelines); None when nothing is valid."""
+    def _decode_and_assemble(self, raw: dict, assembler: BatchAssembler, remember: bool = True) -> dict | None:
         bad = list(raw["bad"])
         if self._decoder is not None and raw.get("encoded"):
             pixel_values, keep, dbad = self._decoder(raw["encoded"], raw["names"])
@@ -496,43 +526,28 @@ class CaptionData:
             keep = list(range(pixel_values.shape[0]))
         else:
             pixel_values, keep = None, []
-        self.record_bad(bad)
-        if pixel_values is None or not keep:
-            return None
-        sel = torch.as_tensor(keep, dtype=torch.long)
-        full = len(keep) == raw["input_ids"].shape[0]
-        batch = {k: (raw[k] if full else raw[k][sel]).to(self.device, non_blocking=True)
-                 for k in ("input_ids", "attention_mask", "index")}
-        batch["pixel_values"] = pixel_values
-        batch["pixel_mask"] = torch.ones((len(keep), self.size, self.size), dtype=torch.long, device=self.device)
-        if self.world_size > 1:
-            self._last_good = {k: v[:1] for k, v in batch.items()}
-        return batch
+        tokens = {k: raw[k] for k in ("input_ids", "attention_mask") if k in raw}
+        return assembler.assemble(pixel_values, keep, tokens, raw["index"], bad, remember=remember)
 
-    def _fill_in(self) -> dict | None:
-        """A batch with nothing valid: skip (one rank) or substitute one seen-valid sample (several ranks)."""
-        if self.world_size == 1:
-            return None
-        if self._last_good is None:
-            self._last_good = self._first_valid_sample()
-        self.filler_batches += 1
-        out = dict(self._last_good)
-        out["index"] = torch.full_like(out["index"], -1)
-        return out
-
-    def _first_valid_sample(self) -> dict:
-        order = rank_order(len(self.table), self._epoch, self.seed, self.rank, self.world_size, self.shuffle)
+    def _first_valid_batch(self) -> dict:
+        """The epoch's first rows of this rank that decode (host path, bad images not counted twice), enough for a
+        contrastive batch: the fill-in before any good batch was seen."""
         host = _Fetch(self.table, self.tokenizer, self.size, True, self.args.jpeg_draft, self.args.max_image_pixels,
-                      self.args.max_seq_length, self._fetch.pad_to_max)
-        for r in order:
-            raw = host[(0, np.array([r]))]
-            if raw.get("pixels_u8") is not None:
-                return {"input_ids": raw["input_ids"].to(self.device), "attention_mask": raw["attention_mask"].to(
-                    self.device), "index": torch.full((1,), -1, dtype=torch.long, device=self.device),
-                    "pixel_values": normalize(raw["pixels_u8"], self.device),
-                    "pixel_mask": torch.ones((1, self.size, self.size), dtype=torch.long, device=self.device)}
-        raise RuntimeError(f"{self.table.source}: rank {self.rank} has no readable image at all in epoch "
-                           f"{self._epoch}; see the bad-image log lines")
+                      self.args.max_seq_length, self.pad_to_max)
+        need = self.assembler.min_rows
+        order = np.concatenate(self._batches) if self._batches else self.plan.order(self.epoch)
+        rows: list[int] = []
+        for r in np.concatenate([order, self.plan.order(self.epoch)]):  # this rank's rows first, then any row
+            if int(r) in rows:
+                continue
+            if host[(0, np.array([r]))]["pixels_u8"] is not None:
+                rows.append(int(r))
+                if len(rows) == need:
+                    raw = host[(0, np.array(rows))]
+                    return self.assembler.assemble(normalize(raw["pixels_u8"], self.device), list(range(need)), raw,
+                                                   raw["index"], remember=False)
+        raise RuntimeError(f"{self.table.source}: rank {self.rank} found fewer than {need} readable images in "
+                           f"epoch {self.epoch}; see the bad-image log lines")
 
     def close(self) -> None:
         if self._decoder is not None:
@@ -544,11 +559,12 @@ def _identity(x):
     return x
 
 
-def build_data(args: DataArgs, split: str, tokenizer, image_size: int, rank: int, world_size: int,
+def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int, world_size: int,
                micro_batch: int, seed: int, device, shuffle: bool = True) -> CaptionData:
-    """The per-rank DataSource for `split` (train|validation|test or the configured split names)."""
-    args.validate()
-    table = select_split(args, split)
+    """The per-rank DataSource for `split` (train|validation|test or the configured split names) of the run's
+    dataset (open it once with open_dataset)."""
+    table = splits.get(split)
     if len(table) == 0:
-        raise ValueError(f"{args.dataset_path}: split {split!r} is empty")
-    return CaptionData(args, table, tokenizer, image_size, rank, world_size, micro_batch, seed, device, shuffle)
+        raise ValueError(f"{splits.args.dataset_path}: split {split!r} is empty")
+    return CaptionData(splits.args, table, tokenizer, image_size, rank, world_size, micro_batch, seed, device,
+                       shuffle)

@@ -1,9 +1,8 @@
-"""Contrastive loss, retrieval recall@k, and the distributed evaluation pass.
+"""Retrieval recall@k and the distributed evaluation pass (the contrastive loss lives with the model: model.py).
 
-Loss: BridgeTower's ITC objective, (CE(text->image) + CE(text->cross) + CE(image->cross)) / 3 over the logits
-scaled by exp(logit_scale), computed in fp32 from the model's normalized embeddings. Negatives are the other
-samples of the same micro batch on the same rank ("in-batch negatives per rank", like the reference), unless
-global negatives are asked for, which all-gathers the embeddings across data-parallel ranks first.
+Eval loss: the model's ITC loss per micro batch with in-batch negatives, averaged over samples. The batches come from
+batching.BatchPlan, which gives batch c of the split to rank c mod W: the same batches on any number of ranks, so
+the loss depends on the eval micro batch size but not on the world size. Global negatives are off during evaluation.
 
 Recall: image->text and text->image over the whole split, from the unimodal embeddings (the cross-modal embedding
 needs a (text, image) pair, so it cannot rank a full gallery). Row i of the split pairs image i with caption i;
@@ -15,47 +14,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as torch_dist
-import torch.nn.functional as F
+
+from .batching import MIN_CONTRASTIVE_ROWS
 
 KS = (1, 5, 10)
-
-
-def contrastive_loss(text: torch.Tensor, image: torch.Tensor, cross: torch.Tensor, logit_scale: torch.Tensor,
-                     *, global_negatives: bool = False) -> torch.Tensor:
-    """BridgeTower ITC loss in fp32 for L2-normalized [B, D] embeddings; matches the model's return_loss=True."""
-    text, image, cross = text.float(), image.float(), cross.float()
-    scale = logit_scale.float().exp()
-    labels = torch.arange(text.shape[0], device=text.device)
-    if global_negatives and torch_dist.is_available() and torch_dist.is_initialized() \
-            and torch_dist.get_world_size() > 1:
-        # Keys from every rank (gradients flow through this rank's slice only), queries stay local. Micro batches
-        # may differ in size across ranks (dropped bad images), so the gather pads and trims.
-        sizes = _rank_sizes(text.shape[0], text.device)
-        image_k, cross_k = _gather_with_grad(image, sizes), _gather_with_grad(cross, sizes)
-        labels = labels + sum(sizes[:torch_dist.get_rank()])
-    else:
-        image_k, cross_k = image, cross
-    t2i = F.cross_entropy(text @ image_k.t() * scale, labels)
-    t2c = F.cross_entropy(text @ cross_k.t() * scale, labels)
-    i2c = F.cross_entropy(image @ cross_k.t() * scale, labels)
-    return (t2i + t2c + i2c) / 3.0
-
-
-def _rank_sizes(n: int, device: torch.device) -> list[int]:
-    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(torch_dist.get_world_size())]
-    torch_dist.all_gather(sizes, torch.tensor([n], dtype=torch.long, device=device))
-    return [int(t.item()) for t in sizes]
-
-
-def _gather_with_grad(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Concatenation of every rank's [n_r, D] rows; only this rank's slice carries gradient."""
-    pad = max(sizes) - x.shape[0]
-    padded = torch.cat([x.detach(), x.new_zeros((pad, *x.shape[1:]))]) if pad else x.detach()
-    parts = [torch.empty_like(padded) for _ in sizes]
-    torch_dist.all_gather(parts, padded.contiguous())
-    parts = [p[:n] for p, n in zip(parts, sizes)]
-    parts[torch_dist.get_rank()] = x
-    return torch.cat(parts, dim=0)
 
 
 def recall_at_k(sim: torch.Tensor, ks: Sequence[int] = KS) -> dict[str, float]:
@@ -104,8 +66,9 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 @torch.no_grad()
 def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[str, float]:
-    """One pass over a split: mean contrastive loss (per-rank in-batch negatives, sample-weighted over all
-    ranks), and i2t / t2i recall@1/5/10 over the gathered split. Every rank must call it (collectives).
+    """One pass over a split: mean contrastive loss (in-batch negatives, sample-weighted over all batches of all
+    ranks), and i2t / t2i recall@1/5/10 over the gathered split. Every rank must call it (collectives). Without any
+    batch of two or more real rows there is no loss and `{prefix}_loss` is left out.
 
     Ranks advance in lock-step: while any rank still has a batch, all run a forward (a rank that ran out repeats
     its last batch and drops the result), so ZeRO-3's parameter gathers never wait on a rank that has finished.
@@ -114,7 +77,7 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
     device = next(module.parameters()).device
     was_training = module.training
     module.eval()
-    # Eval loss always uses per-rank in-batch negatives (ranks' last batches may differ in size).
+    # Eval loss uses in-batch negatives: the plan's batches are the same on any world size, global ones are not.
     had_global = "global_negatives" in vars(module)
     saved_global = getattr(module, "global_negatives", False)
     module.global_negatives = False
@@ -141,10 +104,12 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
             if not real:
                 continue
             n = b["input_ids"].shape[0]
-            # rows with index < 0 are padding/fill-in repeats: they weigh nothing and are not ranked
+            # rows with index < 0 are stand-in repeats: they weigh nothing and are not ranked. A batch of one real
+            # row has no negative (loss exactly 0): it is ranked for recall but not averaged into the loss.
             n_real = int((b["index"] >= 0).sum().item()) if "index" in b else n
-            loss_sum += out.loss.detach().double() * n_real
-            n_sum += n_real
+            if n_real == n and n >= MIN_CONTRASTIVE_ROWS:
+                loss_sum += out.loss.detach().double() * n
+                n_sum += n
             texts.append(out.text_embeds.float())
             images.append(out.image_embeds.float())
             rows.append(b["index"].long() if "index" in b else
@@ -170,7 +135,9 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
     keep[1:] &= row_sorted[1:] != row_sorted[:-1]
     order = order[keep]
     text, image = text[order], image[order]
-    result = {f"{prefix}_loss": (loss_sum / n_sum.clamp(min=1)).item(), f"{prefix}_samples": int(text.shape[0])}
+    result = {f"{prefix}_samples": int(text.shape[0])}
+    if n_sum.item() > 0:  # no batch of >= 2 rows (eval micro batch 1): no contrastive loss to report, not 0.0
+        result[f"{prefix}_loss"] = (loss_sum / n_sum).item()
     if text.shape[0]:
         for k, v in recall_at_k(image @ text.t()).items():
             result[f"{prefix}_{k}"] = v

@@ -1,7 +1,7 @@
 """HPU device pipeline: a Habana media pipe decodes, center-crops, resizes and normalizes JPEGs on the Gaudi.
 
 Graph (habana_frameworks.mediapipe, documented operators only):
-    fn.MediaExtReaderOp (our reader: file list + tokens + row ids, from CaptionData's per-rank order)
+    fn.MediaExtReaderOp (our reader: file list + tokens + row ids, from the data source's BatchPlan)
       -> fn.ImageDecoder(device="hpu", output_format=RGB_P, random_crop_type=CENTER_CROP, resize=[S, S], BICUBIC)
       -> fn.CropMirrorNorm(crop S x S, mean*255, 1/(std*255), FLOAT32)
 and habana_frameworks.mediapipe.plugins.iterator_pytorch.HPUGenericPytorchIterator hands the outputs to torch.
@@ -24,6 +24,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from .batching import tokenize
 from .images import CLIP_MEAN, CLIP_STD, BadImage, open_image
 
 try:
@@ -123,11 +124,10 @@ class _Reader(media_ext_reader_op_impl):
         return readerOutType.FILE_LIST
 
     def __len__(self):
-        return self.loader.remaining_batches()
+        return len(self.loader.data.pending_batches())
 
-    def __iter__(self):  # called by the pipe's iter_init(): a new pass from CaptionData's current position
-        self.loader._pending.clear()  # batches prefetched for an abandoned pass never reach the consumer
-        self._batches = iter(self.loader.batch_specs())
+    def __iter__(self):  # called by the pipe's iter_init(): a new pass from the data source's current position
+        self._batches = self.loader.start_pass()
         return self
 
     def __next__(self):
@@ -170,11 +170,23 @@ class _Pipe(MediaPipe):
 
 
 class HpuMediaLoader:
-    """Drives the media pipe for one CaptionData; yields its batch dicts (same keys as the other pipelines)."""
+    """Feeds the media pipe from a CaptionData's plan and turns its outputs into batches with the same
+    BatchAssembler as the other pipelines. Only public CaptionData members are used: pending_batches(), assembler,
+    table, tokenizer, args, micro_batch, size, pad_to_max.
 
-    def __init__(self, data, pad_to_max_length: bool = True):
-        check_hpu_media()
+    `make_iterator(loader)` builds the iterator of pipe outputs (images [B,3,S,S] normalized, ids [B,T], mask [B,T],
+    rowid [B]); the default builds the Habana media pipe. Tests pass a stand-in decoder that drives the same
+    `_Reader` (there is no HPU here).
+    """
+
+    def __init__(self, data, make_iterator=None):
+        if make_iterator is None:
+            check_hpu_media()
+        if not data.pad_to_max:  # the reader's outputs have fixed shapes [T, B]
+            raise ValueError("the HPU media pipe needs captions padded to max_seq_length (batching.pad_to_max_length "
+                             "decides it for HPU devices)")
         self.data = data
+        self._make_iterator = make_iterator or _habana_iterator
         self.max_len = data.args.max_seq_length
         table = data.table
         paths = [table.path(i) for i in range(len(table))]
@@ -187,25 +199,26 @@ class HpuMediaLoader:
         self._pending: deque = deque()  # (end, [(name, reason), ...]) in pipe order
         self._iter = None
 
-    def remaining_batches(self) -> int:
-        return len(list(self.batch_specs()))
-
-    def batch_specs(self):
-        order, b = self.data._order, self.data.micro_batch
-        for start in range(self.data._offset, len(order), b):
-            yield min(start + b, len(order)), order[start:start + b]
+    def start_pass(self):
+        """The reader's batches for a new pass from the current position (batches prefetched for an abandoned pass
+        never reach the consumer)."""
+        self._pending.clear()
+        return iter(self.data.pending_batches())
 
     def prepare(self, end: int, rows: np.ndarray):
-        b, t = self.data.micro_batch, self.max_len
+        """One fixed-size reader batch: files (bad rows replaced by a known-good file), tokens, row codes."""
+        b = self.data.micro_batch
+        if len(rows) > b:  # batching.split_batches: only micro batch 2 merges an evaluation tail (3 rows)
+            raise ValueError(f"HPU media pipe: a batch of {len(rows)} rows for a pipe of fixed batch size {b}; use "
+                             "an evaluation micro batch of 3 or more")
         files, caps, rowid, bad = [], [], np.zeros([b], dtype=np.uint32), []
         for k in range(b):
-            r = int(rows[k]) if k < len(rows) else None
-            real = None if r is None else (-1 - r if r < 0 else r)
+            real = int(rows[k]) if k < len(rows) else None
             problem = None if real is None else jpeg_file_problem(self.paths[real], self.data.args.max_image_pixels)
             if real is not None and problem is None:
                 files.append(self.paths[real])
                 caps.append(self.data.table.captions[real])
-                rowid[k] = r + 2 if r >= 0 else 1  # 0: dropped row, 1: eval pad row (index -1), else row + 2
+                rowid[k] = real + 1  # 0: no row / dropped row, else row + 1
                 self._good_path = self._good_path or self.paths[real]
             else:
                 if real is not None:
@@ -214,10 +227,10 @@ class HpuMediaLoader:
                 caps.append("")
         filler = self._good_path or self._find_good()
         files = np.array([f or filler for f in files])
-        enc = self.data.tokenizer(caps, truncation=True, max_length=t, padding="max_length", return_tensors="np")
+        enc = tokenize(self.data.tokenizer, caps, self.max_len, pad_to_max=True)
         self._pending.append((end, bad))
-        return (files, np.ascontiguousarray(enc["input_ids"].astype(np.uint32)),
-                np.ascontiguousarray(enc["attention_mask"].astype(np.uint32)), rowid)
+        return (files, np.ascontiguousarray(enc["input_ids"].numpy().astype(np.uint32)),
+                np.ascontiguousarray(enc["attention_mask"].numpy().astype(np.uint32)), rowid)
 
     def _find_good(self) -> str:
         for p in self.paths:
@@ -226,30 +239,20 @@ class HpuMediaLoader:
                 return p
         raise RuntimeError(f"{self.data.table.source}: no readable RGB JPEG file at all for the HPU media pipe")
 
-    def iterate(self):
+    def batches(self):
+        """(batches_done after it, batch or None) per pipe output, as CaptionData's other pipelines yield them."""
         if self._iter is None:
-            pipe = _Pipe(self, self.data.micro_batch, self.data.size, max(1, self.data.args.dataloader_num_workers))
-            self._iter = HPUGenericPytorchIterator(mediapipe=pipe)
-        dev = self.data.device
+            self._iter = self._make_iterator(self)
         for images, ids, mask, rowid in self._iter:
             end, bad = self._pending.popleft()
-            self.data.record_bad(bad)
             rowid = rowid.to(torch.int64).cpu()
             keep = torch.nonzero(rowid != 0).flatten()
-            self.data._offset = end
-            if keep.numel() == 0:
-                batch = self.data._fill_in()
-                if batch is not None:
-                    yield batch
-                continue
-            index = rowid[keep] - 2
-            keep_d = keep.to(dev)
-            # reader outputs are host tensors (uint32): widen on the host, then move
-            batch = {"input_ids": ids.cpu().to(torch.int64).to(dev)[keep_d],
-                     "attention_mask": mask.cpu().to(torch.int64).to(dev)[keep_d],
-                     "index": index.to(dev), "pixel_values": images.to(dev)[keep_d].float(),
-                     "pixel_mask": torch.ones((keep.numel(), self.data.size, self.data.size), dtype=torch.long,
-                                              device=dev)}
-            if self.data.world_size > 1:
-                self.data._last_good = {k: v[:1] for k, v in batch.items()}
-            yield batch
+            # reader outputs are host tensors (uint32): widen on the host; the assembler moves them
+            tokens = {"input_ids": ids.cpu().to(torch.int64), "attention_mask": mask.cpu().to(torch.int64)}
+            pixel_values = images[keep.to(images.device)] if keep.numel() else None
+            yield end, self.data.assembler.assemble(pixel_values, keep.tolist(), tokens, rowid - 1, bad)
+
+
+def _habana_iterator(loader: HpuMediaLoader):
+    pipe = _Pipe(loader, loader.data.micro_batch, loader.data.size, max(1, loader.data.args.dataloader_num_workers))
+    return HPUGenericPytorchIterator(mediapipe=pipe)

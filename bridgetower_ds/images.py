@@ -13,9 +13,10 @@ bicubic antialias kernel (channels-last, vectorized): same geometry and filter a
 support scaled when downsampling), within 2 grey levels of it (rounding), several times faster on the CPU.
 
 Device pipelines (`--image_pipeline device`) take encoded bytes from the loader workers and decode on the accelerator:
-CUDA uses torchvision's batched nvJPEG decoder, HPU a Habana media pipe (see `hpu_pipe.py`), and CPU a thread pool in
+CUDA uses torchvision's batched nvJPEG decoder, HPU a Habana media pipe (see `hpu_media.py`), and CPU a thread pool in
 the training process. Every decode failure becomes a `BadImage` naming the file and the reason; callers decide
-whether to skip or raise (`--bad_image`).
+whether to skip or raise (`--bad_image`). 16-bit grayscale images are scaled to 8 bits (`to_8bit`; transformers'
+processor refuses them).
 """
 from __future__ import annotations
 
@@ -122,6 +123,28 @@ def open_image(data: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
     return im
 
 
+def to_8bit(im: Image.Image, name: str) -> Image.Image:
+    """Images of more than 8 bits per channel, scaled to 8 bits by their declared depth.
+
+    PIL opens 16-bit grayscale PNG/TIFF as mode "I;16" (or "I" in older releases / some TIFFs); PIL's convert("RGB")
+    then clips every value above 255, so a photograph turns near-white. transformers' BridgeTowerImageProcessor
+    refuses such an image ("values outside the range [0, 255] ... cannot be converted to uint8"). Here they are
+    scaled: v -> round(v * 255 / 65535) (= (v + 128) // 257, exact at 0 and 65535). 16-bit RGB(A) PNGs are already
+    reduced to 8 bits by PIL itself (high byte), so only the single-channel modes arrive here. 32-bit integer images
+    whose values exceed 16 bits and floating-point images ("F") have no defined 8-bit range: bad images.
+    """
+    if im.mode not in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        return im
+    arr = np.asarray(im)
+    if im.mode == "F":
+        raise BadImage(name, "floating-point image (mode F): no defined 8-bit range; save it as 8- or 16-bit")
+    arr = arr.astype(np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 65535):
+        raise BadImage(name, f"32-bit integer image with values in [{arr.min()}, {arr.max()}]: no defined 8-bit "
+                             "range; save it as 8- or 16-bit")
+    return Image.fromarray(((arr + 128) // 257).astype(np.uint8), "L")
+
+
 def to_rgb(im: Image.Image) -> Image.Image:
     """RGB, compositing transparency onto white exactly as transformers' convert_to_rgb does; CMYK/L/P converted."""
     if im.mode == "RGB":
@@ -173,7 +196,7 @@ def decode(data: bytes, name: str, size: int, draft: bool = True,
             # draft picks the largest 1/2, 1/4, 1/8 scale that still leaves >= the resize target: no upsampling.
             im.draft("RGB", (max(tw, 1), max(th, 1)))
         im.load()
-        im = to_rgb(im)
+        im = to_rgb(to_8bit(im, name))
         arr = np.array(im)  # writable (torch.from_numpy warns on PIL's read-only view); the fast path is simplejpeg
     except BadImage:
         raise

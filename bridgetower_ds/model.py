@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as torch_dist
+import torch.nn.functional as F
 from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 
 from .configs import CONTRASTIVE_HIDDEN_SIZE, LOGIT_SCALE_INIT, ModelArgs, preset
-from .eval import contrastive_loss
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,50 @@ class BridgeTowerContrastive(BridgeTowerForContrastiveLearning):
             out["loss"] = contrastive_loss(out.text_embeds, out.image_embeds, out.cross_embeds, self.logit_scale,
                                            global_negatives=self.global_negatives)
         return out
+
+
+# ---------------------------------------------------------------------------------------------------- loss
+# BridgeTower's ITC objective, (CE(text->image) + CE(text->cross) + CE(image->cross)) / 3 over the logits scaled by
+# exp(logit_scale), in fp32 from the model's normalized embeddings. Negatives are the other samples of the same micro
+# batch on the same rank ("in-batch negatives", like the reference), unless global negatives are asked for, which
+# all-gathers the keys across data-parallel ranks first. A batch of one row has no negative: its loss is exactly 0
+# (batching.BatchPlan never plans one).
+def contrastive_loss(text: torch.Tensor, image: torch.Tensor, cross: torch.Tensor, logit_scale: torch.Tensor,
+                     *, global_negatives: bool = False) -> torch.Tensor:
+    """BridgeTower ITC loss in fp32 for L2-normalized [B, D] embeddings; matches the model's return_loss=True."""
+    text, image, cross = text.float(), image.float(), cross.float()
+    scale = logit_scale.float().exp()
+    labels = torch.arange(text.shape[0], device=text.device)
+    if global_negatives and torch_dist.is_available() and torch_dist.is_initialized() \
+            and torch_dist.get_world_size() > 1:
+        # Keys from every rank (gradients flow through this rank's slice only), queries stay local. Micro batches
+        # may differ in size across ranks (dropped bad images), so the gather pads and trims.
+        sizes = _rank_sizes(text.shape[0], text.device)
+        image_k, cross_k = _gather_with_grad(image, sizes), _gather_with_grad(cross, sizes)
+        labels = labels + sum(sizes[:torch_dist.get_rank()])
+    else:
+        image_k, cross_k = image, cross
+    t2i = F.cross_entropy(text @ image_k.t() * scale, labels)
+    t2c = F.cross_entropy(text @ cross_k.t() * scale, labels)
+    i2c = F.cross_entropy(image @ cross_k.t() * scale, labels)
+    return (t2i + t2c + i2c) / 3.0
+
+
+def _rank_sizes(n: int, device: torch.device) -> list[int]:
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(torch_dist.get_world_size())]
+    torch_dist.all_gather(sizes, torch.tensor([n], dtype=torch.long, device=device))
+    return [int(t.item()) for t in sizes]
+
+
+def _gather_with_grad(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Concatenation of every rank's [n_r, D] rows; only this rank's slice carries gradient."""
+    pad = max(sizes) - x.shape[0]
+    padded = torch.cat([x.detach(), x.new_zeros((pad, *x.shape[1:]))]) if pad else x.detach()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch_dist.all_gather(parts, padded.contiguous())
+    parts = [p[:n] for p, n in zip(parts, sizes)]
+    parts[torch_dist.get_rank()] = x
+    return torch.cat(parts, dim=0)
 
 
 def _logit_scale_to_0d(module, state_dict, prefix, local_metadata) -> None:

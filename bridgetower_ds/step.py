@@ -10,11 +10,13 @@ def step_fn(engine, batch: dict) -> StepOutput:
     """StepFn for ds_core.loop.train: forward with return_loss=True (fp32 ITC loss, see model.BridgeTowerContrastive).
 
     Negatives are the other samples of this rank's micro batch (or every rank's, with global negatives on).
-    Tokens counted are the non-padding caption tokens.
+    Samples and tokens count real rows only: a fill-in batch (index -1, data.CaptionData on several ranks) repeats
+    seen samples to keep the ranks in step and counts 0. Tokens are the non-padding caption tokens.
     """
     device = engine.device
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
     out = engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"], pixel_values=b["pixel_values"],
                  return_loss=True)
-    return StepOutput(loss=out.loss, samples=int(b["input_ids"].shape[0]),
-                      tokens=int(b["attention_mask"].sum().item()))
+    real = b["index"] >= 0 if "index" in b else torch.ones(b["input_ids"].shape[0], dtype=torch.bool, device=device)
+    return StepOutput(loss=out.loss, samples=int(real.sum().item()),
+                      tokens=int(b["attention_mask"][real].sum().item()))

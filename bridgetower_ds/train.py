@@ -11,7 +11,7 @@ from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_di
 from ds_core.loop import train
 
 from bridgetower_ds.configs import ModelArgs, RunArgs
-from bridgetower_ds.data import DataArgs, build_data
+from bridgetower_ds.data import DataArgs, build_data, open_dataset
 from bridgetower_ds.eval import evaluate
 from bridgetower_ds.model import build_model, flops_per_sample, model_summary
 from bridgetower_ds.step import step_fn
@@ -42,18 +42,22 @@ def main(argv=None) -> dict:
     model.logit_scale_as_1d()  # DeepSpeed cannot broadcast 0-dim parameters
     engine = build_engine(model, ds_config)
 
+    splits = open_dataset(data_args)  # opened and split once; every evaluation reuses it
+
     def data(split: str, micro: int, shuffle: bool):
-        return build_data(data_args, split, tokenizer, image_size, dist.rank, dist.world_size, micro_batch=micro,
+        return build_data(splits, split, tokenizer, image_size, dist.rank, dist.world_size, micro_batch=micro,
                           seed=train_cfg.seed, device=dist.device, shuffle=shuffle)
 
     eval_micro = run_args.eval_micro_batch_size or ds_config["train_micro_batch_size_per_gpu"]
     results: dict = {}
+    eval_sources: dict = {}
 
     def run_split(split: str, prefix: str):
-        source = data(split, eval_micro, shuffle=False)
+        if split not in eval_sources:
+            eval_sources[split] = data(split, eval_micro, shuffle=False)
+        source = eval_sources[split]
         source.set_epoch(0)
         res = evaluate(engine, iter(source), prefix=prefix)
-        source.close()
         results.update(res)
         return res
 
@@ -62,7 +66,7 @@ def main(argv=None) -> dict:
         micro = ds_config["train_micro_batch_size_per_gpu"]
         train_data = data("train", micro, shuffle=True)
         seq_len = expected_padded_length(tokenizer, train_data.table.captions, micro, data_args.max_seq_length,
-                                         data_args.pad_to_max_length or dist.accelerator == "hpu")
+                                         train_data.pad_to_max)  # the data's one padding policy
         eval_fn = (lambda eng, step: run_split("validation", "eval")) if run_args.do_eval else None
         name = Path(model_args.model_name_or_path).name if model_args.model_name_or_path else model_args.preset
         summary = train(engine, step_fn, train_data, train_cfg, dist, model_name=f"bridgetower:{name}",
@@ -75,6 +79,8 @@ def main(argv=None) -> dict:
         run_split("validation", "eval")
     if run_args.do_predict:
         run_split("test", "test")
+    for source in eval_sources.values():
+        source.close()
     if run_args.export_dir:
         export_hf(engine, run_args.export_dir)
         if dist.rank == 0:

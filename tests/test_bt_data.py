@@ -137,15 +137,22 @@ def test_carve_splits_partition():
 
 
 # ---------------------------------------------------------------------------------------------------- order/resume
-def test_rank_order_train_and_eval():
-    parts = [D.rank_order(10, 1, 5, r, 3, shuffle=True) for r in range(3)]
-    assert all(len(p) == 3 for p in parts)
-    assert len(set(np.concatenate(parts).tolist())) == 9
-    assert not np.array_equal(parts[0], D.rank_order(10, 2, 5, 0, 3, shuffle=True))  # reshuffled per epoch
-    ev = [D.rank_order(10, 0, 5, r, 3, shuffle=False) for r in range(3)]
-    assert all(len(p) == 4 for p in ev)
-    real = [int(x) for p in ev for x in p if x >= 0]
-    assert sorted(real) == list(range(10)) and sum(int(x < 0) for p in ev for x in p) == 2
+def test_dataset_opened_and_split_once(tmp_path, monkeypatch):
+    path = make_manifest(tmp_path, n=20)
+    args = args_for(path, validation_fraction=0.2, test_fraction=0.1)
+    calls = []
+    real_load, real_carve = D.load_tables, D.carve_splits
+    monkeypatch.setattr(D, "load_tables", lambda a: calls.append("load") or real_load(a))
+    monkeypatch.setattr(D, "carve_splits", lambda *a: calls.append("carve") or real_carve(*a))
+    splits = D.open_dataset(args)
+    val = splits.get("validation")
+    assert splits.get("validation") is val and splits.get(args.validation_split) is val
+    sizes = {r: len(splits.get(r)) for r in ("train", "test", "validation")}
+    assert sizes == {"train": 14, "validation": 4, "test": 2} and calls == ["load", "carve"]
+    tok = tiny_tokenizer()
+    for _ in range(2):  # e.g. two evaluations of one run: the same tables, nothing reloaded
+        D.build_data(splits, "validation", tok, S, 0, 1, 2, 0, "cpu", shuffle=False)
+    assert calls == ["load", "carve"]
 
 
 def test_exact_resume_mid_epoch(tmp_path):
@@ -155,7 +162,7 @@ def test_exact_resume_mid_epoch(tmp_path):
     ref = D.CaptionData(args, table, tok, S, 1, 2, 2, 11, "cpu")
     ref.set_epoch(3)
     full = collect(ref)
-    assert len(full) == len(ref) == 4  # 14 rows / 2 ranks = 7 -> batches 2,2,2,1
+    assert len(full) == len(ref) == 3  # 14 rows / 2 ranks = 7 -> batches 2,2,2 (+1 row: no negative, dropped)
     part = D.CaptionData(args, table, tok, S, 1, 2, 2, 11, "cpu")
     part.set_epoch(3)
     it = iter(part)
@@ -164,10 +171,10 @@ def test_exact_resume_mid_epoch(tmp_path):
     resumed = D.CaptionData(args, table, tok, S, 1, 2, 2, 11, "cpu")
     resumed.load_state_dict(state)
     rest = collect(resumed)
-    assert len(rest) == 2
+    assert len(rest) == 1
     for a, b in zip(full[2:], rest):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(ValueError, match="world size"):
+    with pytest.raises(ValueError, match="world_size 2 -> 3"):
         D.CaptionData(args, table, tok, S, 0, 3, 2, 11, "cpu").load_state_dict(state)
 
 
@@ -202,17 +209,21 @@ def write_bad_files(root):
     write_jpeg(root / "cmyk.jpg", seed=5, mode="CMYK")
     write_jpeg(root / "gray.jpg", seed=6, mode="L")
     write_jpeg(root / "png.jpg", seed=7, fmt="PNG")
+    Image.fromarray(np.linspace(0, 65535, 48 * 40).reshape(40, 48).astype(np.uint16)).save(root / "gray16.png")
 
 
 @pytest.mark.parametrize("pipeline,workers", [("host", 0), ("host", 2), ("device", 0)])
 def test_bad_images_skipped_and_counted_convertible_ones_kept(tmp_path, pipeline, workers):
     write_bad_files(tmp_path)
-    path = make_manifest(tmp_path, n=3, bad=BAD_CASES + ["cmyk.jpg", "gray.jpg", "png.jpg"])
+    path = make_manifest(tmp_path, n=3, bad=BAD_CASES + ["cmyk.jpg", "gray.jpg", "png.jpg", "gray16.png"])
     args = args_for(path, image_pipeline=pipeline, dataloader_num_workers=workers)
-    data = D.build_data(args, "train", tiny_tokenizer(), S, 0, 1, 4, 0, "cpu", shuffle=False)
+    data = D.build_data(D.open_dataset(args), "train", tiny_tokenizer(), S, 0, 1, 4, 0, "cpu", shuffle=False)
     batches = collect(data)
     seen = sorted(int(i) for b in batches for i in b["index"])
-    assert seen == [0, 1, 2, 6, 7, 8]  # 3 good + CMYK, grayscale, PNG-named-.jpg converted; 3 bad dropped
+    assert seen == [0, 1, 2, 6, 7, 8, 9]  # 3 good + CMYK, grayscale, PNG-named-.jpg, 16-bit gray converted; 3 bad
+    g16 = next(b for b in batches if 9 in b["index"].tolist())
+    px = g16["pixel_values"][g16["index"].tolist().index(9)]
+    assert 0.3 < ((px[0] * D.CLIP_STD[0] + D.CLIP_MEAN[0]).mean().item()) < 0.7  # a mid-grey ramp, not clipped white
     for b in batches:
         n = b["index"].shape[0]
         assert b["pixel_values"].shape == (n, 3, S, S) and b["input_ids"].shape[0] == n
@@ -225,24 +236,31 @@ def test_bad_images_skipped_and_counted_convertible_ones_kept(tmp_path, pipeline
 def test_bad_image_error_mode_names_the_file(tmp_path):
     path = make_manifest(tmp_path, n=2, bad=["missing.jpg"])
     args = args_for(path, bad_image="error")
-    data = D.build_data(args, "train", tiny_tokenizer(), S, 0, 1, 8, 0, "cpu", shuffle=False)
+    data = D.build_data(D.open_dataset(args), "train", tiny_tokenizer(), S, 0, 1, 8, 0, "cpu", shuffle=False)
     with pytest.raises(BadImage, match="missing.jpg.*file not found"):
         collect(data)
 
 
 def test_all_bad_batch_skipped_alone_or_filled_in_with_several_ranks(tmp_path):
+    from bridgetower_ds.batching import BatchPlan
+
     (tmp_path / "zero.jpg").write_bytes(b"")
-    path = make_manifest(tmp_path, n=2, bad=["missing.jpg", "zero.jpg"])  # rows 0,1 good; 2,3 bad
+    path = make_manifest(tmp_path, n=6, bad=["missing.jpg", "zero.jpg"])  # rows 0-5 good; 6, 7 bad
     args, tok = args_for(path), tiny_tokenizer()
     table = D.select_split(args, "train")
-    one = D.CaptionData(args, table, tok, S, 0, 1, 2, 0, "cpu", shuffle=False)
-    assert [b["index"].tolist() for b in one] == [[0, 1]]  # the all-bad batch is skipped
-    # 2 ranks, no shuffle: rank 0 gets rows 0, 2; rank 1 rows 1, 3. Micro batch 1: rank 0's 2nd batch is all bad.
-    r0 = D.CaptionData(args, table, tok, S, 0, 2, 1, 0, "cpu", shuffle=False)
+    # two ranks, micro batch 2: 4 rows each. Pick a shuffle seed where rank 0's 2nd batch holds both bad rows.
+    seed = next(s for s in range(500) if set(BatchPlan(8, 0, 2, 2, s, train=True).rank_batches(0)[1]) == {6, 7})
+    r0 = D.CaptionData(args, table, tok, S, 0, 2, 2, seed, "cpu")
     got = collect(r0)
-    assert len(got) == 2 and got[0]["index"].tolist() == [0] and got[1]["index"].tolist() == [-1]
+    assert len(got) == 2 and min(got[0]["index"].tolist()) >= 0
+    assert got[1]["index"].tolist() == [-1, -1]  # the last good batch again, counted as no samples
     assert torch.equal(got[1]["pixel_values"], got[0]["pixel_values"])
-    assert r0.summary_stats()["filler_batches"] == 1
+    assert r0.summary_stats()["filler_batches"] == 1 and r0.summary_stats()["bad_images"] == 2
+    # one rank: a training batch left with fewer than 2 valid rows is skipped (nothing to contrast it with)
+    one = D.CaptionData(args, table, tok, S, 0, 1, 2, seed, "cpu")
+    planned = [sorted(int(r) for r in b) for b in one.plan.rank_batches(0)]
+    expect = [b for b in ([r for r in b if r < 6] for b in planned) if len(b) >= 2]
+    assert [sorted(b["index"].tolist()) for b in one] == expect and len(expect) < len(planned)
 
 
 def test_data_args_validation():
@@ -261,3 +279,22 @@ def test_data_args_parse_with_hf_argument_parser():
     (a,) = HfArgumentParser([D.DataArgs]).parse_args_into_dataclasses(
         ["--dataset_path", "d.jsonl", "--mediapipe_dataloader", "--bad_image", "error", "--image_size", "64"])
     assert a.mediapipe_dataloader and a.bad_image == "error" and a.image_size == 64
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv"])
+def test_manifest_not_utf8_names_file_and_line(tmp_path, fmt):
+    path = make_manifest(tmp_path, n=4, fmt=fmt)
+    lines = path.read_bytes().split(b"\n")
+    k = 2 if fmt != "json" else 0  # json: one line
+    lines[k] = lines[k].replace(b"number", "n\u00famero".encode("latin-1"))  # latin-1, not UTF-8
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(ValueError, match=rf"data\.{fmt}:{k + 1}: not UTF-8 text \(byte 0xfa"):
+        D.load_tables(args_for(path))
+
+
+def test_manifest_with_utf8_bom_and_non_ascii_captions(tmp_path):
+    path = make_manifest(tmp_path, n=2, fmt="csv")
+    text = path.read_text().replace("number 1", "n\u00famero 1")
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))  # Excel's "CSV UTF-8"
+    t = D.load_tables(args_for(path))["train"]
+    assert t.captions == ["a photo of number 0", "a photo of n\u00famero 1"]

@@ -1,11 +1,13 @@
-"""bridgetower_ds.eval: recall@k on hand-made similarity matrices, the fp32 ITC loss, the evaluation pass."""
+"""bridgetower_ds.eval: recall@k on hand-made similarity matrices, the fp32 ITC loss (model.py), the evaluation
+pass, and eval results that do not depend on the number of ranks."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from bridgetower_ds.eval import contrastive_loss, evaluate, recall_at_k
+from bridgetower_ds.eval import evaluate, recall_at_k
+from bridgetower_ds.model import contrastive_loss
 
 
 def test_recall_identity_is_perfect():
@@ -118,3 +120,80 @@ def test_global_negatives_across_ranks_with_unequal_batches():
                + F.cross_entropy(i[rows] @ c.t() * scale, labels)) / 3
         assert got[rank][0] == pytest.approx(ref.item(), rel=1e-5)
         assert got[rank][1] > 0  # gradient reaches this rank's own embeddings
+
+
+def _eval_split(root, rank: int, world: int) -> dict:
+    from bridgetower_ds import data as D
+    from bridgetower_ds.configs import ModelArgs
+    from bridgetower_ds.model import build_model
+    from bridgetower_ds.tokenizer import debug_tokenizer
+
+    torch.manual_seed(0)
+    model = build_model(ModelArgs(preset="debug"))
+    args = D.DataArgs(dataset_path=str(root / "data.jsonl"), dataloader_num_workers=0, validation_fraction=0.0,
+                      test_fraction=0.0, max_seq_length=16)
+    source = D.build_data(D.open_dataset(args), "train", debug_tokenizer(), model.config.vision_config.image_size,
+                          rank, world, micro_batch=4, seed=0, device="cpu", shuffle=False)
+    return evaluate(model, iter(source), prefix="eval")
+
+
+def _world_worker(rank: int, world: int, port: int, root, q) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        q.put((rank, _eval_split(root, rank, world)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 3 processes building the model (minutes on a loaded 2-core machine)
+def test_eval_loss_and_recall_do_not_depend_on_the_world_size(tmp_path):
+    """11 rows (one a missing file), eval micro batch 4. Before the batch plan, ranks split the rows first and then
+    batched their share: on 2 ranks 5 + 5 rows, on 1 rank 4 + 4 + 2, so the in-batch negatives and the loss
+    differed (1.29 vs 1.96 in the issue; 1.118 vs 1.259 here before the change: each rank's 5 rows made a 4-row and
+    a 1-row batch whose loss is exactly 0). Now batch c runs on rank c mod W: the same batches on any number of ranks
+    (the plan's unit tests check 1, 2 and 3 ranks; here 1 and 2 end to end, with a bad image in the split)."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+    from test_bt_data import make_manifest
+
+    make_manifest(tmp_path, n=10, bad=["missing.jpg"])
+    single = _eval_split(tmp_path, 0, 1)
+    assert single["eval_samples"] == 10 and single["eval_loss"] > 0
+    ctx = mp.get_context("spawn")
+    for world in (2,):
+        q = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=_world_worker, args=(r, world, port, tmp_path, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        got = dict(q.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+        for rank in range(world):
+            assert got[rank]["eval_samples"] == 10
+            assert got[rank]["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5), (world, rank)
+            for k in ("i2t_r1", "t2i_r1", "i2t_r5", "t2i_r10"):
+                assert got[rank][f"eval_{k}"] == pytest.approx(single[f"eval_{k}"]), (world, k)
+
+
+def test_evaluate_reports_no_loss_without_negatives():
+    from bridgetower_ds.configs import ModelArgs
+    from bridgetower_ds.model import build_model
+    from bridgetower_ds.tokenizer import debug_tokenizer
+
+    torch.manual_seed(0)
+    model = build_model(ModelArgs(preset="debug"))
+    enc = debug_tokenizer()(["a red circle", "a blue square"], padding="longest", return_tensors="pt")
+    px = torch.randn(2, 3, 32, 32)
+    one_row = [{"input_ids": enc["input_ids"][i:i + 1], "attention_mask": enc["attention_mask"][i:i + 1],
+                "pixel_values": px[i:i + 1], "index": torch.tensor([i])} for i in range(2)]
+    res = evaluate(model, one_row)
+    assert res["eval_samples"] == 2 and "eval_loss" not in res  # a one-row batch's loss is exactly 0: not a figure
+    both = evaluate(model, [{k: torch.cat([a[k], b[k]]) for k in a} for a, b in [one_row]])
+    assert both["eval_loss"] > 0

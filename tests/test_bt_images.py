@@ -303,3 +303,40 @@ def test_cuda_decoder_logic_with_a_stand_in_decoder(monkeypatch):
     assert keep == [0, 1, 3, 4, 5] and sorted(b.name for b in bad) == ["r2", "r6"]
     host = I.normalize(torch.from_numpy(np.stack([I.host_transform(items[i], "x", 288) for i in keep])))
     assert (pv - host).abs().max() <= 2 * ONE_LEVEL  # float resize on the device vs the uint8 kernel: rounding only
+
+
+def _png16(arr16: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr16).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_16_bit_grayscale_png_is_scaled_to_8_bits_not_clipped():
+    rng = np.random.default_rng(3)
+    gray8 = photo(64, 48)[..., 0]
+    # the same picture at 16 bits (v * 257 maps 0..255 onto 0..65535 exactly) plus noise below one 8-bit level
+    arr16 = (gray8.astype(np.uint32) * 257 + rng.integers(-100, 100, gray8.shape)).clip(0, 65535).astype(np.uint16)
+    data = _png16(arr16)
+    assert Image.open(io.BytesIO(data)).mode == "I;16"  # what PIL makes of it (its convert("RGB") would clip)
+    arr, _ = I.decode(data, "g16.png", 32)
+    assert arr.dtype == np.uint8 and arr.shape == (48, 64, 3)
+    assert np.array_equal(arr[..., 0], gray8) and np.array_equal(arr[..., 1], gray8)
+    # the host transform then equals the processor applied to the 8-bit picture (which it refuses at 16 bits)
+    from transformers import BridgeTowerImageProcessorPil
+
+    proc = BridgeTowerImageProcessorPil(size={"shortest_edge": 32})
+    with pytest.raises(ValueError, match=r"outside the range \[0, 255\]"):
+        proc(Image.open(io.BytesIO(data)), return_tensors="pt")
+    assert torch.equal(torch.from_numpy(I.host_transform(data, "g16.png", 32)),
+                       torch.from_numpy(I.host_transform(_png16(gray8), "g8.png", 32)))
+
+
+def test_images_without_a_defined_8_bit_range_are_bad():
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8), 0.5, dtype=np.float32), "F").save(buf, "TIFF")
+    with pytest.raises(I.BadImage, match="f.tif: floating-point image"):
+        I.decode(buf.getvalue(), "f.tif", 32)
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8), 1 << 20, dtype=np.int32), "I").save(buf, "TIFF")
+    with pytest.raises(I.BadImage, match=r"i.tif: 32-bit integer image with values in \[1048576, 1048576\]"):
+        I.decode(buf.getvalue(), "i.tif", 32)
