@@ -51,6 +51,7 @@ class BertPreset:
     type_vocab_size: int = 2
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
+    pre_ln: bool = False  # LayerNorm before each sublayer (MegatronBertForPreTraining); False: BERT's Post-LN
     phase: int = 1
     seq_len: int = PHASES[1][0]
     max_predictions_per_seq: int = PHASES[1][1]
@@ -78,9 +79,11 @@ def bert_large(phase: int = 1) -> BertPreset:
 
 
 def bert_1p5b(phase: int = 1) -> BertPreset:
-    """BERT-1.5B (the Habana/DeepSpeed Gaudi recipe): BERT-Large widened to 1600 and deepened to 48 layers."""
+    """BERT-1.5B (Habana Model-References deepspeed-bert, scripts/bert_1.5b_config.json): 48 layers, hidden 1600,
+    25 heads, FFN 6400, Pre-LN (`layer_norm_large_model: true`; bert_ref.model says how MegatronBert's Pre-LN
+    differs from Habana's); 1,530,388,930 parameters with heads (vocab padded to 30528)."""
     return dataclasses.replace(bert_large(phase), name="bert_1p5b", num_hidden_layers=48, hidden_size=1600,
-                               num_attention_heads=25, intermediate_size=6400)
+                               num_attention_heads=25, intermediate_size=6400, pre_ln=True)
 
 
 def debug(phase: int = 1) -> BertPreset:
@@ -92,7 +95,13 @@ def debug(phase: int = 1) -> BertPreset:
                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-PRESETS: dict[str, Callable[[int], BertPreset]] = {"bert_large": bert_large, "bert_1p5b": bert_1p5b, "debug": debug}
+def debug_pre_ln(phase: int = 1) -> BertPreset:
+    """The debug size in bert_1p5b's Pre-LN form (MegatronBertForPreTraining): tests of the 1.5B model's code paths."""
+    return dataclasses.replace(debug(phase), name="debug_pre_ln", pre_ln=True)
+
+
+PRESETS: dict[str, Callable[[int], BertPreset]] = {"bert_large": bert_large, "bert_1p5b": bert_1p5b, "debug": debug,
+                                                   "debug_pre_ln": debug_pre_ln}
 
 
 def get_preset(name: str, phase: int = 1) -> BertPreset:
