@@ -1,7 +1,8 @@
 """BERT presets (functions deriving from each other) and the run arguments of bert_ref.train.
 
-A preset fixes the architecture and the phase's sequence shape; it never fixes DeepSpeed settings (those live in
-ds_configs/*.json) or optimizer settings (bert_ref.optim.OptimArgs).
+A preset fixes the architecture (incl. Post-LN / Pre-LN) and the phase's sequence shape; it never fixes DeepSpeed
+settings (those live in ds_configs/*.json) or optimizer settings (bert_ref.optim.OptimArgs, whose defaults follow the
+preset's published recipe: bert_ref.optim.PUBLISHED).
 
 Phases follow the published two-phase recipe (NVIDIA / Habana BERT pretraining): phase 1 trains on sequences of 128
 tokens with at most 20 masked positions, phase 2 continues from phase 1's weights on 512 tokens with at most 80.
@@ -121,12 +122,14 @@ class BertArgs:
     input_dir: str = arg("Directory of pretraining shards written by `python -m bert_ref.prep shards`.",
                            default="")
     init_checkpoint: str = arg("Local Hugging Face checkpoint directory to start from (phase 1 output for phase "
-                                 "2, or a published BertForPreTraining checkpoint on disk); '' = random init.",
+                                 "2, or a published BertForPreTraining checkpoint on disk; of the preset's form: "
+                                 "Post-LN BertForPreTraining or Pre-LN MegatronBertForPreTraining); '' = random init.",
                                  default="")
     activation_checkpointing: bool = arg("Recompute each encoder layer's activations in backward (less memory, "
                                            "~1/3 more compute; reported FLOPs exclude the recompute).",
                                            default=False)
-    attn_implementation: str = arg("transformers attention kernel: 'sdpa' or 'eager'.", default="sdpa")
+    attn_implementation: str = arg("transformers attention kernel: 'sdpa' or 'eager' (Pre-LN presets always run "
+                                   "eager: transformers' MegatronBert has no SDPA path).", default="sdpa")
     sparse_mlm: bool = arg("Run the MLM head (transform + vocabulary decoder) only at the max_predictions_per_seq "
                            "masked positions, as NVIDIA's and Habana's recipes do; same loss, fewer FLOPs (and the "
                            "reported FLOPs count only those positions).", default=False)

@@ -34,7 +34,8 @@ def _ref_fused_lamb(xs, wds, grads, steps, max_grad_norm=1.0, use_nvlamb=False):
             g = [a / clip for a in grads[t - 1][i]]
             ms[i] = [B1 * m + (1 - B1) * a for m, a in zip(ms[i], g)]
             vs[i] = [B2 * v + (1 - B2) * a * a for v, a in zip(vs[i], g)]
-            u = [(m / (1 - B1 ** t)) / (math.sqrt(v / (1 - B2 ** t)) + EPS) + wd * w for m, v, w in zip(ms[i], vs[i], x)]
+            u = [(m / (1 - B1 ** t)) / (math.sqrt(v / (1 - B2 ** t)) + EPS) + wd * w
+                 for m, v, w in zip(ms[i], vs[i], x)]
             pn, un = _norm(x), _norm(u)
             ratio = LR * pn / un if (use_nvlamb or wd != 0) and pn != 0 and un != 0 else LR  # LAMBStage2Functor
             xs[i] = [w - ratio * a for w, a in zip(x, u)]

@@ -17,8 +17,25 @@ import torch
 STEPS = 3
 
 
-def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, out_dir: str, dist) -> None:
-    """STEPS steps of one configuration; rank 0 writes out_dir/name.pt (full fp32 weights) and name.json (layout)."""
+def _fragment_mismatches(ds_opt, layouts: dict) -> int:
+    """Parameters whose slice in this rank's flat partition, by bert_ref.layerwise's layout, differs from the one
+    DeepSpeed itself links to the parameter (lp_param._hp_mapping.hp_fragment_address, the map universal
+    checkpointing reads): an independent check of the layout, exact, free of numerics (ZeRO-1/2 and bf16 ZeRO-1)."""
+    groups = getattr(ds_opt, "bf16_groups", None) or ds_opt.round_robin_bit16_groups
+    flats = getattr(ds_opt, "fp32_groups_flat_partition", None) or ds_opt.single_partition_of_fp32_groups
+    bad = 0
+    for params, flat in zip(groups, flats):
+        mine = {id(params[k]): (s, ln) for k, s, ln in layouts[id(flat)].segments if k >= 0}
+        theirs = {id(p): (p._hp_mapping.hp_fragment_address.start, p._hp_mapping.hp_fragment_address.numel)
+                  for p in params if getattr(p, "_hp_mapping", None) is not None}
+        bad += len(set(mine.items()) ^ set(theirs.items())) + (not theirs)
+    return bad
+
+
+def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, out_dir: str, dist,
+        noclip: bool = False, fp32_accum: bool = False) -> None:
+    """STEPS steps of one configuration; rank 0 writes out_dir/name.pt (full fp32 weights) and name.json (layout).
+    noclip: DeepSpeed gradient_clipping 0; attach_zero_layout must refuse LAMB under ZeRO (name.json: the error)."""
     import json
 
     import deepspeed
@@ -34,15 +51,30 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
 
     accum = 2 // dist.world_size
     ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
-                 "train_batch_size": 8, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+                 "train_batch_size": 8, "gradient_clipping": 0.0 if noclip else 1.0,
+                 "zero_optimization": {"stage": stage},
                  "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
     if bf16:
         ds_config["bf16"] = {"enabled": True}
+    if fp32_accum:  # bf16 ZeRO-1 then runs DeepSpeed's BF16_Optimizer (tensors back to back, one step() call)
+        ds_config["data_types"] = {"grad_accum_dtype": "fp32"}
     preset = dataclasses.replace(debug_pre_ln(1), seq_len=32, max_predictions_per_seq=5)
     torch.manual_seed(0)
     model = build_model(preset)
     opt = build_optimizer(model, OptimArgs(optimizer=optimizer, learning_rate=0.01))
     engine = build_engine(model, ds_config, optimizer=opt)
+    if noclip:
+        from ds_core.config import ConfigError
+
+        try:
+            attach_zero_layout(engine, opt)
+            msg = ""
+        except ConfigError as e:
+            msg = str(e)
+        if dist.rank == 0:
+            with open(f"{out_dir}/{name}.json", "w") as f:
+                json.dump({"error": msg}, f)
+        return
     attach_zero_layout(engine, opt)
     layouts, group = zero_layouts(engine.optimizer)
     if per_partition:  # one segment per flat partition: the per-partition trust ratios this module replaced
@@ -56,13 +88,19 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
             out = step_fn(engine, make_batch(arr, np.arange(4 * half, 4 * half + 4)))
             engine.backward(out.loss)
             engine.step()
+    mismatches = _fragment_mismatches(engine.optimizer, layouts) if stage in (1, 2) else -1
+    if mismatches >= 0:
+        t = torch.tensor([mismatches], dtype=torch.int64)
+        torch.distributed.all_reduce(t)
+        mismatches = int(t)
     params = list(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=stage == 3):
         if dist.rank == 0:
             torch.save({n: p.detach().float().clone() for n, p in params}, f"{out_dir}/{name}.pt")
             info = {"wrapper": type(engine.optimizer).__name__, "partitioned": group is not None,
+                    "layout_mismatches": mismatches,
                     "flats": len(layouts),
-                    "split_tensors": sum(1 for lay in layouts.values() for k, s, ln in lay.segments if k >= 0)}
+                    "tensor_segments": sum(1 for lay in layouts.values() for k, s, ln in lay.segments if k >= 0)}
             with open(f"{out_dir}/{name}.json", "w") as f:
                 json.dump(info, f)
     engine.destroy() if hasattr(engine, "destroy") else None
@@ -80,7 +118,8 @@ def main() -> None:
     dist = init_distributed(600)
     for spec in a.runs.split(","):
         name, stage, optimizer, *flags = spec.split(":")
-        run(name, int(stage), optimizer, "bf16" in flags, "per_partition" in flags, a.out_dir, dist)
+        run(name, int(stage), optimizer, "bf16" in flags, "per_partition" in flags, a.out_dir, dist,
+            noclip="noclip" in flags, fp32_accum="fp32_accum" in flags)
     shutdown_distributed()
 
 
