@@ -59,14 +59,16 @@ def _shards(tmp: Path, n: int, seq: int, preds: int, vocab: int) -> Path:
 
 def _engine(preset, ds_config: dict, optimizer: str, compile_model: bool = False, sparse_mlm: bool = False,
             fast_dropout: bool = False):
+    from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import build_model
     from bert_ref.optim import OptimArgs, build_optimizer, schedule_for
     from ds_core.engine import build_engine
 
     model = build_model(preset, sparse_mlm=sparse_mlm, fast_dropout=fast_dropout)
     args = OptimArgs(optimizer=optimizer, learning_rate=1e-4, warmup_proportion=0.0)
-    engine = build_engine(model, ds_config, optimizer=build_optimizer(model, args),
-                          lr_scheduler=schedule_for(args, 10**6))
+    opt = build_optimizer(model, args)
+    engine = build_engine(model, ds_config, optimizer=opt, lr_scheduler=schedule_for(args, 10**6))
+    attach_zero_layout(engine, opt)  # per-tensor LAMB / LANS trust ratios under ZeRO, as bert_ref.train
     if compile_model:
         engine.compile()
     return engine

@@ -1,7 +1,8 @@
 """BERT presets (functions deriving from each other) and the run arguments of bert_ref.train.
 
-A preset fixes the architecture and the phase's sequence shape; it never fixes DeepSpeed settings (those live in
-ds_configs/*.json) or optimizer settings (bert_ref.optim.OptimArgs).
+A preset fixes the architecture (incl. Post-LN / Pre-LN) and the phase's sequence shape; it never fixes DeepSpeed
+settings (those live in ds_configs/*.json) or optimizer settings (bert_ref.optim.OptimArgs, whose defaults follow the
+preset's published recipe: bert_ref.optim.PUBLISHED).
 
 Phases follow the published two-phase recipe (NVIDIA / Habana BERT pretraining): phase 1 trains on sequences of 128
 tokens with at most 20 masked positions, phase 2 continues from phase 1's weights on 512 tokens with at most 80.
@@ -51,6 +52,7 @@ class BertPreset:
     type_vocab_size: int = 2
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
+    pre_ln: bool = False  # LayerNorm before each sublayer (MegatronBertForPreTraining); False: BERT's Post-LN
     phase: int = 1
     seq_len: int = PHASES[1][0]
     max_predictions_per_seq: int = PHASES[1][1]
@@ -78,9 +80,11 @@ def bert_large(phase: int = 1) -> BertPreset:
 
 
 def bert_1p5b(phase: int = 1) -> BertPreset:
-    """BERT-1.5B (the Habana/DeepSpeed Gaudi recipe): BERT-Large widened to 1600 and deepened to 48 layers."""
+    """BERT-1.5B (Habana Model-References deepspeed-bert, scripts/bert_1.5b_config.json): 48 layers, hidden 1600,
+    25 heads, FFN 6400, Pre-LN (`layer_norm_large_model: true`; bert_ref.model says how MegatronBert's Pre-LN
+    differs from Habana's); 1,530,388,930 parameters with heads (vocab padded to 30528)."""
     return dataclasses.replace(bert_large(phase), name="bert_1p5b", num_hidden_layers=48, hidden_size=1600,
-                               num_attention_heads=25, intermediate_size=6400)
+                               num_attention_heads=25, intermediate_size=6400, pre_ln=True)
 
 
 def debug(phase: int = 1) -> BertPreset:
@@ -92,7 +96,13 @@ def debug(phase: int = 1) -> BertPreset:
                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-PRESETS: dict[str, Callable[[int], BertPreset]] = {"bert_large": bert_large, "bert_1p5b": bert_1p5b, "debug": debug}
+def debug_pre_ln(phase: int = 1) -> BertPreset:
+    """The debug size in bert_1p5b's Pre-LN form (MegatronBertForPreTraining): tests of the 1.5B model's code paths."""
+    return dataclasses.replace(debug(phase), name="debug_pre_ln", pre_ln=True)
+
+
+PRESETS: dict[str, Callable[[int], BertPreset]] = {"bert_large": bert_large, "bert_1p5b": bert_1p5b, "debug": debug,
+                                                   "debug_pre_ln": debug_pre_ln}
 
 
 def get_preset(name: str, phase: int = 1) -> BertPreset:
@@ -112,12 +122,14 @@ class BertArgs:
     input_dir: str = arg("Directory of pretraining shards written by `python -m bert_ref.prep shards`.",
                            default="")
     init_checkpoint: str = arg("Local Hugging Face checkpoint directory to start from (phase 1 output for phase "
-                                 "2, or a published BertForPreTraining checkpoint on disk); '' = random init.",
+                                 "2, or a published BertForPreTraining checkpoint on disk; of the preset's form: "
+                                 "Post-LN BertForPreTraining or Pre-LN MegatronBertForPreTraining); '' = random init.",
                                  default="")
     activation_checkpointing: bool = arg("Recompute each encoder layer's activations in backward (less memory, "
                                            "~1/3 more compute; reported FLOPs exclude the recompute).",
                                            default=False)
-    attn_implementation: str = arg("transformers attention kernel: 'sdpa' or 'eager'.", default="sdpa")
+    attn_implementation: str = arg("transformers attention kernel: 'sdpa' or 'eager' (Pre-LN presets always run "
+                                   "eager: transformers' MegatronBert has no SDPA path).", default="sdpa")
     sparse_mlm: bool = arg("Run the MLM head (transform + vocabulary decoder) only at the max_predictions_per_seq "
                            "masked positions, as NVIDIA's and Habana's recipes do; same loss, fewer FLOPs (and the "
                            "reported FLOPs count only those positions).", default=False)

@@ -1,4 +1,22 @@
-"""transformers' BertForPreTraining built from a preset, its parameter counts, and BERT's training FLOPs."""
+"""The pretraining model of a preset (transformers' BertForPreTraining, Post-LN, or MegatronBertForPreTraining,
+Pre-LN), its parameter counts, and BERT's training FLOPs.
+
+Pre-LN (bert_1p5b): Habana's deepspeed-bert modeling.py with `layer_norm_large_model: true` keeps an un-normalized
+residual stream and normalizes before each sublayer. transformers has no class with Habana's exact forward; its
+Pre-LN BERT with MLM + NSP heads, MegatronBertForPreTraining, has the same parameter tensors one to one (2L + 1
+LayerNorms: Habana's embeddings LayerNorm <-> layer 0 `attention.ln`; layer i's attention-output LayerNorm <-> layer
+i `ln` (before the FFN); layer i's output LayerNorm <-> layer i+1 `attention.ln`, and the last one <-> the final
+`encoder.ln`), the same heads and the same count, and differs in exactly two places:
+  1. the residual stream's start: Habana starts it at 0 (BertEncoder.forward: layer_norm_input = 0), so the
+     embeddings enter only through layer 0's attention input; MegatronBert starts it at the embeddings
+     (x_1 = emb + Attn(LN(emb)) against Habana's x_1 = Attn(LN(emb)));
+  2. the embedding dropout: Habana drops out after the embeddings LayerNorm, MegatronBert before layer 0's LN.
+(Also: Habana's additive attention mask is -10000, transformers' the dtype minimum: no difference after softmax.)
+We use MegatronBertForPreTraining: its checkpoints load with transformers alone (the issue's requirement; a
+Habana-exact subclass would load into MegatronBert silently computing another function), and its form is the
+standard Pre-LN one (Xiong et al. 2020; Megatron-LM) with the property the 1.5B recipe needs: an un-normalized
+residual stream with a LayerNorm before every sublayer and one at the end.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,28 +29,52 @@ from .configs import BertPreset
 
 
 def hf_config(preset: BertPreset, attn_implementation: str = "sdpa"):
-    from transformers import BertConfig
+    """transformers config of the preset: BertConfig (Post-LN) or MegatronBertConfig (Pre-LN). MegatronBert has
+    only the eager attention kernel in transformers, so a Pre-LN preset always runs it."""
+    from transformers import BertConfig, MegatronBertConfig
 
-    cfg = BertConfig(
+    cls = MegatronBertConfig if preset.pre_ln else BertConfig
+    cfg = cls(
         vocab_size=preset.vocab_size, hidden_size=preset.hidden_size, num_hidden_layers=preset.num_hidden_layers,
         num_attention_heads=preset.num_attention_heads, intermediate_size=preset.intermediate_size,
         max_position_embeddings=preset.max_position_embeddings, type_vocab_size=preset.type_vocab_size,
         hidden_dropout_prob=preset.hidden_dropout_prob, attention_probs_dropout_prob=preset.attention_probs_dropout_prob,
         hidden_act="gelu", initializer_range=0.02, layer_norm_eps=1e-12,
     )
-    cfg._attn_implementation = attn_implementation
+    cfg._attn_implementation = "eager" if preset.pre_ln else attn_implementation
     return cfg
 
 
-def _sparse_mlm_class():
-    """BertForPreTraining whose forward also takes `masked_lm_positions` [B, P] (0-padded, as in the shards): then
+def model_class(preset: BertPreset, sparse_mlm: bool = False):
+    """The transformers class of the preset (with the sparse MLM forward when sparse_mlm)."""
+    from transformers import BertForPreTraining, MegatronBertForPreTraining
+
+    base = MegatronBertForPreTraining if preset.pre_ln else BertForPreTraining
+    return _sparse_mlm_class(base) if sparse_mlm else base
+
+
+FORMS = {"bert": "Post-LN BertForPreTraining", "megatron-bert": "Pre-LN MegatronBertForPreTraining"}
+
+
+def check_checkpoint_form(preset: BertPreset, model_type: str, where: str) -> None:
+    """Refuse weights of the other LayerNorm placement: a Post-LN checkpoint's tensors do not exist in the Pre-LN
+    model and vice versa (and a partial load would train from a half-random model)."""
+    want = "megatron-bert" if preset.pre_ln else "bert"
+    if model_type != want:
+        got = FORMS.get(model_type, f"model_type {model_type!r}")
+        raise ConfigError(f"{where}: a {got} checkpoint, but preset {preset.name} is a {FORMS[want]} (model_type "
+                          f"{want!r}); start from a checkpoint of the same preset")
+
+
+def _sparse_mlm_class(base):
+    """BertForPreTraining (or MegatronBertForPreTraining: same bert / cls attributes) whose forward also takes
+    `masked_lm_positions` [B, P] (0-padded, as in the shards): then
     the MLM head (transform + decoder over the vocabulary) runs only at those B * P positions, the sparse MLM head
     of NVIDIA's and Habana's BERT recipes, and prediction_logits is [B, P, V]. Same parameters and state dict as
     BertForPreTraining; without masked_lm_positions it is BertForPreTraining."""
-    from transformers import BertForPreTraining
     from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
-    class BertForPreTrainingSparseMLM(BertForPreTraining):
+    class SparseMLM(base):
         def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, masked_lm_positions=None,
                     **kwargs):
             if masked_lm_positions is None:
@@ -45,7 +87,8 @@ def _sparse_mlm_class():
             pred, nsp = self.cls(torch.gather(seq, 1, idx), pooled)
             return BertForPreTrainingOutput(prediction_logits=pred, seq_relationship_logits=nsp)
 
-    return BertForPreTrainingSparseMLM
+    SparseMLM.__name__ = SparseMLM.__qualname__ = base.__name__ + "SparseMLM"
+    return SparseMLM
 
 
 class FastDropout(torch.nn.Dropout):
@@ -65,19 +108,22 @@ class FastDropout(torch.nn.Dropout):
 def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkpointing: bool = False,
                 attn_implementation: str = "sdpa", sparse_mlm: bool = False,
                 fast_dropout: bool = False) -> torch.nn.Module:
-    """A BertForPreTraining (MLM + NSP heads, decoder tied to the word embeddings), randomly initialised from the
-    preset or loaded from a local Hugging Face checkpoint directory (never downloaded). sparse_mlm: the subclass
+    """A BertForPreTraining (Post-LN presets) or MegatronBertForPreTraining (Pre-LN presets): MLM + NSP heads,
+    decoder tied to the word embeddings; randomly initialised from the preset or loaded from a local Hugging Face
+    checkpoint directory of the same form (never downloaded). sparse_mlm: the subclass
     whose forward takes masked_lm_positions (see _sparse_mlm_class; bert_ref.step.make_step_fn). fast_dropout: the
     hidden dropouts become FastDropout (same p up to 2^-15, cheaper random numbers on the CPU)."""
-    from transformers import BertForPreTraining
-
-    if sparse_mlm:
-        BertForPreTraining = _sparse_mlm_class()  # noqa: N806
-
+    cls = model_class(preset, sparse_mlm)
     if init_checkpoint:
-        from transformers import BertConfig
+        import json
 
-        got = BertConfig.from_pretrained(init_checkpoint, local_files_only=True)  # check before loading weights
+        cfg_file = Path(init_checkpoint) / "config.json"
+        try:
+            model_type = json.loads(cfg_file.read_text()).get("model_type", "")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--init_checkpoint {init_checkpoint}: cannot read {cfg_file}: {e}") from e
+        check_checkpoint_form(preset, model_type, f"--init_checkpoint {init_checkpoint}")
+        got = cls.config_class.from_pretrained(init_checkpoint, local_files_only=True)  # check before the weights
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             if getattr(got, key) != getattr(preset, key):
                 raise ConfigError(f"--init_checkpoint {init_checkpoint}: {key} = {getattr(got, key)} but preset "
@@ -88,8 +134,8 @@ def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkp
         if got.vocab_size > preset.vocab_size:
             raise ConfigError(f"--init_checkpoint {init_checkpoint}: vocab_size {got.vocab_size} > preset "
                               f"{preset.name} vocab_size {preset.vocab_size}")
-        model = BertForPreTraining.from_pretrained(init_checkpoint, local_files_only=True,
-                                                   attn_implementation=attn_implementation)
+        model = cls.from_pretrained(init_checkpoint, local_files_only=True,
+                                    attn_implementation="eager" if preset.pre_ln else attn_implementation)
         if got.vocab_size < preset.vocab_size:  # a published 30522-token checkpoint: pad rows to 30528
             model.resize_token_embeddings(preset.vocab_size)
         # Dropout follows the preset, not the checkpoint (phase 2 continues phase 1's regularisation).
@@ -97,7 +143,7 @@ def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkp
             if isinstance(m, torch.nn.Dropout):
                 m.p = preset.hidden_dropout_prob
     else:
-        model = BertForPreTraining(hf_config(preset, attn_implementation))
+        model = cls(hf_config(preset, attn_implementation))
     if fast_dropout:  # the hidden dropouts (attention-probability dropout runs inside SDPA)
         for m in model.modules():
             if type(m) is torch.nn.Dropout:
@@ -114,15 +160,13 @@ def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkp
 
 
 def param_counts(preset: BertPreset) -> dict[str, int]:
-    """Parameter counts of the preset's BertForPreTraining, built on the meta device (no weights are allocated).
+    """Parameter counts of the preset's model, built on the meta device (no weights are allocated).
 
     total counts the decoder weight once (it is tied to the word embeddings); embeddings = word + position + token
-    type embeddings and their LayerNorm; encoder = the transformer layers; heads = pooler, MLM transform, MLM bias,
-    NSP classifier."""
-    from transformers import BertForPreTraining
-
+    type embeddings (+ their LayerNorm, Post-LN only); encoder = the transformer layers (+ the final LayerNorm,
+    Pre-LN); heads = pooler, MLM transform, MLM bias, NSP classifier."""
     with torch.device("meta"):
-        model = BertForPreTraining(hf_config(preset))
+        model = model_class(preset)(hf_config(preset))
     total = sum(p.numel() for p in model.parameters())
     emb = sum(p.numel() for p in model.bert.embeddings.parameters())
     enc = sum(p.numel() for p in model.bert.encoder.parameters())

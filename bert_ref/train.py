@@ -13,6 +13,7 @@ if not __package__:  # run as a file (`deepspeed bert_ref/train.py`): make the r
 from bert_ref.configs import BertArgs, check_data_matches  # noqa: E402
 from bert_ref.data import build_data  # noqa: E402
 from bert_ref.model import build_model, flops_per_sequence  # noqa: E402
+from bert_ref.layerwise import attach_zero_layout  # noqa: E402
 from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E402
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> dict:
     dist = init_distributed(train_cfg.dist_timeout_s)
     set_seed(train_cfg.seed)
     ds_config = ds_config_for(train_cfg, dist.world_size)
+    opt_args = opt_args.for_preset(preset.name, preset.phase)  # '' / 0 -> the preset's published recipe
     save_run_config(train_cfg.run_dir, train_cfg, args, opt_args, rank=dist.rank)
 
     data = build_data(args.input_dir, dist.rank, dist.world_size, ds_config["train_micro_batch_size_per_gpu"],
@@ -42,8 +44,9 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(preset, args.init_checkpoint, args.activation_checkpointing, args.attn_implementation,
                         sparse_mlm=args.sparse_mlm, fast_dropout=args.fast_dropout)
     mlm_positions = preset.max_predictions_per_seq if args.sparse_mlm else 0
-    optimizer = build_optimizer(model, opt_args, nodes=dist.nodes)
+    optimizer = build_optimizer(model, opt_args, global_batch=ds_config["train_batch_size"])
     engine = build_engine(model, ds_config, optimizer=optimizer, lr_scheduler=schedule_for(opt_args, total_steps))
+    attach_zero_layout(engine, optimizer)  # LAMB / LANS trust ratios per tensor, not per ZeRO partition
 
     summary = train(engine, make_step_fn(mlm_positions), data, train_cfg, dist,
                     model_name=f"{preset.name}_phase{preset.phase}",

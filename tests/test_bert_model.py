@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bert_ref.configs import (BertArgs, InputDirError, PhaseMismatchError, UnknownPresetError, bert_1p5b,
-                              bert_large, check_data_matches, debug, get_preset, pad_vocab)
+                              bert_large, check_data_matches, debug, debug_pre_ln, get_preset, pad_vocab)
 from bert_ref.model import build_model, flops_per_sequence, param_counts
 from bert_ref.step import pretraining_losses
 from ds_core.config import ConfigError
@@ -37,6 +37,103 @@ def test_param_counts_on_meta_device():
     assert 1.45e9 <= big["total"] <= 1.6e9, big
     assert large["embeddings"] == (30528 + 512 + 2) * 1024 + 2 * 1024
     assert large["encoder"] == 24 * (4 * 1024 * 1024 + 2 * 1024 * 4096 + 9 * 1024 + 4096)
+    # BERT-1.5B, Pre-LN: no LayerNorm in the embeddings; two per layer; one final (2L + 1, as Habana's model)
+    h, inter, V, L = 1600, 6400, 30528, 48
+    assert big["embeddings"] == (V + 512 + 2) * h
+    assert big["encoder"] == L * (4 * h * h + 4 * h + 2 * h * inter + inter + h + 2 * 2 * h) + 2 * h
+    assert big["heads"] == (h * h + h) + (h * h + h + 2 * h) + V + (2 * h + 2)
+    assert big["total"] == 1_530_388_930
+
+
+def test_pre_ln_structure_on_meta_device():
+    """bert_1p5b is Pre-LN (MegatronBertForPreTraining): LayerNorm before attention and before the FFN of every
+    layer, a final LayerNorm, none in the embeddings; bert_large stays Post-LN BertForPreTraining."""
+    from transformers import BertForPreTraining, MegatronBertForPreTraining
+
+    from bert_ref.model import hf_config, model_class
+
+    assert bert_1p5b().pre_ln and debug_pre_ln().pre_ln and not bert_large().pre_ln and not debug().pre_ln
+    assert model_class(bert_large()) is BertForPreTraining and model_class(bert_1p5b()) is MegatronBertForPreTraining
+    with torch.device("meta"):
+        big = model_class(bert_1p5b())(hf_config(bert_1p5b()))
+    names = {n for n, _ in big.named_parameters()}
+    assert not any("embeddings.LayerNorm" in n for n in names)
+    for i in range(48):
+        assert {f"bert.encoder.layer.{i}.attention.ln.weight", f"bert.encoder.layer.{i}.ln.weight"} <= names
+    assert "bert.encoder.ln.weight" in names and big.config.model_type == "megatron-bert"
+
+
+def test_pre_ln_forward_is_pre_ln():
+    """The debug Pre-LN model's encoder output equals a hand-written Pre-LN forward from its own weights:
+    x = emb; per layer x = x + Attn(LN_a(x)); x = x + FFN(LN_f(x)); out = LN_final(x)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = build_model(debug_pre_ln()).eval()
+    ids = torch.randint(5, 1000, (2, 16))
+    tt = torch.zeros_like(ids)
+    with torch.no_grad():
+        out = model.bert(ids, token_type_ids=tt, attention_mask=torch.ones_like(ids)).last_hidden_state
+        e = model.bert.embeddings
+        x = e.word_embeddings(ids) + e.position_embeddings(torch.arange(16))[None] + e.token_type_embeddings(tt)
+        nh = model.config.num_attention_heads
+        for layer in model.bert.encoder.layer:
+            a = layer.attention
+            h = a.ln(x)
+            q, k, v = (m(h).view(2, 16, nh, -1).transpose(1, 2) for m in (a.self.query, a.self.key, a.self.value))
+            ctx = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 16, -1)
+            x = x + a.output.dense(ctx)
+            x = x + layer.output.dense(F.gelu(layer.intermediate.dense(layer.ln(x))))
+        x = model.bert.encoder.ln(x)
+    assert torch.allclose(out, x, atol=1e-5)
+
+
+def test_pre_ln_export_loads_with_transformers_alone(tmp_path):
+    """save_pretrained of the Pre-LN model (what ds_core.checkpoint.export_hf writes) loads in a process that imports
+    transformers only, with identical outputs."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = build_model(debug_pre_ln(), sparse_mlm=True).eval()
+    model.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(5, 1000, (2, 16))
+    with torch.no_grad():
+        want = model(input_ids=ids, token_type_ids=torch.zeros_like(ids), attention_mask=torch.ones_like(ids))
+    torch.save({"ids": ids, "pred": want.prediction_logits, "nsp": want.seq_relationship_logits}, tmp_path / "io.pt")
+    code = f"""
+import sys, torch
+from transformers import AutoModelForPreTraining
+m = AutoModelForPreTraining.from_pretrained({str(tmp_path / "hf")!r}, local_files_only=True).eval()
+assert type(m).__name__ == "MegatronBertForPreTraining", type(m)
+io = torch.load({str(tmp_path / "io.pt")!r})
+ids = io["ids"]
+with torch.no_grad():
+    out = m(input_ids=ids, token_type_ids=torch.zeros_like(ids), attention_mask=torch.ones_like(ids))
+assert torch.allclose(out.prediction_logits, io["pred"], atol=1e-5)
+assert torch.allclose(out.seq_relationship_logits, io["nsp"], atol=1e-5)
+assert not [k for k in sys.modules if k.startswith("bert_ref") or k.startswith("ds_core")]
+print("OK")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "HF_HUB_OFFLINE": "1"},
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_init_checkpoint_of_the_other_form_is_refused(tmp_path):
+    torch.manual_seed(0)
+    build_model(debug_pre_ln()).save_pretrained(tmp_path / "pre")
+    build_model(debug()).save_pretrained(tmp_path / "post")
+    with pytest.raises(ConfigError, match=r"Pre-LN MegatronBertForPreTraining checkpoint, but preset debug is a "
+                                          r"Post-LN"):
+        build_model(debug(), init_checkpoint=str(tmp_path / "pre"))
+    with pytest.raises(ConfigError, match=r"Post-LN BertForPreTraining checkpoint, but preset debug_pre_ln is a "
+                                          r"Pre-LN"):
+        build_model(debug_pre_ln(), init_checkpoint=str(tmp_path / "post"))
+    model = build_model(debug_pre_ln(2), init_checkpoint=str(tmp_path / "pre"))  # same form: loads
+    assert type(model).__name__ == "MegatronBertForPreTraining"
 
 
 def test_flops_formula():

@@ -1,4 +1,5 @@
-"""bert_ref.optim: LAMB / LANS against their papers' update rules on hand-computed examples, decay groups, LR schedule."""
+"""bert_ref.optim / bert_ref.layerwise: NVLAMB (apex FusedLAMB), LANS (Habana) and AdamW against their reference
+formulas on hand-computed steps, per-preset defaults, LR scaling with the global batch, decay groups, LR schedule."""
 from __future__ import annotations
 
 import math
@@ -6,96 +7,142 @@ import math
 import pytest
 import torch
 
-from bert_ref.optim import (LANS, OptimArgs, PolyWarmupSchedule, build_optimizer, lr_factor, no_decay, param_groups,
-                            scaled_lr)
+from bert_ref.layerwise import LANS, NVLAMB, FlatLayout, _partition_segments
+from bert_ref.optim import PUBLISHED, OptimArgs, PolyWarmupSchedule, build_optimizer, lr_factor, no_decay, \
+    param_groups, peak_lr
 from ds_core.config import ConfigError
 
-X0, G = [3.0, 4.0], [0.5, -1.0]  # ||x0|| = 5
+X0, G = [3.0, 4.0], [0.5, -1.0]  # ||x0|| = 5, ||g|| = 1.118 (> FusedLAMB's max_grad_norm 1: pre-normalized)
 LR, B1, B2, EPS, WD = 0.1, 0.9, 0.999, 1e-6, 0.01
+GRADS = [G, [-0.2, 0.3], [1.0, 0.25]]
+BIAS0, BIAS_GRADS = [0.5, -0.25, 0.0], [[0.1, 0.2, -0.3], [0.0, -0.4, 0.2], [0.3, 0.1, 0.1]]
 
 
 def _norm(v):
     return math.sqrt(sum(a * a for a in v))
 
 
-def _ref_lamb(x, grads, steps):
-    """LAMB, You et al. 2019 (arXiv:1904.00962 v3, Algorithm 2 without bias correction, as pytorch_optimizer
-    documents), phi(z) = min(z, 10), in plain Python floats."""
-    m, v = [0.0] * len(x), [0.0] * len(x)
-    for t in range(steps):
-        g = grads[t]
-        m = [B1 * a + (1 - B1) * b for a, b in zip(m, g)]
-        v = [B2 * a + (1 - B2) * b * b for a, b in zip(v, g)]
-        u = [a / (math.sqrt(b) + EPS) + WD * w for a, b, w in zip(m, v, x)]
-        trust = min(_norm(x), 10.0) / (_norm(u) + EPS)
-        x = [w - LR * trust * a for w, a in zip(x, u)]
-    return x
-
-
-def _ref_lans(x, grads, steps):
-    """LANS, Zheng et al. 2020 (arXiv:2006.13484, Algorithm 2), phi = identity, in plain Python floats."""
-    m, v = [0.0] * len(x), [0.0] * len(x)
+def _ref_fused_lamb(xs, wds, grads, steps, max_grad_norm=1.0, use_nvlamb=False):
+    """apex csrc/multi_tensor_lamb.cu (adam_w_mode=1, bias_correction=1, grad_averaging=1) in plain Python floats.
+    xs: tensors (lists), wds: their weight decay, grads[t][i]: gradient of tensor i at step t."""
+    xs = [list(x) for x in xs]
+    ms, vs = [[0.0] * len(x) for x in xs], [[0.0] * len(x) for x in xs]
     for t in range(1, steps + 1):
-        g = grads[t - 1]
-        gn = _norm(g)
-        g = [a / gn for a in g]
-        m = [B1 * a + (1 - B1) * b for a, b in zip(m, g)]
-        v = [B2 * a + (1 - B2) * b * b for a, b in zip(v, g)]
-        den = [math.sqrt(b / (1 - B2 ** t)) + EPS for b in v]
-        r = [a / (1 - B1 ** t) / d + WD * w for a, d, w in zip(m, den, x)]
-        c = [a / d + WD * w for a, d, w in zip(g, den, x)]
-        xn = _norm(x)
-        x = [w - LR * B1 * xn / _norm(r) * a - LR * (1 - B1) * xn / _norm(c) * b for w, a, b in zip(x, r, c)]
-    return x
+        gn = math.sqrt(sum(a * a for g in grads[t - 1] for a in g))
+        clip = gn / max_grad_norm if gn > max_grad_norm else 1.0  # clipped_global_grad_norm
+        for i, (x, wd) in enumerate(zip(xs, wds)):
+            g = [a / clip for a in grads[t - 1][i]]
+            ms[i] = [B1 * m + (1 - B1) * a for m, a in zip(ms[i], g)]
+            vs[i] = [B2 * v + (1 - B2) * a * a for v, a in zip(vs[i], g)]
+            u = [(m / (1 - B1 ** t)) / (math.sqrt(v / (1 - B2 ** t)) + EPS) + wd * w
+                 for m, v, w in zip(ms[i], vs[i], x)]
+            pn, un = _norm(x), _norm(u)
+            ratio = LR * pn / un if (use_nvlamb or wd != 0) and pn != 0 and un != 0 else LR  # LAMBStage2Functor
+            xs[i] = [w - ratio * a for w, a in zip(x, u)]
+    return xs
 
 
-def _run(opt_cls, grads, steps, **kw):
-    p = torch.nn.Parameter(torch.tensor(X0, dtype=torch.float64))
-    opt = opt_cls([p], **kw)
+def _ref_habana_lans(xs, wds, grads, steps, adjust_step=False):
+    """Habana Model-References deepspeed-bert lans.py (max_grad_norm=0, as run_pretraining.py passes) in floats."""
+    xs = [list(x) for x in xs]
+    ms, vs = [[0.0] * len(x) for x in xs], [[0.0] * len(x) for x in xs]
+    for t in range(1, steps + 1):
+        bt = t - 1 if adjust_step and t > 1 else t
+        for i, (x, wd) in enumerate(zip(xs, wds)):
+            g = grads[t - 1][i]
+            gn = _norm(g)
+            g = [a / (gn + EPS) for a in g] if gn != 0 else list(g)
+            ms[i] = [B1 * m + (1 - B1) * a for m, a in zip(ms[i], g)]
+            vs[i] = [B2 * v + (1 - B2) * a * a for v, a in zip(vs[i], g)]
+            den = [math.sqrt(v / (1 - B2 ** bt)) + EPS for v in vs[i]]
+            r = [m / (1 - B1 ** bt) / d + wd * w for m, d, w in zip(ms[i], den, x)]
+            c = [a / d + wd * w for a, d, w in zip(g, den, x)]
+            wn, rn, cn = _norm(x), _norm(r), _norm(c)
+            ratio_m = LR * wn / rn if rn != 0 and wn != 0 else LR
+            ratio_g = LR * wn / cn if cn != 0 and wn != 0 else LR
+            xs[i] = [w - a * ratio_m * B1 - b * ratio_g * (1 - B1) for w, a, b in zip(x, r, c)]
+    return xs
+
+
+def _run(opt_cls, steps, with_bias=False, **kw):
+    """Steps of opt_cls on a decayed weight (X0, GRADS) and, with_bias, an undecayed bias; float64."""
+    w = torch.nn.Parameter(torch.tensor(X0, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.tensor(BIAS0, dtype=torch.float64))
+    groups = [{"params": [w], "weight_decay": WD}] + ([{"params": [b], "weight_decay": 0.0}] if with_bias else [])
+    opt = opt_cls(groups, lr=LR, betas=(B1, B2), eps=EPS, **kw)
     for t in range(steps):
-        p.grad = torch.tensor(grads[t], dtype=torch.float64)
+        w.grad = torch.tensor(GRADS[t], dtype=torch.float64)
+        b.grad = torch.tensor(BIAS_GRADS[t], dtype=torch.float64) if with_bias else None
         opt.step()
-    return p.detach().tolist()
+    return [w.detach().tolist()] + ([b.detach().tolist()] if with_bias else [])
 
 
-GRADS = [G, [-0.2, 0.3], [1.0, 0.25]]
+def test_nvlamb_first_step_hand_computed():
+    # ||g|| = 1.11803 > 1: g' = g / 1.11803 = [0.44721, -0.89443]; m^ = g', v^ = g'^2, so u = sign(g') (eps
+    # negligible) + 0.01 x = [1.03, -0.96]; ||u|| = 1.40801; trust = 5 / 1.40801 = 3.55111;
+    # x1 = x0 - 0.1 * 3.55111 * [1.03, -0.96] = [2.63424, 4.34091]
+    assert _run(NVLAMB, 1)[0] == pytest.approx([2.63424, 4.34091], abs=2e-5)
 
 
-def test_lamb_first_step_hand_computed():
-    from pytorch_optimizer import Lamb
+@pytest.mark.parametrize("use_nvlamb", [False, True])
+def test_nvlamb_matches_fused_lamb_kernel_over_steps(use_nvlamb):
+    """Two tensors (the global pre-normalization spans both groups); the undecayed bias gets the trust ratio only
+    with use_nvlamb, as in apex."""
+    got = _run(NVLAMB, 3, with_bias=True, use_nvlamb=use_nvlamb)
+    grads = [[g, bg] for g, bg in zip(GRADS, BIAS_GRADS)]
+    want = _ref_fused_lamb([X0, BIAS0], [WD, 0.0], grads, 3, use_nvlamb=use_nvlamb)
+    for a, b in zip(got, want):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
+    other = _ref_fused_lamb([X0, BIAS0], [WD, 0.0], grads, 3, use_nvlamb=not use_nvlamb)
+    assert got[1] != pytest.approx(other[1], rel=1e-6)  # the flag changes the bias's step: the test can tell
 
-    # m = 0.1 g = [0.05, -0.1]; v = 0.001 g^2 = [2.5e-4, 1e-3]; r = m / sqrt(v) ~ [3.16227, -3.16227];
-    # u = r + 0.01 x = [3.19217, -3.12217]; ||u|| = 4.46521; trust = 5 / 4.46521 = 1.11977;
-    # x1 = x0 - 0.1 * 1.11977 * u = [2.64255, 4.34962]
-    got = _run(Lamb, GRADS, 1, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, weight_decouple=False,
-               adam_debias=True)
-    assert got == pytest.approx([2.64255, 4.34962], abs=2e-5)
 
-
-def test_lamb_matches_paper_rule_over_steps():
-    from pytorch_optimizer import Lamb
-
-    got = _run(Lamb, GRADS, 3, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, weight_decouple=False,
-               adam_debias=True)
-    assert got == pytest.approx(_ref_lamb(X0, GRADS, 3), rel=1e-9, abs=1e-12)
+def test_nvlamb_first_update_of_a_bert_large_weight():
+    """The issue's measurement: at NVIDIA's phase-1 LR 6e-3 the first update of a 4096 x 1024 weight drawn N(0, 0.02)
+    has RMS lr * ||w|| / ||u|| * rms(u) = lr * 0.02 = 1.20e-4 (pytorch_optimizer's Lamb gave 2.93e-5)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4096, 1024) * 0.02)
+    w0 = w.detach().clone()
+    opt = NVLAMB([{"params": [w], "weight_decay": 0.01}], lr=6e-3)
+    w.grad = torch.randn_like(w) * 1e-4
+    opt.step()
+    rms = float((w.detach() - w0).pow(2).mean().sqrt())
+    assert rms == pytest.approx(1.20e-4, rel=0.01)
 
 
 def test_lans_first_step_hand_computed():
-    # g~ = g / ||g|| ; with bias correction m^ = g~, v^ = g~^2 so r = c = sign(g~) = [1, -1] (eps negligible);
-    # + 0.01 x -> [1.03, -0.96], ||.|| = 1.40801, trust = 5 / 1.40801 = 3.55111; both terms share it, so
-    # x1 = x0 - 0.1 * 3.55111 * [1.03, -0.96] = [2.63424, 4.34091]
-    got = _run(LANS, GRADS, 1, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
-    assert got == pytest.approx([2.63424, 4.34091], abs=2e-5)
+    # g~ = g / (||g|| + eps); m^ = g~, v^ = g~^2 so r = c = sign(g~) = [1, -1] (eps negligible); + 0.01 x ->
+    # [1.03, -0.96], ||.|| = 1.40801, trust = 5 / 1.40801 = 3.55111 for both terms, so
+    # x1 = x0 - 0.1 * 3.55111 * (0.9 + 0.1) * [1.03, -0.96] = [2.63424, 4.34091]
+    assert _run(LANS, 1)[0] == pytest.approx([2.63424, 4.34091], abs=2e-5)
 
 
-def test_lans_matches_paper_rule_over_steps():
-    got = _run(LANS, GRADS, 3, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
-    assert got == pytest.approx(_ref_lans(X0, GRADS, 3), rel=1e-9, abs=1e-12)
+@pytest.mark.parametrize("adjust_step", [False, True])
+def test_lans_matches_habana_over_steps(adjust_step):
+    """Both groups get trust ratios (Habana's LANS has no use_nvlamb switch); adjust_step = Habana's ZeRO setting."""
+    got = _run(LANS, 3, with_bias=True, adjust_step=adjust_step)
+    grads = [[g, bg] for g, bg in zip(GRADS, BIAS_GRADS)]
+    want = _ref_habana_lans([X0, BIAS0], [WD, 0.0], grads, 3, adjust_step=adjust_step)
+    for a, b in zip(got, want):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
+    assert got[0] != pytest.approx(_ref_habana_lans([X0], [WD], [[g] for g in GRADS], 3,
+                                                    adjust_step=not adjust_step)[0], rel=1e-7)
 
 
-def test_lans_zero_grad_and_zero_weight_are_safe():
+def test_adamw_first_step_hand_computed():
+    # torch AdamW: x <- x (1 - lr wd) - lr m^ / (sqrt(v^) + eps) = 0.999 x0 - 0.1 sign(g) = [2.897, 4.096]
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.tensor(X0, dtype=torch.float64))
+    opt = build_optimizer(model, OptimArgs(optimizer="adamw", learning_rate=LR, weight_decay=WD))
+    model.weight.grad = torch.tensor(G, dtype=torch.float64)
+    opt.step()
+    assert model.weight.detach().tolist() == pytest.approx([2.897, 4.096], abs=1e-6)
+
+
+@pytest.mark.parametrize("opt_cls", [NVLAMB, LANS])
+def test_zero_grad_and_zero_weight_are_safe(opt_cls):
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = LANS([p], lr=0.1)
+    opt = opt_cls([p], lr=0.1)
     p.grad = torch.zeros(3)
     opt.step()
     assert torch.isfinite(p).all()
@@ -104,8 +151,79 @@ def test_lans_zero_grad_and_zero_weight_are_safe():
     assert torch.isfinite(p).all() and p[0] < 0
 
 
+def test_partition_segments():
+    # tensors of 5, 3 (+1 alignment padding), 4 elements: flat [0..5) [5..8) pad [9..13)
+    numels, offsets = [5, 3, 4], [0, 5, 9]
+    assert _partition_segments(numels, offsets, 0, 7) == [(0, 0, 5), (1, 5, 2)]
+    assert _partition_segments(numels, offsets, 7, 7) == [(1, 0, 1), (-1, 1, 1), (2, 2, 4), (-1, 6, 1)]
+
+
+@pytest.mark.parametrize("opt_cls", [NVLAMB, LANS])
+def test_flat_tensor_with_layout_steps_like_separate_tensors(opt_cls):
+    """What DeepSpeed hands the optimizer (one flat tensor, here with a padding gap) gives per-tensor results once
+    the layout is attached, and refuses to step without one."""
+    torch.manual_seed(0)
+    a, b = torch.randn(6, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    ga, gb = [torch.randn(6, dtype=torch.float64) for _ in range(3)], [torch.randn(4, dtype=torch.float64)
+                                                                        for _ in range(3)]
+    pa, pb = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
+    sep = opt_cls([pa, pb], lr=0.05, weight_decay=0.01)
+    flat = torch.nn.Parameter(torch.cat([a, torch.zeros(2, dtype=torch.float64), b]))
+    whole = opt_cls([flat], lr=0.05, weight_decay=0.01)
+    foreign = torch.nn.Parameter(flat.detach().clone())
+    whole.param_groups[0]["params"] = [foreign]  # as DeepSpeed swaps in its flat partition
+    foreign.grad = torch.zeros_like(foreign)
+    whole.step()  # DeepSpeed's state-creating step inside deepspeed.initialize: zero grads, skipped
+    assert not whole.state and torch.equal(foreign.detach(), flat.detach())
+    foreign.grad = torch.ones_like(foreign)
+    with pytest.raises(RuntimeError, match="attach_zero_layout"):
+        whole.step()
+    whole.param_groups[0]["params"] = [flat]
+    whole.attach({id(flat): FlatLayout([(0, 0, 6), (-1, 6, 2), (1, 8, 4)], 2)}, None, False)
+    for t in range(3):
+        pa.grad, pb.grad = ga[t].clone(), gb[t].clone()
+        flat.grad = torch.cat([ga[t], torch.zeros(2, dtype=torch.float64), gb[t]])
+        sep.step()
+        whole.step()
+    assert torch.allclose(flat.detach()[:6], pa.detach(), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(flat.detach()[8:], pb.detach(), rtol=1e-12, atol=1e-14)
+    assert torch.equal(flat.detach()[6:8], torch.zeros(2, dtype=torch.float64))
+
+
+def test_presets_default_to_their_published_optimizer_and_lr():
+    big = OptimArgs().for_preset("bert_1p5b")
+    assert (big.optimizer, big.learning_rate, big.base_global_batch) == ("lans", 0.0015, 8 * 8 * 384)
+    large = OptimArgs().for_preset("bert_large")
+    assert (large.optimizer, large.learning_rate, large.base_global_batch) == ("lamb", 6e-3, 65536)
+    assert OptimArgs().for_preset("bert_large", 2).learning_rate == 4e-3
+    mine = OptimArgs(optimizer="adamw", learning_rate=1e-4).for_preset("bert_1p5b")
+    assert (mine.optimizer, mine.learning_rate) == ("adamw", 1e-4)  # explicit flags win
+    assert set(PUBLISHED) >= {"bert_large", "bert_1p5b"}
+    model = torch.nn.Linear(2, 2)
+    assert isinstance(build_optimizer(model, OptimArgs().for_preset("bert_1p5b")), LANS)
+    assert isinstance(build_optimizer(model, OptimArgs().for_preset("bert_large")), NVLAMB)
+    with pytest.raises(ConfigError, match="for_preset"):
+        build_optimizer(model, OptimArgs())
+    with pytest.raises(ConfigError, match="no published recipe"):
+        OptimArgs().for_preset("my_model")
+
+
+def test_lr_scales_with_global_batch_not_nodes():
+    args = OptimArgs(scale_lr_with_global_batch=True).for_preset("bert_1p5b")
+    assert peak_lr(args, 8 * 8 * 384) == pytest.approx(0.0015)  # the published base
+    assert peak_lr(args, 16 * 8 * 384) == pytest.approx(0.003)  # 16 nodes, as published
+    assert peak_lr(args, 16 * 4 * 384) == pytest.approx(0.0015)  # 16 nodes x 4 GPUs: the base batch, the base LR
+    assert peak_lr(args, 8 * 8 * 96) == pytest.approx(0.000375)
+    assert peak_lr(OptimArgs().for_preset("bert_1p5b"), 16 * 8 * 384) == 0.0015  # off by default
+    opt = build_optimizer(torch.nn.Linear(2, 2), args, global_batch=2 * 24576)
+    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.003)] * 2
+    assert not hasattr(OptimArgs(), "scale_lr_with_nodes")  # the node-count rule is gone
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        peak_lr(args, 0)
+
+
 def test_weight_decay_groups_exclude_bias_and_layernorm():
-    from bert_ref.configs import debug
+    from bert_ref.configs import debug, debug_pre_ln
     from bert_ref.model import build_model
 
     model = build_model(debug())
@@ -122,15 +240,13 @@ def test_weight_decay_groups_exclude_bias_and_layernorm():
     for name in ("lamb", "lans", "adamw"):
         opt = build_optimizer(model, OptimArgs(optimizer=name, learning_rate=0.01))
         assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
-
-
-def test_lr_scaling_with_nodes():
-    assert scaled_lr(0.0015, 16, 8) == pytest.approx(0.003)
-    assert scaled_lr(0.0015, 8, 8) == pytest.approx(0.0015)
-    assert scaled_lr(0.0015, 16, 8, enabled=False) == 0.0015
-    model = torch.nn.Linear(2, 2)
-    opt = build_optimizer(model, OptimArgs(optimizer="adamw", learning_rate=0.0015, scale_lr_with_nodes=True), 16)
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.003)
+    # Pre-LN (MegatronBert) names its pre-sublayer and final LayerNorms `ln`: no decay for them either
+    pre = build_model(debug_pre_ln())
+    names = {id(p): n for n, p in pre.named_parameters()}
+    skipped = {names[id(p)] for p in param_groups(pre, 0.01)[1]["params"]}
+    assert {"bert.encoder.layer.0.attention.ln.weight", "bert.encoder.layer.1.ln.weight",
+            "bert.encoder.ln.weight", "bert.encoder.ln.bias"} <= skipped
+    assert all(n.endswith("bias") or n.rsplit(".", 2)[-2] in ("ln", "LayerNorm") for n in skipped)
 
 
 def test_lr_schedule_warmup_constant_poly():
@@ -164,16 +280,3 @@ def test_scheduler_drives_param_groups_and_round_trips():
     sch.step()
     sch2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"]) == pytest.approx(7 / 8)
-
-
-@pytest.mark.parametrize("name,ref", [("lamb", _ref_lamb), ("lans", _ref_lans)])
-def test_build_optimizer_uses_the_paper_rule(name, ref):
-    """The optimizer train.py builds (library settings included) follows the reference for decayed weights."""
-    model = torch.nn.Module()
-    model.weight = torch.nn.Parameter(torch.tensor(X0, dtype=torch.float64))
-    opt = build_optimizer(model, OptimArgs(optimizer=name, learning_rate=LR, beta1=B1, beta2=B2, eps=EPS,
-                                           weight_decay=WD))
-    for g in GRADS:
-        model.weight.grad = torch.tensor(g, dtype=torch.float64)
-        opt.step()
-    assert model.weight.detach().tolist() == pytest.approx(ref(X0, GRADS, 3), rel=1e-9, abs=1e-12)

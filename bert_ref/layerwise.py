@@ -1,0 +1,367 @@
+"""NVLAMB (NVIDIA's FusedLAMB update) and LANS (Habana's), with trust ratios per parameter TENSOR also under ZeRO.
+
+Why hand-written: apex's FusedLAMB is CUDA-only and Habana's LANS ships only inside Model-References; neither runs on
+the CPU / HPU accelerators here, and neither knows DeepSpeed's partitions. pytorch_optimizer's Lamb is a different rule
+(||w|| clamped at 10, no bias correction, no global gradient pre-normalization). Both rules below are tested against
+the references' formulas step by step (tests/test_bert_optim.py).
+
+Trust ratios under ZeRO: DeepSpeed's bf16 / ZeRO wrappers hand the optimizer one flat fp32 tensor per parameter group
+and rank (ZeRO-1/2, bf16 ZeRO-1) or per sub-group (ZeRO-3), holding slices of many parameters. A "layer-wise" norm of
+that flat tensor is a norm of a partition, not of a parameter: at world size 64 that is not LAMB. attach_zero_layout()
+reads the wrapper's partition layout after deepspeed.initialize; step() then computes, per parameter tensor, the partial
+sums of squares of its slice on this rank and sums them across the data-parallel group in one all-reduce (LANS needs a
+second one for its per-tensor gradient normalisation, which must precede the moment update).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from ds_core.config import ConfigError
+
+
+@dataclass
+class FlatLayout:
+    """Where parameter tensors lie in one flat tensor the optimizer is handed.
+
+    segments: (key, start, length) in the flat tensor; key is the parameter's index within its (sub-)group, the same
+    on every rank; key -1 marks alignment padding (left out of every norm). n_keys: tensors in the (sub-)group."""
+
+    segments: list[tuple[int, int, int]]
+    n_keys: int
+
+
+def _partition_segments(numels: list[int], offsets: list[int], start: int, size: int) -> list[tuple[int, int, int]]:
+    """Segments of the partition [start, start + size) of a flat buffer whose tensor k lies at offsets[k]."""
+    segs, end, pos = [], start + size, start
+    for key, (off, n) in enumerate(zip(offsets, numels)):
+        lo, hi = max(off, start), min(off + n, end)
+        if lo < hi:
+            if lo > pos:
+                segs.append((-1, pos - start, lo - pos))
+            segs.append((key, lo - start, hi - lo))
+            pos = hi
+    if pos < end:
+        segs.append((-1, pos - start, end - pos))
+    return segs
+
+
+def zero_layouts(ds_optimizer: Any) -> tuple[dict[int, FlatLayout], Any]:
+    """{id(tensor handed to the optimizer): FlatLayout} of a DeepSpeed optimizer wrapper, and its data-parallel
+    process group (None where nothing is partitioned); ({}, None) where the optimizer gets the model's own
+    parameters (fp32 ZeRO-0)."""
+    import deepspeed.comm as dist
+
+    if hasattr(ds_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3 (stage3.py): one flat per sub-group
+        rank = dist.get_rank(group=ds_optimizer.dp_process_group)
+        layouts = {}
+        for sub, flat in zip(ds_optimizer.fp16_groups, ds_optimizer.fp32_partitioned_groups_flat):
+            segs, pos = [], 0
+            for key, p in enumerate(sub):
+                part = p.partition_numel()  # every rank holds `part` elements of every parameter, zero-padded last
+                real = max(0, min(part, p.ds_numel - rank * part))
+                if real:
+                    segs.append((key, pos, real))
+                if part > real:
+                    segs.append((-1, pos + real, part - real))
+                pos += part
+            layouts[id(flat)] = FlatLayout(segs, len(sub))
+        return layouts, ds_optimizer.dp_process_group
+    if hasattr(ds_optimizer, "fp32_groups_flat_partition"):  # bf16 ZeRO-1 (bf16_optimizer.py): tensors back to back
+        layouts, group = {}, None
+        for i, (params, flat) in enumerate(zip(ds_optimizer.bf16_groups, ds_optimizer.fp32_groups_flat_partition)):
+            group = ds_optimizer.real_dp_process_group[i]
+            numels = [p.numel() for p in params]
+            offsets = [sum(numels[:k]) for k in range(len(numels))]
+            start = dist.get_rank(group=group) * flat.numel()
+            layouts[id(flat)] = FlatLayout(_partition_segments(numels, offsets, start, flat.numel()), len(params))
+        return layouts, group
+    if hasattr(ds_optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2 (stage_1_and_2.py)
+        layouts, group = {}, None
+        for i, flat in enumerate(ds_optimizer.single_partition_of_fp32_groups):
+            group = ds_optimizer.real_dp_process_group[i]
+            params = ds_optimizer.round_robin_bit16_groups[i]  # the flat buffer's order
+            numels = [p.numel() for p in ds_optimizer.round_robin_bit16_meta[i]] \
+                if hasattr(ds_optimizer, "round_robin_bit16_meta") else [p.numel() for p in params]
+            # DeepSpeed >= 0.18 aligns each parameter's start (round_robin_bit16_offsets); older ones pack them
+            offsets = list(getattr(ds_optimizer, "round_robin_bit16_offsets", [None] * (i + 1))[i] or
+                           [sum(numels[:k]) for k in range(len(numels))])
+            size = ds_optimizer.partition_size[i]
+            if flat.numel() != size:
+                raise RuntimeError(f"ZeRO group {i}: flat fp32 partition has {flat.numel()} elements, partition_size "
+                                   f"{size}: unknown DeepSpeed layout")
+            start = dist.get_rank(group=group) * size
+            layouts[id(flat)] = FlatLayout(_partition_segments(numels, offsets, start, size), len(params))
+        return layouts, group
+    if hasattr(ds_optimizer, "fp32_groups"):  # (DeepSpeed's fused fp16 wrapper serves only FusedAdam)
+        # bf16 / fp16 ZeRO-0 with a non-fused optimizer (fp16/unfused_optimizer.py): one fp32 master copy per
+        # parameter, nothing partitioned; registered so that step() knows them from a foreign flat tensor
+        return {id(p): FlatLayout([(0, 0, p.numel())], 1) for g in ds_optimizer.fp32_groups for p in g}, None
+    return {}, None
+
+
+class _TensorwiseOptimizer(torch.optim.Optimizer):
+    """Shared machinery: per-tensor sums of squares over segments, all-reduced when the layout is partitioned.
+
+    max_grad_norm > 0: the gradients are first divided by max(1, ||g||_global / max_grad_norm) (FusedLAMB's and
+    Habana's pre-normalization). Under a partitioned ZeRO layout this global norm would need the other ranks'
+    gradients; there DeepSpeed's `gradient_clipping` does the same division (within its 1e-6 guard) before step()
+    is called, and attach_zero_layout() insists that the two thresholds agree."""
+
+    def __init__(self, params: Iterable, defaults: dict, max_grad_norm: float, adjust_step: bool):
+        super().__init__(params, defaults)
+        self.max_grad_norm = float(max_grad_norm)
+        self.adjust_step = adjust_step
+        self._own = {id(p) for g in self.param_groups for p in g["params"]}
+        self._layouts: dict[int, FlatLayout] = {}
+        self._group = None
+        self._partitioned = False
+
+    def attach(self, layouts: dict[int, FlatLayout], process_group: Any, partitioned: bool) -> None:
+        self._layouts, self._group, self._partitioned = layouts, process_group, partitioned
+
+    def _layout(self, p: torch.Tensor) -> FlatLayout:
+        lay = self._layouts.get(id(p))
+        if lay is not None:
+            return lay
+        if id(p) not in self._own:
+            raise RuntimeError(f"{type(self).__name__}: step() got a tensor of {p.numel()} elements that is neither a "
+                               "model parameter nor a known DeepSpeed partition; call bert_ref.layerwise."
+                               "attach_zero_layout(engine, optimizer) after deepspeed.initialize so that trust ratios "
+                               "are per parameter tensor, not per flat partition")
+        return FlatLayout([(0, 0, p.numel())], 1)
+
+    def _is_init_step(self) -> bool:
+        """DeepSpeed's bf16 / fp16 wrappers call step() once inside deepspeed.initialize, with all-zero gradients on
+        their own fp32 tensors, to create the optimizer state (before attach_zero_layout can run). Skip it: the state
+        is created on the first real step, and a zero-gradient step would still move the weights (weight decay) and
+        the bias-correction step count."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if any(id(p) in self._own or id(p) in self._layouts for p in params):
+            return False
+        return all(p.grad is None or not p.grad.any() for p in params)
+
+    def _bias_step(self, t: int) -> int:
+        # Habana's run_pretraining passes adjust_step=True whenever ZeRO is on: from step 2 on the bias correction
+        # uses t - 1 (their comment: "needed for Zero01 optimization when using DeepSpeed")
+        return t - 1 if self.adjust_step and t > 1 else t
+
+    def _sq_norms(self, items: Iterable[tuple[torch.Tensor, FlatLayout, int]], n: int,
+                  like: torch.Tensor | None) -> torch.Tensor:
+        """Sum of squares per key (global index = offset + key) over the given flat tensors, then one all-reduce if
+        partitioned. items: (1-D tensor, layout, offset), consumed lazily (a generator keeps one temporary alive)."""
+        # fp32 sums (fp64 for fp64 tensors, the tests' references); `like`: a tensor of the step (None: none)
+        dtype = torch.float64 if like is not None and like.dtype == torch.float64 else torch.float32
+        device = like.device if like is not None else torch.device("cpu")
+        out = torch.zeros(n, dtype=dtype, device=device)
+        for t, lay, off in items:
+            segs = [(k, s, ln) for k, s, ln in lay.segments if k >= 0]
+            if segs:
+                norms = torch._foreach_norm([t.narrow(0, s, ln) for _, s, ln in segs])  # as clip_grad_norm_ does
+                idx = torch.tensor([off + k for k, _, _ in segs], device=device)
+                out.index_add_(0, idx, torch.stack(norms).to(dtype).pow(2))
+        if self._partitioned:
+            import deepspeed.comm as dist
+
+            dist.all_reduce(out, group=self._group)
+        return out
+
+    def _global_clip(self) -> float:
+        """Divisor of the gradients for the global pre-normalization (1 when disabled or done by DeepSpeed)."""
+        if self.max_grad_norm <= 0 or self._partitioned:
+            return 1.0
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return 1.0
+        norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
+        return norm / self.max_grad_norm if norm > self.max_grad_norm else 1.0
+
+    def _params(self) -> list[tuple[dict, torch.Tensor, FlatLayout, int]]:
+        """(group, param, layout, key offset) for every param with a gradient in this call, offsets back to back."""
+        out, off = [], 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                lay = self._layout(p)
+                out.append((group, p, lay, off))
+                off += lay.n_keys
+        return out
+
+    @staticmethod
+    def _ratios(w2: torch.Tensor, u2: torch.Tensor) -> list[float]:
+        """||w|| / ||u|| per key, 1 where either norm is 0 (apex: `ratio = lr` there); one host sync per call."""
+        ok = (w2 > 0) & (u2 > 0)
+        return torch.where(ok, (w2 / torch.where(ok, u2, 1.0)).sqrt(), 1.0).tolist()
+
+    @staticmethod
+    def _apply(p: torch.Tensor, upd: torch.Tensor, lay: FlatLayout, off: int, scale: list[float]) -> None:
+        """p -= scale[key] * upd, segment by segment (padding: scale 1; its update is 0 or never read)."""
+        pf, uf = p.view(-1), upd.view(-1)
+        for k, s, ln in lay.segments:
+            pf.narrow(0, s, ln).add_(uf.narrow(0, s, ln), alpha=-(scale[off + k] if k >= 0 else scale[-1]))
+
+    def _state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = 0
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return st
+
+
+class NVLAMB(_TensorwiseOptimizer):
+    """LAMB as NVIDIA's BERT recipe runs it: apex FusedLAMB (csrc/multi_tensor_lamb.cu) with its defaults
+    (bias_correction, adam_w_mode, grad_averaging, max_grad_norm=1.0). With c = max(1, ||g||_global / max_grad_norm):
+        g' = g / c;  m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2
+        u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd w
+        w <- w - lr * (||w|| / ||u||) * u        (ratio 1 where ||w|| or ||u|| is 0; no clamp)
+    The trust ratio applies to tensors with weight decay only, unless use_nvlamb (apex's flag; NVIDIA's
+    run_pretraining.py leaves it False, so biases and LayerNorms take the plain Adam step lr * u)."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.01, max_grad_norm: float = 1.0, use_nvlamb: bool = False,
+                 adjust_step: bool = False):
+        if lr <= 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"NVLAMB: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
+                         max_grad_norm, adjust_step)
+        self.use_nvlamb = use_nvlamb
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._is_init_step():
+            return loss
+        items = self._params()
+        clip = self._global_clip()
+        n = sum(lay.n_keys for _, _, lay, _ in items)
+        dev = items[0][1] if items else None
+        for group, p, lay, off in items:
+            b1, b2 = group["betas"]
+            st = self._state(p)
+            st["step"] += 1
+            t = self._bias_step(st["step"])
+            g = p.grad if clip == 1.0 else p.grad.div_(clip)
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            # the update overwrites the gradient, as apex's kernel does (no extra tensor-sized buffer)
+            u = torch.div(v, 1 - b2 ** t, out=p.grad).sqrt_().add_(group["eps"])
+            u.reciprocal_().mul_(m).div_(1 - b1 ** t)
+            if group["weight_decay"]:
+                u.add_(p, alpha=group["weight_decay"])
+        trusted = [(p, lay, off) for group, p, lay, off in items if self.use_nvlamb or group["weight_decay"]]
+        ratio = [1.0] * (n + 1)
+        if trusted:  # ONE all-reduce carries ||w||^2 and ||u||^2 of every trusted tensor
+            sq = self._sq_norms([(p.view(-1), lay, off) for p, lay, off in trusted]
+                                + [(p.grad.view(-1), lay, n + off) for p, lay, off in trusted], 2 * n, dev)
+            ratio = self._ratios(sq[:n], sq[n:]) + [1.0]
+        for group, p, lay, off in items:
+            on = self.use_nvlamb or group["weight_decay"]
+            self._apply(p, p.grad, lay, off, [group["lr"] * (r if on else 1.0) for r in ratio])
+        return loss
+
+
+class LANS(_TensorwiseOptimizer):
+    """LANS as Habana's deepspeed-bert ships it (Model-References PyTorch/nlp/DeepSpeedExamples/deepspeed-bert/lans.py;
+    Zheng et al. 2020, arXiv:2006.13484, Algorithm 2). Per tensor, with c the global clip divisor (max_grad_norm > 0
+    only; Habana's run_pretraining passes 0 and clips through DeepSpeed's gradient_clipping instead):
+        g = g / c;  g~ = g / (||g|| + eps) (g itself where ||g|| = 0)
+        m = b1 m + (1 - b1) g~;  v = b2 v + (1 - b2) g~^2;  d = sqrt(v / (1 - b2^t)) + eps
+        r = (m / (1 - b1^t)) / d + wd w;  c = g~ / d + wd w
+        w <- w - lr b1 (||w|| / ||r||) r - lr (1 - b1) (||w|| / ||c||) c      (each ratio 1 where a norm is 0)
+    Trust ratios apply to every tensor, decayed or not (as Habana's)."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.01, max_grad_norm: float = 0.0, adjust_step: bool = False):
+        if lr <= 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"LANS: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
+                         max_grad_norm, adjust_step)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._is_init_step():
+            return loss
+        items = self._params()
+        clip = self._global_clip()
+        n = sum(lay.n_keys for _, _, lay, _ in items)
+        dev = items[0][1] if items else None
+        bc: dict[int, tuple[float, float]] = {}  # bias corrections of this step, per tensor
+        # all-reduce 1: per-tensor ||g||^2 and ||w||^2 (g~ needs ||g|| before the moments move)
+        sq = self._sq_norms([(p.grad.view(-1), lay, off) for _, p, lay, off in items]
+                            + [(p.view(-1), lay, n + off) for _, p, lay, off in items], 2 * n, dev)
+        gnorm, w2 = (sq[:n].sqrt() / clip).tolist(), sq[n:]
+        for group, p, lay, off in items:
+            b1, b2 = group["betas"]
+            eps, wd = group["eps"], group["weight_decay"]
+            st = self._state(p)
+            st["step"] += 1
+            t = self._bias_step(st["step"])
+            bc[id(p)] = (1 - b1 ** t, 1 - b2 ** t)
+            g = p.grad
+            scale = [1.0 / clip / (gn + eps) if gn != 0 else 1.0 / clip for gn in gnorm] + [1.0 / clip]
+            gf = g.view(-1)
+            for k, s, ln in lay.segments:
+                gf.narrow(0, s, ln).mul_(scale[off + k] if k >= 0 else scale[-1])
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            g.div_((v / (1 - b2 ** t)).sqrt_().add_(eps))  # c, kept in the gradient buffer
+            if wd:
+                g.add_(p, alpha=wd)
+        # all-reduce 2: per-tensor ||r||^2 and ||c||^2; r is recomputed when applied rather than kept (memory)
+        r_parts = ((self._r(group, p, bc[id(p)]).view(-1), lay, off) for group, p, lay, off in items)
+        c_parts = ((p.grad.view(-1), lay, n + off) for _, p, lay, off in items)
+        sq = self._sq_norms(itertools.chain(r_parts, c_parts), 2 * n, dev)
+        ratio_r, ratio_c = self._ratios(w2, sq[:n]) + [1.0], self._ratios(w2, sq[n:]) + [1.0]
+        for group, p, lay, off in items:
+            b1, lr = group["betas"][0], group["lr"]
+            upd, cf = self._r(group, p, bc[id(p)]).view(-1), p.grad.view(-1)
+            for k, s, ln in lay.segments:  # each term has its own ratio, per tensor
+                a, b = (ratio_r[off + k], ratio_c[off + k]) if k >= 0 else (1.0, 1.0)
+                upd.narrow(0, s, ln).mul_(lr * b1 * a).add_(cf.narrow(0, s, ln), alpha=lr * (1 - b1) * b)
+            p.sub_(upd.view_as(p))
+        return loss
+
+    def _r(self, group: dict, p: torch.Tensor, bc: tuple[float, float]) -> torch.Tensor:
+        st, (bc1, bc2) = self.state[p], bc
+        r = (st["exp_avg_sq"] / bc2).sqrt_().add_(group["eps"])
+        r.reciprocal_().mul_(st["exp_avg"]).div_(bc1)
+        if group["weight_decay"]:
+            r.add_(p, alpha=group["weight_decay"])
+        return r
+
+
+def attach_zero_layout(engine: Any, optimizer: torch.optim.Optimizer) -> None:
+    """After deepspeed.initialize: give a NVLAMB / LANS optimizer the partition layout of the engine's ZeRO / bf16
+    wrapper, so that its trust ratios are per parameter tensor. No-op for other optimizers. Raises ConfigError where
+    the optimizer's global gradient pre-normalization cannot be done (partitioned, DeepSpeed gradient_clipping not
+    the same threshold)."""
+    if not isinstance(optimizer, _TensorwiseOptimizer):
+        return
+    layouts, group = zero_layouts(engine.optimizer)
+    partitioned = group is not None
+    clip = float(engine.gradient_clipping() or 0.0)
+    if partitioned and optimizer.max_grad_norm > 0 and clip != optimizer.max_grad_norm:
+        raise ConfigError(f"{type(optimizer).__name__} pre-normalizes gradients by their global norm (max_grad_norm "
+                          f"{optimizer.max_grad_norm}); under ZeRO stage {engine.zero_optimization_stage()} or bf16 "
+                          f"DeepSpeed does it: set \"gradient_clipping\": {optimizer.max_grad_norm} in the DeepSpeed "
+                          f"JSON (it is {clip})")
+    optimizer.attach(layouts, group, partitioned)
+
+
+__all__ = ["NVLAMB", "LANS", "FlatLayout", "zero_layouts", "attach_zero_layout"]
