@@ -55,6 +55,8 @@ class TrainConfig:
     dist_timeout_s: int = arg("Collective timeout in seconds: a dead rank makes the others fail after this.",
                                 default=1800)
     progress_bar: bool = arg("Show a rank-0 tqdm progress bar.", default=True)
+    precision: str = arg("Compute dtype: auto (bf16 on CUDA/HPU and on CPUs with native bf16, else fp32), bf16 or "
+                         "fp32; switches the DeepSpeed JSON's bf16 section (ds_core.precision).", default="auto")
 
     def validate(self) -> None:
         checks = [
@@ -68,6 +70,7 @@ class TrainConfig:
             ("gradient_accumulation_steps", self.gradient_accumulation_steps >= 0, ">= 0"),
             ("zero_stage", self.zero_stage in (-1, 0, 1, 2, 3), "one of -1, 0, 1, 2, 3"),
             ("dist_timeout_s", self.dist_timeout_s > 0, "> 0"),
+            ("precision", self.precision in ("auto", "bf16", "fp32"), "one of auto, bf16, fp32"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -292,10 +295,35 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
     return cfg
 
 
-def ds_config_for(cfg: TrainConfig, world_size: int) -> dict:
-    """The resolved DeepSpeed config of a run: its JSON plus the TrainConfig overrides."""
-    return load_ds_config(cfg.deepspeed_config or DEFAULT_DS_CONFIG, world_size, micro_batch=cfg.micro_batch_size,
-                          grad_accum=cfg.gradient_accumulation_steps, zero_stage=cfg.zero_stage)
+def ds_config_for(cfg: TrainConfig, world_size: int, accelerator: str | None = None) -> dict:
+    """The resolved DeepSpeed config of a run: its JSON plus the TrainConfig overrides, its bf16 section switched to
+    the dtype TrainConfig.precision resolves to on `accelerator` (default: the one DeepSpeed finds)."""
+    ds = load_ds_config(cfg.deepspeed_config or DEFAULT_DS_CONFIG, world_size, micro_batch=cfg.micro_batch_size,
+                        grad_accum=cfg.gradient_accumulation_steps, zero_stage=cfg.zero_stage)
+    return resolve_ds_precision(ds, getattr(cfg, "precision", "auto"), accelerator,
+                                source=f"DeepSpeed config {resolve_ds_path(cfg.deepspeed_config or DEFAULT_DS_CONFIG)}")
+
+
+def resolve_ds_precision(ds: dict, precision: str, accelerator: str | None = None,
+                         source: str = "DeepSpeed config") -> dict:
+    """Apply ds_core.precision's rule to a resolved DeepSpeed config; rank 0 prints the one-line notice when auto
+    falls back to fp32. An fp16 JSON is kept under auto (the user chose it); bf16/fp32 against it is refused."""
+    from ds_core import precision as prec
+
+    if precision == "auto" and ds.get("fp16", {}).get("enabled"):
+        return ds
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator().device_name()
+    dtype, reason = prec.resolve_precision(precision, accelerator)
+    try:
+        prec.apply_precision(ds, dtype, source)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if precision == "auto" and dtype == "fp32" and os.environ.get("RANK", "0") == "0":
+        print(f"[ds_core] precision {reason}", flush=True)
+    return ds
 
 
 def precision_of(ds_config: dict) -> str:

@@ -65,7 +65,9 @@ def _assert_eval_counts(run_dir: Path, shards: Path, steps: list[int]) -> list[d
     return recs
 
 
-PHASE1_ARGS = ("--optimizer", "lamb", "--learning_rate", "0.02", "--export_hf", "false")
+# bf16 (DeepSpeed's bf16 optimizer: bf16 weights, fp32 master copies) also where auto would pick fp32 (CPUs without
+# native bf16): the phase-2 test tells the fp32 master weights from the bf16 ones
+PHASE1_ARGS = ("--optimizer", "lamb", "--learning_rate", "0.02", "--export_hf", "false", "--precision", "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,8 @@ def test_phase2_starts_from_phase1_fp32_master_weights(phase1, tmp_path):
     run2 = tmp_path / "phase2"
     proc = run_deepspeed(["--module", "bert_ref.train",
                           *_args(shards2, run2, "bert_debug_zero1_bf16.json", "--phase", "2", "--optimizer", "lamb",
-                                 "--learning_rate", "1e-30", "--export_hf", "false", "--init_checkpoint",
+                                 "--learning_rate", "1e-30", "--export_hf", "false", "--precision", "bf16",
+                                 "--init_checkpoint",
                                  str(phase1), "--max_steps", "2")])
     assert f"starting from {phase1} at step {STEPS}" in proc.stdout
     assert [r["step"] for r in _records(run2)] == [STEPS + 1, STEPS + 2]
