@@ -12,7 +12,6 @@ tokens) so a reader can check that every sample was seen once.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -140,6 +139,3 @@ def make_eval_fn(data: EvalData, sparse_predictions: int = 0) -> EvalFn:
 
     return eval_fn
 
-
-def describe(data: EvalData) -> str:
-    return f"{data.num_samples} held-out samples in {len(data.files)} test file(s) ({Path(data.files[0]).parent})"

@@ -197,6 +197,7 @@ def test_zero3_lans_activation_checkpointing_overfits_and_exports(shards, tmp_pa
                    *_args(shards, run_dir, "bert_debug_zero3_bf16.json", "--optimizer", "lans", "--learning_rate",
                           "0.02", "--activation_checkpointing", "true", "--sparse_mlm", "true")])
     _assert_overfits(_records(run_dir))
+    _assert_eval_counts(run_dir, shards, [STEPS])  # ZeRO-3 (collective forwards) and the sparse head
     summary = _records(run_dir, "summary")[-1]
     assert summary["zero_stage"] == 3
     from bert_ref.configs import debug as _debug
