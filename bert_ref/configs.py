@@ -137,7 +137,8 @@ class BertArgs:
         p = Path(self.input_dir)
         if not p.is_dir():
             raise InputDirError(f"--input_dir {p}: " + ("not a directory" if p.exists() else "no such directory"))
-        if self.init_checkpoint and not (self.init_run_dir() or (Path(self.init_checkpoint) / "config.json").is_file()):
+        hf_dir = (Path(self.init_checkpoint) / "config.json").is_file()
+        if self.init_checkpoint and not (self.init_run_dir() or hf_dir):
             raise ConfigError(f"--init_checkpoint {self.init_checkpoint}: expected a bert_ref.train run directory "
                               "(with checkpoints/) or a Hugging Face checkpoint directory with config.json "
                               "(save_pretrained format)")
@@ -148,8 +149,9 @@ class BertArgs:
 
     def init_run_dir(self) -> str:
         """--init_checkpoint when it is a run directory (has checkpoints/), else ''."""
-        return self.init_checkpoint if (Path(self.init_checkpoint or ".") / "checkpoints").is_dir() \
-            and self.init_checkpoint else ""
+        if not self.init_checkpoint:
+            return ""
+        return self.init_checkpoint if (Path(self.init_checkpoint) / "checkpoints").is_dir() else ""
 
     def model_preset(self) -> BertPreset:
         return get_preset(self.preset, self.phase)

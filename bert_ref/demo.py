@@ -1,5 +1,6 @@
 """`make demo`: a generated text corpus -> bert-prep (text -> vocab -> shards, one held-out test shard) -> 2-rank
-ZeRO-1 bf16 pretraining of the debug preset with an end-of-run eval -> metrics.jsonl -> throughput summary. A few minutes on 2 CPU cores; nothing is downloaded.
+ZeRO-1 pretraining of the debug preset (the run's precision rule) with an end-of-run eval -> metrics.jsonl ->
+throughput summary. A few minutes on 2 CPU cores; nothing is downloaded.
 
     python -m bert_ref.demo --out demo_out [--steps 60] [--ranks 2]
 """

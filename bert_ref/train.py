@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
                     fingerprint={"preset": preset.name, "optimizer": opt_args.optimizer},
                     eval_fn=make_eval_fn(eval_data, mlm_positions) if eval_data is not None else None,
                     init_from=args.init_run_dir() or None, reset_optimizer=args.reset_optimizer)
-    if args.export_hf:  # bf16 weights for transformers users; phase 2 starts from the run directory instead
+    if args.export_hf:  # the module's weights for transformers users; phase 2 starts from the run directory
         export_hf(engine, Path(train_cfg.run_dir) / "hf_model")
     data.close()
     shutdown_distributed()
