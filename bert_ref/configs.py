@@ -121,18 +121,22 @@ class BertArgs:
                        default=1)
     input_dir: str = arg("Directory of pretraining shards written by `python -m bert_ref.prep shards`.",
                            default="")
-    init_checkpoint: str = arg("Local Hugging Face checkpoint directory to start from (phase 1 output for phase "
-                                 "2, or a published BertForPreTraining checkpoint on disk; of the preset's form: "
-                                 "Post-LN BertForPreTraining or Pre-LN MegatronBertForPreTraining); '' = random init.",
+    init_checkpoint: str = arg("Start from: a bert_ref.train run directory (phase 2 from phase 1: its latest "
+                                 "checkpoint's fp32 master weights and optimizer state, step numbers continue), or a "
+                                 "local Hugging Face directory (weights only; of the preset's form: Post-LN "
+                                 "BertForPreTraining or Pre-LN MegatronBertForPreTraining); '' = random init.",
                                  default="")
+    reset_optimizer: bool = arg("With a run-directory --init_checkpoint: start with fresh optimizer moments instead "
+                                "of phase 1's (NVIDIA's phase 2 keeps them, restarting the bias-correction step).",
+                                default=False)
     activation_checkpointing: bool = arg("Recompute each encoder layer's activations in backward (less memory, "
                                            "~1/3 more compute; reported FLOPs exclude the recompute).",
                                            default=False)
     attn_implementation: str = arg("transformers attention kernel: 'sdpa' or 'eager' (Pre-LN presets always run "
                                    "eager: transformers' MegatronBert has no SDPA path).", default="sdpa")
     sparse_mlm: bool = arg("Run the MLM head (transform + vocabulary decoder) only at the max_predictions_per_seq "
-                           "masked positions, as NVIDIA's and Habana's recipes do; same loss, fewer FLOPs (and the "
-                           "reported FLOPs count only those positions).", default=False)
+                           "masked positions (NVIDIA's and Habana's recipes compute it at every position); same loss, "
+                           "fewer FLOPs (and the reported FLOPs count only those positions).", default=False)
     fast_dropout: bool = arg("Hidden dropouts draw 16-bit random numbers (bert_ref.model.FastDropout, p rounded to "
                              "a multiple of 2^-15): faster on CPU.", default=False)
     export_hf: bool = arg("At the end write run_dir/hf_model (save_pretrained format, ZeRO-3 gathered): the "
@@ -145,11 +149,21 @@ class BertArgs:
         p = Path(self.input_dir)
         if not p.is_dir():
             raise InputDirError(f"--input_dir {p}: " + ("not a directory" if p.exists() else "no such directory"))
-        if self.init_checkpoint and not (Path(self.init_checkpoint) / "config.json").is_file():
-            raise ConfigError(f"--init_checkpoint {self.init_checkpoint}: expected a Hugging Face checkpoint "
-                              "directory with config.json (save_pretrained format)")
+        hf_dir = (Path(self.init_checkpoint) / "config.json").is_file()
+        if self.init_checkpoint and not (self.init_run_dir() or hf_dir):
+            raise ConfigError(f"--init_checkpoint {self.init_checkpoint}: expected a bert_ref.train run directory "
+                              "(with checkpoints/) or a Hugging Face checkpoint directory with config.json "
+                              "(save_pretrained format)")
+        if self.reset_optimizer and not self.init_run_dir():
+            raise ConfigError("--reset_optimizer applies to a run-directory --init_checkpoint only")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError(f"--attn_implementation {self.attn_implementation!r}: expected 'sdpa' or 'eager'")
+
+    def init_run_dir(self) -> str:
+        """--init_checkpoint when it is a run directory (has checkpoints/), else ''."""
+        if not self.init_checkpoint:
+            return ""
+        return self.init_checkpoint if (Path(self.init_checkpoint) / "checkpoints").is_dir() else ""
 
     def model_preset(self) -> BertPreset:
         return get_preset(self.preset, self.phase)

@@ -2,7 +2,11 @@
 
 Each h5 file holds `input_ids` [N,L] int32, `input_mask` [N,L] int8, `segment_ids` [N,L] int8,
 `masked_lm_positions` [N,P] int32 (0-padded), `masked_lm_ids` [N,P] int32, `next_sentence_labels` [N] int8.
-Files written by NVIDIA's create_pretraining_data.py read unchanged; `bert-prep shards` writes the same layout.
+Files written by NVIDIA's create_pretraining_data.py read unchanged; `bert-prep shards` writes the same layout plus
+the h5 attribute `vocab_size` (the vocabulary the ids come from). Token ids (input_ids, masked_lm_ids) are checked
+against that attribute, or, in files without it, against the model's vocabulary: the attribute is compared with the
+model's vocabulary when a file is opened, and the ids of every block when it is read, before any of its samples is
+trained on (`bert-prep check DIR` reads every row up front).
 
 How an epoch is laid out (all pure functions of the sorted file list, file sizes, world size, epoch and seed, so every
 rank computes every rank's plan without talking to the others):
@@ -26,6 +30,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import os
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +60,8 @@ SCHEMA: dict[str, tuple[np.dtype, int]] = {
 SEQ_DATASETS = ("input_ids", "input_mask", "segment_ids")
 PRED_DATASETS = ("masked_lm_positions", "masked_lm_ids")
 H5_SUFFIXES = (".hdf5", ".h5")
+VOCAB_ATTR = "vocab_size"  # h5 file attribute written by `bert-prep shards`: ids are < this
+_TEST_NAME = re.compile(r"(^|[_.-])test([_.-]|$)")
 DEFAULT_BLOCK_SAMPLES = 1 << 18  # 262144 samples of seq 128 ~ 250 MB in memory; at most two blocks are held
 
 
@@ -85,10 +92,19 @@ def list_shards(input_dir: str | os.PathLike, split: str = "training") -> list[s
     files = sorted(str(p) for p in d.iterdir()
                    if p.is_file() and p.suffix in H5_SUFFIXES and ".tmp" not in p.name)
     chosen = [f for f in files if split in Path(f).name] if split else []
+    if not chosen and split == "training":  # unnamed training files: never train on the held-out test files
+        chosen = [f for f in files if f not in list_test_shards(d, files)]
     files = chosen or files
     if not files:
         raise DataDirError(f"no h5 shards (*.hdf5, *.h5) in BERT data directory {d}")
     return files
+
+
+def list_test_shards(input_dir: str | os.PathLike, files: list[str] | None = None) -> list[str]:
+    """The held-out h5 files of `input_dir`: names with a `test` word (`bert_test_*` from `bert-prep shards
+    --num-test-shards`, NVIDIA's `*_test_*`); [] when there are none."""
+    files = list_shards(input_dir, split="") if files is None else files
+    return [f for f in files if _TEST_NAME.search(Path(f).stem)]
 
 
 @dataclass(frozen=True)
@@ -97,12 +113,14 @@ class ShardInfo:
     num_samples: int
     seq_len: int
     max_predictions_per_seq: int
+    vocab_size: int | None = None  # the file's `vocab_size` attribute (None: not written, e.g. NVIDIA's files)
 
 
-def inspect_shard(path: str | os.PathLike, check_rows: int = 256) -> ShardInfo:
+def inspect_shard(path: str | os.PathLike, check_rows: int = 256, vocab_size: int | None = None) -> ShardInfo:
     """Cheap validation on open: every dataset present with the right dtype and rank, consistent lengths and widths,
-    and the first and last `check_rows` rows readable and in range (a truncated or corrupt file fails here, naming
-    the file and dataset). Full content checks run on every block the loader reads, and `bert-prep check` reads all."""
+    the file's `vocab_size` attribute (if any) not above `vocab_size` (the model's), and the first and last
+    `check_rows` rows readable and in range (a truncated or corrupt file fails here, naming the file and dataset).
+    Full content checks run on every block the loader reads, and `bert-prep check` reads all."""
     import h5py
 
     path = str(path)
@@ -139,10 +157,19 @@ def inspect_shard(path: str | os.PathLike, check_rows: int = 256) -> ShardInfo:
             raise ShardError(path, "input_ids", "file holds 0 samples")
         if seq_len < 2 or preds < 1:
             raise ShardError(path, "input_ids", f"sequence length {seq_len} / predictions {preds} too small")
+        attr = f.attrs.get(VOCAB_ATTR)
+        if attr is not None:
+            if np.ndim(attr) != 0 or not np.issubdtype(np.asarray(attr).dtype, np.integer) or int(attr) < 1:
+                raise ShardError(path, None, f"attribute {VOCAB_ATTR}={attr!r}, expected a positive integer")
+            attr = int(attr)
+            if vocab_size is not None and attr > vocab_size:
+                raise ShardError(path, None, f"written with a vocabulary of {attr} tokens (attribute {VOCAB_ATTR}) "
+                                             f"but the model's vocab_size is {vocab_size}")
+        bound = attr if attr is not None else vocab_size
         k = min(check_rows, n)
         for lo, hi in ((0, k), (n - k, n)):
-            check_arrays(path, _read(path, f, lo, hi), seq_len)
-    return ShardInfo(path, int(n), int(seq_len), int(preds))
+            check_arrays(path, _read(path, f, lo, hi), seq_len, first_row=lo, vocab_size=bound)
+    return ShardInfo(path, int(n), int(seq_len), int(preds), attr)
 
 
 def _read(path: str, f, lo: int, hi: int) -> dict[str, np.ndarray]:
@@ -156,12 +183,16 @@ def _read(path: str, f, lo: int, hi: int) -> dict[str, np.ndarray]:
     return out
 
 
-def check_arrays(path: str, a: dict[str, np.ndarray], seq_len: int, first_row: int = 0) -> None:
-    """Content checks on a slice of a shard. Raises ShardError naming the file, dataset and first bad row.
-    Fast path: one min/max pass per dataset; the row search runs only when a bound is violated."""
+def check_arrays(path: str, a: dict[str, np.ndarray], seq_len: int, first_row: int = 0,
+                 vocab_size: int | None = None) -> None:
+    """Content checks on a slice of a shard (rows first_row..): token ids in [0, vocab_size) (only >= 0 when
+    vocab_size is None), masks and labels 0/1, positions inside the sequence. Raises ShardError naming the file,
+    dataset and first bad row. Fast path: one min/max pass per dataset; the row search runs only on a violation."""
+    ids_hi, ids_what = ((None, "negative token ids") if vocab_size is None else
+                        (vocab_size - 1, f"token ids out of the vocabulary [0, {vocab_size})"))
     # dataset -> (lowest allowed, highest allowed, what)
     bounds = {"masked_lm_positions": (0, seq_len - 1, f"positions out of range [0, {seq_len})"),
-              "input_ids": (0, None, "negative token ids"), "masked_lm_ids": (0, None, "negative token ids"),
+              "input_ids": (0, ids_hi, ids_what), "masked_lm_ids": (0, ids_hi, ids_what),
               "input_mask": (0, 1, "values other than 0/1"), "segment_ids": (0, 1, "values other than 0/1"),
               "next_sentence_labels": (0, 1, "values other than 0/1")}
     for name, (lo, hi, what) in bounds.items():
@@ -244,8 +275,8 @@ def block_permutation(seg: Segment, epoch: int, seed: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------- batch building
-def load_block(seg: Segment, seq_len: int) -> dict[str, np.ndarray]:
-    """One h5 slice per dataset for the block's sample range, content-checked."""
+def load_block(seg: Segment, seq_len: int, vocab_size: int | None = None) -> dict[str, np.ndarray]:
+    """One h5 slice per dataset for the block's sample range, content-checked (ids < vocab_size when given)."""
     import h5py
 
     try:
@@ -254,7 +285,7 @@ def load_block(seg: Segment, seq_len: int) -> dict[str, np.ndarray]:
         raise ShardError(seg.path, None, f"cannot open as HDF5 ({type(e).__name__}: {e})") from e
     with f:
         arrays = _read(seg.path, f, seg.start, seg.stop)
-    check_arrays(seg.path, arrays, seq_len, first_row=seg.start)
+    check_arrays(seg.path, arrays, seq_len, first_row=seg.start, vocab_size=vocab_size)
     return arrays
 
 
@@ -300,10 +331,14 @@ class PretrainingData:
     """Per-rank BERT pretraining batches (implements ds_core.loop.DataSource).
 
     Yields dicts of int64 CPU tensors: input_ids, token_type_ids, attention_mask, labels [B, L] and
-    next_sentence_label [B]. Every rank yields `len(self)` batches per epoch."""
+    next_sentence_label [B]. Every rank yields `len(self)` batches per epoch.
+
+    vocab_size: the model's vocabulary; ids are checked against each file's `vocab_size` attribute when it has one
+    (which must not exceed the model's) and against this otherwise (None: only ids >= 0 are checked)."""
 
     def __init__(self, input_dir: str | os.PathLike, rank: int, world_size: int, micro_batch: int, seed: int = 42,
-                 prefetch: bool = True, block_samples: int = DEFAULT_BLOCK_SAMPLES, split: str = "training"):
+                 prefetch: bool = True, block_samples: int = DEFAULT_BLOCK_SAMPLES, split: str = "training",
+                 vocab_size: int | None = None):
         if micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         if not 0 <= rank < world_size:
@@ -311,7 +346,7 @@ class PretrainingData:
         self.input_dir, self.rank, self.world_size = str(input_dir), rank, world_size
         self.micro_batch, self.seed, self.prefetch, self.block_samples = micro_batch, seed, prefetch, block_samples
         self.files = list_shards(input_dir, split)
-        infos = [inspect_shard(p) for p in self.files]
+        infos = [inspect_shard(p, vocab_size=vocab_size) for p in self.files]
         first = infos[0]
         for info in infos[1:]:
             for attr, ds in (("seq_len", "input_ids"), ("max_predictions_per_seq", "masked_lm_positions")):
@@ -321,6 +356,10 @@ class PretrainingData:
         self.seq_len: int = first.seq_len
         self.max_predictions_per_seq: int = first.max_predictions_per_seq
         self.sizes = {i.path: i.num_samples for i in infos}
+        # the bound every block read checks ids against: the file's own vocabulary, else the model's
+        self.id_bounds = {i.path: i.vocab_size if i.vocab_size is not None else vocab_size for i in infos}
+        stored = [i.vocab_size for i in infos if i.vocab_size is not None]
+        self.vocab_size: int | None = max(stored) if stored else None  # as written with the shards
         self.num_samples = sum(self.sizes.values())
         self.fingerprint = files_fingerprint(self.sizes)
         self.epoch = 0
@@ -362,7 +401,7 @@ class PretrainingData:
 
     def _submit(self, seg: Segment, epoch: int) -> Future:
         def work():
-            return load_block(seg, self.seq_len), block_permutation(seg, epoch, self.seed)
+            return load_block(seg, self.seq_len, self.id_bounds[seg.path]), block_permutation(seg, epoch, self.seed)
 
         if not self.prefetch:
             fut: Future = Future()

@@ -1,5 +1,6 @@
-"""`make demo`: a generated text corpus -> bert-prep (text -> vocab -> shards) -> 2-rank ZeRO-1 bf16 pretraining of
-the debug preset -> metrics.jsonl -> throughput summary. A few minutes on 2 CPU cores; nothing is downloaded.
+"""`make demo`: a generated text corpus -> bert-prep (text -> vocab -> shards, one held-out test shard) -> 2-rank
+ZeRO-1 pretraining of the debug preset (the run's precision rule) with an end-of-run eval -> metrics.jsonl ->
+throughput summary. A few minutes on 2 CPU cores; nothing is downloaded.
 
     python -m bert_ref.demo --out demo_out [--steps 60] [--ranks 2]
 """
@@ -81,14 +82,14 @@ def main(argv: list[str] | None = None) -> dict:
     prep = [py, "-m", "bert_ref.prep"]
 
     make_corpus(out / "raw" / "corpus.txt")
-    _run([*prep, "text", "--input", str(out / "raw"), "--output", str(out / "text"), "--num-shards", "2",
+    _run([*prep, "text", "--input", str(out / "raw"), "--output", str(out / "text"), "--num-shards", "3",
           "--workers", "1", "--no-progress"])
     # <= 1024 tokens: the debug preset's vocabulary
     _run([*prep, "vocab", "--input", str(out / "text"), "--output", str(out / "vocab.txt"), "--vocab-size", "1000",
           "--no-progress"])
     _run([*prep, "shards", "--input", str(out / "text"), "--vocab", str(out / "vocab.txt"), "--output",
-          str(out / "hdf5_seq128"), "--max-seq-length", "128", "--max-predictions-per-seq", "20",
-          "--dupe-factor", "2", "--workers", "1", "--no-progress"])
+          str(out / "hdf5_seq128_pred20"), "--max-seq-length", "128", "--max-predictions-per-seq", "20",
+          "--dupe-factor", "2", "--num-test-shards", "1", "--workers", "1", "--no-progress"])
     t_prep = time.perf_counter() - t0
 
     env = dict(os.environ)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     deepspeed = str(Path(py).parent / "deepspeed")
     _run([deepspeed, "--num_gpus", str(args.ranks), "--master_port", str(_free_port()), "--module", "bert_ref.train",
           "--preset", "debug", "--deepspeed_config", "ds_configs/bert_debug_zero1_bf16.json",
-          "--input_dir", str(out / "hdf5_seq128"), "--run_dir", str(run_dir), "--max_steps", str(args.steps),
+          "--input_dir", str(out / "hdf5_seq128_pred20"), "--run_dir", str(run_dir), "--max_steps", str(args.steps),
           "--optimizer", "lamb", "--learning_rate", "0.02", "--warmup_proportion", "0.1",
           "--num_steps_per_checkpoint", str(max(1, args.steps // 2)), "--progress_bar", "false"],
          env=env, log=out / "train.log")
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in recs if r["type"] == "step"]
     s = next(r for r in reversed(recs) if r["type"] == "summary")
+    ev = next((r for r in reversed(recs) if r["type"] == "eval"), None)
 
     def fmt(v, spec=".3g"):
         return "n/a" if v is None else format(v, spec)
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     avg = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
     print(f"MLM loss {avg(steps[:k], 'mlm_loss'):.3f} -> {avg(steps[-k:], 'mlm_loss'):.3f}   NSP loss "
           f"{avg(steps[:k], 'nsp_loss'):.3f} -> {avg(steps[-k:], 'nsp_loss'):.3f}   (mean of first / last {k} steps)")
+    if ev is not None:
+        print(f"held-out ({ev['samples']} samples): MLM loss {ev['mlm_loss']:.3f}, accuracy {ev['mlm_accuracy']:.3f}; "
+              f"NSP loss {ev['nsp_loss']:.3f}, accuracy {ev['nsp_accuracy']:.3f}")
     print(f"samples/s {fmt(s['samples_per_s'])}   seqs/s per accelerator {fmt(s['seqs_per_s_per_accelerator'])}   "
           f"tokens/s {fmt(s['tokens_per_s'])}")
     where = "measured matmul on this CPU" if s["accelerator"] == "cpu" else s["accelerator"]

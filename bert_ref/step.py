@@ -56,23 +56,24 @@ def step_fn(engine: Any, batch: dict) -> StepOutput:
     return _step(engine, batch, 0)
 
 
-def _step(engine: Any, batch: dict, sparse_predictions: int) -> StepOutput:
+def forward(engine: Any, batch: dict, sparse_predictions: int = 0) -> tuple[Any, torch.Tensor]:
+    """Run the (DeepSpeed-wrapped) model on a CPU batch: (model output, MLM labels on the device, [B, P] with the
+    sparse head, else [B, L]). Token ids were checked against the vocabulary when the data block was read
+    (bert_ref.data), naming the file and row; the step does not look again."""
     dev = engine.device
-    vocab = engine.module.config.vocab_size
-    top = int(batch["input_ids"].max())  # on the CPU batch: cheap, and clearer than an index error in the embedding
-    if top >= vocab:
-        raise ConfigError(f"token id {top} in the data >= the model's vocab_size {vocab}: the shards were made with a "
-                          f"larger vocabulary than the preset's (bert-prep vocab --vocab-size)")
     inputs = {k: batch[k].to(dev, non_blocking=True) for k in MODEL_INPUTS}
     labels = batch["labels"]
     if sparse_predictions:
         pos = masked_positions(labels, sparse_predictions)
         labels = torch.gather(labels, 1, pos)
         inputs["masked_lm_positions"] = pos.to(dev, non_blocking=True)
-    out = engine(**inputs)
-    mlm, nsp = pretraining_losses(out.prediction_logits, out.seq_relationship_logits,
-                                  labels.to(dev, non_blocking=True),
-                                  batch["next_sentence_label"].to(dev, non_blocking=True))
+    return engine(**inputs), labels.to(dev, non_blocking=True)
+
+
+def _step(engine: Any, batch: dict, sparse_predictions: int) -> StepOutput:
+    out, labels = forward(engine, batch, sparse_predictions)
+    mlm, nsp = pretraining_losses(out.prediction_logits, out.seq_relationship_logits, labels,
+                                  batch["next_sentence_label"].to(engine.device, non_blocking=True))
     loss = mlm + nsp
     ids = batch["input_ids"]
     # tokens = every position processed (padding included): that is what the FLOPs per sequence count.

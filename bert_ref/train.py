@@ -11,7 +11,8 @@ if not __package__:  # run as a file (`deepspeed bert_ref/train.py`): make the r
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bert_ref.configs import BertArgs, check_data_matches  # noqa: E402
-from bert_ref.data import build_data  # noqa: E402
+from bert_ref.data import build_data, list_test_shards  # noqa: E402
+from bert_ref.eval import EvalData, make_eval_fn  # noqa: E402
 from bert_ref.model import build_model, flops_per_sequence  # noqa: E402
 from bert_ref.layerwise import attach_zero_layout  # noqa: E402
 from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E402
@@ -32,16 +33,26 @@ def main(argv: list[str] | None = None) -> dict:
     opt_args = opt_args.for_preset(preset.name, preset.phase)  # '' / 0 -> the preset's published recipe
     save_run_config(train_cfg.run_dir, train_cfg, args, opt_args, rank=dist.rank)
 
-    data = build_data(args.input_dir, dist.rank, dist.world_size, ds_config["train_micro_batch_size_per_gpu"],
-                      seed=train_cfg.seed)
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    # ids are checked against the shards' own vocabulary, or the model's where the files do not store one
+    data = build_data(args.input_dir, dist.rank, dist.world_size, micro, seed=train_cfg.seed,
+                      vocab_size=preset.vocab_size)
     check_data_matches(preset, data, args.input_dir)  # before building a 1.5B model for the wrong phase
+    tests = list_test_shards(args.input_dir)
+    if train_cfg.eval_every and not tests:
+        raise ConfigError(f"--eval_every {train_cfg.eval_every}: {args.input_dir} has no held-out *_test_* shards "
+                          "(bert-prep shards --num-test-shards K writes them)")
+    eval_data = EvalData(tests, dist.rank, dist.world_size, micro, vocab_size=preset.vocab_size) if tests else None
+    if eval_data is not None:
+        check_data_matches(preset, eval_data, args.input_dir)
     accum = ds_config["gradient_accumulation_steps"]
     total_steps = train_cfg.max_steps or (len(data) // accum) * train_cfg.max_epochs
     if total_steps < 1:
         raise ConfigError(f"{args.input_dir}: {len(data)} micro batches per epoch on rank {dist.rank} make no "
                           f"optimizer step of {accum} accumulated micro batches")
 
-    model = build_model(preset, args.init_checkpoint, args.activation_checkpointing, args.attn_implementation,
+    hf_init = "" if args.init_run_dir() else args.init_checkpoint  # a run directory is loaded by the loop
+    model = build_model(preset, hf_init, args.activation_checkpointing, args.attn_implementation,
                         sparse_mlm=args.sparse_mlm, fast_dropout=args.fast_dropout)
     mlm_positions = preset.max_predictions_per_seq if args.sparse_mlm else 0
     optimizer = build_optimizer(model, opt_args, global_batch=ds_config["train_batch_size"])
@@ -52,9 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
                     model_name=f"{preset.name}_phase{preset.phase}",
                     flops_per_sample=flops_per_sequence(preset, mlm_positions=mlm_positions or None),
                     seq_len=preset.seq_len,
-                    fingerprint={"preset": preset.name, "optimizer": opt_args.optimizer})
-    if args.export_hf:
-        export_hf(engine, Path(train_cfg.run_dir) / "hf_model")  # --init_checkpoint of phase 2
+                    fingerprint={"preset": preset.name, "optimizer": opt_args.optimizer},
+                    eval_fn=make_eval_fn(eval_data, mlm_positions) if eval_data is not None else None,
+                    init_from=args.init_run_dir() or None, reset_optimizer=args.reset_optimizer)
+    if args.export_hf:  # the module's weights for transformers users; phase 2 starts from the run directory
+        export_hf(engine, Path(train_cfg.run_dir) / "hf_model")
     data.close()
     shutdown_distributed()
     return summary

@@ -179,3 +179,42 @@ def export_hf(engine, out_dir: str | os.PathLike) -> Path | None:
         os.replace(tmp, out)
     _barrier()
     return out if _rank() == 0 else None
+
+
+def init_from(engine, ckpt_root: str | os.PathLike, fingerprint: dict, reset_optimizer: bool = False) -> int:
+    """Start a new training phase from another run's latest complete checkpoint (BERT phase 2 from phase 1); returns
+    that checkpoint's step, from which the new phase's step numbering continues. Collective.
+
+    Loaded: the module and the optimizer's fp32 master weights and state (DeepSpeed's ZeRO checkpoint, not a 16-bit
+    export). Not loaded: the LR scheduler, data position and RNG (the new phase has its own schedule and data). As
+    NVIDIA's run_pretraining.py --phase2 does, the optimizer's moments carry over with its step counters set to 0 (bias
+    correction restarts) and this run's hyperparameters (LR, betas, weight decay) replace the saved ones;
+    reset_optimizer also drops the moments (the next step initialises them as for a new optimizer)."""
+    root = Path(ckpt_root)
+    tag = latest_tag(root)
+    if tag is None:
+        raise CheckpointError(f"{root}: no complete checkpoint to start from (a COMPLETE marker under "
+                              f"{root}/global_step*)")
+    saved = json.loads((root / tag / COMPLETE).read_text())
+    diffs = describe_mismatch(saved["fingerprint"], fingerprint)
+    if diffs:
+        raise ConfigError(f"cannot start from checkpoint {root / tag}: " + " | ".join(diffs) + " (the model, "
+                          "optimizer, ZeRO stage and data-parallel size must be those of the run that saved it)")
+    opt = engine.optimizer
+    base = getattr(opt, "optimizer", opt)  # the torch optimizer inside DeepSpeed's ZeRO / bf16 wrapper
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+    load_path, _ = engine.load_checkpoint(str(root), tag=tag, load_module_strict=True, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
+    for group, hyper in zip(base.param_groups, mine):
+        group.update(hyper)
+        if "step" in group:  # optimizers that count steps per group (FusedLAMB-style)
+            group["step"] = group["step"].zero_() if isinstance(group["step"], torch.Tensor) else 0
+    if reset_optimizer:
+        base.state.clear()
+    else:
+        for st in base.state.values():
+            if "step" in st:
+                st["step"] = st["step"].zero_() if isinstance(st["step"], torch.Tensor) else 0
+    return int(saved["step"])

@@ -120,9 +120,14 @@ def reduce_summary_stats(stats: dict, world_size: int, shared: frozenset | set =
 
 def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: DistInfo, *, model_name: str,
           flops_per_sample: float, seq_len: int = 0, eval_fn: EvalFn | None = None,
-          fingerprint: dict | None = None, clock: Callable[[], float] | None = None) -> dict:
+          fingerprint: dict | None = None, clock: Callable[[], float] | None = None, init_from: str | None = None,
+          reset_optimizer: bool = False) -> dict:
     """Run training to cfg.max_steps (or cfg.max_epochs); returns the final metrics summary record.
-    `clock` replaces the metrics clock (tests drive time with it; time.perf_counter by default)."""
+    `clock` replaces the metrics clock (tests drive time with it; time.perf_counter by default).
+
+    init_from: a run directory whose latest checkpoint this run starts from when it has none of its own to resume
+    (ckpt.init_from: weights and optimizer state; a new phase with its own schedule and data). Step numbers continue
+    from that checkpoint's step, and cfg.max_steps counts the steps of this phase."""
     run_dir = Path(cfg.run_dir)
     ckpt_root = run_dir / "checkpoints"
     ds_config = engine.config if isinstance(engine.config, dict) else {}
@@ -133,19 +138,26 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
     fp = dict(ckpt.model_fingerprint(engine, stage), **(fingerprint or {}))
 
     step, epoch = 0, 0
+    phase_start = 0  # step this phase started from: 0, or the step of the init_from checkpoint
     state = ckpt.load(engine, ckpt_root, fp) if cfg.resume else None
     if state is not None:
         step, epoch = state["step"], state["epoch"]
+        phase_start = state.get("phase_start", 0)
         data.load_state_dict(state["data"])
         if dist.rank == 0:
             print(f"[ds_core] resumed from {ckpt_root / ckpt.tag_for(step)} at step {step}, epoch {epoch}", flush=True)
     else:
         if cfg.resume and dist.rank == 0:
             print(f"[ds_core] --resume: no complete checkpoint in {ckpt_root}; starting from step 0", flush=True)
+        if init_from:
+            phase_start = step = ckpt.init_from(engine, Path(init_from) / "checkpoints", fp, reset_optimizer)
+            if dist.rank == 0:
+                print(f"[ds_core] starting from {init_from} at step {step} (optimizer state "
+                      f"{'reset' if reset_optimizer else 'carried, step counters reset'})", flush=True)
         data.set_epoch(0)
 
     # Like HF Trainer: max_steps, when given, wins over epochs (the data source is cycled as often as needed).
-    max_steps = cfg.max_steps or math.inf
+    max_steps = phase_start + cfg.max_steps if cfg.max_steps else math.inf
     max_epochs = math.inf if cfg.max_steps else cfg.max_epochs
     kind = accelerator_kind(dist.accelerator, dist.device)
     from deepspeed.accelerator import get_accelerator
@@ -161,7 +173,7 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                       grad_accum=engine.gradient_accumulation_steps(), zero_stage=stage,
                       precision=precision, flops_per_sample=flops_per_sample, seq_len=seq_len,
                       warmup_steps=cfg.throughput_warmup_steps, log_every=cfg.log_every,
-                      total_steps=cfg.max_steps or None,
+                      total_steps=phase_start + cfg.max_steps if cfg.max_steps else None,
                       peak_tflops=peak_tflops_for(kind, precision) if dist.rank == 0 else None,
                       monitor=getattr(engine, "monitor", None), progress_bar=cfg.progress_bar,
                       sync=accel.synchronize, start_step=step, clock=clock or time.perf_counter,
@@ -169,7 +181,8 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
 
     def save() -> None:
         with metrics.timed("checkpoint"):  # outside the throughput window; reported as checkpoint_s
-            ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict()}, fp)
+            ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict(), "phase_start": phase_start},
+                      fp)
 
     def run_eval() -> None:
         with metrics.timed("eval"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bert_ref.data import (IGNORE_INDEX, SCHEMA, DataDirError, DataStateError, PretrainingData, ShardError,
-                           assign_shards, batches_per_epoch, build_data, plan_segments)
+                           assign_shards, batches_per_epoch, build_data, plan_segments, list_test_shards)
 from bert_ref.prep.h5io import synthetic_arrays, write_shard
 
 L, P, V = 32, 5, 300
@@ -163,7 +163,7 @@ def test_resume_reads_one_block_and_replays_nothing(shard_dir, monkeypatch):
 
     loads, made = [], []
     real_load, real_make = data_mod.load_block, data_mod.make_batch
-    monkeypatch.setattr(data_mod, "load_block", lambda seg, L: loads.append(seg) or real_load(seg, L))
+    monkeypatch.setattr(data_mod, "load_block", lambda seg, L, v=None: loads.append(seg) or real_load(seg, L, v))
     monkeypatch.setattr(data_mod, "make_batch", lambda a, idx: made.append(len(idx)) or real_make(a, idx))
     ref = PretrainingData(shard_dir, 0, 1, 4, seed=2, prefetch=False, block_samples=16)
     n = len(ref)
@@ -286,3 +286,76 @@ def test_nvidia_layout_reads_unchanged(tmp_path):
     data = build_data(tmp_path, 0, 1, 20)
     b = next(iter(data))
     assert int((b["labels"] != IGNORE_INDEX).sum()) == int((a["masked_lm_positions"] > 0).sum())
+
+
+# ------------------------------------------------------------------------------------------ vocabulary checks
+@pytest.mark.parametrize("dataset", ["input_ids", "masked_lm_ids"])
+def test_out_of_vocab_ids_fail_at_block_read_naming_file_dataset_row(tmp_path, dataset):
+    """NVIDIA-style file (no vocab_size attribute): ids are checked against the model's vocabulary. Row 300 is past
+    the rows inspected at open, so the block read finds it, before the first batch is handed out."""
+    a = synthetic_arrays(600, L, P, V, seed=5)
+    col = 3 if dataset == "input_ids" else 0  # masked_lm_ids column 0 is a real masked token in every row
+    a[dataset][300, col] = 5000
+    write_raw(tmp_path / "nv_training_0.hdf5", a)
+    data = PretrainingData(tmp_path, 0, 1, 2, vocab_size=1024, prefetch=False)
+    with pytest.raises(ShardError) as e:
+        next(iter(data))
+    msg = str(e.value)
+    assert "nv_training_0.hdf5" in msg and f"'{dataset}'" in msg and "first at sample 300" in msg, msg
+    assert "[0, 1024)" in msg
+    # the same file is fine for a model with a larger vocabulary
+    assert next(iter(PretrainingData(tmp_path, 0, 1, 2, vocab_size=8192, prefetch=False)))["input_ids"].shape[0] == 2
+
+
+def test_vocab_attribute_is_the_bound_and_checked_at_open(tmp_path):
+    a = synthetic_arrays(40, L, P, V, seed=6)
+    write_shard(tmp_path / "b_training_0.hdf5", a, vocab_size=2000)
+    with pytest.raises(ShardError, match=r"b_training_0.hdf5.*vocabulary of 2000 tokens.*vocab_size is 1024"):
+        PretrainingData(tmp_path, 0, 1, 2, vocab_size=1024)
+    # ids checked against the file's own vocabulary even when the model's is larger (or unknown)
+    a["input_ids"][0, 2] = 250
+    write_shard(tmp_path / "b_training_0.hdf5", a, vocab_size=200)
+    with pytest.raises(ShardError, match=r"'input_ids'.*out of the vocabulary \[0, 200\).*first at sample 0"):
+        PretrainingData(tmp_path, 0, 1, 2, vocab_size=30528)
+    write_shard(tmp_path / "b_training_0.hdf5", synthetic_arrays(40, L, P, 200, seed=6), vocab_size=200)
+    data = PretrainingData(tmp_path, 0, 1, 2)
+    assert data.vocab_size == 200 and len(list(data)) == 20
+
+
+# ------------------------------------------------------------------------------------------ held-out shares
+def test_eval_ranges_partition():
+    from bert_ref.eval import eval_ranges
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        sizes = rng.integers(1, 40, size=rng.integers(1, 5)).tolist()
+        world = int(rng.integers(1, 9))
+        seen = []
+        for r in range(world):
+            for i, s, e in eval_ranges(sizes, r, world):
+                seen += [(i, k) for k in range(s, e)]
+        assert seen == [(i, k) for i, n in enumerate(sizes) for k in range(n)]
+
+
+@pytest.mark.parametrize("world,micro", [(1, 4), (2, 4), (3, 5)])
+def test_eval_data_yields_every_test_sample_once(tmp_path, world, micro):
+    """Test files of 13 + 9 samples: no rank count divides by world x micro; every rank runs the same number of
+    forward passes (padding ones carry weight 0) and the weighted rows are exactly the test samples."""
+    from bert_ref.eval import EvalData
+
+    for i, n in enumerate((13, 9)):
+        write_shard(tmp_path / f"bert_test_{i}.hdf5", synthetic_arrays(n, L, P, V, seed=20 + i))
+    write_shard(tmp_path / "bert_training_0.hdf5", synthetic_arrays(8, L, P, V, seed=30))
+    files = list_test_shards(tmp_path)
+    assert [Path(f).name for f in files] == ["bert_test_0.hdf5", "bert_test_1.hdf5"]
+    expect = np.concatenate([h5py.File(f, "r")["input_ids"][:] for f in files])
+    rows, passes = [], set()
+    for r in range(world):
+        data = EvalData(files, r, world, micro, block_samples=4)  # small blocks: batches join blocks and files
+        got = list(data)
+        passes.add(len(got))
+        for batch, n in got:
+            assert 0 <= n <= micro and len(batch["input_ids"]) == max(n, 1)
+            rows.append(batch["input_ids"][:n].numpy())
+    assert len(passes) == 1
+    np.testing.assert_array_equal(np.concatenate(rows), expect)  # in order, once each

@@ -229,3 +229,35 @@ def test_check_reports_bad_file(prepared, tmp_path, capsys):
     text = capsys.readouterr().out
     assert victim.name in text and "masked_lm_positions" in text and "out of range" in text
     assert json.loads(text.strip().splitlines()[-1])["files"] == 2
+
+
+def test_vocab_size_attribute_written(prepared):
+    vocab = len(read_vocab(prepared / "vocab.txt"))
+    for f in sorted((prepared / "hdf5_seq128_pred20").glob("*.hdf5")):
+        with h5py.File(f, "r") as h:
+            assert int(h.attrs["vocab_size"]) == vocab
+            assert h["input_ids"][:].max() < vocab
+
+
+def _shards_of(raw: Path, out: Path) -> dict[str, np.ndarray]:
+    rc = main(["all", "--input", str(raw), "--output", str(out), "--num-shards", "1", "--vocab-size", "200",
+               "--min-frequency", "1", "--max-seq-length", "64", "--max-predictions-per-seq", "10",
+               "--dupe-factor", "3", "--no-progress"])
+    assert rc == 0
+    return h5_arrays(next((out / "hdf5_seq64_pred10").glob("*.hdf5")))
+
+
+def test_nsp_label_of_a_random_next_from_the_same_document(tmp_path):
+    """NVIDIA's create_pretraining_data.py: when the 'random' B can only come from A's own document, the pair is
+    labelled is-next (0). A single-document shard therefore has only 0 labels; the same text split into documents
+    has random-next pairs (1) too."""
+    raw = write_corpus(tmp_path / "raw", files=1, docs=12, seed=3)
+    many = _shards_of(raw, tmp_path / "many")
+    assert 0 < many["next_sentence_labels"].mean() < 1
+    one = tmp_path / "one" / "raw"
+    one.mkdir(parents=True)
+    text = (raw / "part0.txt").read_text()
+    (one / "part0.txt").write_text("\n".join(line for line in text.splitlines() if line.strip()) + "\n")
+    single = _shards_of(one, tmp_path / "one" / "work")
+    assert len(single["next_sentence_labels"]) > 20
+    assert not single["next_sentence_labels"].any()

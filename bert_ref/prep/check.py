@@ -41,7 +41,8 @@ class Summary:
 def check_file(path: str, vocab_size: int | None, s: Summary) -> None:
     import h5py
 
-    info = inspect_shard(path)
+    info = inspect_shard(path, vocab_size=vocab_size)
+    vocab_size = vocab_size if info.vocab_size is None else info.vocab_size  # the file's own vocabulary first
     L = info.seq_len
     with h5py.File(path, "r") as f:
         for lo in range(0, info.num_samples, CHUNK):
@@ -53,7 +54,7 @@ def check_file(path: str, vocab_size: int | None, s: Summary) -> None:
                     a[name] = f[name][lo:hi]
                 except Exception as e:
                     raise ShardError(path, name, f"cannot read samples {lo}:{hi} ({type(e).__name__}: {e})") from e
-            check_arrays(path, a, L, first_row=lo)
+            check_arrays(path, a, L, first_row=lo, vocab_size=vocab_size)
             ids, mask, pos = a["input_ids"], a["input_mask"].astype(bool), a["masked_lm_positions"]
             lengths = mask.sum(1)
 

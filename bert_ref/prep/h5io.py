@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bert_ref.data import SCHEMA
+from bert_ref.data import SCHEMA, VOCAB_ATTR
 
 
 def tmp_name(path: str | os.PathLike) -> Path:
@@ -22,13 +22,17 @@ def atomic_replace(tmp: Path, final: str | os.PathLike) -> None:
     os.replace(tmp, final)
 
 
-def write_shard(path: str | os.PathLike, arrays: dict[str, np.ndarray], compression: str | None = "gzip") -> None:
-    """Write the six datasets (cast to the layout's dtypes) to a temporary name, then rename to `path`."""
+def write_shard(path: str | os.PathLike, arrays: dict[str, np.ndarray], compression: str | None = "gzip",
+                vocab_size: int | None = None) -> None:
+    """Write the six datasets (cast to the layout's dtypes) to a temporary name, then rename to `path`. vocab_size:
+    stored as the file attribute bert_ref.data.VOCAB_ATTR, which the loader checks every id against."""
     import h5py
 
     tmp = tmp_name(path)
     try:
         with h5py.File(tmp, "w") as f:
+            if vocab_size is not None:
+                f.attrs[VOCAB_ATTR] = np.int64(vocab_size)
             for name, (dtype, _) in SCHEMA.items():
                 a = np.asarray(arrays[name]).astype(dtype, copy=False)
                 # chunks of whole rows (~256 KiB): the loader reads sample ranges, and h5py's automatic chunking

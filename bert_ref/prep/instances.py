@@ -2,7 +2,8 @@
 
 Per document: sentences are packed into chunks up to a target length (max_seq_length - 3, or with probability
 short_seq_prob a random shorter one), split into A and B; half the time B is replaced by text from a random other
-document (next_sentence_labels = 1, as in NVIDIA's files), the unused sentences are put back. The pair is truncated
+document (next_sentence_labels = 1, as in NVIDIA's files; 0 when the draw fell on the same document, as NVIDIA's
+create_pretraining_data.py sets it), the unused sentences are put back. The pair is truncated
 from a random end, and masked: masked_lm_prob of the tokens (at most max_predictions_per_seq, at least one), never
 [CLS]/[SEP]; 80% become [MASK], 10% stay, 10% become a random non-special token. Everything is repeated dupe_factor
 times with different masks, and the instances of a shard are shuffled.
@@ -136,6 +137,9 @@ def instances_from_document(docs: list[list[array]], d: int, p: ShardParams, voc
                         r = rng.randint(0, len(docs) - 1)
                         if r != d:
                             break
+                    if r == d:  # only one document to draw from: NVIDIA's create_pretraining_data.py labels this pair
+                        # 'is next' (is_random_next = False), though B still starts at a random sentence
+                        random_next = False
                     other = docs[r]
                     for j in range(rng.randint(0, len(other) - 1), len(other)):
                         b.extend(other[j])
@@ -215,7 +219,8 @@ def make_shard(text_path: str, out_path: str, index: int, vocab_file: str, p: Sh
     rng.shuffle(instances)
     if not instances:
         raise PrepError(f"{text_path}: produced no instances (documents too short?)")
-    write_shard(out_path, to_arrays(instances, p), compression=p.compression or None)
+    write_shard(out_path, to_arrays(instances, p), compression=p.compression or None,
+                vocab_size=len(vocab.tokens))
     return out_path, len(instances)
 
 
