@@ -16,7 +16,7 @@ from bert_ref.model import build_model, flops_per_sequence  # noqa: E402
 from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E402
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
-from ds_core.config import (ConfigError, TrainConfig, check_optimizer_source, ds_config_for, parse_args,  # noqa: E402
+from ds_core.config import (ConfigError, TrainConfig, check_ds_json, ds_config_for, parse_args,  # noqa: E402
                             save_run_config)
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed  # noqa: E402
 from ds_core.loop import train  # noqa: E402
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_cfg, args, opt_args = parse_args([TrainConfig, BertArgs, OptimArgs], argv, description=__doc__)
     preset = args.model_preset()
     train_cfg.deepspeed_config = train_cfg.deepspeed_config or DEFAULT_DS_CONFIG
-    check_optimizer_source(train_cfg.deepspeed_config, optimizer_in_code=True)  # before distributed init
+    check_ds_json(train_cfg.deepspeed_config, optimizer_in_code=True)  # before distributed init
     prepare_run_dir(train_cfg)  # a used run_dir is refused (or moved aside) before any rank starts
     dist = init_distributed(train_cfg.dist_timeout_s)
     set_seed(train_cfg.seed)

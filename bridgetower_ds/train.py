@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ds_core.checkpoint import export_hf
-from ds_core.config import (ConfigError, TrainConfig, atomic_write_text, check_optimizer_source, ds_config_for,
+from ds_core.config import (ConfigError, TrainConfig, atomic_write_text, check_ds_json, ds_config_for,
                             parse_args, save_run_config)
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import train
@@ -29,7 +29,7 @@ def main(argv=None) -> dict:
     if not (run_args.do_train or run_args.do_eval or run_args.do_predict):
         raise ConfigError("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
     train_cfg.deepspeed_config = train_cfg.deepspeed_config or DEFAULT_DS_CONFIG
-    check_optimizer_source(train_cfg.deepspeed_config, optimizer_in_code=False)  # before distributed init
+    check_ds_json(train_cfg.deepspeed_config, optimizer_in_code=False)  # before distributed init
     if run_args.do_train:
         prepare_run_dir(train_cfg)  # a used run_dir is refused (or moved aside) before any rank starts
     dist = init_distributed(train_cfg.dist_timeout_s)

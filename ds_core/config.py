@@ -304,6 +304,7 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
     if cfg.get("bf16", {}).get("enabled") and cfg.get("fp16", {}).get("enabled"):
         raise ConfigError(f"{source}: bf16.enabled and fp16.enabled are both true: pick one precision")
     check_ds_values(cfg, source)
+    settle_grad_accum_dtype(cfg, source)
     return cfg
 
 
@@ -345,7 +346,7 @@ def _notice(msg: str) -> None:
 
 def check_ds_values(cfg: dict, source: str = "DeepSpeed config") -> None:
     """Refuse values DeepSpeed would train with silently (a negative lr or clipping) or reject only after distributed
-    init; settle the gradient accumulation dtype under bf16. Modifies cfg in place (data_types.grad_accum_dtype)."""
+    init (bucket sizes), naming the key."""
     opt = cfg.get("optimizer")
     if opt is not None:
         params = opt.get("params", {}) if isinstance(opt, dict) else None
@@ -364,11 +365,11 @@ def check_ds_values(cfg: dict, source: str = "DeepSpeed config") -> None:
         if not (_is_number(v) and float(v).is_integer() and v >= low):
             raise ConfigError(f"{source}: zero_optimization.{key} = {v!r}: expected a whole number of elements "
                               f">= {low}")
-    _settle_grad_accum_dtype(cfg, source)
 
 
-def _settle_grad_accum_dtype(cfg: dict, source: str) -> None:
-    """bf16 with accumulation > 1: accumulate gradients in fp32.
+def settle_grad_accum_dtype(cfg: dict, source: str = "DeepSpeed config") -> None:
+    """bf16 with accumulation > 1: accumulate gradients in fp32 (fills data_types.grad_accum_dtype when absent, warns
+    when the config asks for bf16 accumulation). Modifies cfg in place.
 
     DeepSpeed 0.19 accumulates in the model dtype unless data_types.grad_accum_dtype says otherwise
     (engine.get_data_types). With "fp32": ZeRO-1 switches to BF16_Optimizer (fp32 gradient buffers), ZeRO-2 and
@@ -400,11 +401,14 @@ def _settle_grad_accum_dtype(cfg: dict, source: str) -> None:
                 f"({why}); measured: {BF16_ACCUM_ERROR}. Use ZeRO >= 1 with data_types.grad_accum_dtype \"fp32\".")
 
 
-def check_optimizer_source(ds_config_path: str | os.PathLike, optimizer_in_code: bool) -> None:
-    """Before distributed init: the optimizer is built either in code or from the JSON's "optimizer" section, never
-    both and never neither (ds_core.engine.build_engine checks the same, but only after init and model build)."""
+def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool) -> None:
+    """Before distributed init (the world size, hence the batch arithmetic, comes later in load_ds_config): the JSON
+    reads, its values pass check_ds_values, and the optimizer is built either in code or from the JSON's "optimizer"
+    section, never both and never neither (ds_core.engine.build_engine checks the same, but only after init and
+    model build)."""
     cfg = read_ds_json(ds_config_path)
     source = f"DeepSpeed config {resolve_ds_path(ds_config_path)}"
+    check_ds_values(cfg, source)
     if optimizer_in_code and "optimizer" in cfg:
         raise ConfigError(f"{source} has an \"optimizer\" section, but this model builds its optimizer in code: use "
                           f"a DeepSpeed JSON without \"optimizer\" (the model's optimizer flags set it)")
