@@ -214,3 +214,15 @@ def test_full_disk_during_save_names_path_space_and_latest(tmp_path):
     finally:
         if mounted:
             subprocess.run(["umount", str(ckpts)], check=True)
+
+
+def test_bert_optimizer_in_code_and_json_is_refused_before_distributed_init(tmp_path):
+    """bert_ref builds its optimizer in code; a DeepSpeed JSON with an "optimizer" section is refused before any
+    distributed init or model build (it used to fail in build_engine)."""
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "bert_ref.train", "--preset", "debug", "--input_dir", str(tmp_path),
+                           "--run_dir", str(run), "--deepspeed_config", "zero1_bf16.json"], env=dist_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "zero1_bf16.json has an \"optimizer\" section, but this model builds its optimizer in code" in proc.stderr
+    assert not run.exists()
