@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 from ds_core.checkpoint import export_hf
-from ds_core.config import ConfigError, TrainConfig, atomic_write_text, ds_config_for, parse_args, save_run_config
+from ds_core.config import (ConfigError, TrainConfig, atomic_write_text, check_ds_json, ds_config_for,
+                            parse_args, save_run_config)
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import train
+from ds_core.run_dir import prepare_run_dir
 
 from bridgetower_ds.configs import ModelArgs, RunArgs
 from bridgetower_ds.data import DataArgs, build_data, open_dataset
@@ -17,6 +19,7 @@ from bridgetower_ds.model import build_model, flops_per_sample, model_summary
 from bridgetower_ds.step import step_fn
 from bridgetower_ds.tokenizer import expected_padded_length, load_tokenizer
 
+# bridgetower_ds's one default DeepSpeed JSON; the optimizer (AdamW) comes from its "optimizer" section.
 DEFAULT_DS_CONFIG = "bridgetower_zero1_bf16.json"
 
 
@@ -26,6 +29,9 @@ def main(argv=None) -> dict:
     if not (run_args.do_train or run_args.do_eval or run_args.do_predict):
         raise ConfigError("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
     train_cfg.deepspeed_config = train_cfg.deepspeed_config or DEFAULT_DS_CONFIG
+    check_ds_json(train_cfg.deepspeed_config, optimizer_in_code=False)  # before distributed init
+    if run_args.do_train:
+        prepare_run_dir(train_cfg)  # a used run_dir is refused (or moved aside) before any rank starts
     dist = init_distributed(train_cfg.dist_timeout_s)
     set_seed(train_cfg.seed)
     ds_config = ds_config_for(train_cfg, dist.world_size)

@@ -88,3 +88,89 @@ def test_unknown_flag_is_named():
 def test_bad_value_is_named():
     with pytest.raises(ConfigError, match="zero_stage"):
         parse_args([TrainConfig], ["--zero_stage", "5"])
+
+
+# --- DeepSpeed values refused before training, fp32 gradient accumulation, one default JSON per model package ---
+
+def _ds(**extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    cfg.update(extra)
+    return cfg
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1e-5}}}, "optimizer.params.lr = -1e-05"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0}}}, "optimizer.params.lr = 0"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping = -1.0"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size = 0"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": -5}},
+     "zero_optimization.stage3_prefetch_bucket_size = -5"),
+    ({"zero_optimization": {"stage": 1, "allgather_bucket_size": 2.5e8 + 0.5}}, "zero_optimization.allgather_bucket"),
+    ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}},
+     "stage3_param_persistence_threshold = 'auto'"),
+])
+def test_bad_deepspeed_values_are_named(change, key):
+    with pytest.raises(ConfigError) as e:
+        load_ds_config(_ds(**change), 2)
+    assert key in str(e.value)
+
+
+def test_good_deepspeed_values_pass():
+    cfg = load_ds_config(_ds(gradient_clipping=0.0, zero_optimization={"stage": 3, "reduce_bucket_size": 5e8,
+                                                                        "stage3_param_persistence_threshold": 0}), 2)
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 5e8
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_accumulation_is_fp32(stage, capsys):
+    cfg = load_ds_config(_ds(gradient_accumulation_steps=8, zero_optimization={"stage": stage}), 2)
+    assert cfg["data_types"]["grad_accum_dtype"] == "fp32"
+    assert "gradients accumulate in fp32" in capsys.readouterr().err
+    # one micro-step per optimizer step: nothing accumulates, DeepSpeed's default path is kept
+    assert "data_types" not in load_ds_config(_ds(zero_optimization={"stage": stage}), 2)
+
+
+def test_bf16_accumulation_asked_for_is_warned_with_the_measured_error(capsys):
+    cfg = load_ds_config(_ds(gradient_accumulation_steps=8, data_types={"grad_accum_dtype": "bf16"}), 2)
+    assert cfg["data_types"]["grad_accum_dtype"] == "bf16"  # asked for: kept, with a warning
+    err = capsys.readouterr().err
+    assert "warning" in err and "1.15 %" in err and "0.07 %" in err
+    load_ds_config(_ds(gradient_accumulation_steps=8, zero_optimization={"stage": 0}), 2)
+    assert "ZeRO stage 0 cannot accumulate" in capsys.readouterr().err
+
+
+def test_fp32_accumulation_with_zero0_bf16_is_refused_before_deepspeed():
+    with pytest.raises(ConfigError, match="grad_accum_dtype.*stage 0"):
+        load_ds_config(_ds(zero_optimization={"stage": 0}, data_types={"grad_accum_dtype": "fp32"}), 2)
+
+
+@pytest.mark.parametrize("path", sorted(DS_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_shipped_configs_accumulate_in_fp32_when_they_accumulate(path):
+    raw = json.loads(path.read_text())
+    if raw.get("bf16", {}).get("enabled") and raw.get("gradient_accumulation_steps", 1) > 1:
+        assert raw.get("data_types", {}).get("grad_accum_dtype") == "fp32", path.name  # said in the file itself
+
+
+def test_each_model_package_has_one_default_ds_config():
+    import bert_ref.train
+    import bridgetower_ds.train
+    from ds_core import config as dsc
+
+    assert not hasattr(dsc, "DEFAULT_DS_CONFIG")  # ds_core picks none
+    with pytest.raises(ConfigError, match="--deepspeed_config"):
+        dsc.ds_config_for(TrainConfig(), 1)
+    # bert_ref builds its optimizer in code: its default JSON must have no "optimizer" section, and the reverse
+    dsc.check_ds_json(bert_ref.train.DEFAULT_DS_CONFIG, optimizer_in_code=True)
+    dsc.check_ds_json(bridgetower_ds.train.DEFAULT_DS_CONFIG, optimizer_in_code=False)
+    with pytest.raises(ConfigError, match="builds its optimizer in code"):
+        dsc.check_ds_json("zero1_bf16.json", optimizer_in_code=True)
+
+
+def test_new_run_settings_are_validated():
+    with pytest.raises(ConfigError, match="save_total_limit"):
+        parse_args([TrainConfig], ["--save_total_limit", "-1"])
+    with pytest.raises(ConfigError, match="max_steps_this_run"):
+        parse_args([TrainConfig], ["--max_steps_this_run", "-2"])
+    with pytest.raises(ConfigError, match="overwrite_run_dir"):
+        parse_args([TrainConfig], ["--resume", "true", "--overwrite_run_dir", "true"])

@@ -2,10 +2,13 @@
 
 Run as `deepspeed --num_gpus 2 tests/tiny_train.py --run_dir R --deepspeed_config zero1_bf16.json ...`.
 Test-only switches (env): TINY_NAN_AT_STEP=k makes the loss NaN at optimizer step k; TINY_KILL_IN_SAVE=k makes
-rank 0 kill -9 itself inside the save of step k, after DeepSpeed wrote its files and before the save completed.
+rank 0 kill -9 itself inside the save of step k, after DeepSpeed wrote its files and before the save completed;
 TINY_FAKE_CLOCK=1 drives ds_core.metrics with a clock that moves 1.0 per micro-step, 100.0 per checkpoint save and
 50.0 per eval (so the throughput window can be checked exactly); TINY_EVAL=1 adds an eval hook; TINY_STATS=1 makes
 the data source report per-rank summary statistics (rank r: bad_rows = r + 1).
+TINY_SIGNAL_AT_STEP=k (with TINY_SIGNAL_RANK=r, TINY_SIGNAL=SIGTERM|SIGUSR1) makes rank r send itself the signal
+during optimizer step k; TINY_DROPOUT_DUMP=DIR saves each rank's first dropout mask (embeddings) to DIR;
+TINY_DISK_FULL_AT=k makes every rank's checkpoint writer fail with ENOSPC at step k (where no tmpfs can be mounted).
 """
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ import numpy as np
 import torch
 
 from ds_core import checkpoint as ckpt
-from ds_core.config import TrainConfig, ds_config_for, parse_args, save_run_config
+from ds_core.config import TrainConfig, check_ds_json, ds_config_for, parse_args, save_run_config
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import StepOutput, train
+from ds_core.run_dir import prepare_run_dir
 
 
 @dataclass
@@ -83,6 +87,10 @@ def step_fn(engine, batch) -> StepOutput:
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     out = engine(input_ids=batch["input_ids"], labels=batch["labels"])
     loss = out.loss
+    signal_at = int(os.environ.get("TINY_SIGNAL_AT_STEP", "0"))
+    if (signal_at and engine.global_steps + 1 == signal_at
+            and int(os.environ.get("TINY_SIGNAL_RANK", "0")) == int(os.environ.get("RANK", "0"))):
+        os.kill(os.getpid(), getattr(signal, os.environ.get("TINY_SIGNAL", "SIGTERM")))
     nan_at = int(os.environ.get("TINY_NAN_AT_STEP", "0"))
     if nan_at and engine.global_steps + 1 == nan_at:
         loss = loss * float("nan")
@@ -96,6 +104,8 @@ def main(argv=None) -> dict:
     from transformers import BertConfig, BertForSequenceClassification
 
     cfg, args = parse_args([TrainConfig, TinyArgs], argv)
+    check_ds_json(cfg.deepspeed_config, optimizer_in_code=False)  # as the model entry points: before init
+    prepare_run_dir(cfg)
     dist = init_distributed(cfg.dist_timeout_s)
     set_seed(cfg.seed)
     save_run_config(cfg.run_dir, cfg, args, rank=dist.rank)
@@ -130,6 +140,27 @@ def main(argv=None) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         engine.save_checkpoint = save_then_die
+    full_step = int(os.environ.get("TINY_DISK_FULL_AT", "0"))
+    if full_step:
+        import errno
+
+        real_save_full = engine.save_checkpoint
+
+        def save_disk_full(*a, **kw):
+            if kw.get("tag") == ckpt.tag_for(full_step):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), kw.get("tag"))
+            return real_save_full(*a, **kw)
+
+        engine.save_checkpoint = save_disk_full
+    dump = os.environ.get("TINY_DROPOUT_DUMP")
+    if dump:
+        def keep_first_mask(module, inputs, output):
+            if not getattr(module, "_dumped", False):
+                module._dumped = True
+                mask = (output == 0) & (inputs[0] != 0)
+                torch.save(mask.cpu(), os.path.join(dump, f"mask_rank{dist.rank}.pt"))
+
+        engine.module.bert.embeddings.dropout.register_forward_hook(keep_first_mask)
     data = SyntheticData(args, dist.rank, dist.world_size, ds_config["train_micro_batch_size_per_gpu"], cfg.seed)
     per_sample = 6 * sum(p.numel() for p in model.parameters()) * args.seq_len  # ~6 N T training FLOPs
     summary = train(engine, step_fn, data, cfg, dist, model_name="tiny-bert", flops_per_sample=per_sample,
