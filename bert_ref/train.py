@@ -16,15 +16,24 @@ from bert_ref.model import build_model, flops_per_sequence  # noqa: E402
 from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E402
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
-from ds_core.config import ConfigError, TrainConfig, ds_config_for, parse_args, save_run_config  # noqa: E402
+from ds_core.config import (ConfigError, TrainConfig, check_optimizer_source, ds_config_for, parse_args,  # noqa: E402
+                            save_run_config)
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed  # noqa: E402
 from ds_core.loop import train  # noqa: E402
+from ds_core.run_dir import prepare_run_dir  # noqa: E402
+
+# bert_ref's one default DeepSpeed JSON (the default preset, bert_large phase 1). It has no "optimizer" section: the
+# optimizer (LAMB / LANS / AdamW) is built in code from --optimizer.
+DEFAULT_DS_CONFIG = "bert_large_zero1_bf16.json"
 
 
 def main(argv: list[str] | None = None) -> dict:
     # parse_args validates every section first: a bad preset or a missing --input_dir fails before any rank starts
     train_cfg, args, opt_args = parse_args([TrainConfig, BertArgs, OptimArgs], argv, description=__doc__)
     preset = args.model_preset()
+    train_cfg.deepspeed_config = train_cfg.deepspeed_config or DEFAULT_DS_CONFIG
+    check_optimizer_source(train_cfg.deepspeed_config, optimizer_in_code=True)  # before distributed init
+    prepare_run_dir(train_cfg)  # a used run_dir is refused (or moved aside) before any rank starts
     dist = init_distributed(train_cfg.dist_timeout_s)
     set_seed(train_cfg.seed)
     ds_config = ds_config_for(train_cfg, dist.world_size)

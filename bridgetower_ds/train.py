@@ -13,6 +13,7 @@ from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_di
 from ds_core.loop import train
 from ds_core.results import keep_frozen_fp32, save_metrics, save_model, train_metrics
 from ds_core.schedule import total_optimizer_steps
+from ds_core.run_dir import prepare_run_dir
 
 from bridgetower_ds import compat
 from bridgetower_ds.configs import CompatArgs, ModelArgs, OptimArgs, RunArgs
@@ -23,6 +24,8 @@ from bridgetower_ds.model import build_model, flops_per_sample, model_summary
 from bridgetower_ds.step import step_fn
 from bridgetower_ds.tokenizer import expected_padded_length, load_tokenizer
 
+# bridgetower_ds's one default DeepSpeed JSON. The optimizer is its "optimizer" section (AdamW) or, without one,
+# AdamW built in code; learning rate and weight decay follow OptimArgs' rule either way (bridgetower_ds/compat.py).
 DEFAULT_DS_CONFIG = "bridgetower_zero1_bf16.json"
 # The run's settings file: run_dir also receives the final model, whose own config.json is the model's.
 RUN_CONFIG = "run_config.json"
@@ -38,6 +41,8 @@ def main(argv=None) -> dict:
     model_args.model_name_or_path = resolve_pretrained(model_args.model_name_or_path)
     model_args.tokenizer_name_or_path = resolve_pretrained(model_args.tokenizer_name_or_path, "--tokenizer_name_or_path")
     train_cfg.deepspeed_config = train_cfg.deepspeed_config or DEFAULT_DS_CONFIG
+    if run_args.do_train:
+        prepare_run_dir(train_cfg)  # a used run_dir is refused (or moved aside) before any rank starts
     dist = init_distributed(train_cfg.dist_timeout_s)
     set_seed(train_cfg.seed)
     ds_config = ds_config_for(train_cfg, dist.world_size)

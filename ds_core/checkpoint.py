@@ -111,8 +111,17 @@ def latest_tag(ckpt_root: str | os.PathLike) -> str | None:
     return max(tags, key=lambda t: int(t[len("global_step"):]), default=None)
 
 
-def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fingerprint: dict) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+def _free_bytes(path: Path) -> str:
+    for p in (path, *path.parents):
+        if p.exists():
+            return f"{shutil.disk_usage(p).free:,} bytes free on the file system of {p}"
+    return "free space unknown"
+
+
+def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fingerprint: dict,
+         keep: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory. keep > 0: afterwards only the newest `keep`
+    complete checkpoints stay (see prune)."""
     root = Path(ckpt_root)
     tag = tag_for(step)
     path = root / tag
@@ -123,17 +132,101 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
         if path.exists():  # leftovers of an interrupted save of this step: never mix old and new files
             shutil.rmtree(path)
     _barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
-    state = dict(client_state, step=step, rng=rng_state(), fingerprint=fingerprint)
-    tmp = path / f".client_rank{_rank()}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path / f"client_rank{_rank()}.pt")
-    _barrier()  # every rank has finished writing its part
+    previous = latest_tag(root)
+    # A full disk surfaces from torch's zip writer as "[enforce fail at inline_container.cc] unexpected pos 128 vs 0"
+    # (a RuntimeError, not an OSError): catch both, and say where, how much room was left and what is still good.
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+    except (OSError, RuntimeError) as e:
+        # No verdict collective here: peers whose writes went through wait in DeepSpeed's closing barrier, which a
+        # different collective would not match. This rank fails with the name; the launcher then stops the others.
+        raise CheckpointError(_write_failed(path, previous, f"rank {_rank()}: {type(e).__name__}: {e}")) from e
+    error = None
+    try:
+        state = dict(client_state, step=step, rng=rng_state(), fingerprint=fingerprint)
+        tmp = path / f".client_rank{_rank()}.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, path / f"client_rank{_rank()}.pt")
+    except (OSError, RuntimeError) as e:
+        error = e
+    # Every rank has finished writing its part, and the verdict is the same on all ranks. Saves are rare, so this
+    # collective costs nothing per step.
+    if _any_rank(error is not None):
+        where = f"rank {_rank()}: {type(error).__name__}: {error}" if error else "another rank's write failed"
+        raise CheckpointError(_write_failed(path, previous, where)) from error
     if _rank() == 0:
-        atomic_write_text(path / COMPLETE, json.dumps({"step": step, "fingerprint": fingerprint}) + "\n")
-        atomic_write_text(root / LATEST, tag + "\n")
+        try:  # each an atomic rename: a failure leaves `latest` on the previous checkpoint
+            atomic_write_text(path / COMPLETE, json.dumps({"step": step, "fingerprint": fingerprint}) + "\n")
+            atomic_write_text(root / LATEST, tag + "\n")
+        except OSError as e:
+            raise CheckpointError(_write_failed(path, latest_tag(root), f"rank 0: {e}")) from e
+        if keep:
+            prune(root, keep)
     _barrier()
     return path
+
+
+def _write_failed(path: Path, previous: str | None, where: str) -> str:
+    still = f"`latest` still names {previous}" if previous else "there is no earlier complete checkpoint"
+    return (f"writing checkpoint {path} failed ({where}); {_free_bytes(path)}; {still}, which --resume loads; "
+            f"{path.name} has no {COMPLETE} marker and is never taken as good")
+
+
+def _any_rank(flag: bool) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    from deepspeed.accelerator import get_accelerator
+
+    # on the accelerator: NCCL/HCCL groups reduce device tensors only
+    t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().current_device_name())
+    dist.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+def prune(ckpt_root: str | os.PathLike, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints, never the one `latest` names (rank 0, after a save).
+
+    Incomplete tags are left alone: one may be a save in progress, and they are never loaded anyway. COMPLETE goes
+    first, so a deletion cut short leaves a directory that is never taken as good."""
+    root = Path(ckpt_root)
+    named = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    tags = sorted((p.name for p in root.glob("global_step*") if is_complete(root, p.name)),
+                  key=lambda t: int(t[len("global_step"):]), reverse=True)
+    removed = []
+    for tag in tags[keep:]:
+        if tag == named:
+            continue
+        (root / tag / COMPLETE).unlink()
+        shutil.rmtree(root / tag)
+        removed.append(tag)
+    return removed
+
+
+def trim_metrics(path: str | os.PathLike, step: int) -> int:
+    """Drop records of steps after `step` from metrics.jsonl (a resume from that step writes them again), atomically.
+
+    Records carry "step" (step, eval, ...) or "steps" (a summary); lines without either are kept. Returns how many
+    records were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill: it belongs to no step that survives
+            dropped += 1
+            continue
+        at = rec.get("step", rec.get("steps")) if isinstance(rec, dict) else None
+        if isinstance(at, int) and at > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        atomic_write_text(path, "".join(x + "\n" for x in kept))
+    return dropped
 
 
 def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict) -> dict | None:

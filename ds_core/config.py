@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
-DEFAULT_DS_CONFIG = "zero1_bf16.json"
+# No default DeepSpeed JSON here: each model package declares its own (bert_ref.train, bridgetower_ds.train), because
+# whether the JSON may hold an "optimizer" section depends on whether the model builds its optimizer in code.
 
 
 class ConfigError(ValueError):
@@ -51,6 +53,13 @@ class TrainConfig:
                                           default=0, aliases=["--save_steps"])
     save_final_checkpoint: bool = arg("Save a checkpoint when training ends.", default=True)
     resume: bool = arg("Resume from the latest complete checkpoint in run_dir/checkpoints.", default=False)
+    overwrite_run_dir: bool = arg("Start afresh in a run_dir that holds checkpoints or metrics: its contents are moved "
+                                  "aside to a dated sibling folder (never deleted).", default=False,
+                                  aliases=["--overwrite_output_dir"])
+    save_total_limit: int = arg("Keep only the newest K complete checkpoints (never the one `latest` names); "
+                                "0 keeps all.", default=0)
+    max_steps_this_run: int = arg("Stop this process after N optimizer steps: save a checkpoint and exit with status "
+                                  "75 (resume with --resume); 0 runs to max_steps.", default=0)
     log_every: int = arg("Write a metrics record every N optimizer steps.", default=1, aliases=["--logging_steps"])
     eval_every: int = arg("Run the eval hook every N optimizer steps; 0 runs it once at the end.", default=0)
     throughput_warmup_steps: int = arg("Optimizer steps excluded from throughput (compilation, caches).",
@@ -77,6 +86,10 @@ class TrainConfig:
             ("gradient_accumulation_steps", self.gradient_accumulation_steps >= 0, ">= 0"),
             ("zero_stage", self.zero_stage in (-1, 0, 1, 2, 3), "one of -1, 0, 1, 2, 3"),
             ("dist_timeout_s", self.dist_timeout_s > 0, "> 0"),
+            ("save_total_limit", self.save_total_limit >= 0, ">= 0"),
+            ("max_steps_this_run", self.max_steps_this_run >= 0, ">= 0"),
+            ("overwrite_run_dir", not (self.overwrite_run_dir and self.resume),
+             "not together with --resume (resume continues the run in run_dir, overwrite moves it aside)"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -226,7 +239,9 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 def resolve_ds_path(path: str | os.PathLike) -> Path:
     """A DeepSpeed JSON path as given, or a file name inside the shipped ds_configs/ directory."""
-    p = Path(path or DEFAULT_DS_CONFIG)
+    if not str(path):
+        raise ConfigError("no DeepSpeed config: pass --deepspeed_config (a path, or a file name in ds_configs/)")
+    p = Path(path)
     if not p.exists() and (DS_CONFIG_DIR / p.name).exists() and len(p.parts) <= 2:
         return DS_CONFIG_DIR / p.name
     return p
@@ -323,12 +338,13 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
         raise ConfigError(f"{source}: zero_optimization.stage = {stage!r}: expected 0, 1, 2 or 3")
     if cfg.get("bf16", {}).get("enabled") and cfg.get("fp16", {}).get("enabled"):
         raise ConfigError(f"{source}: bf16.enabled and fp16.enabled are both true: pick one precision")
+    check_ds_values(cfg, source)
     return cfg
 
 
 def ds_config_for(cfg: TrainConfig, world_size: int) -> dict:
     """The resolved DeepSpeed config of a run: its JSON plus the TrainConfig overrides."""
-    return load_ds_config(cfg.deepspeed_config or DEFAULT_DS_CONFIG, world_size, micro_batch=cfg.micro_batch_size,
+    return load_ds_config(cfg.deepspeed_config, world_size, micro_batch=cfg.micro_batch_size,
                           grad_accum=cfg.gradient_accumulation_steps, zero_stage=cfg.zero_stage)
 
 
@@ -338,3 +354,94 @@ def precision_of(ds_config: dict) -> str:
     if ds_config.get("fp16", {}).get("enabled"):
         return "fp16"
     return "fp32"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed values that DeepSpeed itself accepts silently (or refuses only after distributed init and model build)
+
+# Sizes in elements. DeepSpeed 0.19's ZeroConfig allows 0 for most (ge=0) but a 0 bucket makes no progress, so
+# bucket sizes must be positive; thresholds and distances may be 0 (0 = persist/reuse nothing).
+_ZERO_POSITIVE = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size")
+_ZERO_NON_NEGATIVE = ("stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+                      "stage3_max_live_parameters", "stage3_max_reuse_distance")
+# Measured with a synthetic check (issue 11): relative error of a gradient summed over 128 micro-steps.
+BF16_ACCUM_ERROR = "1.15 % relative error at 128 micro-steps in bf16 vs 0.07 % with fp32 accumulation"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _notice(msg: str) -> None:
+    """Print once per job: every rank resolves the config, only global rank 0 (or a lone process) speaks."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[ds_core] {msg}", file=sys.stderr, flush=True)
+
+
+def check_ds_values(cfg: dict, source: str = "DeepSpeed config") -> None:
+    """Refuse values DeepSpeed would train with silently (a negative lr or clipping) or reject only after distributed
+    init; settle the gradient accumulation dtype under bf16. Modifies cfg in place (data_types.grad_accum_dtype)."""
+    opt = cfg.get("optimizer")
+    if opt is not None:
+        params = opt.get("params", {}) if isinstance(opt, dict) else None
+        if not isinstance(params, dict):
+            raise ConfigError(f"{source}: optimizer must be an object with a \"params\" object, got {opt!r}")
+        if "lr" in params and not (_is_number(params["lr"]) and params["lr"] > 0):
+            raise ConfigError(f"{source}: optimizer.params.lr = {params['lr']!r}: expected a number > 0")
+    if "gradient_clipping" in cfg and not (_is_number(cfg["gradient_clipping"]) and cfg["gradient_clipping"] >= 0):
+        raise ConfigError(f"{source}: gradient_clipping = {cfg['gradient_clipping']!r}: expected a number >= 0 "
+                          f"(0 turns clipping off)")
+    zero = cfg.get("zero_optimization") or {}
+    for key in _ZERO_POSITIVE + _ZERO_NON_NEGATIVE:
+        if key not in zero:
+            continue
+        v, low = zero[key], (1 if key in _ZERO_POSITIVE else 0)
+        if not (_is_number(v) and float(v).is_integer() and v >= low):
+            raise ConfigError(f"{source}: zero_optimization.{key} = {v!r}: expected a whole number of elements "
+                              f">= {low}")
+    _settle_grad_accum_dtype(cfg, source)
+
+
+def _settle_grad_accum_dtype(cfg: dict, source: str) -> None:
+    """bf16 with accumulation > 1: accumulate gradients in fp32.
+
+    DeepSpeed 0.19 accumulates in the model dtype unless data_types.grad_accum_dtype says otherwise
+    (engine.get_data_types). With "fp32": ZeRO-1 switches to BF16_Optimizer (fp32 gradient buffers), ZeRO-2 and
+    ZeRO-3 keep fp32 partition buffers (stage_1_and_2.py / stage3.py gradient_accumulation_dtype). ZeRO-0 has no such
+    path: _do_optimizer_sanity_check raises NotImplementedError for bf16 params with fp32 accumulation."""
+    bf16 = (cfg.get("bf16") or {}).get("enabled") or (cfg.get("bfloat16") or {}).get("enabled")
+    ga = cfg.get("gradient_accumulation_steps") or 1
+    data_types = cfg.get("data_types") or {}
+    asked = data_types.get("grad_accum_dtype")
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if asked not in (None, "fp32", "fp16", "bf16"):
+        raise ConfigError(f"{source}: data_types.grad_accum_dtype = {asked!r}: expected \"fp32\", \"bf16\" or \"fp16\"")
+    if not bf16:
+        return
+    if stage == 0 and asked == "fp32":
+        raise ConfigError(f"{source}: data_types.grad_accum_dtype = \"fp32\" with bf16 and zero_optimization.stage 0: "
+                          f"DeepSpeed 0.19 has no such path (NotImplementedError at deepspeed.initialize); use ZeRO "
+                          f"stage >= 1, or drop the key")
+    if ga <= 1:
+        return
+    if asked is None and stage > 0:
+        cfg["data_types"] = dict(data_types, grad_accum_dtype="fp32")
+        _notice(f"{source}: bf16 with gradient_accumulation_steps {ga}: gradients accumulate in fp32 "
+                f"(data_types.grad_accum_dtype added; DeepSpeed's default would accumulate in bf16)")
+    elif asked != "fp32":
+        why = ("ZeRO stage 0 cannot accumulate bf16 gradients in fp32 in DeepSpeed 0.19" if stage == 0 else
+               f"data_types.grad_accum_dtype is {asked!r}")
+        _notice(f"warning: {source}: bf16 with gradient_accumulation_steps {ga} accumulates gradients in bf16 "
+                f"({why}); measured: {BF16_ACCUM_ERROR}. Use ZeRO >= 1 with data_types.grad_accum_dtype \"fp32\".")
+
+
+def check_optimizer_source(ds_config_path: str | os.PathLike, optimizer_in_code: bool) -> None:
+    """Before distributed init: the optimizer is built either in code or from the JSON's "optimizer" section, never
+    both and never neither (ds_core.engine.build_engine checks the same, but only after init and model build)."""
+    cfg = read_ds_json(ds_config_path)
+    source = f"DeepSpeed config {resolve_ds_path(ds_config_path)}"
+    if optimizer_in_code and "optimizer" in cfg:
+        raise ConfigError(f"{source} has an \"optimizer\" section, but this model builds its optimizer in code: use "
+                          f"a DeepSpeed JSON without \"optimizer\" (the model's optimizer flags set it)")
+    if not optimizer_in_code and "optimizer" not in cfg:
+        raise ConfigError(f"{source} has no \"optimizer\" section and this model builds none in code: add one")

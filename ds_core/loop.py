@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
@@ -17,12 +19,46 @@ import torch.distributed as tdist
 
 from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig, atomic_write_text, precision_of
-from ds_core.engine import DistInfo
+from ds_core.engine import DistInfo, set_seed, shutdown_distributed
+from ds_core.run_dir import RunDirInUse, in_use_message, previous_run
 from ds_core.metrics import Metrics, accelerator_kind, peak_probe_for, peak_tflops_for
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or inf; no update was applied and the last good checkpoint stays the latest."""
+
+
+# Exit status of a run stopped early on purpose (SIGTERM / SIGUSR1, or --max_steps_this_run) after saving a
+# checkpoint: "run me again with --resume". 75 is EX_TEMPFAIL of sysexits.h ("temporary failure, retry"); a job
+# script loops while the status is 75. 0 means training finished; anything else is a failure.
+EXIT_STOPPED = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class _StopRequest:
+    """Remembers a SIGTERM / SIGUSR1 (Slurm preemption, spot/Batch termination) instead of dying mid-step.
+
+    The handler only sets a flag; the loop folds it into the step's one all-reduce, so every rank stops after the
+    same optimizer step even when only some ranks got the signal (DeepSpeed's launcher signals its ranks one after
+    another, waiting up to 30 s for each)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():  # Python delivers signals to the main thread
+            return
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 @dataclass
@@ -56,6 +92,8 @@ class _Accumulator:
         self.reset()
 
     def reset(self) -> None:
+        self.stop = False  # this rank wants to stop after this step (signal); set before reduce()
+        self.stop_any = False  # some rank wants to: the same on every rank after reduce()
         self.loss = torch.zeros((), device=self.device)
         self.micro = 0
         self.samples = 0
@@ -73,10 +111,12 @@ class _Accumulator:
     def reduce(self, world_size: int) -> tuple[float, int, int, dict]:
         keys = sorted(self.logs)
         counts = torch.tensor([self.micro, self.samples, self.tokens], dtype=torch.float64, device=self.device)
-        vec = torch.cat([self.loss.reshape(1).double(), counts] + [self.logs[k].reshape(1).double() for k in keys])
+        vec = torch.cat([self.loss.reshape(1).double(), counts] + [self.logs[k].reshape(1).double() for k in keys]
+                        + [torch.tensor([float(self.stop)], dtype=torch.float64, device=self.device)])
         if tdist.is_initialized() and world_size > 1:
             tdist.all_reduce(vec)  # one collective per optimizer step; also makes the NaN verdict the same on all ranks
         vals = vec.tolist()
+        self.stop_any = vals[-1] > 0  # and the stop verdict: a signal on any rank stops every rank after this step
         micro = max(vals[1], 1.0)
         return vals[0] / micro, int(vals[2]), int(vals[3]), {k: vals[4 + i] / micro for i, k in enumerate(keys)}
 
@@ -84,9 +124,21 @@ class _Accumulator:
 def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: DistInfo, *, model_name: str,
           flops_per_sample: float, seq_len: int = 0, eval_fn: EvalFn | None = None,
           fingerprint: dict | None = None) -> dict:
-    """Run training to cfg.max_steps (or cfg.max_epochs); returns the final metrics summary record."""
+    """Run training to cfg.max_steps (or cfg.max_epochs); returns the final metrics summary record.
+
+    Stopped early (SIGTERM / SIGUSR1 on any rank, or cfg.max_steps_this_run): every rank finishes the optimizer step,
+    saves a checkpoint, writes the summary and the process exits with EXIT_STOPPED (SystemExit), to go on with
+    --resume."""
     run_dir = Path(cfg.run_dir)
     ckpt_root = run_dir / "checkpoints"
+    # Backstop for an entry point that did not call ds_core.run_dir.prepare_run_dir before distributed init. Every
+    # rank looks before any rank writes (the barrier), so they all decide alike.
+    used = [] if cfg.resume else previous_run(run_dir)
+    if tdist.is_initialized():
+        tdist.barrier()
+    if used:
+        raise RunDirInUse(in_use_message(run_dir, used) + " (--overwrite_run_dir takes effect only where the entry "
+                          "point calls ds_core.run_dir.prepare_run_dir before distributed init)")
     ds_config = engine.config if isinstance(engine.config, dict) else {}
     stage = engine.zero_optimization_stage()
     if dist.rank == 0:
@@ -105,6 +157,13 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
         if cfg.resume and dist.rank == 0:
             print(f"[ds_core] --resume: no complete checkpoint in {ckpt_root}; starting from step 0", flush=True)
         data.set_epoch(0)
+        set_seed(cfg.seed, dist.rank)  # per-rank model randomness (dropout); a resume restored each rank's own
+    if cfg.resume and dist.rank == 0:
+        # The steps between the checkpoint and the interruption run again: keep one record per step.
+        dropped = ckpt.trim_metrics(run_dir / "metrics.jsonl", step)
+        if dropped:
+            print(f"[ds_core] --resume: dropped {dropped} metrics record(s) after step {step} from "
+                  f"{run_dir / 'metrics.jsonl'}", flush=True)
 
     # Like HF Trainer: max_steps, when given, wins over epochs (the data source is cycled as often as needed).
     max_steps = cfg.max_steps or math.inf
@@ -126,7 +185,8 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                       peak_probe=peak_probe_for(kind) if dist.rank == 0 else None)
 
     def save() -> None:
-        ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict()}, fp)
+        ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict()}, fp,
+                  keep=cfg.save_total_limit)
 
     def run_eval() -> None:
         logs = eval_fn(engine, step)
@@ -136,6 +196,10 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
 
     acc = _Accumulator(dist.device)
     resumed_in_epoch = state is not None  # a resumed epoch may legitimately be empty (checkpoint at its very end)
+    stop_request = _StopRequest()
+    stop_request.install()
+    stopped = None  # why this process stops before max_steps: "SIGTERM", "SIGUSR1" or "max_steps_this_run"
+    start_step = step
     try:
         engine.train()
         metrics.begin()
@@ -148,7 +212,9 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                 acc.add(out)
                 boundary = engine.is_gradient_accumulation_boundary()  # read before step() advances the counter
                 if boundary:
+                    acc.stop = stop_request.signum is not None
                     loss, samples, tokens, logs = acc.reduce(dist.world_size)
+                    stop_signal = acc.stop_any
                     if not math.isfinite(loss):
                         raise TrainingDiverged(
                             f"loss is {loss} at optimizer step {step + 1} (epoch {epoch}); the update was not "
@@ -168,7 +234,13 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                     run_eval()
                 if step >= max_steps:
                     break
-            if step >= max_steps:
+                if stop_signal:  # every rank got the same verdict from the all-reduce
+                    stopped = signal.Signals(stop_request.signum).name if stop_request.signum else "signal"
+                elif cfg.max_steps_this_run and step - start_step >= cfg.max_steps_this_run:
+                    stopped = "max_steps_this_run"
+                if stopped:
+                    break
+            if step >= max_steps or stopped:
                 break
             if batches == 0 and not resumed_in_epoch:
                 raise RuntimeError(f"the data source yielded no batch in epoch {epoch} on rank {dist.rank}: "
@@ -177,14 +249,31 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
             epoch += 1
             if epoch < max_epochs:
                 data.set_epoch(epoch)
-        if cfg.save_final_checkpoint and step > 0:
-            save()
-        if eval_fn is not None and not (cfg.eval_every and step % cfg.eval_every == 0):
+        if (cfg.save_final_checkpoint or stopped) and step > 0:
+            save()  # a stopped run always saves: --resume continues from exactly this step
+        if eval_fn is not None and not stopped and not (cfg.eval_every and step % cfg.eval_every == 0):
             run_eval()
         extra = data.summary_stats() if hasattr(data, "summary_stats") else {}
+        if stopped:
+            extra = dict(extra, stopped=stopped, exit_status=EXIT_STOPPED)
         summary = metrics.summary(extra)
     finally:
         metrics.close()
+        if not stopped:
+            stop_request.restore()
     if dist.rank == 0:
         print(f"[ds_core] metrics: {metrics.path.resolve()}", flush=True)
+    if stopped:
+        _exit_stopped(stopped, step, ckpt_root, data, dist)
     return summary
+
+
+def _exit_stopped(reason: str, step: int, ckpt_root: Path, data: Any, dist: DistInfo) -> None:
+    """End the process after an early stop: the checkpoint is saved and every rank is here (same verdict)."""
+    if dist.rank == 0:
+        print(f"[ds_core] stopped after optimizer step {step} ({reason}); checkpoint {ckpt_root / ckpt.tag_for(step)} "
+              f"saved; exit status {EXIT_STOPPED}: run again with --resume to continue", flush=True)
+    if hasattr(data, "close"):
+        data.close()  # prefetch threads would otherwise keep the interpreter alive
+    shutdown_distributed()  # as every entry point does at a normal end (gloo's exit-time abort otherwise)
+    raise SystemExit(EXIT_STOPPED)

@@ -67,9 +67,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default=_env_default("LAUNCH_PRESET", ""),
                    help="passed as `--preset NAME` to the module (e.g. debug, bert_large); $LAUNCH_PRESET, "
                         "default none (the module's default)")
-    g.add_argument("--deepspeed_config", default=_env_default("LAUNCH_DS_CONFIG", "ds_configs/bert_large_zero1_bf16.json"),
+    g.add_argument("--deepspeed_config", default=_env_default("LAUNCH_DS_CONFIG", ""),
                    help="DeepSpeed JSON passed as `--deepspeed_config` to the module; $LAUNCH_DS_CONFIG, "
-                        "default ds_configs/bert_large_zero1_bf16.json (matches the default module and preset)")
+                        "default none: the module uses its own default (each model package declares one)")
     g.add_argument("--master_addr", default=_env_default("MASTER_ADDR", ""),
                    help="address of node 0 that every rank can reach; required for no_ssh; pdsh/openmpi/mpich ask "
                         "the first host over ssh (`hostname -I`) when empty, mpirun/srun use the first host's "

@@ -49,11 +49,11 @@ def test_named_settings_come_from_env_with_defaults(hosts):
     out = dry(hosts, "--launcher", "no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1")
     argv = out["argv"]
     assert argv[1:] == ["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
-                        "--master_port", "29500", "--module", "bert_ref.train", "--deepspeed_config",
-                        "ds_configs/bert_large_zero1_bf16.json"]
+                        "--master_port", "29500", "--module", "bert_ref.train"]  # the module's own default JSON
     env = dist_env(LAUNCH_LAUNCHER="no_ssh", LAUNCH_NODE_RANK="0", MASTER_ADDR="10.0.0.9", MASTER_PORT="29611",
                    LAUNCH_PRESET="debug", LAUNCH_MODULE="bridgetower_ds.train", LAUNCH_NODES="1")
     argv = dry(hosts, env=env)["argv"]
+    assert "--deepspeed_config" not in argv  # bridgetower_ds.train picks its own, not BERT's
     for pair in (["--node_rank", "0"], ["--master_addr", "10.0.0.9"], ["--master_port", "29611"],
                  ["--module", "bridgetower_ds.train"], ["--preset", "debug"], ["--num_nodes", "1"]):
         i = argv.index(pair[0])

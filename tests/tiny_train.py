@@ -17,6 +17,7 @@ from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig, ds_config_for, parse_args, save_run_config
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import StepOutput, train
+from ds_core.run_dir import prepare_run_dir
 
 
 @dataclass
@@ -73,6 +74,7 @@ def main(argv=None) -> dict:
     from transformers import BertConfig, BertForSequenceClassification
 
     cfg, args = parse_args([TrainConfig, TinyArgs], argv)
+    prepare_run_dir(cfg)
     dist = init_distributed(cfg.dist_timeout_s)
     set_seed(cfg.seed)
     save_run_config(cfg.run_dir, cfg, args, rank=dist.rank)

@@ -1,0 +1,89 @@
+"""The run directory before any rank does work: a used run_dir is refused unless the run resumes it or moves it aside.
+
+Before this, re-running into a used `--run_dir` without `--resume` silently mixed two runs: saves of steps that already
+existed were skipped, `latest` still named the old run and metrics.jsonl got a second run appended, so a later
+`--resume` loaded the old run. HF Trainer's `overwrite_output_dir` deletes; here the old contents are only renamed
+aside, never deleted.
+
+Called by each entry point right after parsing, before distributed init: every rank of a job reads the same directory
+and refuses alike, and only global rank 0 (known from the launcher's environment) moves it, which is safe because no
+rank can pass distributed init before rank 0 joins it. `ds_core.loop.train` repeats the check as a backstop.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ds_core.config import ConfigError, TrainConfig
+
+# Launchers' names for the global rank before torch.distributed exists (deepspeed/torchrun, Open MPI, MPICH/PMIx,
+# MVAPICH, Slurm). The same list as ds_core.engine._MPI_RANK_VARS plus RANK and SLURM_PROCID.
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+class RunDirInUse(ConfigError):
+    """run_dir holds checkpoints or metrics of an earlier run and neither --resume nor --overwrite_run_dir was given."""
+
+
+def env_rank() -> int:
+    """This process's global rank as the launcher announced it; 0 for a process started by hand."""
+    for var in _RANK_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def previous_run(run_dir: str | os.PathLike) -> list[str]:
+    """What in run_dir belongs to an earlier run: a non-empty checkpoints/ and/or metrics.jsonl (config.json alone
+    is not a run: it is written before training starts)."""
+    root = Path(run_dir)
+    found = []
+    ckpts = root / "checkpoints"
+    if ckpts.is_dir() and any(ckpts.iterdir()):
+        found.append("checkpoints/")
+    if (root / "metrics.jsonl").is_file():
+        found.append("metrics.jsonl")
+    return found
+
+
+def in_use_message(run_dir: str | os.PathLike, found: list[str]) -> str:
+    return (f"run_dir {run_dir} already holds an earlier run ({', '.join(found)}). Continue it with --resume, or "
+            f"start afresh with --overwrite_run_dir (moves the old contents to a dated folder beside it), or choose "
+            f"another --run_dir")
+
+
+def move_aside(run_dir: str | os.PathLike) -> Path:
+    """Rename run_dir to a dated sibling `<name>.old-<UTC time>` (one rename: nothing copied, nothing deleted)."""
+    root = Path(run_dir).resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest = root.with_name(f"{root.name}.old-{stamp}")
+    n = 1
+    while dest.exists():
+        dest = root.with_name(f"{root.name}.old-{stamp}-{n}")
+        n += 1
+    try:
+        os.rename(root, dest)
+    except OSError as e:
+        raise ConfigError(f"--overwrite_run_dir: could not move {root} aside to {dest}: {e.strerror} (a mount point "
+                          f"or no write permission on {root.parent}?); move or remove it yourself") from None
+    return dest
+
+
+def prepare_run_dir(cfg: TrainConfig, rank: int | None = None) -> Path | None:
+    """Refuse a used run_dir, or move it aside for --overwrite_run_dir (rank 0 only). Returns where the old run went.
+
+    Call before distributed init. `rank` defaults to the launcher's environment (env_rank)."""
+    if cfg.resume:
+        return None
+    found = previous_run(cfg.run_dir)
+    if not found:
+        return None
+    if not cfg.overwrite_run_dir:
+        raise RunDirInUse(in_use_message(cfg.run_dir, found))
+    if (env_rank() if rank is None else rank) != 0:
+        return None
+    dest = move_aside(cfg.run_dir)
+    print(f"[ds_core] --overwrite_run_dir: moved the earlier run in {cfg.run_dir} to {dest}", flush=True)
+    return dest
