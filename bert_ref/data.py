@@ -454,6 +454,8 @@ class PretrainingData:
             segs, starts, _ = self._plan(epoch)
             self._prefetch(segs[bisect.bisect_right(starts, self.samples_done) - 1], epoch)
 
+    shared_summary_stats = ("data_files", "data_samples")  # the whole set, the same on every rank: not summed
+
     def summary_stats(self) -> dict:
         return {"data_files": len(self.files), "data_samples": self.num_samples}
 

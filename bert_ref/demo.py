@@ -123,8 +123,15 @@ def main(argv: list[str] | None = None) -> dict:
           f"{avg(steps[:k], 'nsp_loss'):.3f} -> {avg(steps[-k:], 'nsp_loss'):.3f}   (mean of first / last {k} steps)")
     print(f"samples/s {fmt(s['samples_per_s'])}   seqs/s per accelerator {fmt(s['seqs_per_s_per_accelerator'])}   "
           f"tokens/s {fmt(s['tokens_per_s'])}")
+    where = "measured matmul on this CPU" if s["accelerator"] == "cpu" else s["accelerator"]
     print(f"TFLOPs per accelerator {fmt(s['tflops_per_accelerator'])}   MFU {fmt(s['mfu'])} "
-          f"(peak {fmt(s['peak_tflops_per_accelerator'])} TFLOPs, measured bf16 matmul on this CPU)")
+          f"(peak {fmt(s['peak_tflops_per_accelerator'])} {s['precision']} TFLOPs, {where})")
+    for key in ("precision_note", "mfu_note"):
+        if s.get(key):
+            print(f"{key}: {s[key]}")
+    print(f"checkpoints {fmt(s.get('checkpoint_s'), '.2f')} s and eval {fmt(s.get('eval_s'), '.2f')} s, outside "
+          f"the throughput window; peak memory per rank {[round(m, 2) for m in s.get('peak_memory_gb_per_rank', [])]} "
+          f"GiB ({s.get('peak_memory_kind', 'n/a')})")
     print(f"prep {t_prep:.0f} s, total {time.perf_counter() - t0:.0f} s; training log: {out / 'train.log'}")
     print(f"metrics: {metrics}")
     return s

@@ -43,6 +43,9 @@ def arg(text: str, *, aliases: Sequence[str] = (), **kw: Any) -> Any:
 class TrainConfig:
     """Settings of the training loop shared by every model (DeepSpeed's own settings stay in the DeepSpeed JSON)."""
 
+    # transformers' `--bf16` is `--precision bf16` (a class attribute, not a field: parse_args reads it)
+    FLAG_CONSTS = {"--bf16": ("precision", "bf16")}
+
     run_dir: str = arg("Output directory: config.json, ds_config.json, metrics.jsonl, checkpoints/.",
                          default="runs/default", aliases=["--output_dir"])
     deepspeed_config: str = arg("DeepSpeed JSON (path, or a file name inside ds_configs/).", default="")
@@ -57,7 +60,7 @@ class TrainConfig:
                                   "aside to a dated sibling folder (never deleted).", default=False,
                                   aliases=["--overwrite_output_dir"])
     save_total_limit: int = arg("Keep only the newest K complete checkpoints (never the one `latest` names); "
-                                "0 keeps all.", default=0)
+                                "0 keeps all.", default=0)  # same name as transformers' TrainingArguments
     max_steps_this_run: int = arg("Stop this process after N optimizer steps: save a checkpoint and exit with status "
                                   "75 (resume with --resume); 0 runs to max_steps.", default=0)
     log_every: int = arg("Write a metrics record every N optimizer steps.", default=1, aliases=["--logging_steps"])
@@ -73,6 +76,8 @@ class TrainConfig:
     dist_timeout_s: int = arg("Collective timeout in seconds: a dead rank makes the others fail after this.",
                                 default=1800)
     progress_bar: bool = arg("Show a rank-0 tqdm progress bar.", default=True)
+    precision: str = arg("Compute dtype: auto (bf16 on CUDA/HPU and on CPUs with native bf16, else fp32), bf16 or "
+                         "fp32; switches the DeepSpeed JSON's bf16 section (ds_core.precision).", default="auto")
 
     def validate(self) -> None:
         checks = [
@@ -90,6 +95,7 @@ class TrainConfig:
             ("max_steps_this_run", self.max_steps_this_run >= 0, ">= 0"),
             ("overwrite_run_dir", not (self.overwrite_run_dir and self.resume),
              "not together with --resume (resume continues the run in run_dir, overwrite moves it aside)"),
+            ("precision", self.precision in ("auto", "bf16", "fp32"), "one of auto, bf16, fp32"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -342,10 +348,35 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
     return cfg
 
 
-def ds_config_for(cfg: TrainConfig, world_size: int) -> dict:
-    """The resolved DeepSpeed config of a run: its JSON plus the TrainConfig overrides."""
-    return load_ds_config(cfg.deepspeed_config, world_size, micro_batch=cfg.micro_batch_size,
-                          grad_accum=cfg.gradient_accumulation_steps, zero_stage=cfg.zero_stage)
+def ds_config_for(cfg: TrainConfig, world_size: int, accelerator: str | None = None) -> dict:
+    """The resolved DeepSpeed config of a run: its JSON plus the TrainConfig overrides, its bf16 section switched to
+    the dtype TrainConfig.precision resolves to on `accelerator` (default: the one DeepSpeed finds)."""
+    ds = load_ds_config(cfg.deepspeed_config, world_size, micro_batch=cfg.micro_batch_size,
+                        grad_accum=cfg.gradient_accumulation_steps, zero_stage=cfg.zero_stage)
+    return resolve_ds_precision(ds, getattr(cfg, "precision", "auto"), accelerator,
+                                source=f"DeepSpeed config {resolve_ds_path(cfg.deepspeed_config)}")
+
+
+def resolve_ds_precision(ds: dict, precision: str, accelerator: str | None = None,
+                         source: str = "DeepSpeed config") -> dict:
+    """Apply ds_core.precision's rule to a resolved DeepSpeed config; rank 0 prints the one-line notice when auto
+    falls back to fp32. An fp16 JSON is kept under auto (the user chose it); bf16/fp32 against it is refused."""
+    from ds_core import precision as prec
+
+    if precision == "auto" and ds.get("fp16", {}).get("enabled"):
+        return ds
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator().device_name()
+    dtype, reason = prec.resolve_precision(precision, accelerator)
+    try:
+        prec.apply_precision(ds, dtype, source)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if precision == "auto" and dtype == "fp32" and os.environ.get("RANK", "0") == "0":
+        print(f"[ds_core] precision {reason}", flush=True)
+    return ds
 
 
 def precision_of(ds_config: dict) -> str:

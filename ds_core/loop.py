@@ -10,6 +10,7 @@ import json
 import math
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
@@ -20,8 +21,9 @@ import torch.distributed as tdist
 from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig, atomic_write_text, precision_of
 from ds_core.engine import DistInfo, set_seed, shutdown_distributed
+from ds_core.metrics import Metrics, accelerator_kind, peak_memory_bytes, peak_probe_for, peak_tflops_for
+from ds_core.precision import resolve_precision
 from ds_core.run_dir import RunDirInUse, in_use_message, previous_run
-from ds_core.metrics import Metrics, accelerator_kind, peak_probe_for, peak_tflops_for
 
 
 class TrainingDiverged(RuntimeError):
@@ -74,7 +76,11 @@ class DataSource(Protocol):
     def __iter__(self) -> Iterator[Any]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
+    # Optional: summary_stats() -> dict of THIS rank's counts (summed over ranks into the summary, lists
+    # concatenated), and shared_summary_stats, the keys of it that are the same on every rank (taken from rank 0).
 
+
+_END = object()  # end-of-epoch sentinel of the timed next(batch)
 
 StepFn = Callable[[Any, Any], StepOutput]
 EvalFn = Callable[[Any, int], dict]
@@ -121,10 +127,42 @@ class _Accumulator:
         return vals[0] / micro, int(vals[2]), int(vals[3]), {k: vals[4 + i] / micro for i, k in enumerate(keys)}
 
 
+def _fp32_grad_norm(engine) -> float | None:
+    """Global gradient norm where DeepSpeed keeps none: ZeRO-0 without bf16/fp16 (its basic-optimizer path clips
+    in place and drops the norm). Called at the boundary before engine.step(), when .grad holds the all-reduced
+    gradients; every other configuration gets the norm from engine.get_global_grad_norm()."""
+    if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return None
+    norms = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else None
+
+
+def reduce_summary_stats(stats: dict, world_size: int, shared: frozenset | set = frozenset()) -> dict:
+    """Sum a data source's summary statistics over ranks (numbers summed, lists concatenated in rank order), except
+    the keys in `shared` (the same on every rank, e.g. the dataset size): those are rank 0's. Every rank calls it."""
+    gathered: list = [stats]
+    if tdist.is_initialized() and world_size > 1:
+        gathered = [None] * world_size
+        tdist.all_gather_object(gathered, stats)
+    out: dict = {}
+    for key in gathered[0]:
+        vals = [g.get(key) for g in gathered]
+        if key in shared:
+            out[key] = vals[0]
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[key] = sum(vals)
+        elif all(isinstance(v, list) for v in vals):
+            out[key] = [x for v in vals for x in v]
+        else:
+            out[key] = vals  # anything else is reported per rank rather than guessed at
+    return out
+
+
 def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: DistInfo, *, model_name: str,
           flops_per_sample: float, seq_len: int = 0, eval_fn: EvalFn | None = None,
-          fingerprint: dict | None = None) -> dict:
+          fingerprint: dict | None = None, clock: Callable[[], float] | None = None) -> dict:
     """Run training to cfg.max_steps (or cfg.max_epochs); returns the final metrics summary record.
+    `clock` replaces the metrics clock (tests drive time with it; time.perf_counter by default).
 
     Stopped early (SIGTERM / SIGUSR1 on any rank, or cfg.max_steps_this_run): every rank finishes the optimizer step,
     saves a checkpoint, writes the summary and the process exits with EXIT_STOPPED (SystemExit), to go on with
@@ -172,27 +210,33 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()
+    precision = precision_of(ds_config)
+    note = None
+    if dist.rank == 0 and cfg.precision == "auto" and dist.accelerator == "cpu" and precision == "fp32":
+        note = resolve_precision("auto", "cpu")[1]  # why fp32 (cached speeds), written into the summary
     metrics = Metrics(run_dir, rank=dist.rank, world_size=dist.world_size, nodes=dist.nodes,
                       accelerators_per_node=dist.local_world_size, accelerator=kind, model_name=model_name,
                       micro_batch=engine.train_micro_batch_size_per_gpu(),
                       grad_accum=engine.gradient_accumulation_steps(), zero_stage=stage,
-                      precision=precision_of(ds_config), flops_per_sample=flops_per_sample, seq_len=seq_len,
+                      precision=precision, flops_per_sample=flops_per_sample, seq_len=seq_len,
                       warmup_steps=cfg.throughput_warmup_steps, log_every=cfg.log_every,
                       total_steps=cfg.max_steps or None,
-                      peak_tflops=peak_tflops_for(kind) if dist.rank == 0 else None,
+                      peak_tflops=peak_tflops_for(kind, precision) if dist.rank == 0 else None,
                       monitor=getattr(engine, "monitor", None), progress_bar=cfg.progress_bar,
-                      sync=accel.synchronize, start_step=step,
-                      peak_probe=peak_probe_for(kind) if dist.rank == 0 else None)
+                      sync=accel.synchronize, start_step=step, clock=clock or time.perf_counter,
+                      peak_probe=peak_probe_for(kind, precision) if dist.rank == 0 else None, precision_note=note)
 
     def save() -> None:
-        ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict()}, fp,
-                  keep=cfg.save_total_limit)
+        with metrics.timed("checkpoint"):  # outside the throughput window; reported as checkpoint_s
+            ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict()}, fp,
+                      keep=cfg.save_total_limit)
 
     def run_eval() -> None:
-        logs = eval_fn(engine, step)
-        engine.train()
-        if logs:
-            metrics.eval(step, logs)
+        with metrics.timed("eval"):
+            logs = eval_fn(engine, step)
+            engine.train()
+            if logs:
+                metrics.eval(step, logs)
 
     acc = _Accumulator(dist.device)
     resumed_in_epoch = state is not None  # a resumed epoch may legitimately be empty (checkpoint at its very end)
@@ -205,7 +249,13 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
         metrics.begin()
         while step < max_steps and epoch < max_epochs:
             batches = 0
-            for batch in data:
+            batch_iter = iter(data)
+            while True:
+                t_wait = metrics.clock()
+                batch = next(batch_iter, _END)
+                metrics.data_wait(metrics.clock() - t_wait)
+                if batch is _END:
+                    break
                 batches += 1
                 out = step_fn(engine, batch)
                 engine.backward(out.loss)
@@ -222,11 +272,14 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                             f"{ckpt.latest_tag(ckpt_root) or 'none'} in {ckpt_root}")
                     lrs = engine.get_lr()
                     lr = lrs[0] if lrs else None  # the LR this update uses
+                    grad_norm = _fp32_grad_norm(engine)
                 engine.step()
                 if not boundary:
                     continue
                 step += 1
-                metrics.step(step, samples, tokens, loss=loss, lr=lr, logs=logs)
+                if grad_norm is None:
+                    grad_norm = engine.get_global_grad_norm()
+                metrics.step(step, samples, tokens, loss=loss, lr=lr, logs=logs, grad_norm=grad_norm)
                 acc.reset()
                 if cfg.num_steps_per_checkpoint and step % cfg.num_steps_per_checkpoint == 0:
                     save()
@@ -249,11 +302,15 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
             epoch += 1
             if epoch < max_epochs:
                 data.set_epoch(epoch)
+        metrics.end_training()  # the throughput window closes here: the final save and eval are timed apart
         if (cfg.save_final_checkpoint or stopped) and step > 0:
             save()  # a stopped run always saves: --resume continues from exactly this step
         if eval_fn is not None and not stopped and not (cfg.eval_every and step % cfg.eval_every == 0):
             run_eval()
-        extra = data.summary_stats() if hasattr(data, "summary_stats") else {}
+        stats = data.summary_stats() if hasattr(data, "summary_stats") else {}
+        extra = reduce_summary_stats(dict(stats, peak_memory_gb_per_rank=[peak_memory_bytes(dist.accelerator) / 2**30]),
+                                     dist.world_size, frozenset(getattr(data, "shared_summary_stats", ())))
+        extra["peak_memory_kind"] = "process peak RSS" if dist.accelerator == "cpu" else "allocator peak"
         if stopped:
             extra = dict(extra, stopped=stopped, exit_status=EXIT_STOPPED)
         summary = metrics.summary(extra)

@@ -10,37 +10,31 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-# Dense bf16 peak TFLOPs per accelerator (vendor figures; sparsity excluded). Override with DS_CORE_PEAK_TFLOPS.
-PEAK_TFLOPS: dict[str, float] = {
-    # First-generation Gaudi (HL-205, AWS DL1): Habana publishes no dense bf16 MME figure; this is the community
-    # estimate used for MFU on DL1. Set DS_CORE_PEAK_TFLOPS for your own number.
-    "gaudi": 200.0,
-    "gaudi2": 432.0,  # HL-225, bf16 MME
-    "gaudi3": 1835.0,
-    "a100": 312.0,
-    "h100": 989.0,  # SXM; PCIe is 756
-    "h200": 989.0,
+from ds_core.precision import cached_cpu_peak, cpu_peak_tflops, update_cpu_peak  # noqa: F401 (re-exported)
+
+# Dense peak TFLOPs per accelerator and compute dtype (vendor figures; sparsity excluded). MFU is taken against the
+# peak of the dtype the run computes in; an accelerator/dtype missing here gets no MFU (null with a note), never a
+# borrowed figure. Override with DS_CORE_PEAK_TFLOPS.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "bf16": {
+        # First-generation Gaudi (HL-205, AWS DL1): Habana publishes no dense bf16 MME figure; this is the community
+        # estimate used for MFU on DL1. Set DS_CORE_PEAK_TFLOPS for your own number.
+        "gaudi": 200.0,
+        "gaudi2": 432.0,  # HL-225, bf16 MME
+        "gaudi3": 1835.0,
+        "a100": 312.0,
+        "h100": 989.0,  # SXM; PCIe is 756
+        "h200": 989.0,
+    },
+    # fp32 without TF32 (torch's default for matmuls): the CUDA cores' FMA rate.
+    "fp32": {"a100": 19.5, "h100": 67.0, "h200": 67.0},
 }
-
-
-def cpu_peak_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds: float = 0.5) -> float:
-    """Measured matmul peak of this process on the CPU (its current torch thread count): best of a short probe."""
-    g = torch.Generator().manual_seed(0)  # private stream: the probe must not shift the run's RNG (exact resume)
-    a = torch.randn(n, n, generator=g).to(dtype)
-    b = torch.randn(n, n, generator=g).to(dtype)
-    torch.mm(a, b)  # warm-up (allocations, kernels)
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * n**3 / dt / 1e12)
-    return best
 
 
 def accelerator_kind(accelerator: str, device: torch.device | None = None) -> str:
@@ -59,17 +53,41 @@ def accelerator_kind(accelerator: str, device: torch.device | None = None) -> st
     return accelerator
 
 
-def peak_tflops_for(kind: str) -> float | None:
+def peak_tflops_for(kind: str, dtype: str = "bf16") -> float | None:
+    """The peak MFU is taken against: DS_CORE_PEAK_TFLOPS, the table, or on CPU the cached probe in `dtype`."""
     if os.environ.get("DS_CORE_PEAK_TFLOPS"):
         return float(os.environ["DS_CORE_PEAK_TFLOPS"])
     if kind == "cpu":
-        return cpu_peak_tflops()
-    return PEAK_TFLOPS.get(kind)
+        return cached_cpu_peak(dtype)
+    return PEAK_TFLOPS.get(dtype, {}).get(kind)
 
 
-def peak_probe_for(kind: str) -> Callable[[], float] | None:
-    """The re-probe used at the end of a run where the peak is measured (CPU without an override), else None."""
-    return cpu_peak_tflops if kind == "cpu" and not os.environ.get("DS_CORE_PEAK_TFLOPS") else None
+def peak_probe_for(kind: str, dtype: str = "bf16") -> Callable[[], float] | None:
+    """The re-probe used at the end of a run where the peak is measured (CPU without an override), else None.
+    The better probe also goes into the per-machine cache, so a start-up probe that read low is not kept."""
+    if kind != "cpu" or os.environ.get("DS_CORE_PEAK_TFLOPS"):
+        return None
+
+    def probe() -> float:
+        value = cpu_peak_tflops(dtype)
+        update_cpu_peak(dtype, value)
+        return value
+
+    return probe
+
+
+def peak_memory_bytes(accelerator: str) -> int:
+    """Peak memory of this rank: the accelerator allocator's peak (CUDA/HPU, through DeepSpeed's accelerator API), or
+    the process's peak RSS on CPU (ru_maxrss: the kernel's high-water mark, not a sample)."""
+    if accelerator != "cpu":
+        from deepspeed.accelerator import get_accelerator
+
+        return int(get_accelerator().max_memory_allocated())
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
 
 
 def _num(x: Any) -> Any:
@@ -83,8 +101,12 @@ def _num(x: Any) -> Any:
 class Metrics:
     """Counts optimizer steps and their samples; turns them into rates over the post-warm-up window.
 
-    `clock` is injectable so tests can drive time. Only rank 0 writes files, feeds the monitor and shows progress;
-    every rank keeps the same counts (the loop passes global counts).
+    The window holds training steps only: time inside `timed("checkpoint")` / `timed("eval")` is subtracted from it
+    and reported as `checkpoint_s` / `eval_s` (in the step record of the step where it happened, and summed in the
+    summary), and the window closes at the end of the last step (`end_training`), before the final save, eval or
+    export (optimum-habana subtracts eval and save time from its throughput the same way).
+    `clock` is injectable so tests can drive time. Only rank 0 writes files, feeds the monitor and prints; every rank
+    keeps the same counts (the loop passes global counts).
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, rank: int, world_size: int, nodes: int,
@@ -93,7 +115,8 @@ class Metrics:
                  warmup_steps: int = 3, log_every: int = 1, total_steps: int | None = None,
                  peak_tflops: float | None = None, monitor: Any = None, progress_bar: bool = True,
                  clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] | None = None,
-                 start_step: int = 0, peak_probe: Callable[[], float] | None = None):
+                 start_step: int = 0, peak_probe: Callable[[], float] | None = None, console: bool = True,
+                 precision_note: str | None = None):
         self.rank, self.world_size = rank, world_size
         self.static = dict(model=model_name, world_size=world_size, nodes=nodes,
                            accelerators_per_node=accelerators_per_node, accelerator=accelerator,
@@ -101,6 +124,8 @@ class Metrics:
                            global_batch=micro_batch * grad_accum * world_size, zero_stage=zero_stage,
                            precision=precision, seq_len=seq_len, warmup_steps_excluded=warmup_steps,
                            flops_per_sample=flops_per_sample, peak_tflops_per_accelerator=peak_tflops)
+        if precision_note:
+            self.static["precision_note"] = precision_note
         self.flops_per_sample = flops_per_sample
         self.peak = peak_tflops
         # A measured peak (CPU) is probed again at the end and the better probe kept: a probe that landed in a busy
@@ -110,12 +135,23 @@ class Metrics:
         self.log_every = log_every
         self.clock, self.sync = clock, sync or (lambda: None)
         self.monitor = monitor if rank == 0 else None
+        self.console = console and rank == 0
         self.start_step = start_step  # steps done before this process (resume): warm-up counts from here
         self.steps = 0  # optimizer steps seen by this process
-        self.t_window = None  # clock at the end of the last warm-up step
+        self.t_window = None  # training time at the end of the last warm-up step
+        self.t_close = None  # training time at the end of the last step (end_training)
         self.window_samples = self.window_tokens = 0
-        self.last_log = None  # (clock, samples, tokens) at the previous log, inside the window
+        self.last_log = None  # (training time, samples, tokens) at the previous log, inside the window
         self.last_loss = None
+        self.last_step = 0
+        self.excluded = 0.0  # seconds spent in timed() sections: not training time
+        self.section_totals: dict[str, float] = {}  # checkpoint_s, eval_s over the whole run
+        self._since_log: dict[str, float] = {}  # timed sections since the previous step record
+        self._data_wait = 0.0  # seconds waiting for data since the previous step record
+        self._t_prev_log = None  # training time of the previous step record (or begin)
+        self._unlogged: tuple | None = None  # the last step's arguments when it was not logged (see end_training)
+        self._pending: dict | None = None  # a step record waiting for the saves/evals of its step
+        self._pending_evals: list[dict] = []
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
         self._bar = None
@@ -128,6 +164,34 @@ class Metrics:
                 self._bar = tqdm(total=total_steps, initial=start_step, desc=model_name, unit="step",
                                  dynamic_ncols=True)
 
+    # -- clock ---------------------------------------------------------------------------------------------------
+    def train_time(self) -> float:
+        """The clock minus every timed() section so far: the time axis the throughput window lives on."""
+        return self.clock() - self.excluded
+
+    @contextmanager
+    def timed(self, kind: str) -> Iterator[None]:
+        """Time a non-training section ("checkpoint", "eval", "export"): reported as `<kind>_s`, kept out of the
+        throughput window. The accelerator is synchronised on both sides so queued step work is not billed here."""
+        self.sync()
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.sync()
+            dt = self.clock() - t0
+            self.excluded += dt
+            key = f"{kind}_s"
+            self.section_totals[key] = self.section_totals.get(key, 0.0) + dt
+            if self._pending is not None:
+                self._pending[key] = self._pending.get(key, 0.0) + dt
+            else:
+                self._since_log[key] = self._since_log.get(key, 0.0) + dt
+
+    def data_wait(self, seconds: float) -> None:
+        """The loop reports time spent waiting for the data source (next(batch))."""
+        self._data_wait += seconds
+
     # -- rates ---------------------------------------------------------------------------------------------------
     def rates(self, samples: float, tokens: float, seconds: float) -> dict:
         if seconds <= 0 or samples <= 0:
@@ -135,15 +199,31 @@ class Metrics:
                         tflops_per_accelerator=None, mfu=None)
         sps = samples / seconds
         tflops = sps * self.flops_per_sample / self.world_size / 1e12
-        return dict(samples_per_s=sps, seqs_per_s_per_accelerator=sps / self.world_size,
-                    tokens_per_s=(tokens / seconds) if tokens else None, tflops_per_accelerator=tflops,
-                    mfu=(tflops / self.peak) if self.peak else None)
+        out = dict(samples_per_s=sps, seqs_per_s_per_accelerator=sps / self.world_size,
+                   tokens_per_s=(tokens / seconds) if tokens else None, tflops_per_accelerator=tflops, mfu=None)
+        if not self.peak:
+            out["mfu_note"] = (f"no {self.static['precision']} peak known for accelerator "
+                               f"{self.static['accelerator']!r}: set DS_CORE_PEAK_TFLOPS")
+        elif tflops > self.peak:
+            # Above the peak means the peak is wrong (a probe that read low, a table entry for another dtype or
+            # part): a figure that cannot be true is not written.
+            out["mfu_note"] = (f"not written: {tflops:.4g} TFLOPs per accelerator is above the "
+                               f"{self.static['precision']} peak {self.peak:.4g} TFLOPs, so that peak is wrong for "
+                               f"this machine; set DS_CORE_PEAK_TFLOPS")
+        else:
+            out["mfu"] = tflops / self.peak
+        return out
 
     # -- events --------------------------------------------------------------------------------------------------
     def step(self, step: int, samples: int, tokens: int = 0, loss: float | None = None, lr: float | None = None,
-             logs: dict | None = None) -> dict | None:
-        """Record one optimizer step with its GLOBAL sample and token counts; returns the record when logged."""
+             logs: dict | None = None, grad_norm: float | None = None) -> dict | None:
+        """Record one optimizer step with its GLOBAL sample and token counts; returns the record when logged.
+
+        The record is written when the next event comes (a step, end_training, summary), so that checkpoint and
+        eval time spent right after this step is reported in it."""
+        self._flush()
         self.steps += 1
+        self.last_step = step
         self.last_loss = _num(loss)
         in_window = self.t_window is not None
         if in_window:
@@ -152,58 +232,89 @@ class Metrics:
         if self.t_window is None and self.steps == self.warmup:
             # The window opens at the end of the last warm-up step (with no warm-up, begin() opened it already).
             self.sync()
-            self.t_window = self.clock()
+            self.t_window = self.train_time()
             self.last_log = (self.t_window, 0, 0)
         if self._bar is not None:
             self._bar.update(1)
             if loss is not None:
                 self._bar.set_postfix(loss=f"{self.last_loss:.4f}" if self.last_loss is not None else "nan")
         if step % self.log_every:
+            self._unlogged = (step, in_window, lr, logs, grad_norm)
             return None
-        rec: dict[str, Any] = dict(type="step", step=step, loss=self.last_loss, lr=_num(lr), warmup=not in_window)
+        self._unlogged = None
+        return self._record(step, in_window, lr, logs, grad_norm)
+
+    def _record(self, step: int, in_window: bool, lr: Any, logs: dict | None, grad_norm: Any) -> dict:
+        self.sync()
+        now = self.train_time()
+        rec: dict[str, Any] = dict(type="step", step=step, loss=self.last_loss, lr=_num(lr),
+                                   grad_norm=_num(grad_norm), warmup=not in_window)
         if in_window:
-            self.sync()
-            now = self.clock()
             t0, s0, k0 = self.last_log
             rec.update(self.rates(self.window_samples - s0, self.window_tokens - k0, now - t0))
             self.last_log = (now, self.window_samples, self.window_tokens)
         else:
             rec.update(self.rates(0, 0, 0))
+        interval = now - self._t_prev_log if self._t_prev_log is not None else 0.0
+        rec["data_wait_frac"] = min(1.0, self._data_wait / interval) if interval > 0 else None
+        self._data_wait, self._t_prev_log = 0.0, now
         rec.update({k: _num(v) for k, v in (logs or {}).items()})
-        self._write(rec)
-        self._monitor(step, rec)
+        rec.update(self._since_log)  # sections that ran before this step's record was opened (a resume's eval...)
+        self._since_log = {}
+        rec["time"] = time.time()  # wall time of the step's end: bench/startup.py measures launch-to-first-step
+        self._pending = rec
         return rec
 
     def begin(self) -> None:
         """Called by the loop before the first step: with zero warm-up steps the window opens here."""
+        self.sync()
+        self._t_prev_log = self.train_time()
         if self.warmup == 0 and self.t_window is None:
-            self.sync()
-            self.t_window = self.clock()
+            self.t_window = self._t_prev_log
             self.last_log = (self.t_window, 0, 0)
 
     def eval(self, step: int, logs: dict) -> dict:
         rec = dict(type="eval", step=step, **{k: _num(v) for k, v in logs.items()})
-        self._write(rec)
-        self._monitor(step, rec, prefix="Eval")
+        if self._pending is not None:
+            self._pending_evals.append(rec)  # written after the step record it follows
+        else:
+            self._write(rec)
+            self._monitor(step, rec, prefix="Eval")
         return rec
+
+    def end_training(self) -> None:
+        """The last optimizer step is done: log it if log_every skipped it, and close the throughput window here,
+        before the final checkpoint, eval and export."""
+        if self.t_close is not None:
+            return
+        if self._unlogged is not None:
+            self._flush()
+            self._record(*self._unlogged)
+            self._unlogged = None
+        self._flush()
+        self.sync()
+        self.t_close = self.train_time()
 
     def summary(self, extra: dict | None = None) -> dict:
         """The final record: run description plus throughput over the post-warm-up window."""
-        self.sync()
-        now = self.clock()
+        self.end_training()
         if self.peak_probe is not None and self.peak:
             self.peak = max(self.peak, self.peak_probe())
             self.static["peak_tflops_per_accelerator"] = self.peak
         measured = max(0, self.steps - self.warmup) if self.t_window is not None else 0
-        seconds = (now - self.t_window) if self.t_window is not None else 0.0
+        seconds = (self.t_close - self.t_window) if self.t_window is not None else 0.0
         rec = dict(type="summary", **self.static, steps=self.start_step + self.steps, measured_steps=measured,
-                   measured_seconds=seconds, final_loss=self.last_loss)
+                   measured_seconds=seconds, final_loss=self.last_loss,
+                   checkpoint_s=self.section_totals.get("checkpoint_s", 0.0),
+                   eval_s=self.section_totals.get("eval_s", 0.0))
+        rec.update({k: v for k, v in self.section_totals.items() if k not in rec})
         rec.update(self.rates(self.window_samples, self.window_tokens, seconds))
         rec.update({k: (_num(v) if not isinstance(v, (list, dict)) else v) for k, v in (extra or {}).items()})
         self._write(rec)
         return rec
 
     def close(self) -> None:
+        self._flush()
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
@@ -211,6 +322,32 @@ class Metrics:
             self._file = None
 
     # -- sinks ---------------------------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Write the pending step record (with the sections of its step), its console line, then its eval records."""
+        rec, self._pending = self._pending, None
+        if rec is None:
+            return
+        self._write(rec)
+        self._monitor(rec["step"], rec)
+        self._print(rec)
+        evals, self._pending_evals = self._pending_evals, []
+        for ev in evals:
+            self._write(ev)
+            self._monitor(ev["step"], ev, prefix="Eval")
+
+    def _print(self, rec: dict) -> None:
+        """One console line per step record, rank 0, with the numbers of the file (same rounding as nothing: %.4g)."""
+        if not self.console:
+            return
+        skip = {"type", "time", "warmup"}
+        parts = [f"step {rec['step']}"] + [f"{k} {_fmt(v)}" for k, v in rec.items()
+                                           if k not in skip and k != "step" and v is not None]
+        line = "[ds_core] " + " | ".join(parts) + (" (warm-up)" if rec.get("warmup") else "")
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
     def _write(self, rec: dict) -> None:
         if self._file is not None:
             self._file.write(json.dumps(rec) + "\n")
@@ -221,6 +358,10 @@ class Metrics:
         if self.monitor is None or not getattr(self.monitor, "enabled", False):
             return
         events = [(f"{prefix}/{k}", float(v), step) for k, v in rec.items()
-                  if k not in ("type", "step", "warmup") and isinstance(v, (int, float)) and v is not None]
+                  if k not in ("type", "step", "warmup", "time") and isinstance(v, (int, float)) and v is not None]
         if events:
             self.monitor.write_events(events)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -3,6 +3,9 @@
 Run as `deepspeed --num_gpus 2 tests/tiny_train.py --run_dir R --deepspeed_config zero1_bf16.json ...`.
 Test-only switches (env): TINY_NAN_AT_STEP=k makes the loss NaN at optimizer step k; TINY_KILL_IN_SAVE=k makes
 rank 0 kill -9 itself inside the save of step k, after DeepSpeed wrote its files and before the save completed.
+TINY_FAKE_CLOCK=1 drives ds_core.metrics with a clock that moves 1.0 per micro-step, 100.0 per checkpoint save and
+50.0 per eval (so the throughput window can be checked exactly); TINY_EVAL=1 adds an eval hook; TINY_STATS=1 makes
+the data source report per-rank summary statistics (rank r: bad_rows = r + 1).
 """
 from __future__ import annotations
 
@@ -58,6 +61,24 @@ class SyntheticData:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset = state["epoch"], state["offset"]
 
+    shared_summary_stats = ("data_samples",)  # the whole set's size: the same on every rank
+
+    def summary_stats(self) -> dict:
+        if not os.environ.get("TINY_STATS"):
+            return {}
+        return {"bad_rows": self.rank + 1, "bad_row_examples": [f"rank{self.rank}"], "data_samples": len(self.ids)}
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+FAKE_CLOCK = FakeClock() if os.environ.get("TINY_FAKE_CLOCK") else None
+
 
 def step_fn(engine, batch) -> StepOutput:
     batch = {k: v.to(engine.device) for k, v in batch.items()}
@@ -67,6 +88,8 @@ def step_fn(engine, batch) -> StepOutput:
     if nan_at and engine.global_steps + 1 == nan_at:
         loss = loss * float("nan")
     n = batch["input_ids"].shape[0]
+    if FAKE_CLOCK is not None:
+        FAKE_CLOCK.t += 1.0
     return StepOutput(loss=loss, samples=n, tokens=batch["input_ids"].numel(), logs={"aux": loss.detach() * 0 + 1})
 
 
@@ -83,6 +106,22 @@ def main(argv=None) -> dict:
                                                      num_attention_heads=2, intermediate_size=64,
                                                      max_position_embeddings=args.seq_len, num_labels=2))
     engine = build_engine(model, ds_config)
+    if dist.rank == 0:
+        print(f"tiny: parameter dtype {next(engine.module.parameters()).dtype}", flush=True)
+    if FAKE_CLOCK is not None:
+        real_ds_save = engine.save_checkpoint
+
+        def slow_save(*a, **kw):
+            FAKE_CLOCK.t += 100.0
+            return real_ds_save(*a, **kw)
+
+        engine.save_checkpoint = slow_save
+    eval_fn = None
+    if os.environ.get("TINY_EVAL"):
+        def eval_fn(engine, step):
+            if FAKE_CLOCK is not None:
+                FAKE_CLOCK.t += 50.0
+            return {"eval_marker": float(step)}
     kill_step = int(os.environ.get("TINY_KILL_IN_SAVE", "0"))
     if kill_step and dist.rank == 0:
         real_save = engine.save_checkpoint
@@ -96,7 +135,7 @@ def main(argv=None) -> dict:
     data = SyntheticData(args, dist.rank, dist.world_size, ds_config["train_micro_batch_size_per_gpu"], cfg.seed)
     per_sample = 6 * sum(p.numel() for p in model.parameters()) * args.seq_len  # ~6 N T training FLOPs
     summary = train(engine, step_fn, data, cfg, dist, model_name="tiny-bert", flops_per_sample=per_sample,
-                    seq_len=args.seq_len)
+                    seq_len=args.seq_len, eval_fn=eval_fn, clock=FAKE_CLOCK)
     if args.export_dir:
         ckpt.export_hf(engine, args.export_dir)
     shutdown_distributed()
