@@ -113,7 +113,8 @@ class RunArgs:
                 "training and every --eval_every steps when training"})
     do_predict: bool = field(default=False, metadata={"help": "evaluate on the test split after training"})
     eval_micro_batch_size: int = field(default=0, metadata={
-        "help": "per-rank evaluation batch; 0 -> the training micro batch", "aliases": ["--per_device_eval_batch_size"]})
+        "help": "per-rank evaluation batch; 0 -> the training micro batch",
+        "aliases": ["--per_device_eval_batch_size"]})
     export_dir: str = field(default="", metadata={
         "help": "after the run, write the model (ZeRO-3 partitions gathered) and tokenizer here in "
                 "save_pretrained format; empty -> no export"})
@@ -161,7 +162,8 @@ class OptimArgs:
 # Where optimum-habana's HPU-only flags point a user of this toolkit instead (one line each, printed on rank 0).
 HPU_NOTICES = {
     "use_habana": "the accelerator is detected (HPU, CUDA or CPU) by DeepSpeed; nothing to switch on",
-    "use_lazy_mode": "the HPU execution mode comes from the environment (PT_HPU_LAZY_MODE), as Habana's bridge reads it",
+    "use_lazy_mode": "the HPU execution mode comes from the environment (PT_HPU_LAZY_MODE), as Habana's bridge "
+                     "reads it",
     "use_hpu_graphs_for_inference": "evaluation runs the DeepSpeed engine's eager forward; HPU graphs are not used",
     "gaudi_config_name": "mixed precision comes from the DeepSpeed JSON (bf16 section), not a Gaudi config",
     "distribution_strategy": "data parallelism is DeepSpeed ZeRO (--zero_stage / the DeepSpeed JSON), not DDP",

@@ -39,7 +39,8 @@ def main(argv=None) -> dict:
         raise ConfigError("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
     notices = compat.check_flags(compat_args, train_cfg)
     model_args.model_name_or_path = resolve_pretrained(model_args.model_name_or_path)
-    model_args.tokenizer_name_or_path = resolve_pretrained(model_args.tokenizer_name_or_path, "--tokenizer_name_or_path")
+    model_args.tokenizer_name_or_path = resolve_pretrained(model_args.tokenizer_name_or_path,
+                                                           "--tokenizer_name_or_path")
     train_cfg.deepspeed_config = train_cfg.deepspeed_config or DEFAULT_DS_CONFIG
     if run_args.do_train:
         prepare_run_dir(train_cfg)  # a used run_dir is refused (or moved aside) before any rank starts
@@ -113,8 +114,8 @@ def main(argv=None) -> dict:
         processor.save_pretrained(str(d))
 
     # Trainer.save_model into --output_dir after training; --export_dir as well (also without training)
-    outs = ([train_cfg.run_dir] if train_data is not None else []) + ([run_args.export_dir] if run_args.export_dir else [])
-    for out in outs:
+    outs = [train_cfg.run_dir] if train_data is not None else []
+    for out in outs + ([run_args.export_dir] if run_args.export_dir else []):
         save_model(engine, out, frozen=frozen, extras=extras)
     if dist.rank == 0 and (results["eval"] or results["predict"]):
         print("[bridgetower] " + json.dumps({**results["eval"], **results["predict"]}), flush=True)

@@ -50,8 +50,8 @@ class TrainConfig:
                          default="runs/default", aliases=["--output_dir"])
     deepspeed_config: str = arg("DeepSpeed JSON (path, or a file name inside ds_configs/).", default="")
     max_steps: int = arg("Optimizer steps to run; 0 runs max_epochs.", default=0)
-    max_epochs: int = arg("Epochs to run when max_steps is 0 (max_steps, when set, wins and cycles the data).", default=1,
-                          aliases=["--num_train_epochs"])
+    max_epochs: int = arg("Epochs to run when max_steps is 0 (max_steps, when set, wins and cycles the data).",
+                          default=1, aliases=["--num_train_epochs"])
     num_steps_per_checkpoint: int = arg("Save a checkpoint every N optimizer steps; 0 saves none periodically.",
                                           default=0, aliases=["--save_steps"])
     save_final_checkpoint: bool = arg("Save a checkpoint when training ends.", default=True)

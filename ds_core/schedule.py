@@ -174,5 +174,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None =
     return [g for g in groups if g["params"]]
 
 
-__all__ = ["KINDS", "HF_KINDS", "LRSchedule", "total_optimizer_steps", "lr_schedule", "schedule_factor", "hf_factor", "poly_warmup_factor",
+__all__ = ["KINDS", "HF_KINDS", "LRSchedule", "total_optimizer_steps", "lr_schedule", "schedule_factor", "hf_factor",
+           "poly_warmup_factor",
            "warmup_steps_for", "decay_parameter_names", "param_groups"]
