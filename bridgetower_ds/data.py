@@ -238,7 +238,8 @@ def load_tables(args: DataArgs) -> dict[str, CaptionTable]:
         from .hub import load_cached_dataset  # noqa: PLC0415
 
         obj = load_cached_dataset(args.dataset_name, args.dataset_config_name)
-        return {k: _from_hf(v, args, "", f"{args.dataset_name}:{k}") for k, v in obj.items()}
+        name = f"{args.dataset_name}/{args.dataset_config_name}" if args.dataset_config_name else args.dataset_name
+        return {k: _from_hf(v, args, "", f"{name}:{k}") for k, v in obj.items()}  # source names the configuration
     if not args.dataset_path:
         raise ValueError("--dataset_path (or --dataset_name) is required")
     path = Path(args.dataset_path).expanduser()

@@ -67,7 +67,8 @@ def caption_set(tmp_path_factory) -> Path:
 
 # constant LR: 16 steps of linear decay (Trainer's default schedule) halve the learning these tests look for
 COMMON = ["--max_steps", "16", "--micro_batch_size", "8", "--max_seq_length", "16", "--progress_bar", "false",
-          "--throughput_warmup_steps", "2", "--save_final_checkpoint", "false", "--lr_scheduler_type", "constant"]
+          "--throughput_warmup_steps", "2", "--save_final_checkpoint", "false", "--lr_scheduler_type", "constant",
+          "--bf16"]  # transformers' flag for --precision bf16 (auto is fp32 on a CPU without native bf16)
 
 
 @pytest.mark.slow
