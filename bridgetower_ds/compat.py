@@ -7,7 +7,6 @@ The flags that ARE settings of this toolkit are aliases on those settings (`--ou
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +58,9 @@ def apply_report_to(report_to: str, ds_config: dict, run_dir: str) -> list[str]:
         if ds_config.get(section, {}).get("enabled"):
             notes.append(f"--report_to {name}: the DeepSpeed config's {section!r} section is used as it is")
             continue
-        ds_config[section] = {"enabled": True, "output_path": str(Path(run_dir) / name), "job_name": "bridgetower"}
-        if name in ("wandb", "comet"):
-            ds_config[section] = {"enabled": True}
+        # tensorboard / csv write files under run_dir; wandb / comet report to their services (their own config)
+        ds_config[section] = ({"enabled": True} if name in ("wandb", "comet") else
+                              {"enabled": True, "output_path": str(Path(run_dir) / name), "job_name": "bridgetower"})
     return notes
 
 
