@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 from transformers import BridgeTowerConfig
 
@@ -113,7 +113,87 @@ class RunArgs:
                 "training and every --eval_every steps when training"})
     do_predict: bool = field(default=False, metadata={"help": "evaluate on the test split after training"})
     eval_micro_batch_size: int = field(default=0, metadata={
-        "help": "per-rank evaluation batch; 0 -> the training micro batch"})
+        "help": "per-rank evaluation batch; 0 -> the training micro batch",
+        "aliases": ["--per_device_eval_batch_size"]})
     export_dir: str = field(default="", metadata={
         "help": "after the run, write the model (ZeRO-3 partitions gathered) and tokenizer here in "
                 "save_pretrained format; empty -> no export"})
+
+
+@dataclass
+class OptimArgs:
+    """Learning rate, weight decay and schedule under transformers' TrainingArguments names (ds_core.schedule).
+
+    The rule with a DeepSpeed JSON that has an "optimizer" section: it keeps the optimizer type, betas and eps; its
+    params.lr / params.weight_decay are used when --learning_rate / --weight_decay are not given, and replaced by
+    them when they are (rank 0 says so when the values differ). Without an optimizer section, AdamW with Trainer's
+    defaults (betas 0.9/0.999, eps 1e-8) is built in code. Either way the optimizer gets Trainer's two groups:
+    biases and LayerNorm weights without weight decay."""
+
+    learning_rate: Optional[float] = field(default=None, metadata={
+        "help": "peak learning rate; default: the DeepSpeed JSON's optimizer.params.lr, else 5e-5 (Trainer's)"})
+    weight_decay: Optional[float] = field(default=None, metadata={
+        "help": "AdamW weight decay (not on biases and LayerNorm weights); default: the DeepSpeed JSON's "
+                "optimizer.params.weight_decay, else 0.0 (Trainer's)"})
+    lr_scheduler_type: str = field(default="linear", metadata={
+        "help": "linear | cosine | cosine_with_restarts | polynomial | constant | constant_with_warmup | "
+                "inverse_sqrt (transformers' schedules) | poly_warmup (NVIDIA's BERT schedule)"})
+    warmup_steps: float = field(default=0, metadata={
+        "help": "linear warm-up: >= 1 a number of optimizer steps, < 1 a share of all steps (transformers 5)"})
+    warmup_ratio: float = field(default=0.0, metadata={
+        "help": "warm-up as a share of all optimizer steps (transformers 4 / optimum-habana); give this or "
+                "--warmup_steps"})
+
+    def validate(self) -> None:
+        from ds_core.config import ConfigError
+        from ds_core.schedule import KINDS
+
+        if self.lr_scheduler_type not in KINDS:
+            raise ConfigError(f"--lr_scheduler_type {self.lr_scheduler_type!r}: expected one of {', '.join(KINDS)}")
+        if self.learning_rate is not None and not self.learning_rate > 0:
+            raise ConfigError(f"--learning_rate {self.learning_rate}: expected > 0")
+        if self.weight_decay is not None and self.weight_decay < 0:
+            raise ConfigError(f"--weight_decay {self.weight_decay}: expected >= 0")
+        if self.warmup_steps < 0 or not 0 <= self.warmup_ratio <= 1 or (self.warmup_steps and self.warmup_ratio):
+            raise ConfigError(f"--warmup_steps {self.warmup_steps} / --warmup_ratio {self.warmup_ratio}: expected "
+                              "one of them, warmup_steps >= 0, warmup_ratio in [0, 1]")
+
+
+# Where optimum-habana's HPU-only flags point a user of this toolkit instead (one line each, printed on rank 0).
+HPU_NOTICES = {
+    "use_habana": "the accelerator is detected (HPU, CUDA or CPU) by DeepSpeed; nothing to switch on",
+    "use_lazy_mode": "the HPU execution mode comes from the environment (PT_HPU_LAZY_MODE), as Habana's bridge "
+                     "reads it",
+    "use_hpu_graphs_for_inference": "evaluation runs the DeepSpeed engine's eager forward; HPU graphs are not used",
+    "gaudi_config_name": "mixed precision comes from the DeepSpeed JSON (bf16 section), not a Gaudi config",
+    "distribution_strategy": "data parallelism is DeepSpeed ZeRO (--zero_stage / the DeepSpeed JSON), not DDP",
+    "sdp_on_bf16": "attention runs transformers' BridgeTower implementation; no Gaudi SDPA switch",
+}
+
+
+@dataclass
+class CompatArgs:
+    """transformers / optimum-habana TrainingArguments flags that have no setting of their own here: accepted with
+    their meaning mapped (report_to, save_strategy, remove_unused_columns), with a one-line notice (HPU-only), or
+    refused with the reason (push_to_hub). See bridgetower_ds/compat.py."""
+
+    report_to: str = field(default="none", metadata={
+        "help": "tensorboard | csv | wandb | comet | none (comma-separated for several): DeepSpeed's monitor, "
+                "writing under --output_dir/<name>/ (a monitor section in the DeepSpeed JSON wins)"})
+    save_strategy: str = field(default="steps", metadata={
+        "help": "steps: checkpoints every --save_steps (and at the end); no: no checkpoints at all"})
+    remove_unused_columns: bool = field(default=True, metadata={
+        "help": "accepted for transformers' scripts: only --image_column and --caption_column are ever read"})
+    push_to_hub: bool = field(default=False, metadata={"help": "refused: this toolkit never uploads"})
+    hub_model_id: str = field(default="", metadata={"help": "accepted and unused (only --push_to_hub reads it)"})
+    use_habana: bool = field(default=False, metadata={"help": "HPU-only flag, accepted: " + HPU_NOTICES["use_habana"]})
+    use_lazy_mode: bool = field(default=False, metadata={"help": "HPU-only flag, accepted: "
+                                                                 + HPU_NOTICES["use_lazy_mode"]})
+    use_hpu_graphs_for_inference: bool = field(default=False, metadata={
+        "help": "HPU-only flag, accepted: " + HPU_NOTICES["use_hpu_graphs_for_inference"]})
+    gaudi_config_name: str = field(default="", metadata={"help": "HPU-only flag, accepted: "
+                                                                  + HPU_NOTICES["gaudi_config_name"]})
+    distribution_strategy: str = field(default="", metadata={
+        "help": "HPU-only flag, accepted: " + HPU_NOTICES["distribution_strategy"]})
+    sdp_on_bf16: bool = field(default=False, metadata={"help": "HPU-only flag, accepted: "
+                                                               + HPU_NOTICES["sdp_on_bf16"]})

@@ -40,6 +40,14 @@ class DataArgs:
         "help": "Image-caption data: a save_to_disk directory, an imagefolder directory, or a .json/.jsonl/.csv "
                 "manifest (image path relative to the manifest, caption)."})
     dataset_format: str = field(default="auto", metadata={"help": "auto|hf|imagefolder|json|csv|jsonl."})
+    dataset_name: str = field(default="", metadata={
+        "help": "Hub dataset (e.g. jmhessel/newyorker_caption_contest), loaded from the local datasets cache "
+                "offline (bridgetower_ds.hub); instead of --dataset_path."})
+    dataset_config_name: str = field(default="", metadata={"help": "Configuration of --dataset_name (e.g. matching)."})
+    max_train_samples: int = field(default=0, metadata={
+        "help": "Use only the first N rows of the train split (after any carve-out); 0: all."})
+    max_eval_samples: int = field(default=0, metadata={"help": "Use only the first N rows of validation; 0: all."})
+    max_predict_samples: int = field(default=0, metadata={"help": "Use only the first N rows of test; 0: all."})
     image_column: str = field(default="image", metadata={"help": "Column with the image (path, bytes or HF Image)."})
     caption_column: str = field(default="caption", metadata={
         "help": "Column with the caption text (a list of captions uses its first entry)."})
@@ -234,8 +242,16 @@ def _read_manifest(path: Path, fmt: str) -> list[dict]:
 
 def load_tables(args: DataArgs) -> dict[str, CaptionTable]:
     """All splits the source has, by name. A single un-split source is returned as {train_split: table}."""
+    if args.dataset_name:
+        if args.dataset_path:
+            raise ValueError(f"--dataset_name {args.dataset_name} and --dataset_path {args.dataset_path}: give one")
+        from .hub import load_cached_dataset  # noqa: PLC0415
+
+        obj = load_cached_dataset(args.dataset_name, args.dataset_config_name)
+        name = f"{args.dataset_name}/{args.dataset_config_name}" if args.dataset_config_name else args.dataset_name
+        return {k: _from_hf(v, args, "", f"{name}:{k}") for k, v in obj.items()}  # source names the configuration
     if not args.dataset_path:
-        raise ValueError("--dataset_path is required")
+        raise ValueError("--dataset_path (or --dataset_name) is required")
     path = Path(args.dataset_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"--dataset_path {path} does not exist")
@@ -329,6 +345,17 @@ def open_dataset(args: DataArgs) -> Splits:
 def select_split(args: DataArgs, split: str, tables: dict[str, CaptionTable] | None = None) -> CaptionTable:
     """One table without keeping the Splits (tests, tools); a run uses open_dataset once."""
     return Splits(args, tables).get(split)
+
+
+def limit_rows(args: DataArgs, split: str, table: CaptionTable) -> CaptionTable:
+    """The first --max_{train,eval,predict}_samples rows of a split (transformers' scripts: select(range(N)))."""
+    names = {"train": args.train_split, "validation": args.validation_split, "test": args.test_split}
+    role = split if split in names else next((r for r, n in names.items() if n == split), split)
+    limit = {"train": args.max_train_samples, "validation": args.max_eval_samples,
+             "test": args.max_predict_samples}.get(role, 0)
+    if not limit or limit >= len(table):
+        return table
+    return table.subset(np.arange(limit), f"{table.source}[:{limit}]")
 
 
 # ---------------------------------------------------------------------------------------------------- workers
@@ -563,8 +590,8 @@ def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int
                micro_batch: int, seed: int, device, shuffle: bool = True) -> CaptionData:
     """The per-rank DataSource for `split` (train|validation|test or the configured split names) of the run's
     dataset (open it once with open_dataset)."""
-    table = splits.get(split)
+    table = limit_rows(splits.args, split, splits.get(split))
     if len(table) == 0:
-        raise ValueError(f"{splits.args.dataset_path}: split {split!r} is empty")
+        raise ValueError(f"{splits.args.dataset_path or splits.args.dataset_name}: split {split!r} is empty")
     return CaptionData(splits.args, table, tokenizer, image_size, rank, world_size, micro_batch, seed, device,
                        shuffle)

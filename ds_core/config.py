@@ -26,37 +26,50 @@ class ConfigError(ValueError):
     """A config problem; the message names the file, the key and what was expected."""
 
 
-def arg(text: str, **kw: Any) -> Any:
-    """A dataclass field with its one-line help (HfArgumentParser shows it in --help)."""
-    return field(metadata={"help": text}, **kw)
+def arg(text: str, *, aliases: Sequence[str] = (), **kw: Any) -> Any:
+    """A dataclass field with its one-line help (HfArgumentParser shows it in --help).
+
+    aliases: other flag names for the same setting (HfArgumentParser's "aliases" metadata), e.g. transformers'
+    `--output_dir` for `--run_dir`: one setting, two spellings, no second parser. A flag that sets a field to a
+    fixed value (`--bf16` -> precision "bf16") goes in the class attribute FLAG_CONSTS = {"--bf16": ("precision",
+    "bf16")} (HfArgumentParser hands every metadata key to argparse, so it cannot live in the field's metadata)."""
+    metadata: dict[str, Any] = {"help": text}
+    if aliases:
+        metadata["aliases"] = list(aliases)
+    return field(metadata=metadata, **kw)
 
 
 @dataclass
 class TrainConfig:
     """Settings of the training loop shared by every model (DeepSpeed's own settings stay in the DeepSpeed JSON)."""
 
+    # transformers' `--bf16` is `--precision bf16` (a class attribute, not a field: parse_args reads it)
+    FLAG_CONSTS = {"--bf16": ("precision", "bf16")}
+
     run_dir: str = arg("Output directory: config.json, ds_config.json, metrics.jsonl, checkpoints/.",
-                         default="runs/default")
+                         default="runs/default", aliases=["--output_dir"])
     deepspeed_config: str = arg("DeepSpeed JSON (path, or a file name inside ds_configs/).", default="")
     max_steps: int = arg("Optimizer steps to run; 0 runs max_epochs.", default=0)
-    max_epochs: int = arg("Epochs to run when max_steps is 0 (max_steps, when set, wins and cycles the data).", default=1)
+    max_epochs: int = arg("Epochs to run when max_steps is 0 (max_steps, when set, wins and cycles the data).",
+                          default=1, aliases=["--num_train_epochs"])
     num_steps_per_checkpoint: int = arg("Save a checkpoint every N optimizer steps; 0 saves none periodically.",
-                                          default=0)
+                                          default=0, aliases=["--save_steps"])
     save_final_checkpoint: bool = arg("Save a checkpoint when training ends.", default=True)
     resume: bool = arg("Resume from the latest complete checkpoint in run_dir/checkpoints.", default=False)
     overwrite_run_dir: bool = arg("Start afresh in a run_dir that holds checkpoints or metrics: its contents are moved "
-                                  "aside to a dated sibling folder (never deleted).", default=False)
+                                  "aside to a dated sibling folder (never deleted).", default=False,
+                                  aliases=["--overwrite_output_dir"])
     save_total_limit: int = arg("Keep only the newest K complete checkpoints (never the one `latest` names); "
-                                "0 keeps all.", default=0)
+                                "0 keeps all.", default=0)  # same name as transformers' TrainingArguments
     max_steps_this_run: int = arg("Stop this process after N optimizer steps: save a checkpoint and exit with status "
                                   "75 (resume with --resume); 0 runs to max_steps.", default=0)
-    log_every: int = arg("Write a metrics record every N optimizer steps.", default=1)
+    log_every: int = arg("Write a metrics record every N optimizer steps.", default=1, aliases=["--logging_steps"])
     eval_every: int = arg("Run the eval hook every N optimizer steps; 0 runs it once at the end.", default=0)
     throughput_warmup_steps: int = arg("Optimizer steps excluded from throughput (compilation, caches).",
                                          default=3)
     seed: int = arg("Seed for python, numpy and torch.", default=42)
     micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
-                                  default=0)
+                                  default=0, aliases=["--per_device_train_batch_size"])
     gradient_accumulation_steps: int = arg("Override gradient_accumulation_steps of the DeepSpeed JSON; 0 keeps it.",
                                              default=0)
     zero_stage: int = arg("Override zero_optimization.stage of the DeepSpeed JSON; -1 keeps it.", default=-1)
@@ -123,6 +136,9 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name); "
                                                        "flags given on the command line override it.")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="Set by launchers; ignored.")
+    for t in types:  # flags that set a field to a fixed value (FLAG_CONSTS), writing the field's own dest
+        for flag, (name, value) in getattr(t, "FLAG_CONSTS", {}).items():
+            parser.add_argument(flag, dest=name, action="store_const", const=value, help=f"same as --{name} {value}")
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
         path = Path(pre.config)
@@ -140,10 +156,8 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     except SystemExit:
         raise
     if unknown:
-        known = [a for act in parser._actions for a in act.option_strings]
-        hints = [f"{u!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u.split('=')[0], known, 1))
-                              else "") for u in unknown]
-        raise ConfigError(f"unknown command-line argument(s): {', '.join(hints)}")
+        known = [a for act in parser._actions for a in act.option_strings if "-" not in a.lstrip("-")]
+        raise ConfigError(f"unknown command-line argument(s): {', '.join(_flag_hint(u, known) for u in unknown)}")
     out = []
     values = vars(ns)
     for t in types:
@@ -154,9 +168,33 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     return tuple(out)
 
 
-def save_run_config(run_dir: str | os.PathLike, *instances: Any, rank: int = 0) -> Path:
-    """Write run_dir/config.json, sectioned by dataclass name (rank 0 only); it reads back with --config."""
-    path = Path(run_dir) / "config.json"
+def _flag_hint(given: str, known: Sequence[str]) -> str:
+    """'--flag' plus a hint only when one is close (ratio >= 0.8: '--learning_rte' -> '--learning_rate', but
+    '--eval_strategy' is not offered '--save_strategy'); a transformers TrainingArguments flag that this toolkit does
+    not take is named as such rather than matched to an unrelated setting."""
+    flag = given.split("=")[0]
+    if not flag.startswith("--"):
+        return repr(given)
+    try:
+        from transformers import TrainingArguments
+
+        trainer_flags = {f"--{f.name}" for f in dataclasses.fields(TrainingArguments)}
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        trainer_flags = set()
+    m = difflib.get_close_matches(flag, known, 1, cutoff=0.8)
+    if m and (flag not in trainer_flags or m[0] == flag):
+        return f"{given!r} (did you mean {m[0]!r}?)"
+    if flag in trainer_flags:
+        return f"{given!r} (a transformers TrainingArguments flag that this toolkit does not take)"
+    return repr(given)
+
+
+def save_run_config(run_dir: str | os.PathLike, *instances: Any, rank: int = 0, name: str = "config.json") -> Path:
+    """Write run_dir/<name> (config.json), sectioned by dataclass name (rank 0 only); it reads back with --config.
+
+    A model whose run_dir also receives a save_pretrained model (whose own config.json is the model's) passes
+    another name."""
+    path = Path(run_dir) / name
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {type(i).__name__: dataclasses.asdict(i) for i in instances}
@@ -429,14 +467,17 @@ def settle_grad_accum_dtype(cfg: dict, source: str = "DeepSpeed config") -> None
                 f"({why}); measured: {BF16_ACCUM_ERROR}. Use ZeRO >= 1 with data_types.grad_accum_dtype \"fp32\".")
 
 
-def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool) -> None:
+def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | None) -> None:
     """Before distributed init (the world size, hence the batch arithmetic, comes later in load_ds_config): the JSON
     reads, its values pass check_ds_values, and the optimizer is built either in code or from the JSON's "optimizer"
     section, never both and never neither (ds_core.engine.build_engine checks the same, but only after init and
-    model build)."""
+    model build). optimizer_in_code None: the model takes either (BridgeTower builds AdamW in code when the JSON
+    has no "optimizer"), so only the values are checked."""
     cfg = read_ds_json(ds_config_path)
     source = f"DeepSpeed config {resolve_ds_path(ds_config_path)}"
     check_ds_values(cfg, source)
+    if optimizer_in_code is None:
+        return
     if optimizer_in_code and "optimizer" in cfg:
         raise ConfigError(f"{source} has an \"optimizer\" section, but this model builds its optimizer in code: use "
                           f"a DeepSpeed JSON without \"optimizer\" (the model's optimizer flags set it)")

@@ -66,8 +66,10 @@ def caption_set(tmp_path_factory) -> Path:
     return make_caption_set(tmp_path_factory.mktemp("captions"))
 
 
+# constant LR: 16 steps of linear decay (Trainer's default schedule) halve the learning these tests look for
 COMMON = ["--max_steps", "16", "--micro_batch_size", "8", "--max_seq_length", "16", "--progress_bar", "false",
-          "--throughput_warmup_steps", "2", "--save_final_checkpoint", "false"]
+          "--throughput_warmup_steps", "2", "--save_final_checkpoint", "false", "--lr_scheduler_type", "constant",
+          "--bf16"]  # transformers' flag for --precision bf16 (auto is fp32 on a CPU without native bf16)
 
 
 @pytest.mark.slow
@@ -87,11 +89,13 @@ def test_zero1_two_ranks_host_pipeline_global_negatives_train_eval_predict(capti
     assert [r["step"] for r in evals] == [8, 16]
     assert {"eval_loss", "eval_i2t_r1", "eval_i2t_r5", "eval_i2t_r10", "eval_t2i_r1", "eval_t2i_r5",
             "eval_t2i_r10"} <= set(evals[-1])
-    results = json.loads((run / "eval_results.json").read_text())
+    results = json.loads((run / "all_results.json").read_text())
     # validation and test are carved out of train (10% each of 96 rows), gathered from both ranks, deduplicated
     assert results["eval_samples"] == 10 and results["test_samples"] == 10
+    assert json.loads((run / "eval_results.json").read_text())["eval_samples"] == 10
+    assert json.loads((run / "predict_results.json").read_text())["test_samples"] == 10
     assert results["eval_i2t_r10"] == 1.0 and 0.0 <= results["test_t2i_r1"] <= 1.0
-    assert json.loads((run / "config.json").read_text())["ModelArgs"]["preset"] == "debug"
+    assert json.loads((run / "run_config.json").read_text())["ModelArgs"]["preset"] == "debug"
     assert "image pipeline: host" in proc.stdout
 
 
@@ -142,10 +146,12 @@ def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(capti
     fresh = build_model(ModelArgs(preset="debug"))
     pooler, head = "bridgetower.text_model.pooler.dense.weight", "itc_text_head.fc.weight"
     got, init = exported.state_dict(), fresh.state_dict()
-    dtype = torch.bfloat16 if resolve_precision("auto", "cpu")[0] == "bf16" else torch.float32  # the run's dtype
-    assert torch.allclose(got[pooler], init[pooler].to(dtype).float())  # frozen by default: unchanged
+    # frozen by default: exported exactly as initialised (fp32, not the bf16 copy the engine computed with)
+    assert got[pooler].dtype == torch.float32 and torch.equal(got[pooler], init[pooler])
     assert (got[head] - init[head]).abs().max() > 1e-2  # trained
-    assert json.loads((run_eval / "config.json").read_text())["RunArgs"]["do_train"] is False
+    # fp32 master weights, not the bf16 module copy: trained values are not all bf16-representable
+    assert got[head].dtype == torch.float32 and not torch.equal(got[head], got[head].bfloat16().float())
+    assert json.loads((run_eval / "run_config.json").read_text())["RunArgs"]["do_train"] is False
 
 
 def test_nothing_to_do_is_an_error(tmp_path):
@@ -155,3 +161,72 @@ def test_nothing_to_do_is_an_error(tmp_path):
 
     with pytest.raises(ConfigError, match="nothing to do"):
         main(["--dataset_path", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_published_command_trains_on_two_ranks_and_writes_trainers_outputs(tmp_path):
+    """optimum-habana's run_bridgetower.py command line (test_bt_compat.PUBLISHED) as written, except: the dataset
+    is a tiny New-Yorker-schema one in a tmp datasets cache, the model is the debug preset (no
+    --model_name_or_path: the Large checkpoint does not train on a CPU), and the sizes are a test's."""
+    from test_bt_compat import PUBLISHED, make_newyorker_cache
+    from transformers import BridgeTowerForContrastiveLearning, BridgeTowerProcessor, get_scheduler
+
+    import torch
+
+    cache = make_newyorker_cache(tmp_path / "hf_datasets", {"train": 40, "validation": 8, "test": 8})
+    run = tmp_path / "bridgetower-test"
+    argv = list(PUBLISHED)
+    i = argv.index("--model_name_or_path")
+    del argv[i:i + 2]
+    argv[argv.index("--output_dir") + 1] = str(run)
+    sizes = {"--per_device_train_batch_size=40": "--per_device_train_batch_size=8",
+             "--per_device_eval_batch_size=16": "--per_device_eval_batch_size=4"}
+    argv = [sizes.get(a, a) for a in argv]
+    argv[argv.index("--num_train_epochs") + 1] = "2"
+    argv[argv.index("--logging_steps") + 1] = "1"
+    argv += ["--max_seq_length", "16", "--warmup_steps", "2", "--progress_bar", "false"]
+    proc = run_deepspeed(["--module", "bridgetower_ds.train", *argv], env=dist_env(HF_DATASETS_CACHE=str(cache)))
+    out = proc.stdout
+    assert "--use_habana: " in out and "--gaudi_config_name: " in out and "--sdp_on_bf16: " in out
+    assert "--learning_rate 1e-05" not in out  # the shipped JSON's lr is 1e-5 too: nothing replaced, nothing said
+
+    results = {name: json.loads((run / f"{name}_results.json").read_text())
+               for name in ("train", "eval", "predict", "all")}
+    assert results["all"] == {**results["train"], **results["eval"], **results["predict"]}
+    assert results["eval"]["eval_samples"] == 8 and results["predict"]["test_samples"] == 8
+    recs = records(run)
+    summary = next(r for r in recs if r["type"] == "summary")
+    train = results["train"]
+    assert train["train_samples"] == 40 and summary["world_size"] == 2
+    # the one clock: the same warm-up-excluded figure as metrics.jsonl
+    assert train["train_samples_per_second"] == summary["samples_per_s"] > 0
+    assert train["train_warmup_steps_excluded"] == 3 and train["train_measured_steps"] == summary["steps"] - 3
+    # Trainer's schedule: linear decay over the run's optimizer steps after 2 warm-up steps, from --learning_rate
+    steps = [r for r in recs if r["type"] == "step"]
+    total = summary["steps"]  # the schedule's length must be the loop's: compared through the LR of every step
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-5)
+    sched = get_scheduler("linear", opt, num_warmup_steps=2, num_training_steps=total)
+    want = []
+    for _ in range(total):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert [r["lr"] for r in steps] == pytest.approx(want, rel=1e-9, abs=1e-15)
+    assert steps[0]["lr"] == 0.0 and max(r["lr"] for r in steps) == pytest.approx(1e-5)
+    ds_config = json.loads((run / "ds_config.json").read_text())
+    assert ds_config["tensorboard"]["enabled"] and list((run / "tensorboard").rglob("events.out.tfevents*"))
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())  # --save_strategy no
+
+    # Trainer.save_model + run_bridgetower.py's tokenizer/image processor: loadable as the published checkpoint is
+    processor = BridgeTowerProcessor.from_pretrained(run)
+    assert processor.image_processor.size.shortest_edge == 32  # the debug model's vision image_size
+    model = BridgeTowerForContrastiveLearning.from_pretrained(run, local_files_only=True)
+    assert model.dtype == torch.float32 and model.config.vision_config.image_size == 32
+    from PIL import Image
+
+    batch = processor(images=[Image.new("RGB", (64, 48), (200, 30, 30))] * 2, text=["a red square"] * 2,
+                      return_tensors="pt", padding=True)
+    with torch.no_grad():
+        emb = model(**batch)
+    assert emb.text_embeds.shape == (2, 32) and torch.isfinite(emb.image_embeds).all()
+    assert json.loads((run / "run_config.json").read_text())["CompatArgs"]["save_strategy"] == "no"

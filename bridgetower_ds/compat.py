@@ -1,0 +1,122 @@
+"""What makes optimum-habana's `run_bridgetower.py` command line run here: the TrainingArguments flags with no setting
+of their own (CompatArgs: notices, refusals, report_to, save_strategy), the optimizer and LR schedule from
+OptimArgs (ds_core.schedule), and the Trainer-style final model (tokenizer + image-processor config beside it).
+
+The flags that ARE settings of this toolkit are aliases on those settings (`--output_dir` is TrainConfig.run_dir,
+`--per_device_train_batch_size` is TrainConfig.micro_batch_size, ...): one parser, one source of truth.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_core.config import ConfigError, TrainConfig
+from ds_core.schedule import lr_schedule, param_groups, warmup_steps_for
+
+from .configs import HPU_NOTICES, CompatArgs, OptimArgs
+from .images import CLIP_MEAN, CLIP_STD, SIZE_DIVISOR
+
+# --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.metrics reports).
+MONITORS = {"tensorboard": "tensorboard", "csv": "csv_monitor", "wandb": "wandb", "comet": "comet"}
+TRAINER_DEFAULT_LR = 5e-5  # transformers.TrainingArguments.learning_rate
+TRAINER_DEFAULT_WD = 0.0
+
+
+def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> list[str]:
+    """Refuse what cannot be honoured, map save_strategy onto TrainConfig, and return the notices (one line each)."""
+    if compat.push_to_hub:
+        raise ConfigError("--push_to_hub: refused; this toolkit never uploads (training hosts often have no internet "
+                          "and a credential on every node is a risk). The model is saved in --output_dir in "
+                          "save_pretrained format: upload it from there with `hf upload REPO DIR`")
+    if compat.save_strategy == "no":
+        if train_cfg.num_steps_per_checkpoint:
+            raise ConfigError(f"--save_strategy no with --save_steps {train_cfg.num_steps_per_checkpoint}: pick one")
+        train_cfg.save_final_checkpoint = False
+    elif compat.save_strategy != "steps":
+        raise ConfigError(f"--save_strategy {compat.save_strategy!r}: expected steps (checkpoints every --save_steps) "
+                          "or no; per-epoch checkpoints are not implemented")
+    notices = [f"--{name}: {text}" for name, text in HPU_NOTICES.items() if getattr(compat, name)]
+    if compat.hub_model_id:
+        notices.append(f"--hub_model_id {compat.hub_model_id}: unused (nothing is pushed to the hub)")
+    return notices
+
+
+def apply_report_to(report_to: str, ds_config: dict, run_dir: str) -> list[str]:
+    """Turn on DeepSpeed's monitors for --report_to (Trainer's names), writing under run_dir/<monitor>/."""
+    names = [n.strip() for n in report_to.replace(" ", ",").split(",") if n.strip()]
+    if names in ([], ["none"]):
+        return []
+    if names == ["all"]:
+        names = ["tensorboard"]  # Trainer's "all" = every installed integration; tensorboard is the one shipped here
+    notes = []
+    for name in names:
+        if name not in MONITORS:
+            raise ConfigError(f"--report_to {name!r}: expected one of {', '.join(MONITORS)}, none")
+        section = MONITORS[name]
+        if ds_config.get(section, {}).get("enabled"):
+            notes.append(f"--report_to {name}: the DeepSpeed config's {section!r} section is used as it is")
+            continue
+        # tensorboard / csv write files under run_dir; wandb / comet report to their services (their own config)
+        ds_config[section] = ({"enabled": True} if name in ("wandb", "comet") else
+                              {"enabled": True, "output_path": str(Path(run_dir) / name), "job_name": "bridgetower"})
+    return notes
+
+
+def resolve_optimizer(optim: OptimArgs, ds_config: dict, source: str) -> tuple[float, float, list[str]]:
+    """The run's (learning rate, weight decay) under OptimArgs' rule, written into the DeepSpeed config's optimizer
+    section when it has one, so the resolved ds_config.json holds the values used."""
+    params = ds_config.get("optimizer", {}).get("params", {}) if "optimizer" in ds_config else None
+    notes = []
+
+    def pick(flag: str, given: float | None, key: str, default: float) -> float:
+        json_value = params.get(key) if params is not None else None
+        if json_value == "auto":  # HF's DeepSpeed-integration spelling: "take it from the flags"
+            json_value = None
+        if given is None:
+            return float(json_value) if json_value is not None else default
+        if json_value is not None and float(json_value) != given:
+            notes.append(f"--{flag} {given} replaces {source} optimizer.params.{key} = {json_value}")
+        return given
+
+    lr = pick("learning_rate", optim.learning_rate, "lr", TRAINER_DEFAULT_LR)
+    wd = pick("weight_decay", optim.weight_decay, "weight_decay", TRAINER_DEFAULT_WD)
+    if params is not None:
+        ds_config["optimizer"].setdefault("params", {}).update(lr=lr, weight_decay=wd)
+    return lr, wd, notes
+
+
+def engine_kwargs(model: torch.nn.Module, optim: OptimArgs, ds_config: dict, lr: float, wd: float,
+                  total_steps: int) -> dict[str, Any]:
+    """build_engine's optimizer / model_parameters / lr_scheduler: Trainer's decay groups and the schedule."""
+    if "scheduler" in ds_config:
+        raise ConfigError("the DeepSpeed config has a \"scheduler\" section: remove it, the schedule is "
+                          "--lr_scheduler_type with --warmup_steps / --warmup_ratio")
+    groups = param_groups(model, wd, lr)
+    warmup = warmup_steps_for(total_steps, optim.warmup_steps, optim.warmup_ratio)
+    kw: dict[str, Any] = dict(model_parameters=groups,
+                              lr_scheduler=lr_schedule(optim.lr_scheduler_type, total_steps, warmup))
+    if "optimizer" not in ds_config:
+        kw["optimizer"] = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)  # Trainer's adamw_torch
+    return kw
+
+
+def image_processor(source_dir: str, image_size: int):
+    """The checkpoint's image processor when it has one, else BridgeTower's with this pipeline's geometry (shorter
+    side S, S x S center crop, size divisor 32, CLIP mean/std: bridgetower_ds.images)."""
+    from transformers import BridgeTowerImageProcessorPil
+
+    if source_dir and (Path(source_dir) / "preprocessor_config.json").is_file():
+        proc = BridgeTowerImageProcessorPil.from_pretrained(source_dir)
+    else:
+        proc = BridgeTowerImageProcessorPil(size={"shortest_edge": image_size}, crop_size={"shortest_edge": image_size},
+                                            size_divisor=SIZE_DIVISOR, do_center_crop=True,
+                                            image_mean=list(CLIP_MEAN), image_std=list(CLIP_STD))
+    got = proc.size.get("shortest_edge") if isinstance(proc.size, dict) else getattr(proc.size, "shortest_edge", None)
+    if got != image_size:
+        raise ConfigError(f"{source_dir}/preprocessor_config.json: size.shortest_edge {got} != the model's vision "
+                          f"image_size {image_size}")
+    return proc
+
+

@@ -1,0 +1,137 @@
+"""Outputs as transformers' Trainer writes them: {split}_results.json + all_results.json, and the final model in
+save_pretrained format with fp32 master weights.
+
+The results files follow `Trainer.save_metrics` (trainer_pt_utils.save_metrics): one JSON per split, indent 4, sorted
+keys, merged into all_results.json; written by rank 0, atomically. The training figures come from ds_core.metrics'
+summary record, the one clock: warm-up steps are excluded there, so `train_samples_per_second` here is the same
+number as `samples_per_s` in metrics.jsonl (optimum-habana's --throughput_warmup_steps semantics).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ds_core.config import atomic_write_text
+
+# summary record key -> Trainer-style name. Trainer's train_runtime / train_loss (wall time and mean loss over all
+# steps, warm-up included) are not produced: the summary measures the post-warm-up window and keeps the last loss,
+# and reporting those under Trainer's names would mislabel them.
+_TRAIN_KEYS = {
+    "samples_per_s": "train_samples_per_second",
+    "seqs_per_s_per_accelerator": "train_samples_per_second_per_accelerator",
+    "tokens_per_s": "train_tokens_per_second",
+    "tflops_per_accelerator": "train_tflops_per_accelerator",
+    "mfu": "train_mfu",
+    "measured_steps": "train_measured_steps",
+    "measured_seconds": "train_measured_seconds",
+    "warmup_steps_excluded": "train_warmup_steps_excluded",
+    "steps": "train_steps",
+    "final_loss": "train_final_loss",
+    "global_batch": "train_global_batch",
+    "world_size": "train_world_size",
+    "bad_images": "train_bad_images",
+}
+
+
+def train_metrics(summary: dict, **extra: Any) -> dict:
+    """Trainer-style train metrics from a ds_core.metrics summary record (plus e.g. train_samples=N)."""
+    out = {new: summary[old] for old, new in _TRAIN_KEYS.items() if summary.get(old) is not None}
+    steps, seconds = summary.get("measured_steps"), summary.get("measured_seconds")
+    if steps and seconds:
+        out["train_steps_per_second"] = steps / seconds
+    out.update(extra)
+    return out
+
+
+def save_metrics(out_dir: str | os.PathLike, split: str, metrics: dict, rank: int = 0, combined: bool = True) -> Path:
+    """Trainer.save_metrics: out_dir/{split}_results.json, merged into out_dir/all_results.json (rank 0 writes)."""
+    out = Path(out_dir)
+    path = out / f"{split}_results.json"
+    if rank != 0:
+        return path
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(metrics, indent=4, sort_keys=True) + "\n")
+    if combined:
+        everything = out / "all_results.json"
+        merged = json.loads(everything.read_text()) if everything.exists() else {}
+        merged.update(metrics)
+        atomic_write_text(everything, json.dumps(merged, indent=4, sort_keys=True) + "\n")
+    return path
+
+
+def keep_frozen_fp32(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor | None]:
+    """CPU fp32 copies of the parameters that will not train (call before deepspeed.initialize, on every rank).
+
+    Under bf16 DeepSpeed keeps fp32 masters for trained parameters only; a frozen one is cast to bf16 in the module
+    and its fp32 value would be lost, so an fp32 export would write the bf16-rounded value. keep=False (ranks that
+    do not write) records the names only, so every rank takes the same path through fp32_state_dict's collectives."""
+    return {n: (p.detach().float().cpu().clone() if keep else None)
+            for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def fp32_state_dict(engine, frozen: dict[str, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor] | None:
+    """The full model state dict in fp32 from the optimizer's master weights (collective: every rank calls it;
+    rank 0 gets the dict, the others None).
+
+    deepspeed.utils.safe_get_full_fp32_param assembles a trained parameter's fp32 master across ZeRO-1/2/3 partitions
+    and the bf16 optimizer; a frozen parameter comes from `frozen` (keep_frozen_fp32) or, without it, from the module
+    (gathered under ZeRO-3); buffers come from the module."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    frozen = frozen or {}
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        full = safe_get_full_fp32_param(p) if p.requires_grad else None
+        if full is None:
+            if name in frozen:
+                full = frozen[name]
+            elif hasattr(p, "ds_id"):  # ZeRO-3 partitioned and not trained: gather the module's copy
+                with deepspeed.zero.GatheredParameters([p]):
+                    full = p.detach().float().clone() if rank == 0 else None
+            else:
+                full = p.detach()
+        if rank == 0:
+            out[name] = full.detach().float().cpu().clone()
+    if rank != 0:
+        return None
+    for name, b in module.named_buffers():
+        out[name] = b.detach().cpu().clone()
+    return out
+
+
+def save_model(engine, out_dir: str | os.PathLike, *, frozen: dict[str, torch.Tensor | None] | None = None,
+               extras: Callable[[Path], None] | None = None) -> Path | None:
+    """Trainer.save_model for a DeepSpeed engine: save_pretrained of the fp32 master weights (collective).
+
+    Rank 0 writes into a temporary sibling directory (`extras(tmp)` adds tokenizer / processor files) and renames
+    each file into out_dir, which may already hold other files of the run: a partial write never sits under a model
+    file's name, and files of the run are not touched."""
+    state = fp32_state_dict(engine, frozen)
+    out = Path(out_dir)
+    if state is not None:
+        tmp = out.parent / f".{out.name}.model.tmp.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        engine.module.save_pretrained(str(tmp), state_dict=state)
+        # save_pretrained records the module's dtype (bf16 under DeepSpeed bf16) in config.json, and from_pretrained
+        # ("auto" dtype) would load these fp32 weights back in bf16: the config must say what the file holds
+        config = copy.deepcopy(engine.module.config)
+        config.dtype = "float32"
+        config.save_pretrained(str(tmp))
+        if extras is not None:
+            extras(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out / f.name)
+        tmp.rmdir()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return out if state is not None else None
