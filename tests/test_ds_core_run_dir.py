@@ -82,14 +82,14 @@ def test_data_order_ignores_the_global_rng():
     import numpy as np
 
     from bert_ref.data import plan_segments
-    from bridgetower_ds.data import rank_order
+    from bridgetower_ds.batching import BatchPlan
 
     sizes = {f"/d/shard_{i}.h5": 100 + i for i in range(5)}
     orders = []
     for global_seed in (0, 123):
         np.random.seed(global_seed)
         torch.manual_seed(global_seed)
-        orders.append((rank_order(50, 1, 42, 1, 2, shuffle=True).tolist(),
+        orders.append(([b.tolist() for b in BatchPlan(50, 1, 2, 4, 42, train=True).rank_batches(1)],
                        [(s.path, s.start, s.stop) for s in plan_segments(sizes, 1, 2, 1, 42, 64)]))
     assert orders[0] == orders[1]
 
