@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ds_core.config import ConfigError, arg
+from ds_core.schedule import LRSchedule, poly_warmup_factor
 
 from .layerwise import LANS, NVLAMB
 
@@ -151,75 +152,21 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, global_batch: int =
     raise ConfigError(f"--optimizer {args.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
 
 
-def lr_factor(step: int, total_steps: int, warmup_proportion: float, constant_proportion: float = 0.0,
-              degree: float = 1.0) -> float:
-    """Multiplier of the peak LR for optimizer step `step` (0-based: the number of steps already taken).
-
-    Linear warm-up over the first warmup_proportion * total steps (reaching 1 at the last warm-up step), a constant
-    phase of constant_proportion * total steps, then polynomial decay (1 - progress)^degree towards 0 over the rest
-    (the last step keeps a small positive LR). Steps past total_steps use 0."""
-    if total_steps <= 0:
-        raise ConfigError(f"LR schedule: total_steps = {total_steps}: expected > 0 (set --max_steps)")
-    warm = int(round(warmup_proportion * total_steps))
-    const = int(round(constant_proportion * total_steps))
-    if step >= total_steps:
-        return 0.0
-    if step < warm:
-        return (step + 1) / warm
-    if step < warm + const:
-        return 1.0
-    decay = max(total_steps - warm - const, 1)
-    return max(0.0, 1.0 - (step - warm - const) / decay) ** degree
-
-
-class PolyWarmupSchedule:
-    """LR scheduler over any object with param_groups (a torch optimizer or DeepSpeed's wrapper of it).
-
-    A plain class instead of torch's LRScheduler because that refuses DeepSpeed's ZeRO wrappers (not torch
-    Optimizer instances); DeepSpeed only needs step(), get_last_lr(), state_dict() and load_state_dict()."""
-
-    def __init__(self, optimizer: Any, total_steps: int, warmup_proportion: float, constant_proportion: float = 0.0,
-                 degree: float = 1.0):
-        self.optimizer = optimizer
-        self.total_steps, self.warmup_proportion = total_steps, warmup_proportion
-        self.constant_proportion, self.degree = constant_proportion, degree
-        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
-        self.last_step = 0  # optimizer steps taken
-        lr_factor(0, total_steps, warmup_proportion, constant_proportion, degree)  # validate early
-        self._apply()
-
-    def _apply(self) -> None:
-        f = lr_factor(self.last_step, self.total_steps, self.warmup_proportion, self.constant_proportion,
-                      self.degree)
-        for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-            g["lr"] = base * f
-
-    def step(self, *_: Any, **__: Any) -> None:
-        self.last_step += 1
-        self._apply()
-
-    def get_last_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_lr(self) -> list[float]:
-        return self.get_last_lr()
-
-    def state_dict(self) -> dict:
-        return {"last_step": self.last_step, "base_lrs": list(self.base_lrs), "total_steps": self.total_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.last_step = int(state["last_step"])
-        self.base_lrs = list(state["base_lrs"])
-        self._apply()
+# NVIDIA's schedule (linear warm-up, constant phase, polynomial decay; DeepLearningExamples' PolyWarmUpScheduler) lives
+# in ds_core.schedule with the Trainer kinds, so BERT and BridgeTower share one schedule class. Step is 0-based.
+lr_factor = poly_warmup_factor
 
 
 def schedule_for(args: OptimArgs, total_steps: int):
-    """callable(optimizer) -> PolyWarmupSchedule, the form DeepSpeed's `lr_scheduler=` argument accepts."""
-    def make(optimizer: Any) -> PolyWarmupSchedule:
-        return PolyWarmupSchedule(optimizer, total_steps, args.warmup_proportion, args.constant_proportion,
-                                  args.poly_degree)
+    """callable(optimizer) -> ds_core.schedule.LRSchedule, the form DeepSpeed's `lr_scheduler=` argument accepts."""
+    lr_factor(0, total_steps, args.warmup_proportion, args.constant_proportion, args.poly_degree)  # validate early
+
+    def make(optimizer: Any) -> LRSchedule:
+        return LRSchedule(optimizer, lambda step: lr_factor(step, total_steps, args.warmup_proportion,
+                                                            args.constant_proportion, args.poly_degree),
+                          f"poly_warmup, warm-up {args.warmup_proportion} of {total_steps} steps")
     return make
 
 
 __all__ = ["OptimArgs", "Recipe", "PUBLISHED", "NVLAMB", "LANS", "build_optimizer", "param_groups", "no_decay",
-           "peak_lr", "lr_factor", "PolyWarmupSchedule", "schedule_for", "OPTIMIZERS"]
+           "peak_lr", "lr_factor", "schedule_for", "OPTIMIZERS"]

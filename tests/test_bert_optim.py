@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bert_ref.layerwise import LANS, NVLAMB, FlatLayout, _partition_segments
-from bert_ref.optim import PUBLISHED, OptimArgs, PolyWarmupSchedule, build_optimizer, lr_factor, no_decay, \
+from bert_ref.optim import PUBLISHED, OptimArgs, build_optimizer, lr_factor, no_decay, schedule_for, \
     param_groups, peak_lr
 from ds_core.config import ConfigError
 
@@ -267,14 +267,15 @@ def test_lr_schedule_warmup_constant_poly():
 
 def test_scheduler_drives_param_groups_and_round_trips():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sch = PolyWarmupSchedule(opt, 10, 0.2, 0.0, 1.0)
+    args = OptimArgs(warmup_proportion=0.2, constant_proportion=0.0, poly_degree=1.0)
+    sch = schedule_for(args, 10)(opt)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
     sch.step()
     assert sch.get_last_lr() == [pytest.approx(1.0)]
     sch.step()
     state = sch.state_dict()
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sch2 = PolyWarmupSchedule(opt2, 10, 0.2, 0.0, 1.0)
+    sch2 = schedule_for(args, 10)(opt2)
     sch2.load_state_dict(state)
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"]) == 1.0  # 2 warm-up steps done
     sch.step()
