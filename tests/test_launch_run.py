@@ -48,16 +48,18 @@ def test_help_explains_every_option(module):
 def test_named_settings_come_from_env_with_defaults(hosts):
     out = dry(hosts, "--launcher", "no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1")
     argv = out["argv"]
+    # every rank runs under launch.guard: the collective timeout (module default 1800 s) plus the 60 s grace
     assert argv[1:] == ["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
-                        "--master_port", "29500", "--module", "bert_ref.train", "--deepspeed_config",
-                        "ds_configs/bert_large_zero1_bf16.json"]
+                        "--master_port", "29500", "--module", "launch.guard", "--stall_timeout_s", "1860",
+                        "bert_ref.train", "--deepspeed_config", "ds_configs/bert_large_zero1_bf16.json"]
     env = dist_env(LAUNCH_LAUNCHER="no_ssh", LAUNCH_NODE_RANK="0", MASTER_ADDR="10.0.0.9", MASTER_PORT="29611",
                    LAUNCH_PRESET="debug", LAUNCH_MODULE="bridgetower_ds.train", LAUNCH_NODES="1")
     argv = dry(hosts, env=env)["argv"]
     for pair in (["--node_rank", "0"], ["--master_addr", "10.0.0.9"], ["--master_port", "29611"],
-                 ["--module", "bridgetower_ds.train"], ["--preset", "debug"], ["--num_nodes", "1"]):
+                 ["--preset", "debug"], ["--num_nodes", "1"]):
         i = argv.index(pair[0])
         assert argv[i:i + 2] == pair
+    assert argv[argv.index("launch.guard") + 3] == "bridgetower_ds.train"
     # a flag beats the variable
     assert "--preset" in dry(hosts, "--preset", "bert_large", env=env)["argv"]
 
@@ -78,19 +80,26 @@ def test_each_launcher_builds_its_command(hosts):
     assert pdsh[1:3] == ["--hostfile", "hostfile"] and "--no_ssh" not in pdsh
     mpi = dry(hosts, "--launcher", "openmpi", "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1",
               "--master_addr", "10.0.0.1")["argv"]
-    i = mpi.index("--launcher_args")
-    assert mpi[mpi.index("--launcher") + 1] == "openmpi" and mpi[i + 1] == "--mca 'btl_tcp_if_include eth1'"
+    assert mpi[mpi.index("--launcher") + 1] == "openmpi"
+    assert "--launcher_args=--mca 'btl_tcp_if_include eth1'" in mpi
+    # our rendezvous goes to the guard, which sets it from mpi4py (DeepSpeed's mpi_discovery would take 29500)
+    g = mpi.index("launch.guard")
+    assert mpi[g - 1] == "--module" and mpi[g + 1:g + 6] == ["--stall_timeout_s", "1860", "--mpi", "--master_addr",
+                                                             "10.0.0.1"]
     mpich = dry(hosts, "--launcher", "mpich", "--master_addr", "10.0.0.1")["argv"]
     assert mpich[mpich.index("--launcher") + 1] == "mpich"
+    # DeepSpeed's MPICH runner cannot take --module: the guard goes by file path
+    assert "--module" not in mpich and str(REPO / "launch" / "guard.py") in mpich
     # mpirun directly: ranks find each other through mpi4py; the profile travels as -genv / -x arguments
     direct = dry(hosts, "--launcher", "mpirun", "--mpi_flavor", "mpich", "--profile", "tcp")
     argv = direct["argv"]
-    assert argv[:7] == ["mpirun", "-n", "4", "-ppn", "2", "-hosts", "node0,node1"]
+    assert Path(argv[0]).name == "mpirun" and argv[1:7] == ["-n", "4", "-ppn", "2", "-hosts", "node0,node1"]
     assert ["-genv", "GLOO_SOCKET_IFNAME", "lo"] == argv[argv.index("GLOO_SOCKET_IFNAME") - 1:][:3]
-    assert ["-genv", "MASTER_ADDR", "node0"] == argv[argv.index("MASTER_ADDR") - 1:][:3]
-    assert argv[argv.index("-m") + 1] == "bert_ref.train"
+    assert "MASTER_ADDR" not in argv and "MASTER_PORT" not in argv  # rank 0 picks them (launch.guard)
+    assert argv[argv.index("-m") + 1] == "launch.guard" and "--mpi" in argv
+    assert argv[argv.index("--mpi") + 1:argv.index("--mpi") + 2] == ["bert_ref.train"]
     ompi = dry(hosts, "--launcher", "mpirun", "--mpi_flavor", "openmpi", "--profile", "tcp")["argv"]
-    assert ompi[:7] == ["mpirun", "-n", "4", "-H", "node0:2,node1:2", "--map-by", "ppr:2:node"]
+    assert ompi[1:7] == ["-n", "4", "-H", "node0:2,node1:2", "--map-by", "ppr:2:node"]
     assert "-x" in ompi and "DS_ACCELERATOR=cpu" in ompi
     # srun: one launch.slurm per node
     srun = dry(hosts, "--launcher", "srun", "--nodes", "2", "--profile", "roce")["argv"]
