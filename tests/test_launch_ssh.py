@@ -202,4 +202,163 @@ def test_launch_run_openmpi_over_ssh(tmp_path, private_sshd):
         assert r[MARKER] == "ompi-5678" and r["OMPI_COMM_WORLD_RANK"] == str(i), ranks
         assert (r["MASTER_ADDR"], r["MASTER_PORT"]) == ("127.0.0.1", str(port)), ranks
         assert "openmpi" in r["MPI4PY_LIBMPI"] or "libmpi.so.40" in r["MPI4PY_LIBMPI"], ranks
+    assert ranks[1]["SSH_CONNECTION"].split()[2] == NAMES["node-b"], ranks  # orted reached node-b over ssh
     assert f"MPI rendezvous: world 2, master 127.0.0.1:{port}" in log
+
+
+# ------------------------------------------------------------------------------------------------ MPI rendezvous, hangs
+RDV_PROBE = '''"""Rendezvous through ds_core.engine, one all-reduce, record it; with --hold keep all-reducing until killed."""
+import argparse, json, os, time
+import torch
+import torch.distributed as dist
+from ds_core.engine import init_distributed, shutdown_distributed
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--dist_timeout_s", type=int, default=60)
+p.add_argument("--hold", action="store_true")
+args, _ = p.parse_known_args()
+info = init_distributed(timeout_s=args.dist_timeout_s)
+t = torch.tensor([float(info.rank + 1)])
+dist.all_reduce(t)
+keys = ("{marker}", "MASTER_ADDR", "MASTER_PORT", "MPI4PY_LIBMPI")
+rec = dict(rank=info.rank, world=info.world_size, nodes=info.nodes, sum=t.item(), pid=os.getpid(),
+           **{{k: os.environ.get(k) for k in keys}})
+with open(os.path.join(args.out, "rdv%d.json" % info.rank), "w") as f:
+    json.dump(rec, f)
+while args.hold:
+    dist.all_reduce(t)
+    time.sleep(0.2)
+shutdown_distributed()
+'''
+HOLD_TIMEOUT_S, GRACE_S = 20, 10
+
+
+def _start(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:
+    log = open(cwd / "launch.log", "w")
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, cwd: Path, timeout: float) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = (cwd / "launch.log").read_text()
+    if code is None:
+        pytest.fail(f"launcher still running after {timeout:.0f} s:\n{text[-5000:]}")
+    return code, text
+
+
+def _rdv_records(proc: subprocess.Popen, cwd: Path) -> list[dict]:
+    files = [cwd / f"rdv{r}.json" for r in range(2)]
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not all(f.exists() for f in files):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, text = _finish(proc, cwd, 1)
+            pytest.fail(f"ranks did not meet:\n{text[-5000:]}")
+        time.sleep(0.3)
+    time.sleep(0.3)  # the second file's writer has closed it
+    return [json.loads(f.read_text()) for f in files]
+
+
+def _freeze_and_wait(proc: subprocess.Popen, cwd: Path, rec: dict) -> tuple[int, str]:
+    """SIGSTOP the rank (alive, sockets open, silent); every launcher must then exit non-zero on its own."""
+    os.kill(rec["pid"], signal.SIGSTOP)
+    try:
+        # bounded: the peers' collective timeout, the guard's grace, and slack for a loaded machine
+        return _finish(proc, cwd, HOLD_TIMEOUT_S + GRACE_S + 150)
+    finally:
+        try:
+            os.kill(rec["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _launch_run(launcher: str, tmp_path: Path, *opts: str) -> list[str]:
+    return [sys.executable, "-m", "launch.run", "--launcher", launcher, "--hostfile", "hostfile", "--module",
+            "rdv_probe", "--deepspeed_config", "", "--dist_timeout_s", str(HOLD_TIMEOUT_S), "--stall_grace_s",
+            str(GRACE_S), *opts, "--", "--out", str(tmp_path), "--hold"]
+
+
+def _mpi_env(tmp_path: Path, bindir: Path, mpi_bin: str, marker: str) -> dict:
+    env = _setup(tmp_path, bindir, marker=marker)
+    (tmp_path / "rdv_probe.py").write_text(RDV_PROBE.format(marker=MARKER))
+    env["PATH"] = os.pathsep.join([str(bindir), mpi_bin, env["PATH"]])
+    return env
+
+
+def _check_rdv(recs: list[dict], addr: str, port: int | None, marker: str) -> None:
+    for r in recs:
+        assert (r["world"], r["nodes"], r["sum"], r[MARKER]) == (2, 2, 3.0, marker), recs
+        assert r["MASTER_ADDR"] == addr, recs
+        if port is not None:
+            assert r["MASTER_PORT"] == str(port), recs
+    assert recs[0]["MASTER_PORT"] == recs[1]["MASTER_PORT"] != "29500", recs
+
+
+def _mpich_bin() -> str:
+    """A directory whose mpirun is MPICH's (Hydra): the pip `mpich` wheel's (the `mpich` extra) or a system one."""
+    for d in [Path(sys.executable).parent, *map(Path, os.environ.get("PATH", "").split(os.pathsep))]:
+        if (d / "mpirun").exists() and (d / "mpichversion").exists():
+            return str(d)
+    return ""
+
+
+def test_launch_run_mpich_rendezvous_and_a_frozen_rank(tmp_path, private_sshd):
+    """`launch.run --launcher mpich` (DeepSpeed's MPICH runner, Hydra over ssh): the guard runs by file path, the
+    ranks meet at our address and a port rank 0 picked, mpi4py loads MPICH's library; then a frozen rank makes
+    mpirun exit non-zero (DeepSpeed's launcher_helper drops exit codes: the guard's MPI_Abort carries it)."""
+    bindir, _ = private_sshd
+    mpich = _mpich_bin()
+    if not mpich:
+        pytest.skip("mpich launch test: no MPICH mpirun (pip install mpich, the `mpich` extra)")
+    pytest.importorskip("mpi4py", reason="mpich launch test: mpi4py not installed (the `mpi` extra)")
+    env = _mpi_env(tmp_path, bindir, mpich, marker="mpich-42")
+    proc = _start(_launch_run("mpich", tmp_path, "--master_addr", "127.0.0.1"), tmp_path, env)
+    recs = _rdv_records(proc, tmp_path)
+    _check_rdv(recs, "127.0.0.1", None, "mpich-42")
+    assert all(Path(r["MPI4PY_LIBMPI"]).parent.parent == Path(mpich).parent for r in recs), recs
+    code, log = _freeze_and_wait(proc, tmp_path, recs[1])
+    assert code != 0, log[-5000:]
+    assert "MPI_Abort" in log, log[-5000:]
+
+
+def test_launch_run_mpirun_openmpi_rendezvous_and_a_frozen_rank(tmp_path, private_sshd):
+    """`launch.run --launcher mpirun` with Open MPI: no --master_addr/--master_port given, so rank 0 broadcasts its
+    address and a free port; a frozen rank makes mpirun exit non-zero."""
+    bindir, _ = private_sshd
+    ompi = _open_mpi_bin()
+    if not ompi:
+        pytest.skip("mpirun launch test: Open MPI (ompi_info, mpirun) not installed (apt-get install openmpi-bin)")
+    pytest.importorskip("mpi4py", reason="mpirun launch test: mpi4py not installed (the `mpi` extra)")
+    env = _mpi_env(tmp_path, bindir, ompi, marker="mpirun-7")
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    root = ["--launcher_arg=--allow-run-as-root"] if os.geteuid() == 0 else []
+    mca = [f"--launcher_arg={a}" for a in ("--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo")]
+    proc = _start(_launch_run("mpirun", tmp_path, "--profile", "tcp", *root, *mca), tmp_path, env)
+    recs = _rdv_records(proc, tmp_path)
+    # rank 0's address: its host's (node-a and node-b are one machine here), not DeepSpeed's 29500
+    _check_rdv(recs, recs[0]["MASTER_ADDR"], None, "mpirun-7")
+    assert all("openmpi" in r["MPI4PY_LIBMPI"] or "libmpi.so.40" in r["MPI4PY_LIBMPI"] for r in recs), recs
+    code, log = _freeze_and_wait(proc, tmp_path, recs[1])
+    assert code != 0, log[-5000:]
+
+
+def test_launch_run_pdsh_a_frozen_rank_ends_every_node(tmp_path, private_sshd):
+    """pdsh: node-a's rank fails its collective after the timeout; node-b's DeepSpeed launcher would wait for its
+    stopped rank forever: launch.guard kills it after timeout + grace, so pdsh (and the run) exit non-zero."""
+    bindir, _ = private_sshd
+    env = _setup(tmp_path, bindir, marker="pdsh-hang")
+    (tmp_path / "rdv_probe.py").write_text(RDV_PROBE.format(marker=MARKER))
+    proc = _start(_launch_run("pdsh", tmp_path, "--master_addr", "127.0.0.1", "--master_port", str(free_port())),
+                  tmp_path, env)
+    recs = _rdv_records(proc, tmp_path)
+    assert [r[MARKER] for r in recs] == ["pdsh-hang"] * 2, recs
+    code, log = _freeze_and_wait(proc, tmp_path, recs[1])
+    assert code != 0, log[-5000:]
+    assert f"no heartbeat from the training process for {HOLD_TIMEOUT_S + GRACE_S} s" in log, log[-5000:]
