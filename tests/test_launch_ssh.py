@@ -230,7 +230,7 @@ while args.hold:
     time.sleep(0.2)
 shutdown_distributed()
 '''
-HOLD_TIMEOUT_S, GRACE_S = 20, 10
+HOLD_TIMEOUT_S, GRACE_S = 45, 15  # init collectives on a loaded 2-core machine can take 20 s
 
 
 def _start(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:
