@@ -192,3 +192,74 @@ def test_run_module_imports_no_torch():
                          timeout=60).stdout.strip()
     assert out == "[]"
     assert runmod.LAUNCHERS == ("pdsh", "no_ssh", "openmpi", "mpich", "mpirun", "srun")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("node2;touch${IFS}pwned slots=1", "hostfile line 2: bad host name 'node2;touch${IFS}pwned'"),
+    ("node2 slots=0", "hostfile line 2: host node2 has slots=0"),
+])
+def test_hostfile_is_checked_before_deepspeeds_parser(hosts, line, message):
+    """DeepSpeed's own parser takes both lines (the reference below); launch.run refuses them first."""
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    (hosts / "hostfile").write_text(f"node0 slots=2\n{line}\n")
+    assert len(_parse_hostfile((hosts / "hostfile").read_text().splitlines())) == 2
+    for launcher in ("pdsh", "openmpi", "mpich"):
+        proc = py("launch.run", "--dry_run", "--launcher", launcher, "--master_addr", "10.0.0.1", cwd=hosts)
+        assert proc.returncode == 2 and message in proc.stderr, (launcher, proc.stderr)
+
+
+def test_launcher_args_reach_deepspeed_whole(hosts):
+    """Parsed by DeepSpeed's own argument parser: one --launcher_args value that splits back into our arguments,
+    a leading '-' included (--allow-run-as-root was refused as a separate token)."""
+    import shlex
+
+    from deepspeed.launcher.runner import parse_args
+
+    argv = dry(hosts, "--launcher", "openmpi", "--master_addr", "10.0.0.1", "--launcher_arg=--allow-run-as-root",
+               "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1")["argv"]
+    ds = parse_args(argv[1:])
+    assert shlex.split(ds.launcher_args) == ["--allow-run-as-root", "--mca", "btl_tcp_if_include eth1"]
+    assert ds.module and ds.user_script == "launch.guard" and ds.master_addr == "10.0.0.1"
+
+
+def test_mpich_command_as_deepspeed_builds_it(hosts):
+    """DeepSpeed's MPICHRunner.get_cmd with what launch.run passes: python runs the helper script by path, and the
+    helper runs our guard by path (with --module it would be `python -m /path/launcher_helper.py`)."""
+    from deepspeed.launcher.multinode_runner import MPICHRunner
+    from deepspeed.launcher.runner import parse_args
+
+    argv = dry(hosts, "--launcher", "mpich", "--master_addr", "10.0.0.1", "--master_port", "29611")["argv"]
+    ds = parse_args(argv[1:])
+    pool = {"node0": 2, "node1": 2}
+    cmd = MPICHRunner(ds, "e30=", pool).get_cmd(dict(), pool)
+    helper = next(i for i, a in enumerate(cmd) if a.endswith("launcher_helper.py"))
+    assert cmd[helper - 2:helper] == [sys.executable, "-u"]
+    assert cmd[helper + 1:helper + 4] == ["--launcher", "mpich", str(REPO / "launch" / "guard.py")]
+    assert cmd[helper + 4:helper + 10] == ["--stall_timeout_s", "1860", "--mpi", "--master_addr", "10.0.0.1",
+                                           "--master_port"]
+
+
+def test_a_master_port_in_use_is_named_before_anything_starts(tmp_path):
+    import socket
+
+    (tmp_path / "hostfile").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        for args in (["--launcher", "pdsh"], ["--launcher", "no_ssh", "--node_rank", "0", "--master_addr",
+                                                                 "127.0.0.1"]):
+            proc = py("launch.run", *args, "--master_port", str(port), cwd=tmp_path)
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            assert f"master port {port} on 127.0.0.1: port {port} in use" in proc.stderr
+
+
+def test_collective_timeout_default_matches_the_config():
+    from ds_core.config import TrainConfig
+
+    assert runmod.DEFAULT_DIST_TIMEOUT_S == TrainConfig().dist_timeout_s
+    parser = runmod.build_parser()
+    args = parser.parse_args(["--stall_grace_s", "15"])
+    assert runmod.dist_timeout(args, ["--dist_timeout_s", "45"]) == 45
+    assert runmod.guard_args(args, ["--dist_timeout_s=45"])[:2] == ["--stall_timeout_s", "60"]
