@@ -18,8 +18,10 @@ Launchers:
   srun     inside a Slurm allocation: `srun --ntasks-per-node=1 python -m launch.slurm ...` starts one no_ssh
            launcher per node, building the hostfile from SLURM_JOB_NODELIST.
 
-Arguments after `--` go to the training module unchanged. Every process gets its arguments as an argument list;
-nothing is pasted into a shell command line.
+Every rank runs under launch.guard (see there): a frozen rank is killed after the collective timeout plus
+--stall_grace_s, so every node's launcher ends; under MPI the rendezvous comes from mpi4py, not DeepSpeed's
+mpi_discovery. Arguments after `--` go to the training module unchanged. Every process gets its arguments as an
+argument list; nothing is pasted into a shell command line.
 """
 from __future__ import annotations
 
