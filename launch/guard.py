@@ -5,8 +5,8 @@
 It runs `python -m MODULE ARGS` as its child and does two things no launcher does for us:
 
 1. A frozen rank ends. The child runs a heartbeat thread that writes a byte to a pipe every second; the thread needs
-   neither the GIL-free main thread nor the network, so it stops only when the whole process stops (SIGSTOP, a
-   swapped-out or hung host process, a C call holding the GIL). The guard kills the child (and everything it started)
+   neither the main thread nor the network, so it keeps beating through long steps and collectives and stops only
+   when the whole process stops (SIGSTOP, a hung or swapped-out host process, a C call holding the GIL). The guard kills the child (and everything it started)
    once no beat came for --stall_timeout_s, which launch.run sets to the collective timeout plus a grace: by then every
    healthy peer has failed its collective, so the kill only ends a run that is already lost. Without it, the node of a
    frozen rank waits forever (DeepSpeed's per-node launcher, pdsh, mpirun and srun all wait for their child).
@@ -21,7 +21,9 @@ It runs `python -m MODULE ARGS` as its child and does two things no launcher doe
    calls MPI_Abort so mpirun stops every rank and exits non-zero; DeepSpeed's MPICH helper
    (deepspeed/launcher/launcher_helper.py main) drops its child's exit status, so an exit code alone would be lost there.
 
-Standard library only (mpi4py is imported only with --mpi): DeepSpeed's MPICH backend runs this file by path.
+Hand-written because no launcher we document has a per-rank liveness check: torch.distributed.elastic's agent
+watches workers only under torchrun, which DeepSpeed's launchers do not use. Standard library plus psutil (mpi4py
+only with --mpi), no package-relative imports: DeepSpeed's MPICH backend runs this file by path.
 """
 from __future__ import annotations
 
