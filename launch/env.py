@@ -61,8 +61,10 @@ def plain_warning(name: str, value: str) -> str | None:
 
 
 def parse_env_text(text: str, source: str, *, profile: bool = False) -> list[tuple[str, str, str]]:
-    """Entries as (name, op, value) in file order; op is '=' or '+=' (profiles only). A .deepspeed_env must be
-    exactly what DeepSpeed can read: no blank lines, no comments."""
+    """Entries as (name, op, value) in file order; op is '=', or in profiles also '+=' (a path list prepended to
+    the shell's value) or '?=' (a site value such as an interface name: the profile's value is a default that
+    `launch.env write --set` may replace, and checks then only ask for the variable to be set). A .deepspeed_env
+    must be exactly what DeepSpeed can read: no blank lines, no comments."""
     entries: list[tuple[str, str, str]] = []
     seen: dict[str, int] = {}
     for lineno, raw in enumerate(text.split("\n"), start=1):
@@ -86,6 +88,8 @@ def parse_env_text(text: str, source: str, *, profile: bool = False) -> list[tup
         op = "="
         if profile and name.endswith("+"):
             name, op = name[:-1], "+="
+        elif profile and name.endswith("?"):
+            name, op = name[:-1], "?="
         check_entry(name, value, where)
         if name in seen:
             raise EnvFileError(f"{where}: {name} is set twice (first on line {seen[name]})")
@@ -130,7 +134,8 @@ def profile_entries(name: str) -> list[tuple[str, str, str]]:
 
 
 def compare_with_profile(entries: list[tuple[str, str, str]], seen: Mapping[str, str]) -> tuple[bool, str]:
-    """Whether `seen` (what a rank will get) holds the profile: `=` entries equal, `+=` path parts contained."""
+    """Whether `seen` (what a rank will get) holds the profile: `=` entries equal, `+=` path parts contained, `?=`
+    entries present with any value (`launch.env write --set HCCL_SOCKET_IFNAME=ens32` is the documented override)."""
     missing, differ = [], []
     for name, op, value in entries:
         have = seen.get(name)
@@ -139,6 +144,8 @@ def compare_with_profile(entries: list[tuple[str, str, str]], seen: Mapping[str,
         elif op == "+=":
             if not all(p in have.split(":") for p in value.split(":") if p):
                 differ.append(name)
+        elif op == "?=":
+            continue  # a site value (interface name): any value is the user's choice
         elif have != value:
             differ.append(f"{name}={have}")
     if missing or differ:

@@ -69,10 +69,14 @@ def _accelerator_count(kind: str) -> int:
     return os.cpu_count() or 1
 
 
-def _port_free(port: int) -> tuple[bool, str]:
+def port_free(port: int) -> tuple[bool, str]:
+    """Whether the rendezvous could listen on `port`. SO_REUSEADDR, as torch's TCPStore server sets it: a port with
+    only TIME_WAIT sockets left (a run that just ended) is free to it, and a plain bind would call it in use."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", port))
+            s.listen(1)
         except OSError as e:
             return False, f"port {port} in use ({e.strerror})"
     return True, f"port {port} free"
@@ -102,7 +106,7 @@ def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "") -> dict:
            "versions": {d: _version(d) for d in PACKAGES}, "accelerator": kind, "accelerators": count,
            "accelerator_error": count_err, "env": {n: os.environ[n] for n in names if n in os.environ}}
     if port:
-        out["port"] = _port_free(port)
+        out["port"] = port_free(port)
     if data_dir:
         out["data_dir"] = _data_dir(data_dir)
     return out
@@ -253,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "$LAUNCH_DS_CONFIG, default: no check")
     p.add_argument("--master_addr", default=os.environ.get("MASTER_ADDR", ""),
                    help="host whose master port is checked (default: the first host); $MASTER_ADDR")
-    p.add_argument("--master_port", type=int, default=int(os.environ.get("MASTER_PORT", "29500")),
+    p.add_argument("--master_port", type=int, default=int(os.environ.get("MASTER_PORT") or "29500"),
                    help="port that must be free on the master host; $MASTER_PORT, default 29500")
     p.add_argument("--ssh_port", type=int, default=0, help="ssh port for remote hosts (default: ssh's own)")
     p.add_argument("--ssh_timeout", type=float, default=10,

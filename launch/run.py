@@ -18,8 +18,10 @@ Launchers:
   srun     inside a Slurm allocation: `srun --ntasks-per-node=1 python -m launch.slurm ...` starts one no_ssh
            launcher per node, building the hostfile from SLURM_JOB_NODELIST.
 
-Arguments after `--` go to the training module unchanged. Every process gets its arguments as an argument list;
-nothing is pasted into a shell command line.
+Every rank runs under launch.guard (see there): a frozen rank is killed after the collective timeout plus
+--stall_grace_s, so every node's launcher ends; under MPI the rendezvous comes from mpi4py, not DeepSpeed's
+mpi_discovery. Arguments after `--` go to the training module unchanged. Every process gets its arguments as an
+argument list; nothing is pasted into a shell command line.
 """
 from __future__ import annotations
 
@@ -35,8 +37,14 @@ from typing import Mapping, Sequence
 
 from launch import env as envmod
 from launch import hostfile as hf
+from launch import preflight
 
 LAUNCHERS = ("pdsh", "no_ssh", "openmpi", "mpich", "mpirun", "srun")
+MPI_LAUNCHERS = ("openmpi", "mpich", "mpirun")
+DEFAULT_MASTER_PORT = 29500  # DeepSpeed's and torch's default
+# ds_core.config.TrainConfig.dist_timeout_s's default (a test keeps them equal; importing it here would pull in torch,
+# and the wrappers must start fast on a login node)
+DEFAULT_DIST_TIMEOUT_S = 1800
 # launchers that start the same number of ranks on every node
 EQUAL_SLOTS = {"mpich", "mpirun", "srun"}
 
@@ -71,19 +79,29 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="DeepSpeed JSON passed as `--deepspeed_config` to the module; $LAUNCH_DS_CONFIG, "
                         "default none: the module uses its own default (each model package declares one)")
     g.add_argument("--master_addr", default=_env_default("MASTER_ADDR", ""),
-                   help="address of node 0 that every rank can reach; required for no_ssh; pdsh/openmpi/mpich ask "
-                        "the first host over ssh (`hostname -I`) when empty, mpirun/srun use the first host's "
-                        "name; $MASTER_ADDR")
-    g.add_argument("--master_port", type=int, default=int(_env_default("MASTER_PORT", "29500")),
-                   help="TCP port on node 0 for the rendezvous; $MASTER_PORT, default 29500")
+                   help="address of node 0 that every rank can reach; required for no_ssh; pdsh asks the first "
+                        "host over ssh (`hostname -I`) when empty, openmpi/mpich/mpirun use rank 0's address "
+                        "(broadcast through mpi4py by launch.guard), srun the first host's name; $MASTER_ADDR")
+    g.add_argument("--master_port", type=int, default=int(_env_default("MASTER_PORT", "0")),
+                   help="TCP port on node 0 for the rendezvous; $MASTER_PORT; default (0): 29500, except under MPI "
+                        "(openmpi, mpich, mpirun) where rank 0 picks a free port and broadcasts it. Where node 0 is "
+                        "this machine, a port already in use is refused before anything starts")
     g.add_argument("--node_rank", type=int, default=int(_env_default("LAUNCH_NODE_RANK", "-1")),
                    help="no_ssh: this node's index in the hostfile (0 = the master_addr node); $LAUNCH_NODE_RANK")
+    g.add_argument("--dist_timeout_s", type=int, default=int(_env_default("LAUNCH_DIST_TIMEOUT_S", "0")),
+                   help="collective timeout passed to the module as --dist_timeout_s (0: the module's own, "
+                        f"{DEFAULT_DIST_TIMEOUT_S} s unless given after --); $LAUNCH_DIST_TIMEOUT_S")
+    g.add_argument("--stall_grace_s", type=int, default=int(_env_default("LAUNCH_STALL_GRACE_S", "60")),
+                   help="a rank silent (stopped, frozen) for the collective timeout plus this many seconds is "
+                        "killed by launch.guard, so every node's launcher exits non-zero; 0 disables the guard's "
+                        "kill; $LAUNCH_STALL_GRACE_S, default 60")
     g.add_argument("--launcher_arg", action="append", default=[], metavar="ARG",
                    help="one extra argument for the underlying launcher (mpirun / srun / DeepSpeed's "
                         "--launcher_args for openmpi/mpich); repeat for several; write --launcher_arg=-x for one that "
                         "starts with '-'")
     g.add_argument("--mpi_flavor", choices=("auto", "mpich", "openmpi"), default="auto",
-                   help="mpirun launcher: which MPI's flags to use (auto: ask `mpirun --version`)")
+                   help="mpirun launcher: which MPI's flags to use (auto: ask `mpirun --version`); the ranks' mpi4py "
+                        "loads the library of the mpirun on PATH")
     g.add_argument("--slots", type=int, default=int(_env_default("LAUNCH_SLOTS", "8")),
                    help="srun: accelerators per node for the hostfile launch.slurm builds; $LAUNCH_SLOTS, default 8")
     g.add_argument("--dry_run", action="store_true",
@@ -114,11 +132,44 @@ def deepspeed_cmd() -> list[str]:
     return [found] if found else [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
 
 
+def _given_dist_timeout(extra: Sequence[str]) -> int:
+    """The last --dist_timeout_s among the module's own arguments (argparse keeps the last), 0 if none."""
+    found = 0
+    for i, a in enumerate(extra):
+        if a == "--dist_timeout_s" and i + 1 < len(extra) and extra[i + 1].isdigit():
+            found = int(extra[i + 1])
+        elif a.startswith("--dist_timeout_s=") and a.partition("=")[2].isdigit():
+            found = int(a.partition("=")[2])
+    return found
+
+
+def dist_timeout(args, extra: Sequence[str]) -> int:
+    """The collective timeout the ranks will use: after `--`, else --dist_timeout_s here, else the module's default."""
+    return _given_dist_timeout(extra) or args.dist_timeout_s or DEFAULT_DIST_TIMEOUT_S
+
+
 def train_args(args, extra: Sequence[str]) -> list[str]:
     out = ["--deepspeed_config", args.deepspeed_config] if args.deepspeed_config else []
     if args.preset:
         out += ["--preset", args.preset]
+    if args.dist_timeout_s:
+        out += ["--dist_timeout_s", str(args.dist_timeout_s)]  # one given after `--` comes later and wins
     return out + list(extra)
+
+
+def guard_args(args, extra: Sequence[str], mpi: dict | None = None) -> list[str]:
+    """launch.guard's options and the module: every rank runs under the guard (see launch/guard.py)."""
+    stall = dist_timeout(args, extra) + args.stall_grace_s if args.stall_grace_s > 0 else 0
+    out = ["--stall_timeout_s", str(stall)]
+    if mpi is not None:
+        out.append("--mpi")
+        if args.master_addr:
+            out += ["--master_addr", args.master_addr]
+        if args.master_port:
+            out += ["--master_port", str(args.master_port)]
+        if mpi.get("libmpi"):
+            out += ["--mpi_lib", mpi["libmpi"]]
+    return out + [args.module]
 
 
 def rank_env_additions(args, cwd: str | None = None) -> dict[str, str]:
@@ -139,18 +190,74 @@ def check_deepspeed_env_has_profile(args, cwd: str | None = None) -> None:
     if not ok:
         raise LaunchError(
             f"profile {args.profile}: .deepspeed_env {detail}. DeepSpeed exports only that file to other nodes: "
-            f"run `python -m launch.env write --profile {args.profile}` here first")
+            f"run `python -m launch.env write --profile {args.profile}` here first (add --set NAME=VALUE for a "
+            "site value)")
 
 
-def _mpi_flavor(args) -> str:
-    if args.mpi_flavor != "auto":
-        return args.mpi_flavor
+def check_master_port(host: str, port: int) -> None:
+    """A rendezvous port taken on this machine (another job, a leftover rank) otherwise shows up as a gloo/NCCL
+    connection error after a minute or more; say so now. Bound as the store will bind it (SO_REUSEADDR), so a port
+    with only TIME_WAIT sockets left counts as free."""
+    if not preflight.is_local(host):
+        return  # not this machine: launch.preflight checks it over ssh
+    ok, detail = preflight.port_free(port)
+    if not ok:
+        raise LaunchError(f"master port {port} on {host}: {detail}; another run (or a leftover rank) holds it: "
+                          "pick another --master_port / $MASTER_PORT")
+
+
+def mpi_flavor_of(mpirun: str) -> str:
+    """'openmpi' or 'mpich' (MPICH, Intel MPI and other Hydra-based mpiruns) for an mpirun executable."""
     try:
-        out = subprocess.run(["mpirun", "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        out = subprocess.run([mpirun, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise LaunchError(f"mpirun launcher: cannot run `mpirun --version` ({e})") from None
+        raise LaunchError(f"cannot run `{mpirun} --version` ({e})") from None
     return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
+
+
+def libmpi_of(flavor: str, mpirun: str) -> str:
+    """The MPI library that belongs to `mpirun`, for mpi4py (MPI4PY_LIBMPI): mpi4py otherwise loads the first libmpi
+    it finds, e.g. the pip `mpich` wheel's under Open MPI's mpirun ('unsupported PMI version PMIx')."""
+    if flavor == "openmpi":
+        ompi_info = Path(mpirun).with_name("ompi_info")
+        try:
+            out = subprocess.run([str(ompi_info) if ompi_info.exists() else "ompi_info", "--parsable", "--path",
+                                  "libdir"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                 timeout=30).stdout
+            dirs = [Path(line.split(":", 2)[2]) for line in out.splitlines() if line.startswith("path:libdir:")]
+        except (OSError, subprocess.TimeoutExpired):
+            dirs = []
+        names: tuple[str, ...] = ("libmpi.so.40", "libmpi.so")
+    else:
+        prefix = Path(mpirun).resolve().parents[1]
+        dirs, names = [prefix / "lib", prefix / "lib64"], ("libmpi.so.12", "libmpi.so")
+    for d in dirs:
+        for n in names:
+            if (d / n).exists():
+                return str(d / n)
+    return ""
+
+
+def mpi_setup(args, environ: Mapping[str, str]) -> dict:
+    """The mpirun the launch will run (the first on PATH, which DeepSpeed's runners run too), its flavour, and its
+    libmpi for the ranks' mpi4py. The openmpi/mpich launchers refuse an mpirun of the other flavour: the pip `mpich`
+    wheel puts its mpirun into the venv, in front of a system Open MPI (`token slots not supported`)."""
+    mpirun = shutil.which("mpirun", path=environ.get("PATH")) or ""
+    want = args.launcher if args.launcher != "mpirun" else args.mpi_flavor
+    if not mpirun:
+        if args.dry_run:
+            return {"mpirun": "", "flavor": want if want != "auto" else "mpich", "libmpi": ""}
+        raise LaunchError(f"{args.launcher}: no `mpirun` on PATH")
+    found = mpi_flavor_of(mpirun)
+    if want not in ("auto", found):
+        msg = (f"{args.launcher}: `mpirun` on PATH ({mpirun}) is {found}, not {want}. Put {want}'s bin directory "
+               "first on PATH (the `mpich` extra installs MPICH's mpirun into the venv: leave it out on Open MPI "
+               "clusters)")
+        if not args.dry_run:
+            raise LaunchError(msg)
+        return {"mpirun": mpirun, "flavor": want, "libmpi": "", "warning": msg}
+    return {"mpirun": mpirun, "flavor": found, "libmpi": libmpi_of(found, mpirun)}
 
 
 def build_command(args, extra: Sequence[str], environ: Mapping[str, str] | None = None,
@@ -160,49 +267,74 @@ def build_command(args, extra: Sequence[str], environ: Mapping[str, str] | None 
     equal = args.launcher in EQUAL_SLOTS
     hosts: list[hf.Host] = []
     if args.launcher != "srun":
+        # our parser first: DeepSpeed's own (runner._parse_hostfile) accepts `node2;touch x slots=1` and slots=0
         hosts = hf.read_hostfile(args.hostfile, equal_slots=equal, nodes=args.nodes)
     used = hosts[:args.nodes] if args.nodes else hosts
-    port = ["--master_port", str(args.master_port)]
+    port_value = args.master_port or DEFAULT_MASTER_PORT
+    port = ["--master_port", str(port_value)]
     addr = ["--master_addr", args.master_addr] if args.master_addr else []
     nodes = ["--num_nodes", str(args.nodes)] if args.nodes else []
-    user = ["--module", args.module] + train_args(args, extra)
+    guarded = ["--module", "launch.guard", *guard_args(args, extra), *train_args(args, extra)]
     added: dict[str, str] = {}
+    check_port = not args.dry_run
 
     if args.launcher == "pdsh":
         check_deepspeed_env_has_profile(args, cwd)
-        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, *port, *addr, *nodes, *user]
+        if check_port:
+            check_master_port(args.master_addr or used[0].name, port_value)
+        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, *port, *addr, *nodes, *guarded]
     elif args.launcher == "no_ssh":
         if not args.master_addr:
             raise LaunchError("no_ssh: --master_addr (or $MASTER_ADDR) is required: nodes cannot ask each other")
         if not 0 <= args.node_rank < len(used):
             raise LaunchError(f"no_ssh: --node_rank {args.node_rank} is outside 0..{len(used) - 1} "
                               f"({len(used)} hosts in {args.hostfile})")
+        if check_port and args.node_rank == 0:  # node 0 serves the port; on other nodes it is node 0's own store
+            check_master_port(args.master_addr, port_value)
         added = rank_env_additions(args, cwd)
         cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, "--no_ssh", "--node_rank", str(args.node_rank),
-                                 *addr, *port, *nodes, *user]
+                                 *addr, *port, *nodes, *guarded]
     elif args.launcher in ("openmpi", "mpich"):
         if args.nodes and args.nodes != len(hosts):
             raise LaunchError(f"{args.launcher}: DeepSpeed's MPI backends cannot limit nodes; write a hostfile with "
                               f"{args.nodes} hosts instead of --nodes")
         check_deepspeed_env_has_profile(args, cwd)
-        # DeepSpeed shlex-splits --launcher_args; shlex.join is its exact inverse, so each ARG stays one argument
-        largs = ["--launcher_args", shlex.join(args.launcher_arg)] if args.launcher_arg else []
-        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, "--launcher", args.launcher, *largs, *port, *addr,
+        mpi = mpi_setup(args, environ)
+        if check_port and args.master_port:
+            check_master_port(args.master_addr or used[0].name, args.master_port)
+        # DeepSpeed shlex-splits --launcher_args; shlex.join is its exact inverse, so each ARG stays one argument.
+        # One `--launcher_args=VALUE` token: as two tokens, a VALUE starting with '-' (--allow-run-as-root) is taken
+        # by DeepSpeed's argparse for an option ("argument --launcher_args: expected one argument").
+        largs = [f"--launcher_args={shlex.join(args.launcher_arg)}"] if args.launcher_arg else []
+        # DeepSpeed's MPI runners use --master_addr only for their own variables (launch.guard replaces them);
+        # naming the first host spares runner.main its `ssh HOST hostname -I`, which an MPI cluster need not allow
+        ds_addr = ["--master_addr", args.master_addr or used[0].name]
+        rank = [*guard_args(args, extra, mpi), *train_args(args, extra)]
+        if args.launcher == "mpich":
+            # DeepSpeed's MPICHRunner.get_cmd puts `-m` before the path of its launcher_helper.py when --module is
+            # given (`No module named '/.../launcher_helper.py'`): run the guard by file path, without --module
+            user = [str(Path(__file__).resolve().with_name("guard.py")), *rank]
+        else:
+            user = ["--module", "launch.guard", *rank]
+        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, "--launcher", args.launcher, *largs, *port, *ds_addr,
                                  *user]
     elif args.launcher == "mpirun":
+        mpi = mpi_setup(args, environ)
+        if check_port and args.master_port:
+            check_master_port(args.master_addr or used[0].name, args.master_port)
         ranks_env = rank_env_additions(args, cwd)
-        master = args.master_addr or used[0].name
-        ranks_env.update(MASTER_ADDR=master, MASTER_PORT=str(args.master_port))
+        if environ.get("PYTHONPATH"):  # DeepSpeed's runners forward PYTHON* variables; so do we
+            ranks_env.setdefault("PYTHONPATH", environ["PYTHONPATH"])
         total, per_node = sum(h.slots for h in used), used[0].slots
-        py = [sys.executable, "-u", "-m", args.module, *train_args(args, extra)]
-        if _mpi_flavor(args) == "openmpi":
-            cmd = ["mpirun", "-n", str(total), "-H", ",".join(f"{h.name}:{h.slots}" for h in used),
+        py = [sys.executable, "-u", "-m", "launch.guard", *guard_args(args, extra, mpi), *train_args(args, extra)]
+        if mpi["flavor"] == "openmpi":
+            cmd = [mpi["mpirun"] or "mpirun", "-n", str(total), "-H", ",".join(f"{h.name}:{h.slots}" for h in used),
                    "--map-by", f"ppr:{per_node}:node", *args.launcher_arg]
             for k, v in ranks_env.items():
                 cmd += ["-x", f"{k}={v}"]
         else:
-            cmd = ["mpirun", "-n", str(total), "-ppn", str(per_node), "-hosts", ",".join(h.name for h in used),
-                   *args.launcher_arg]
+            cmd = [mpi["mpirun"] or "mpirun", "-n", str(total), "-ppn", str(per_node), "-hosts",
+                   ",".join(h.name for h in used), *args.launcher_arg]
             for k, v in ranks_env.items():
                 cmd += ["-genv", k, v]
         cmd += py
@@ -211,8 +343,10 @@ def build_command(args, extra: Sequence[str], environ: Mapping[str, str] | None 
             raise LaunchError("srun: not inside a Slurm allocation (SLURM_JOB_ID unset); use sbatch/salloc")
         node_flags = ["--nodes", str(args.nodes)] if args.nodes else []
         forwarded = ["--profile", args.profile] if args.profile else []
-        forwarded += ["--module", args.module, "--preset", args.preset, "--deepspeed_config", args.deepspeed_config,
-                      "--master_port", str(args.master_port), "--slots", str(args.slots)]
+        forwarded += ["--module", args.module, "--preset", args.preset,
+                      *(["--deepspeed_config", args.deepspeed_config] if args.deepspeed_config else []),
+                      "--master_port", str(port_value), "--slots", str(args.slots),
+                      "--dist_timeout_s", str(args.dist_timeout_s), "--stall_grace_s", str(args.stall_grace_s)]
         if args.master_addr:
             forwarded += ["--master_addr", args.master_addr]
         cmd = ["srun", *node_flags, "--ntasks-per-node=1", "--kill-on-bad-exit=1", *args.launcher_arg,

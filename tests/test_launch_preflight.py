@@ -95,3 +95,70 @@ def test_remote_hosts_are_probed_over_ssh_with_quoted_arguments(tmp_path):
     assert rows[("remote-a", "data_dir")]["result"] == "FAIL"
     assert rows[("down-b", "reachable")]["result"] == "FAIL" and "refused" in rows[("down-b", "reachable")]["detail"]
     assert not marker.exists()
+
+
+def test_the_documented_interface_override_passes_preflight_and_launch(tmp_path):
+    """README: `launch.env write --profile efa --set HCCL_SOCKET_IFNAME=ens32` for a NIC not named like the profile's
+    default. Interface names are `?=` site values: any value passes; an `=` value that differs still fails."""
+    (tmp_path / "hostfile").write_text("localhost slots=1\n")
+    wrote = subprocess.run([sys.executable, "-m", "launch.env", "write", "--profile", "efa", "--set",
+                            "HCCL_SOCKET_IFNAME=ens32"], cwd=tmp_path, env=dist_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert wrote.returncode == 0, wrote.stdout
+    assert "HCCL_SOCKET_IFNAME=ens32\n" in (tmp_path / ".deepspeed_env").read_text()
+    code, rows, out = run_preflight(tmp_path, "--hostfile", "hostfile", "--profile", "efa",
+                                    "--master_port", str(free_port()))
+    assert rows[("localhost", "profile efa")]["result"] == "PASS", out
+    launch = subprocess.run([sys.executable, "-m", "launch.run", "--dry_run", "--profile", "efa"], cwd=tmp_path,
+                            env=dist_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert launch.returncode == 0, launch.stderr
+    # a value the profile fixes is still checked: the roce profile's HCCL_OVER_OFI=0 is not efa's
+    env_file = tmp_path / ".deepspeed_env"
+    env_file.write_text(env_file.read_text().replace("HCCL_OVER_OFI=1", "HCCL_OVER_OFI=0"))
+    code, rows, out = run_preflight(tmp_path, "--hostfile", "hostfile", "--profile", "efa",
+                                    "--master_port", str(free_port()))
+    assert rows[("localhost", "profile efa")]["result"] == "FAIL" and "HCCL_OVER_OFI=0" in out, out
+
+
+def _time_wait_port(reuse: bool) -> int:
+    """A port whose only socket left is in TIME_WAIT (the side that closes first keeps it), as a finished run's
+    rendezvous server leaves it; `reuse`: the server had SO_REUSEADDR, as torch's TCPStore sets it."""
+    srv = socket.socket()
+    if reuse:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    conn.close()
+    srv.close()
+    client.recv(1)  # the server's FIN has arrived: closing now leaves TIME_WAIT on the server's side
+    client.close()
+    return port
+
+
+def test_port_check_agrees_with_torchs_store():
+    """Free exactly when torch's TCPStore server can listen there: TIME_WAIT left by a store does not block it (a
+    plain bind would say 'in use'); a listening socket does."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = _time_wait_port(reuse=True)
+    with socket.socket() as plain:
+        try:
+            plain.bind(("0.0.0.0", port))
+            plain_ok = True
+        except OSError:
+            plain_ok = False
+    ok, detail = preflight.port_free(port)
+    assert ok, detail
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10))  # the reference: it binds
+    del store
+    assert not plain_ok  # what the old check did: Linux refuses a plain bind over TIME_WAIT
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        ok, detail = preflight.port_free(busy.getsockname()[1])
+        assert not ok and f"port {busy.getsockname()[1]} in use" in detail

@@ -48,16 +48,19 @@ def test_help_explains_every_option(module):
 def test_named_settings_come_from_env_with_defaults(hosts):
     out = dry(hosts, "--launcher", "no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1")
     argv = out["argv"]
+    # every rank runs under launch.guard: the collective timeout (module default 1800 s) plus the 60 s grace
     assert argv[1:] == ["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
-                        "--master_port", "29500", "--module", "bert_ref.train"]  # the module's own default JSON
+                        "--master_port", "29500", "--module", "launch.guard", "--stall_timeout_s", "1860",
+                        "bert_ref.train"]  # the module's own default DeepSpeed JSON
     env = dist_env(LAUNCH_LAUNCHER="no_ssh", LAUNCH_NODE_RANK="0", MASTER_ADDR="10.0.0.9", MASTER_PORT="29611",
                    LAUNCH_PRESET="debug", LAUNCH_MODULE="bridgetower_ds.train", LAUNCH_NODES="1")
     argv = dry(hosts, env=env)["argv"]
     assert "--deepspeed_config" not in argv  # bridgetower_ds.train picks its own, not BERT's
     for pair in (["--node_rank", "0"], ["--master_addr", "10.0.0.9"], ["--master_port", "29611"],
-                 ["--module", "bridgetower_ds.train"], ["--preset", "debug"], ["--num_nodes", "1"]):
+                 ["--preset", "debug"], ["--num_nodes", "1"]):
         i = argv.index(pair[0])
         assert argv[i:i + 2] == pair
+    assert argv[argv.index("launch.guard") + 3] == "bridgetower_ds.train"
     # a flag beats the variable
     assert "--preset" in dry(hosts, "--preset", "bert_large", env=env)["argv"]
 
@@ -78,19 +81,26 @@ def test_each_launcher_builds_its_command(hosts):
     assert pdsh[1:3] == ["--hostfile", "hostfile"] and "--no_ssh" not in pdsh
     mpi = dry(hosts, "--launcher", "openmpi", "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1",
               "--master_addr", "10.0.0.1")["argv"]
-    i = mpi.index("--launcher_args")
-    assert mpi[mpi.index("--launcher") + 1] == "openmpi" and mpi[i + 1] == "--mca 'btl_tcp_if_include eth1'"
+    assert mpi[mpi.index("--launcher") + 1] == "openmpi"
+    assert "--launcher_args=--mca 'btl_tcp_if_include eth1'" in mpi
+    # our rendezvous goes to the guard, which sets it from mpi4py (DeepSpeed's mpi_discovery would take 29500)
+    g = mpi.index("launch.guard")
+    assert mpi[g - 1] == "--module" and mpi[g + 1:g + 6] == ["--stall_timeout_s", "1860", "--mpi", "--master_addr",
+                                                             "10.0.0.1"]
     mpich = dry(hosts, "--launcher", "mpich", "--master_addr", "10.0.0.1")["argv"]
     assert mpich[mpich.index("--launcher") + 1] == "mpich"
+    # DeepSpeed's MPICH runner cannot take --module: the guard goes by file path
+    assert "--module" not in mpich and str(REPO / "launch" / "guard.py") in mpich
     # mpirun directly: ranks find each other through mpi4py; the profile travels as -genv / -x arguments
     direct = dry(hosts, "--launcher", "mpirun", "--mpi_flavor", "mpich", "--profile", "tcp")
     argv = direct["argv"]
-    assert argv[:7] == ["mpirun", "-n", "4", "-ppn", "2", "-hosts", "node0,node1"]
+    assert Path(argv[0]).name == "mpirun" and argv[1:7] == ["-n", "4", "-ppn", "2", "-hosts", "node0,node1"]
     assert ["-genv", "GLOO_SOCKET_IFNAME", "lo"] == argv[argv.index("GLOO_SOCKET_IFNAME") - 1:][:3]
-    assert ["-genv", "MASTER_ADDR", "node0"] == argv[argv.index("MASTER_ADDR") - 1:][:3]
-    assert argv[argv.index("-m") + 1] == "bert_ref.train"
+    assert "MASTER_ADDR" not in argv and "MASTER_PORT" not in argv  # rank 0 picks them (launch.guard)
+    assert argv[argv.index("-m") + 1] == "launch.guard" and "--mpi" in argv
+    assert argv[argv.index("--mpi") + 1:argv.index("--mpi") + 2] == ["bert_ref.train"]
     ompi = dry(hosts, "--launcher", "mpirun", "--mpi_flavor", "openmpi", "--profile", "tcp")["argv"]
-    assert ompi[:7] == ["mpirun", "-n", "4", "-H", "node0:2,node1:2", "--map-by", "ppr:2:node"]
+    assert ompi[1:7] == ["-n", "4", "-H", "node0:2,node1:2", "--map-by", "ppr:2:node"]
     assert "-x" in ompi and "DS_ACCELERATOR=cpu" in ompi
     # srun: one launch.slurm per node
     srun = dry(hosts, "--launcher", "srun", "--nodes", "2", "--profile", "roce")["argv"]
@@ -183,3 +193,74 @@ def test_run_module_imports_no_torch():
                          timeout=60).stdout.strip()
     assert out == "[]"
     assert runmod.LAUNCHERS == ("pdsh", "no_ssh", "openmpi", "mpich", "mpirun", "srun")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("node2;touch${IFS}pwned slots=1", "hostfile line 2: bad host name 'node2;touch${IFS}pwned'"),
+    ("node2 slots=0", "hostfile line 2: host node2 has slots=0"),
+])
+def test_hostfile_is_checked_before_deepspeeds_parser(hosts, line, message):
+    """DeepSpeed's own parser takes both lines (the reference below); launch.run refuses them first."""
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    (hosts / "hostfile").write_text(f"node0 slots=2\n{line}\n")
+    assert len(_parse_hostfile((hosts / "hostfile").read_text().splitlines())) == 2
+    for launcher in ("pdsh", "openmpi", "mpich"):
+        proc = py("launch.run", "--dry_run", "--launcher", launcher, "--master_addr", "10.0.0.1", cwd=hosts)
+        assert proc.returncode == 2 and message in proc.stderr, (launcher, proc.stderr)
+
+
+def test_launcher_args_reach_deepspeed_whole(hosts):
+    """Parsed by DeepSpeed's own argument parser: one --launcher_args value that splits back into our arguments,
+    a leading '-' included (--allow-run-as-root was refused as a separate token)."""
+    import shlex
+
+    from deepspeed.launcher.runner import parse_args
+
+    argv = dry(hosts, "--launcher", "openmpi", "--master_addr", "10.0.0.1", "--launcher_arg=--allow-run-as-root",
+               "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1")["argv"]
+    ds = parse_args(argv[1:])
+    assert shlex.split(ds.launcher_args) == ["--allow-run-as-root", "--mca", "btl_tcp_if_include eth1"]
+    assert ds.module and ds.user_script == "launch.guard" and ds.master_addr == "10.0.0.1"
+
+
+def test_mpich_command_as_deepspeed_builds_it(hosts):
+    """DeepSpeed's MPICHRunner.get_cmd with what launch.run passes: python runs the helper script by path, and the
+    helper runs our guard by path (with --module it would be `python -m /path/launcher_helper.py`)."""
+    from deepspeed.launcher.multinode_runner import MPICHRunner
+    from deepspeed.launcher.runner import parse_args
+
+    argv = dry(hosts, "--launcher", "mpich", "--master_addr", "10.0.0.1", "--master_port", "29611")["argv"]
+    ds = parse_args(argv[1:])
+    pool = {"node0": 2, "node1": 2}
+    cmd = MPICHRunner(ds, "e30=", pool).get_cmd(dict(), pool)
+    helper = next(i for i, a in enumerate(cmd) if a.endswith("launcher_helper.py"))
+    assert cmd[helper - 2:helper] == [sys.executable, "-u"]
+    assert cmd[helper + 1:helper + 4] == ["--launcher", "mpich", str(REPO / "launch" / "guard.py")]
+    assert cmd[helper + 4:helper + 10] == ["--stall_timeout_s", "1860", "--mpi", "--master_addr", "10.0.0.1",
+                                           "--master_port"]
+
+
+def test_a_master_port_in_use_is_named_before_anything_starts(tmp_path):
+    import socket
+
+    (tmp_path / "hostfile").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        for args in (["--launcher", "pdsh"], ["--launcher", "no_ssh", "--node_rank", "0", "--master_addr",
+                                                                 "127.0.0.1"]):
+            proc = py("launch.run", *args, "--master_port", str(port), cwd=tmp_path)
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            assert f"master port {port} on 127.0.0.1: port {port} in use" in proc.stderr
+
+
+def test_collective_timeout_default_matches_the_config():
+    from ds_core.config import TrainConfig
+
+    assert runmod.DEFAULT_DIST_TIMEOUT_S == TrainConfig().dist_timeout_s
+    parser = runmod.build_parser()
+    args = parser.parse_args(["--stall_grace_s", "15"])
+    assert runmod.dist_timeout(args, ["--dist_timeout_s", "45"]) == 45
+    assert runmod.guard_args(args, ["--dist_timeout_s=45"])[:2] == ["--stall_timeout_s", "60"]
