@@ -107,7 +107,7 @@ def test_mpirun_discovery(tmp_path):
 
     mpirun = Path(sys.executable).parent / "mpirun"
     if not mpirun.exists():
-        pytest.skip("no mpirun in the venv (install the 'mpi' extra)")
+        pytest.skip("no mpirun in the venv (install the 'mpich' extra)")
     env = {k: v for k, v in dist_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     run = tmp_path / "run"
     proc = run_group([str(mpirun), "-n", "2", sys.executable, SCRIPT, "--run_dir", str(run), "--max_steps", "3",
