@@ -65,6 +65,15 @@ def test_plan_lists_cells_with_flags_and_patched_json(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # plan writes nothing
 
 
+def test_shipped_single_allreduce_jsons_are_the_axis_patch(tmp_path):
+    """The documented DeepSpeed JSONs and the study axis `allreduce = single` are the same four settings."""
+    for base, shipped in (("zero1_bf16.json", "zero1_bf16_single_allreduce.json"),
+                          ("bridgetower_zero1_bf16.json", "bridgetower_zero1_bf16_single_allreduce.json")):
+        text = STUDY_2X2.replace("bridgetower_zero1_bf16.json", base).replace("single_bucket", "x")
+        study = load_study(write(tmp_path, text.replace("[study]", "[study]\nsingle_bucket_elements = 2000000000")))
+        assert study.ds_config_for(study.cells()[1]) == json.loads((REPO / "ds_configs" / shipped).read_text())
+
+
 def test_nodes_and_hostfile_commands(tmp_path, monkeypatch):
     (tmp_path / "hosts").write_text("# cluster\nnode-a slots=8\nnode-b slots=8\nnode-c slots=8\n")
     text = STUDY_2X2.replace('ranks_per_node = 2', 'ranks_per_node = 8\nlauncher = "hostfile"\nhostfile = "hosts"')
