@@ -122,11 +122,16 @@ def combos_of(study: Study, rows: list[dict]) -> list[Combo]:
             for k in ("grad_collectives_per_step", "grad_bytes_per_step", "step_time_s", "peak_memory_bytes"):
                 if r.get(k) is not None:
                     c.extra.setdefault(k, []).append(r[k])
+            if r.get("peak_memory_kind"):
+                c.values.setdefault("_memory_kind", r["peak_memory_kind"])
         else:
             c.failed += 1
     combos = list(by.values())
     for c in combos:
         c.extra = {k: mean(v) for k, v in c.extra.items()}
+        kind = c.values.pop("_memory_kind", None)
+        if kind:
+            c.extra["peak_memory_kind"] = kind
     _speedups(combos, study.baseline_values())
     return combos
 
@@ -210,7 +215,8 @@ def combos_md(combos: list[Combo], axes: list[str], title: str) -> str:
     if show_comms:
         head += ["gradient collectives / step", "gradient MiB / step", "step time s"]
     if show_mem:
-        head += ["peak memory MiB"]
+        kinds = {c.extra.get("peak_memory_kind") for c in combos} - {None}
+        head += [f"peak memory MiB per rank ({', '.join(sorted(kinds))})"]
     out = [f"#### {title}", "", "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for c in combos:
         runs = f"{len(c.samples)}" + (f" (+{c.failed} failed)" if c.failed else "")
