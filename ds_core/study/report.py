@@ -124,7 +124,7 @@ def combos_of(study: Study, rows: list[dict]) -> list[Combo]:
                     c.extra.setdefault(k, []).append(r[k])
             if r.get("peak_memory_kind"):
                 c.values.setdefault("_memory_kind", r["peak_memory_kind"])
-        else:
+        elif r["status"] in ("failed", "timeout"):
             c.failed += 1
     combos = list(by.values())
     for c in combos:
@@ -219,7 +219,8 @@ def combos_md(combos: list[Combo], axes: list[str], title: str) -> str:
         head += [f"peak memory MiB per rank ({', '.join(sorted(kinds))})"]
     out = [f"#### {title}", "", "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for c in combos:
-        runs = f"{len(c.samples)}" + (f" (+{c.failed} failed)" if c.failed else "")
+        runs = f"{len(c.samples)}" + (f" (+{c.failed} failed)" if c.failed else "") + \
+            (" (not run)" if not c.samples and not c.failed else "")
         cells = [str(c.values.get(a, "")) for a in axes] + [
             _fmt(c.mean), _fmt(c.per_accelerator), (_fmt(c.speedup) + (" (baseline)" if c.extra.get("baseline")
                                                                         else "")) if c.speedup else "",
@@ -307,7 +308,12 @@ def report(study_dir: Path | None, tables: Sequence[str | Path] = (), out_dir: P
                                 "Throughput by cell (speedup against " +
                                 ", ".join(f"{k}={v}" for k, v in base.items()) + ")"))
             md.append("")
-        failed = [r for r in rows if r["status"] not in ("ok",)]
+        failed = [r for r in rows if r["status"] in ("failed", "timeout")]
+        not_run = [r["cell"] for r in rows if r["status"] == "not run"]
+        if not_run:
+            md.append(f"_{len(not_run)} cell(s) not run yet (or running): {', '.join(not_run)}; "
+                      "`ds-study run` resumes them._")
+            md.append("")
         if failed:
             md.append("#### Cells that did not complete")
             md.append("")
