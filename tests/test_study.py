@@ -173,3 +173,34 @@ def test_one_failing_launcher_stops_the_others(tmp_path):
     res = local_ranks.run_launchers([ok, bad], env=local_ranks.rank_env(), cwd=tmp_path, timeout_s=120, poll_s=0.2)
     assert not res.timed_out and res.codes[1] == 3 and res.exit_code != 0
     assert res.seconds < 60
+
+
+def test_report_of_ok_failed_and_unrun_cells(tmp_path, capsys):
+    """Report rows from cell files as `ds-study run` writes them: ok (summary + comms records), failed, not run."""
+    text = STUDY_2X2.replace("workers = [0, 1]", "workers = [0, 1, 2]").replace('["buckets", "single"]', '["single"]')
+    study = load_study(write(tmp_path, text.replace(', allreduce = "buckets"', "")))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.toml").write_text(study.path.read_text())
+    ok, failed = (runner.cell_dir(out, c) for c in study.cells()[:2])
+    ok.mkdir(parents=True)
+    summary = {"type": "summary", "model": "bridgetower:debug", "world_size": 2, "nodes": 1, "samples_per_s": 10.0,
+               "steps": 4, "measured_steps": 3, "measured_seconds": 1.5, "zero_stage": 1, "micro_batch": 4}
+    (ok / "metrics.jsonl").write_text(json.dumps({"type": "step", "step": 1}) + "\n" + json.dumps(summary) + "\n")
+    (ok / "cell_stats").mkdir()
+    comms = {"all_reduce": {"count": 12, "sizes": {"4096": 4, "4": 8}}, "broadcast": {"count": 3, "sizes": {"8": 3}}}
+    (ok / "cell_stats" / "rank0.json").write_text(json.dumps({"rank": 0, "comms": comms,
+                                                              "memory": {"host_peak_rss_bytes": 2**20 * 300}}))
+    (ok / "cell.json").write_text(json.dumps({"status": "ok", "exit_code": 0}))
+    failed.mkdir(parents=True)
+    (failed / "cell.json").write_text(json.dumps({"status": "failed", "exit_code": 3, "log_tail": "x\nboom\n"}))
+    assert study_main(["report", str(out)]) == 0
+    md = (out / "report" / "report.md").read_text()
+    assert "| 0 | single | 10.00 | 5.00 | 1.00 (baseline) |  | 1 | 1.0 | 0.00 | 0.500 | 300.00 |" in md
+    assert "| 1 | single |  |  |  |  | 0 (+1 failed) |" in md and "| 2 | single |  |  |  |  | 0 (not run) |" in md
+    assert "`workers-1__allreduce-single__rep0`: failed, exit code 3: `boom`" in md
+    assert "1 cell(s) not run yet" in md and "workers-2__allreduce-single__rep0" in md
+    data = json.loads((out / "report" / "report.json").read_text())
+    assert data["combos"][0]["grad_collectives_per_step"] == 1.0  # 4 of 4096 bytes in 4 steps; 8 scalars apart
+    assert data["cells"][0]["scalar_reductions_per_step"] == 2.0 and data["cells"][0]["grad_bytes_per_step"] == 4096
+    assert [r["status"] for r in data["cells"]] == ["ok", "failed", "not run"]
