@@ -242,7 +242,8 @@ def plot_bars(sources: list[tuple[str, list[Combo]]], axes: list[str], path: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, panels = plt.subplots(1, len(sources), figsize=(max(6.0, 5.5 * len(sources)), 4.2), squeeze=False)
+    width_in = max(6.0, 1.1 * max(len(c) for _, c in sources) / 2 + 3)
+    fig, panels = plt.subplots(1, len(sources), figsize=(width_in * len(sources), 4.4), squeeze=False)
     for ax, (title, combos) in zip(panels[0], sources):
         ax_axes = [a for a in axes if any(a in c.values for c in combos)]
         hue = ax_axes[-1] if ax_axes else None
@@ -264,7 +265,10 @@ def plot_bars(sources: list[tuple[str, list[Combo]]], axes: list[str], path: Pat
             for b, c_y in zip(bars, ys):
                 ax.annotate(f"{c_y:.1f}", (b.get_x() + b.get_width() / 2, c_y), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels([g.replace(" ", "\n") or "all" for g in groups], fontsize=7)
+        # tick labels carry values only (the axis names go to the x label) so that six groups still fit
+        ax.set_xticklabels(["\n".join(p.split("=", 1)[1] for p in g.split(" ")) if g else "all" for g in groups],
+                           fontsize=8)
+        ax.set_xlabel(" / ".join(ax_axes[:-1]), fontsize=8)
         ax.set_ylabel("samples/s (whole job)")
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
