@@ -1,0 +1,88 @@
+"""Rank-side wrapper of one study cell: run the training module unchanged, then write what its metrics do not hold.
+
+    deepspeed --num_gpus 2 --module ds_core.study.cell --study_target bridgetower_ds.train --run_dir R ...
+
+`--study_target M` (anywhere in the arguments, so every launcher's own argument order works) names the module; it is
+run with runpy as `python -m M` would run it (a path ending in .py: as `python PATH`). Afterwards each rank writes `R/cell_stats/rank<RANK>.json`:
+DeepSpeed's communication-logger records (`comms_logger` in the DeepSpeed JSON; deepspeed.comm.comms_logger) and the
+process's peak memory. Done here rather than in ds_core.loop so that the loop stays the same for study and non-study
+runs, and because the logger's records are complete only once the module has finished.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import runpy
+import sys
+from pathlib import Path
+
+
+def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+    out, value, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == flag and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if a.startswith(flag + "="):
+            value, i = a.split("=", 1)[1], i + 1
+            continue
+        out.append(a)
+        i += 1
+    return value, out
+
+
+def comms_records() -> dict:
+    """{op: {"count": n, "bytes": total, "sizes": {msg_size: count}, "latency_ms": total}} from DeepSpeed's logger."""
+    from deepspeed.comm import comm
+
+    out = {}
+    for op, by_size in comm.comms_logger.comms_dict.items():
+        sizes = {str(size): int(rec[0]) for size, rec in by_size.items()}
+        out[op] = {"count": sum(sizes.values()), "bytes": sum(int(s) * n for s, n in sizes.items()),
+                   "sizes": sizes, "latency_ms": float(sum(sum(rec[1]) for rec in by_size.values()))}
+    return out
+
+
+def peak_memory() -> dict:
+    """Peak memory of this rank: the accelerator's allocator peak where there is one, and the host RSS peak."""
+    mem = {"host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            mem["device_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        elif hasattr(torch, "hpu") and torch.hpu.is_available():  # pragma: no cover - HPU only
+            mem["device_peak_allocated_bytes"] = int(torch.hpu.max_memory_allocated())
+    except Exception:  # pragma: no cover - no accelerator API: host figure only
+        pass
+    return mem
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    target, rest = _take(argv, "--study_target")
+    if not target:
+        raise SystemExit("ds_core.study.cell: --study_target MODULE is required")
+    run_dir, _ = _take(rest, "--run_dir")
+    sys.argv = [target, *rest]
+    try:
+        if target.endswith(".py"):  # a script path, as `deepspeed script.py` would run it
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    finally:
+        if run_dir:
+            rank = int(os.environ.get("RANK", "0"))
+            out = Path(run_dir) / "cell_stats"
+            out.mkdir(parents=True, exist_ok=True)
+            rec = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "comms": comms_records(),
+                   "memory": peak_memory(), "completed": sys.exc_info()[0] is None}
+            tmp = out / f".rank{rank}.json.tmp"
+            tmp.write_text(json.dumps(rec, indent=1) + "\n")
+            os.replace(tmp, out / f"rank{rank}.json")
+
+
+if __name__ == "__main__":
+    main()
