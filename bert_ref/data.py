@@ -172,6 +172,19 @@ def inspect_shard(path: str | os.PathLike, check_rows: int = 256, vocab_size: in
     return ShardInfo(path, int(n), int(seq_len), int(preds), attr)
 
 
+
+def inspect_shards(files: list[str], vocab_size: int | None = None) -> list[ShardInfo]:
+    """inspect_shard for each file, and the files agree on seq_len and max_predictions_per_seq (training and test
+    shards are read the same way)."""
+    infos = [inspect_shard(p, vocab_size=vocab_size) for p in files]
+    first = infos[0]
+    for info in infos[1:]:
+        for attr, ds in (("seq_len", "input_ids"), ("max_predictions_per_seq", "masked_lm_positions")):
+            if getattr(info, attr) != getattr(first, attr):
+                raise ShardError(info.path, ds, f"{attr} {getattr(info, attr)} differs from "
+                                                f"{getattr(first, attr)} in {first.path}")
+    return infos
+
 def _read(path: str, f, lo: int, hi: int) -> dict[str, np.ndarray]:
     out = {}
     for name in SCHEMA:
@@ -346,13 +359,8 @@ class PretrainingData:
         self.input_dir, self.rank, self.world_size = str(input_dir), rank, world_size
         self.micro_batch, self.seed, self.prefetch, self.block_samples = micro_batch, seed, prefetch, block_samples
         self.files = list_shards(input_dir, split)
-        infos = [inspect_shard(p, vocab_size=vocab_size) for p in self.files]
+        infos = inspect_shards(self.files, vocab_size)
         first = infos[0]
-        for info in infos[1:]:
-            for attr, ds in (("seq_len", "input_ids"), ("max_predictions_per_seq", "masked_lm_positions")):
-                if getattr(info, attr) != getattr(first, attr):
-                    raise ShardError(info.path, ds, f"{attr} {getattr(info, attr)} differs from "
-                                                    f"{getattr(first, attr)} in {first.path}")
         self.seq_len: int = first.seq_len
         self.max_predictions_per_seq: int = first.max_predictions_per_seq
         self.sizes = {i.path: i.num_samples for i in infos}

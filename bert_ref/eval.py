@@ -19,7 +19,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from bert_ref.data import DEFAULT_BLOCK_SAMPLES, IGNORE_INDEX, Segment, ShardError, inspect_shard, load_block, \
+from bert_ref.data import DEFAULT_BLOCK_SAMPLES, IGNORE_INDEX, Segment, inspect_shards, load_block, \
     make_batch
 from bert_ref.step import forward
 from ds_core.loop import EvalFn
@@ -48,13 +48,8 @@ class EvalData:
                  vocab_size: int | None = None, block_samples: int = DEFAULT_BLOCK_SAMPLES):
         if not files:
             raise ValueError("EvalData needs at least one test shard")
-        infos = [inspect_shard(p, vocab_size=vocab_size) for p in files]
+        infos = inspect_shards(files, vocab_size)
         first = infos[0]
-        for info in infos[1:]:
-            for attr, ds in (("seq_len", "input_ids"), ("max_predictions_per_seq", "masked_lm_positions")):
-                if getattr(info, attr) != getattr(first, attr):
-                    raise ShardError(info.path, ds, f"{attr} {getattr(info, attr)} differs from "
-                                                    f"{getattr(first, attr)} in {first.path}")
         self.files, self.micro_batch, self.block_samples = list(files), micro_batch, block_samples
         self.seq_len, self.max_predictions_per_seq = first.seq_len, first.max_predictions_per_seq
         stored = [i.vocab_size for i in infos if i.vocab_size is not None]

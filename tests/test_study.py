@@ -3,7 +3,6 @@ H100 table and the BERT-Large scaling table), and ds_core.local_ranks killing a 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
