@@ -100,10 +100,14 @@ def step_fn(engine, batch) -> StepOutput:
     return StepOutput(loss=loss, samples=n, tokens=batch["input_ids"].numel(), logs={"aux": loss.detach() * 0 + 1})
 
 
+DEFAULT_DS_CONFIG = "zero1_bf16.json"  # has an optimizer section: the tiny model builds none in code
+
+
 def main(argv=None) -> dict:
     from transformers import BertConfig, BertForSequenceClassification
 
     cfg, args = parse_args([TrainConfig, TinyArgs], argv)
+    cfg.deepspeed_config = cfg.deepspeed_config or DEFAULT_DS_CONFIG  # this "model package"'s own default
     check_ds_json(cfg.deepspeed_config, optimizer_in_code=False)  # as the model entry points: before init
     prepare_run_dir(cfg)
     dist = init_distributed(cfg.dist_timeout_s)
