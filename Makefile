@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(PY) -m bert_ref.demo --out demo_out
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
