@@ -22,9 +22,7 @@ def study_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def bt_study(tmp_path: Path, workers: str) -> Path:
-    # --bf16: the mixed-precision path the single all-reduce is measured for. With fp32 weights (precision auto on a
-    # CPU without native bf16) DeepSpeed 0.19's ZeRO-1 issued 66 gradient all-reduces per step on this model even
-    # with the single-bucket settings: not yet understood, see the closing note of the merge that found it.
+    # --bf16: the mixed-precision path fast_ddp is about (auto is fp32 on a CPU without native bf16)
     # ZeRO-1 with a reduce bucket far smaller than the debug model's gradients: "buckets" must need several
     cfg = json.loads((REPO / "ds_configs" / "bridgetower_zero1_bf16.json").read_text())
     cfg["zero_optimization"]["reduce_bucket_size"] = 20000

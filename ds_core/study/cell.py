@@ -4,8 +4,8 @@
 
 `--study_target M` (anywhere in the arguments, so every launcher's own argument order works) names the module; it is
 run with runpy as `python -m M` would run it (a path ending in .py: as `python PATH`). Afterwards each rank writes `R/cell_stats/rank<RANK>.json`:
-DeepSpeed's communication-logger records (`comms_logger` in the DeepSpeed JSON; deepspeed.comm.comms_logger) and the
-process's peak memory. Done here rather than in ds_core.loop so that the loop stays the same for study and non-study
+DeepSpeed's communication-logger records (`comms_logger` in the DeepSpeed JSON; deepspeed.comm.comms_logger) up to the
+end of ds_core.loop.train (the whole run where the module never calls it), and the process's peak memory. Done here rather than in ds_core.loop so that the loop stays the same for study and non-study
 runs, and because the logger's records are complete only once the module has finished.
 """
 from __future__ import annotations
@@ -67,6 +67,20 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("ds_core.study.cell: --study_target MODULE is required")
     run_dir, _ = _take(rest, "--run_dir")
     sys.argv = [target, *rest]
+    # The comms counts a study reports are per optimizer step, so they are taken when ds_core.loop.train returns,
+    # before what an entry point does after training (BridgeTower's fp32 save_model gathers every parameter with one
+    # all-reduce each under ZeRO-1: ~200 on the debug model, which once read as 66 "gradient collectives per step").
+    import ds_core.loop as loop
+
+    taken: dict = {}
+    real_train = loop.train
+
+    def train_then_take_comms(*args, **kwargs):
+        summary = real_train(*args, **kwargs)
+        taken["comms"] = comms_records()
+        return summary
+
+    loop.train = train_then_take_comms  # the module under study imports it from ds_core.loop after this line
     try:
         if target.endswith(".py"):  # a script path, as `deepspeed script.py` would run it
             runpy.run_path(target, run_name="__main__")
@@ -77,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
             rank = int(os.environ.get("RANK", "0"))
             out = Path(run_dir) / "cell_stats"
             out.mkdir(parents=True, exist_ok=True)
-            rec = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "comms": comms_records(),
+            rec = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+                   "comms": taken.get("comms") or comms_records(), "comms_window": "training" if taken else "run",
                    "memory": peak_memory(), "completed": sys.exc_info()[0] is None}
             tmp = out / f".rank{rank}.json.tmp"
             tmp.write_text(json.dumps(rec, indent=1) + "\n")
