@@ -134,6 +134,20 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
                                "are per parameter tensor, not per flat partition")
         return FlatLayout([(0, 0, p.numel())], 1)
 
+    def _begin(self, closure):
+        """The part of step() both optimizers share: the closure, DeepSpeed's initial zero-gradient step (skipped),
+        this rank's (group, flat tensor, layout, offset) items, the global clip divisor, the number of norm keys and
+        the device. Returns (loss, None) where there is nothing to update."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._is_init_step():
+            return loss, None
+        items = self._params()
+        n = sum(lay.n_keys for _, _, lay, _ in items)
+        return loss, (items, self._global_clip(), n, items[0][1] if items else None)
+
     def _is_init_step(self) -> bool:
         """DeepSpeed's bf16 / fp16 wrappers call step() once inside deepspeed.initialize, with all-zero gradients on
         their own fp32 tensors, to create the optimizer state (before attach_zero_layout can run). Skip it: the state
@@ -235,16 +249,10 @@ class NVLAMB(_TensorwiseOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._is_init_step():
+        loss, begun = self._begin(closure)
+        if begun is None:
             return loss
-        items = self._params()
-        clip = self._global_clip()
-        n = sum(lay.n_keys for _, _, lay, _ in items)
-        dev = items[0][1] if items else None
+        items, clip, n, dev = begun
         for group, p, lay, off in items:
             b1, b2 = group["betas"]
             st = self._state(p)
@@ -290,16 +298,10 @@ class LANS(_TensorwiseOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._is_init_step():
+        loss, begun = self._begin(closure)
+        if begun is None:
             return loss
-        items = self._params()
-        clip = self._global_clip()
-        n = sum(lay.n_keys for _, _, lay, _ in items)
-        dev = items[0][1] if items else None
+        items, clip, n, dev = begun
         bc: dict[int, tuple[float, float]] = {}  # bias corrections of this step, per tensor
         # all-reduce 1: per-tensor ||g||^2 and ||w||^2 (g~ needs ||g|| before the moments move)
         sq = self._sq_norms([(p.grad.view(-1), lay, off) for _, p, lay, off in items]
