@@ -8,22 +8,38 @@ against that attribute, or, in files without it, against the model's vocabulary:
 model's vocabulary when a file is opened, and the ids of every block when it is read, before any of its samples is
 trained on (`bert-prep check DIR` reads every row up front).
 
+Which files: the training files are those whose names contain `training` (NVIDIA's loader selects them the same
+way), else every `*.hdf5` / `*.h5`; names with a `test` word (`bert_test_*`, from `bert-prep shards --num-test-shards`)
+are held out, never trained on, and read by `bert_ref/eval.py`. A missing or empty directory raises `DataDirError`.
+
 How an epoch is laid out (all pure functions of the sorted file list, file sizes, world size, epoch and seed, so every
 rank computes every rank's plan without talking to the others):
   * `assign_shards`: the files are shuffled with (seed, epoch). The first `n - n % world_size` are dealt round-robin,
     whole, to the ranks (distinct files per rank). The remaining `n % world_size` files are shared: every rank reads
     its own 1/world_size sample range of each. So with more ranks than files every file is split by sample ranges and
     every rank still gets data.
-  * each rank's file ranges are cut into blocks of at most `block_samples` samples; a block is read with one h5 slice
-    per dataset, held in memory and visited in a seeded random order (NVIDIA's recipe shuffles within a file too).
-    The next block is read by a background thread while the current one is consumed.
+  * each rank's file ranges are cut into blocks of at most `block_samples` samples (default 262,144); a block is
+    read with one h5 slice per dataset, held in memory and visited in a seeded random order (NVIDIA's recipe shuffles within a file too).
+    The next block, across files and into the next epoch, is read by a background thread (on every accelerator
+    type) while the current one is consumed. Batches are gathered with one vectorized take per dataset, and MLM
+    labels are built with one scatter: `IGNORE_INDEX = -100` everywhere except the masked positions, because -100 is
+    the default `ignore_index` of `torch.nn.CrossEntropyLoss` and what transformers' `BertForPreTraining` expects
+    (NVIDIA's recipe used -1 with a custom loss).
   * every rank yields the same number of batches per epoch, `min over ranks (samples_r // micro_batch)`; the tail is
     dropped so no rank waits in a collective for a rank that has run out.
 
 Resume: the position is (epoch, samples consumed on this rank in the epoch). Since all ranks consume the same number
 of batches, the position is the same on every rank and maps, through the pure plan, to (file, block, offset). Resuming
 reads exactly one block (h5 slicing at the block start) and starts at the offset: the cost does not grow with the
-position and no skipped batch is ever built.
+position and no skipped batch is ever built. The checkpoint's client state also holds a fingerprint of the files,
+the world size and the seed: a resume under a different world size, seed or set of files is refused with a message
+naming both values.
+
+Checks: every file is opened and checked for missing datasets, wrong dtype or shape, datasets of different lengths
+and a sequence length that differs between files; its first and last 256 rows are read (a truncated or corrupt file
+fails here) and range-checked. Every block read later is range-checked completely (positions, masks, labels, token
+ids) before any of its samples is trained on. Errors are `ShardError`s naming the file, the dataset and the first bad
+sample.
 """
 from __future__ import annotations
 
