@@ -18,13 +18,13 @@ rank computes every rank's plan without talking to the others):
     whole, to the ranks (distinct files per rank). The remaining `n % world_size` files are shared: every rank reads
     its own 1/world_size sample range of each. So with more ranks than files every file is split by sample ranges and
     every rank still gets data.
-  * each rank's file ranges are cut into blocks of at most `block_samples` samples (default 262,144); a block is
-    read with one h5 slice per dataset, held in memory and visited in a seeded random order (NVIDIA's recipe shuffles within a file too).
-    The next block, across files and into the next epoch, is read by a background thread (on every accelerator
-    type) while the current one is consumed. Batches are gathered with one vectorized take per dataset, and MLM
-    labels are built with one scatter: `IGNORE_INDEX = -100` everywhere except the masked positions, because -100 is
-    the default `ignore_index` of `torch.nn.CrossEntropyLoss` and what transformers' `BertForPreTraining` expects
-    (NVIDIA's recipe used -1 with a custom loss).
+  * each rank's file ranges are cut into blocks of at most `block_samples` samples (default 262,144); a block is read
+    with one h5 slice per dataset, held in memory and visited in a seeded random order (NVIDIA's recipe shuffles
+    within a file too). The next block, across files and into the next epoch, is read by a background thread (on every
+    accelerator type) while the current one is consumed. Batches are gathered with one vectorized take per dataset,
+    and MLM labels are built with one scatter: `IGNORE_INDEX = -100` everywhere except the masked positions, because
+    -100 is the default `ignore_index` of `torch.nn.CrossEntropyLoss` and what transformers' `BertForPreTraining`
+    expects (NVIDIA's recipe used -1 with a custom loss).
   * every rank yields the same number of batches per epoch, `min over ranks (samples_r // micro_batch)`; the tail is
     dropped so no rank waits in a collective for a rank that has run out.
 

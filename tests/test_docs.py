@@ -343,7 +343,7 @@ def test_docs_show_our_commands() -> None:
     ("ds-tune --model bert-large --accelerator gaudi \\\n  --nodes 2 --global_batch_sizes_x 64", "ds-tune: error"),
     ("python -m launch.run --launcher no_ssh -- --preset debug --input_dir d --bogus_flag 1", "bogus_flag"),
     ("python -m launch.guard --mpi bert_ref.train --input_dir d --preset debug --no_such 1", "no_such"),
-    ("deepspeed --num_gpuz 2 --module bert_ref.train --preset debug --input_dir d", "deepspeed"),
+    ("deepspeed --num_gpuz 2 --module bert_ref.train --preset debug --input_dir d", "--num_gpuz"),
     ("make deploy", "no target"),
     ("python -m launch.hostfile validate hostfile --equal_slotz ...", "unrecognized"),
 ])
