@@ -6,7 +6,11 @@ rows hold an image path (relative to the manifest's folder) and a caption. Missi
 out of train deterministically (`split_seed`), so every rank and every rerun sees the same split.
 
 Order, rank share and resume position come from batching.BatchPlan (pure); every pipeline turns decoded rows into a
-batch with batching.BatchAssembler. The position saved in checkpoints is a point in the epoch's global sample order.
+batch with batching.BatchAssembler. The position saved in checkpoints is a point in the epoch's global sample order;
+`load_state_dicts` (the states of all ranks) resumes on another world size by dealing the rest of the epoch's order
+to the new ranks (batching.resume_window). With `DS_CORE_SAMPLE_LOG=<dir>`, each rank appends {"epoch", "indices":
+the plan's dataset rows of each training micro batch it consumed, "trained": the rows in the batch when bad images
+removed some} to `<dir>/rank{r}.jsonl` (ds_core.sample_log).
 
 Pipelines: "host" decodes/resizes/crops in DataLoader workers and ships uint8 [B,S,S,3]; normalization happens on
 the training device. "device-*" pipelines ship encoded bytes from the workers and decode on the accelerator
@@ -25,8 +29,11 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from ds_core.sample_log import SampleLog
+
 from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length,
-                       tokenize)
+                       resume_window)
+from .fetch import FetchBatch, PlanSampler, identity
 from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, BadImage, host_transform, make_device_decoder,  # noqa: F401
                      normalize, read_bytes, resolve_pipeline)
 
@@ -358,59 +365,6 @@ def limit_rows(args: DataArgs, split: str, table: CaptionTable) -> CaptionTable:
     return table.subset(np.arange(limit), f"{table.source}[:{limit}]")
 
 
-# ---------------------------------------------------------------------------------------------------- workers
-class _Batches(torch.utils.data.Sampler):
-    """Yields (batches_done_after, rows) from the source's current position; iterated in the main process each time
-    the DataLoader starts, so persistent workers follow epoch changes and resumes."""
-
-    def __init__(self, owner: "CaptionData"):
-        self.owner = owner
-
-    def __iter__(self):
-        return iter(self.owner.pending_batches())
-
-    def __len__(self) -> int:
-        return len(self.owner.pending_batches())
-
-
-class _Fetch(torch.utils.data.Dataset):
-    """Worker side: one call builds one batch's candidates (host: decoded uint8 pixels; device: encoded bytes) and
-    their tokens; rows whose image is already known bad are dropped here and reported."""
-
-    def __init__(self, table: CaptionTable, tokenizer, size: int, host: bool, draft: bool, max_pixels: int,
-                 max_len: int, pad_to_max: bool):
-        self.table, self.tokenizer, self.size, self.host = table, tokenizer, size, host
-        self.draft, self.max_pixels, self.max_len, self.pad_to_max = draft, max_pixels, max_len, pad_to_max
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-    def __getitem__(self, spec) -> dict:
-        end, rows = spec
-        items, names, bad, keep = [], [], [], []
-        for r in rows:
-            data, name = self.table.load(int(r))
-            if self.host and not isinstance(data, BadImage):
-                try:
-                    data = host_transform(data, name, self.size, self.draft, self.max_pixels)
-                except BadImage as e:
-                    data = e
-            if isinstance(data, BadImage):  # dropped here; device decoders report their own failures
-                bad.append((data.name, data.reason))
-                continue
-            keep.append(int(r))
-            items.append(data)
-            names.append(name)
-        out = {"end": int(end), "bad": bad, "index": torch.as_tensor(keep, dtype=torch.long)}
-        if keep:
-            out.update(tokenize(self.tokenizer, [self.table.captions[r] for r in keep], self.max_len, self.pad_to_max))
-        if self.host:
-            out["pixels_u8"] = torch.from_numpy(np.stack(items)) if items else None
-        else:
-            out["encoded"], out["names"] = items, names
-        return out
-
-
 # ---------------------------------------------------------------------------------------------------- data source
 class CaptionData:
     """ds_core.loop.DataSource over one split for one rank; yields BatchAssembler's batch dicts on `device`.
@@ -442,14 +396,16 @@ class CaptionData:
                 print(f"[bridgetower_ds] image pipeline: {pipeline} ({why})", flush=True)
         self.pipeline = pipeline
         self.epoch, self.batches_done = 0, 0
+        self.window: tuple[int, int] | None = None  # self.epoch's rest after a resize (batching.resume_window)
         self._batches = self.plan.rank_batches(0)
+        self.sample_log = SampleLog(rank, enabled=shuffle)
         self.pad_to_max = pad_to_max_length(args.pad_to_max_length, self.device)
         self.bad = BadImageLog(args.bad_image, rank)
         self.assembler = BatchAssembler(size=self.size, device=self.device, world_size=world_size,
                                         pad_to_max=self.pad_to_max,
                                         min_rows=min(MIN_CONTRASTIVE_ROWS, micro_batch) if shuffle else 1,
                                         fill_in=shuffle, bad=self.bad, first_valid=self._first_valid_batch)
-        self._fetch = _Fetch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft, args.max_image_pixels,
+        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft, args.max_image_pixels,
                              args.max_seq_length, self.pad_to_max)
         self._decoder = None
         self._hpu = None
@@ -468,15 +424,32 @@ class CaptionData:
         return [(k + 1, rows) for k, rows in enumerate(self._batches) if k >= self.batches_done]
 
     # -- DataSource protocol
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.batches_done = int(epoch), 0
-        self._batches = self.plan.rank_batches(self.epoch)
+    def set_epoch(self, epoch: int, window: tuple[int, int] | None = None) -> None:
+        self.epoch, self.batches_done, self.window = int(epoch), 0, window
+        self._batches = self.plan.rank_batches(self.epoch, window)
 
     def state_dict(self) -> dict:
-        """The position as a point in the epoch's global (world-size-independent) sample order."""
-        return {"epoch": self.epoch, "sample_offset": self.plan.sample_offset(self.epoch, self.batches_done),
+        """The position as a point in the epoch's global (world-size-independent) sample order; `window`: the part
+        of it this epoch deals since a resume on another world size (None: all)."""
+        return {"epoch": self.epoch, "sample_offset": self.plan.sample_offset(self.epoch, self.batches_done,
+                                                                              self.window),
+                "window": list(self.window) if self.window else None,
                 "seed": self.seed, "world_size": self.world_size, "micro_batch": self.micro_batch,
                 "rows": len(self.table), "bad_images": self.bad.count}
+
+    def load_state_dicts(self, states: list[dict]) -> None:
+        """Resume from the saved states of ALL ranks of a checkpoint (rank order). Same world size and micro batch:
+        `load_state_dict(states[self.rank])`, exactly as before. Otherwise the rest of the epoch's global order is
+        dealt to this run's ranks (batching.resume_window); bad-image counts are summed so their total is kept."""
+        if len(states) == self.world_size and all(st.get("world_size") == self.world_size and
+                                                  st.get("micro_batch", self.micro_batch) == self.micro_batch
+                                                  for st in states):
+            return self.load_state_dict(states[self.rank])
+        try:
+            self.set_epoch(*resume_window(states, len(self.table), self.seed))
+        except ValueError as e:
+            raise ValueError(f"{self.table.source}: {e}") from None
+        self.bad.count = sum(int(st.get("bad_images", 0)) for st in states[self.rank::self.world_size])
 
     def load_state_dict(self, state: dict) -> None:
         saved = {k: state.get(k, now) for k, now in (("world_size", self.world_size), ("rows", len(self.table)),
@@ -487,9 +460,9 @@ class CaptionData:
             diff = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in now if saved[k] != now[k])
             raise ValueError(f"data position was saved with a different plan ({diff}): the per-rank order would "
                              "differ, so the position cannot be restored exactly")
-        self.set_epoch(int(state["epoch"]))
+        self.set_epoch(int(state["epoch"]), tuple(state["window"]) if state.get("window") else None)
         if "sample_offset" in state:
-            self.batches_done = self.plan.batches_done(self.epoch, int(state["sample_offset"]))
+            self.batches_done = self.plan.batches_done(self.epoch, int(state["sample_offset"]), self.window)
         else:  # positions saved before the global offset: rows into this rank's list
             self.batches_done = -(-int(state["offset"]) // self.micro_batch)
         self.bad.count = int(state.get("bad_images", self.bad.count))
@@ -513,6 +486,8 @@ class CaptionData:
         source = self._hpu.batches() if self._hpu is not None else self._assembled()
         for end, batch in source:
             self.batches_done = end
+            if self.sample_log:
+                self._log(self._batches[end - 1], batch)
             if batch is None:
                 batch = self.assembler.fill_in()
                 if batch is None:
@@ -525,6 +500,11 @@ class CaptionData:
             yield self.assembler.stand_in()
 
     # -- internals
+    def _log(self, rows: np.ndarray, batch: dict | None) -> None:
+        trained = [] if batch is None else [int(i) for i in batch["index"].tolist()]
+        extra = {} if trained == rows.tolist() else {"trained": trained}
+        self.sample_log.write(self.epoch, rows.tolist(), **extra)
+
     def _raw_batches(self) -> Iterator[dict]:
         workers = self.args.dataloader_num_workers
         if workers == 0:
@@ -533,9 +513,9 @@ class CaptionData:
             return
         if self._loader is None:
             self._loader = torch.utils.data.DataLoader(
-                self._fetch, sampler=_Batches(self), batch_size=None, num_workers=workers, persistent_workers=True,
+                self._fetch, sampler=PlanSampler(self), batch_size=None, num_workers=workers, persistent_workers=True,
                 prefetch_factor=2, pin_memory=self.device.type == "cuda", timeout=self.args.dataloader_timeout_s,
-                collate_fn=_identity)
+                collate_fn=identity)
         yield from self._loader
 
     def _assembled(self) -> Iterator[tuple[int, dict | None]]:
@@ -559,7 +539,7 @@ class CaptionData:
     def _first_valid_batch(self) -> dict:
         """The epoch's first rows of this rank that decode (host path, bad images not counted twice), enough for a
         contrastive batch: the fill-in before any good batch was seen."""
-        host = _Fetch(self.table, self.tokenizer, self.size, True, self.args.jpeg_draft, self.args.max_image_pixels,
+        host = FetchBatch(self.table, self.tokenizer, self.size, True, self.args.jpeg_draft, self.args.max_image_pixels,
                       self.args.max_seq_length, self.pad_to_max)
         need = self.assembler.min_rows
         order = np.concatenate(self._batches) if self._batches else self.plan.order(self.epoch)
@@ -580,10 +560,6 @@ class CaptionData:
         if self._decoder is not None:
             self._decoder.close()
         self._loader = None
-
-
-def _identity(x):
-    return x
 
 
 def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int, world_size: int,
