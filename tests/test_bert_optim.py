@@ -98,7 +98,7 @@ def test_nvlamb_matches_fused_lamb_kernel_over_steps(use_nvlamb):
 
 
 def test_nvlamb_first_update_of_a_bert_large_weight():
-    """The issue's measurement: at NVIDIA's phase-1 LR 6e-3 the first update of a 4096 x 1024 weight drawn N(0, 0.02)
+    """At NVIDIA's phase-1 LR 6e-3 the first update of a 4096 x 1024 weight drawn N(0, 0.02)
     has RMS lr * ||w|| / ||u|| * rms(u) = lr * 0.02 = 1.20e-4 (pytorch_optimizer's Lamb gave 2.93e-5)."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(4096, 1024) * 0.02)
