@@ -200,24 +200,14 @@ def check_data_matches(preset: BertPreset, data: Any, input_dir: str = "") -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bert_ref.configs --preset bert_1p5b --write_config PATH`: the preset's model description for
-    `ds-tune --model PATH`."""
-    import argparse
-    import json
-    import sys
+    """`python -m bert_ref.configs --preset bert_1p5b [--phase 2] --write_config PATH`: the preset's model
+    description for `ds-tune --model PATH`."""
+    from ds_core.tuning import write_spec_main
 
-    ap = argparse.ArgumentParser(prog="python -m bert_ref.configs", description=main.__doc__)
-    ap.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)}")
-    ap.add_argument("--phase", type=int, default=1, help="1: seq 128; 2: seq 512")
-    ap.add_argument("--write_config", required=True, help="where the JSON goes")
-    a = ap.parse_args(argv)
-    try:
-        spec = tuning_spec(get_preset(a.preset, a.phase))
-    except ConfigError as e:
-        print(f"bert_ref.configs: error: {e}", file=sys.stderr)
-        return 2
-    Path(a.write_config).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return write_spec_main(argv, prog="python -m bert_ref.configs", presets=list(PRESETS),
+                           make_spec=lambda a: tuning_spec(get_preset(a.preset, a.phase)),
+                           add_arguments=lambda p: p.add_argument("--phase", type=int, default=1,
+                                                                  help="1: seq 128; 2: seq 512"))
 
 
 if __name__ == "__main__":

@@ -225,25 +225,14 @@ class CompatArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m bridgetower_ds.configs --preset bridgetower_large --write_config PATH`: the preset's model
-    description for `ds-tune --model PATH`."""
-    import argparse
-    import json
-    import sys
-    from pathlib import Path
+    """`python -m bridgetower_ds.configs --preset bridgetower_large [--seq_len N] --write_config PATH`: the preset's
+    model description for `ds-tune --model PATH`."""
+    from ds_core.tuning import write_spec_main
 
-    ap = argparse.ArgumentParser(prog="python -m bridgetower_ds.configs", description=main.__doc__)
-    ap.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)}")
-    ap.add_argument("--seq_len", type=int, default=TUNING_SEQ_LEN, help="caption tokens")
-    ap.add_argument("--write_config", required=True, help="where the JSON goes")
-    a = ap.parse_args(argv)
-    try:
-        spec = tuning_spec(a.preset, a.seq_len)
-    except ConfigError as e:
-        print(f"bridgetower_ds.configs: error: {e}", file=sys.stderr)
-        return 2
-    Path(a.write_config).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return write_spec_main(argv, prog="python -m bridgetower_ds.configs", presets=list(PRESETS),
+                           make_spec=lambda a: tuning_spec(a.preset, a.seq_len),
+                           add_arguments=lambda p: p.add_argument("--seq_len", type=int, default=TUNING_SEQ_LEN,
+                                                                  help="caption tokens"))
 
 
 if __name__ == "__main__":

@@ -281,3 +281,12 @@ def test_scheduler_drives_param_groups_and_round_trips():
     sch.step()
     sch2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"]) == pytest.approx(7 / 8)
+
+
+def test_layerwise_optimizers_refuse_bad_hyperparameters_naming_themselves():
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"NVLAMB: invalid lr=0\.0"):
+        NVLAMB(w, lr=0.0)
+    with pytest.raises(ValueError, match=r"LANS: invalid .*betas=\(1\.0, 0\.9\)"):
+        LANS(w, betas=(1.0, 0.9))
+    assert NVLAMB(w, lr=1e-3).defaults["betas"] == (0.9, 0.999)
