@@ -18,7 +18,11 @@ Per rank, bf16 mixed precision with Adam(W):
                  per layer s*(18h + 4i) + 5*a*s^2 bytes per sample, plus embeddings and the MLM head
                  (bf16 logits + fp32 log-softmax + its gradient, 10*s*V); with activation checkpointing each layer
                  keeps only its 2*s*h input and one layer is live again during its recomputation.
-  usable memory  capacity minus 8 % for allocator fragmentation and runtime context.
+  usable memory  capacity (ds_core.accelerators' table; cpu: the node's RAM over its ranks) minus 8 % for allocator
+                 fragmentation and runtime context.
+
+Models: the presets' descriptions in ds_configs/models/ (written by the model packages, see MODEL_DIR) or any HF
+config.json.
 
     ds-tune --model bert-1.5b --accelerator gaudi --accelerators-per-node 8 --nodes 8 --global-batch 4096
 """
@@ -470,7 +474,8 @@ def _table(options: Sequence[Option], best: Option | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
-                   help=f"{' | '.join(shipped_models())} (ds_configs/models/) | PATH_TO_HF_CONFIG.json")
+                   help=f"{' | '.join(shipped_models())} (ds_configs/models/, written from the presets; also "
+                        f"{', '.join(MODEL_ALIASES)}) | PATH_TO_HF_CONFIG.json")
     p.add_argument("--accelerator", required=True,
                    help=f"{' | '.join(a.name for a in accelerators.ACCELERATORS)} (ds_core.accelerators; aliases "
                         f"{', '.join(x for a in accelerators.ACCELERATORS for x in a.aliases)}) | {CPU}")
