@@ -112,6 +112,18 @@ def get_preset(name: str, phase: int = 1) -> BertPreset:
 
 
 
+def tuning_spec(preset: BertPreset) -> dict[str, Any]:
+    """The preset as ds-tune reads a model (ds_core.tuning): HF config.json fields of the transformers class
+    bert_ref.model builds for it, plus the phase's seq_len. ds_configs/models/<name>.json holds this for the
+    published presets (a test keeps them equal)."""
+    return {"model_type": "megatron-bert" if preset.pre_ln else "bert",
+            "architectures": ["MegatronBertForPreTraining" if preset.pre_ln else "BertForPreTraining"],
+            "hidden_size": preset.hidden_size, "num_hidden_layers": preset.num_hidden_layers,
+            "num_attention_heads": preset.num_attention_heads, "intermediate_size": preset.intermediate_size,
+            "vocab_size": preset.vocab_size, "max_position_embeddings": preset.max_position_embeddings,
+            "type_vocab_size": preset.type_vocab_size, "seq_len": preset.seq_len}
+
+
 @dataclass
 class BertArgs:
     """Model and data settings of bert_ref.train (optimizer settings: bert_ref.optim.OptimArgs)."""
@@ -185,3 +197,18 @@ def check_data_matches(preset: BertPreset, data: Any, input_dir: str = "") -> No
     if isinstance(vocab, int) and vocab > preset.vocab_size:
         raise ConfigError(f"shards{where} use a vocabulary of {vocab} tokens but preset {preset.name} has "
                           f"vocab_size {preset.vocab_size}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bert_ref.configs --preset bert_1p5b [--phase 2] --write_config PATH`: the preset's model
+    description for `ds-tune --model PATH`."""
+    from ds_core.tuning import write_spec_main
+
+    return write_spec_main(argv, prog="python -m bert_ref.configs", presets=list(PRESETS),
+                           make_spec=lambda a: tuning_spec(get_preset(a.preset, a.phase)),
+                           add_arguments=lambda p: p.add_argument("--phase", type=int, default=1,
+                                                                  help="1: seq 128; 2: seq 512"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -111,8 +111,12 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
     gradients; there DeepSpeed's `gradient_clipping` does the same division (within its 1e-6 guard) before step()
     is called, and attach_zero_layout() insists that the two thresholds agree."""
 
-    def __init__(self, params: Iterable, defaults: dict, max_grad_norm: float, adjust_step: bool):
-        super().__init__(params, defaults)
+    def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 max_grad_norm: float, adjust_step: bool):
+        if lr <= 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"{type(self).__name__}: invalid lr={lr}, betas={betas}, eps={eps} or "
+                             f"weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.max_grad_norm = float(max_grad_norm)
         self.adjust_step = adjust_step
         self._own = {id(p) for g in self.param_groups for p in g["params"]}
@@ -134,19 +138,24 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
                                "are per parameter tensor, not per flat partition")
         return FlatLayout([(0, 0, p.numel())], 1)
 
-    def _begin(self, closure):
-        """The part of step() both optimizers share: the closure, DeepSpeed's initial zero-gradient step (skipped),
-        this rank's (group, flat tensor, layout, offset) items, the global clip divisor, the number of norm keys and
-        the device. Returns (loss, None) where there is nothing to update."""
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The part both optimizers share: the closure, DeepSpeed's initial zero-gradient step (skipped), this rank's
+        (group, flat tensor, layout, offset) items, the global clip divisor, the number of norm keys and the device;
+        then the optimizer's own _update."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._is_init_step():
-            return loss, None
+            return loss
         items = self._params()
         n = sum(lay.n_keys for _, _, lay, _ in items)
-        return loss, (items, self._global_clip(), n, items[0][1] if items else None)
+        self._update(items, self._global_clip(), n, items[0][1] if items else None)
+        return loss
+
+    def _update(self, items: list, clip: float, n: int, dev) -> None:
+        raise NotImplementedError
 
     def _is_init_step(self) -> bool:
         """DeepSpeed's bf16 / fp16 wrappers call step() once inside deepspeed.initialize, with all-zero gradients on
@@ -241,18 +250,10 @@ class NVLAMB(_TensorwiseOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, max_grad_norm: float = 1.0, use_nvlamb: bool = False,
                  adjust_step: bool = False):
-        if lr <= 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"NVLAMB: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
-                         max_grad_norm, adjust_step)
+        super().__init__(params, lr, betas, eps, weight_decay, max_grad_norm, adjust_step)
         self.use_nvlamb = use_nvlamb
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss, begun = self._begin(closure)
-        if begun is None:
-            return loss
-        items, clip, n, dev = begun
+    def _update(self, items: list, clip: float, n: int, dev) -> None:
         for group, p, lay, off in items:
             b1, b2 = group["betas"]
             st = self._state(p)
@@ -276,7 +277,6 @@ class NVLAMB(_TensorwiseOptimizer):
         for group, p, lay, off in items:
             on = self.use_nvlamb or group["weight_decay"]
             self._apply(p, p.grad, lay, off, [group["lr"] * (r if on else 1.0) for r in ratio])
-        return loss
 
 
 class LANS(_TensorwiseOptimizer):
@@ -291,17 +291,9 @@ class LANS(_TensorwiseOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, max_grad_norm: float = 0.0, adjust_step: bool = False):
-        if lr <= 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"LANS: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
-                         max_grad_norm, adjust_step)
+        super().__init__(params, lr, betas, eps, weight_decay, max_grad_norm, adjust_step)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss, begun = self._begin(closure)
-        if begun is None:
-            return loss
-        items, clip, n, dev = begun
+    def _update(self, items: list, clip: float, n: int, dev) -> None:
         bc: dict[int, tuple[float, float]] = {}  # bias corrections of this step, per tensor
         # all-reduce 1: per-tensor ||g||^2 and ||w||^2 (g~ needs ||g|| before the moments move)
         sq = self._sq_norms([(p.grad.view(-1), lay, off) for _, p, lay, off in items]
@@ -337,7 +329,6 @@ class LANS(_TensorwiseOptimizer):
                 a, b = (ratio_r[off + k], ratio_c[off + k]) if k >= 0 else (1.0, 1.0)
                 upd.narrow(0, s, ln).mul_(lr * b1 * a).add_(cf.narrow(0, s, ln), alpha=lr * (1 - b1) * b)
             p.sub_(upd.view_as(p))
-        return loss
 
     def _r(self, group: dict, p: torch.Tensor, bc: tuple[float, float]) -> torch.Tensor:
         st, (bc1, bc2) = self.state[p], bc

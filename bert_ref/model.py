@@ -12,8 +12,8 @@ i `ln` (before the FFN); layer i's output LayerNorm <-> layer i+1 `attention.ln`
      (x_1 = emb + Attn(LN(emb)) against Habana's x_1 = Attn(LN(emb)));
   2. the embedding dropout: Habana drops out after the embeddings LayerNorm, MegatronBert before layer 0's LN.
 (Also: Habana's additive attention mask is -10000, transformers' the dtype minimum: no difference after softmax.)
-We use MegatronBertForPreTraining: its checkpoints load with transformers alone (the issue's requirement; a
-Habana-exact subclass would load into MegatronBert silently computing another function), and its form is the
+We use MegatronBertForPreTraining: its checkpoints load with transformers alone, so anyone can use them
+(a Habana-exact subclass would load into MegatronBert silently computing another function), and its form is the
 standard Pre-LN one (Xiong et al. 2020; Megatron-LM) with the property the 1.5B recipe needs: an un-normalized
 residual stream with a LayerNorm before every sublayer and one at the end.
 """

@@ -6,26 +6,26 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from bert_ref.data import IGNORE_INDEX
 from ds_core.config import ConfigError
 from ds_core.loop import StepOutput
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
-IGNORE_INDEX = -100
 
 
 def pretraining_losses(prediction_logits: torch.Tensor, seq_relationship_logits: torch.Tensor,
                        labels: torch.Tensor, next_sentence_label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLM cross-entropy over the masked positions (labels != -100) and NSP cross-entropy, both in fp32 (bf16 logits
+    """MLM cross-entropy over the masked positions (labels != IGNORE_INDEX) and NSP cross-entropy, both in fp32 (bf16 logits
     over a 30k vocabulary lose too much precision in log-softmax)."""
     vocab = prediction_logits.size(-1)
-    mlm = F.cross_entropy(prediction_logits.reshape(-1, vocab).float(), labels.reshape(-1), ignore_index=-100)
+    mlm = F.cross_entropy(prediction_logits.reshape(-1, vocab).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
     nsp = F.cross_entropy(seq_relationship_logits.reshape(-1, 2).float(), next_sentence_label.reshape(-1))
     return mlm, nsp
 
 
 def masked_positions(labels: torch.Tensor, max_predictions: int) -> torch.Tensor:
-    """[B, P] positions of the masked tokens (labels != -100) of each row, ascending, 0-padded like the shards'
-    masked_lm_positions (position 0 is [CLS], never masked, so its label is -100 and padding slots add no loss)."""
+    """[B, P] positions of the masked tokens (labels != IGNORE_INDEX) of each row, ascending, 0-padded like the shards'
+    masked_lm_positions (position 0 is [CLS], never masked, so its label is IGNORE_INDEX and padding slots add no loss)."""
     B, S = labels.shape
     n = int((labels != IGNORE_INDEX).sum(1).max()) if labels.numel() else 0
     if n > max_predictions:

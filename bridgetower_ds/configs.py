@@ -12,6 +12,8 @@ from typing import Callable, Optional
 
 from transformers import BridgeTowerConfig
 
+from ds_core.config import ConfigError
+
 # The published checkpoint's contrastive head width and initial logit scale (log(1/0.07) = 2.6592).
 CONTRASTIVE_HIDDEN_SIZE = 512
 LOGIT_SCALE_INIT = 2.6592
@@ -80,8 +82,32 @@ PRESETS: dict[str, Callable[[], BridgeTowerConfig]] = {
 
 def preset(name: str) -> BridgeTowerConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown BridgeTower preset {name!r}; expected one of {sorted(PRESETS)}")
+        raise ConfigError(f"--preset {name!r}: unknown BridgeTower preset; expected one of {', '.join(PRESETS)}")
     return copy.deepcopy(PRESETS[name]())
+
+
+# Text tokens ds-tune assumes for BridgeTower when --seq-len is not given. Kept from ds-tune's earlier copy of the
+# shapes so its numbers do not move; a run padded to the data default (--max_seq_length 128) is tuned with 128.
+TUNING_SEQ_LEN = 50
+_TUNING_TOP = ("hidden_size", "num_hidden_layers", "num_attention_heads", "contrastive_hidden_size",
+               "logit_scale_init_value", "share_cross_modal_transformer_layers", "share_link_tower_layers",
+               "link_tower_type", "tie_word_embeddings")
+_TUNING_TEXT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings", "type_vocab_size", "pad_token_id")
+_TUNING_VISION = ("hidden_size", "num_hidden_layers", "patch_size", "image_size", "share_layernorm",
+                  "remove_last_layer")
+
+
+def tuning_spec(name: str, seq_len: int = TUNING_SEQ_LEN) -> dict:
+    """The preset as ds-tune reads a model (ds_core.tuning): the BridgeTowerConfig fields that fix parameter count
+    and activation shapes, for the class bridgetower_ds.model builds, plus the text seq_len. Other fields (dropout,
+    eps, activation) change neither. ds_configs/models/<name>.json holds this for bridgetower_large (a test keeps it
+    equal)."""
+    cfg = preset(name)
+    return {"model_type": "bridgetower", "architectures": ["BridgeTowerForContrastiveLearning"],
+            **{k: getattr(cfg, k) for k in _TUNING_TOP}, "seq_len": seq_len,
+            "text_config": {k: getattr(cfg.text_config, k) for k in _TUNING_TEXT},
+            "vision_config": {k: getattr(cfg.vision_config, k) for k in _TUNING_VISION}}
 
 
 @dataclass
@@ -145,7 +171,6 @@ class OptimArgs:
                 "--warmup_steps"})
 
     def validate(self) -> None:
-        from ds_core.config import ConfigError
         from ds_core.schedule import KINDS
 
         if self.lr_scheduler_type not in KINDS:
@@ -197,3 +222,18 @@ class CompatArgs:
         "help": "HPU-only flag, accepted: " + HPU_NOTICES["distribution_strategy"]})
     sdp_on_bf16: bool = field(default=False, metadata={"help": "HPU-only flag, accepted: "
                                                                + HPU_NOTICES["sdp_on_bf16"]})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bridgetower_ds.configs --preset bridgetower_large [--seq_len N] --write_config PATH`: the preset's
+    model description for `ds-tune --model PATH`."""
+    from ds_core.tuning import write_spec_main
+
+    return write_spec_main(argv, prog="python -m bridgetower_ds.configs", presets=list(PRESETS),
+                           make_spec=lambda a: tuning_spec(a.preset, a.seq_len),
+                           add_arguments=lambda p: p.add_argument("--seq_len", type=int, default=TUNING_SEQ_LEN,
+                                                                  help="caption tokens"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from ds_core.config import ConfigError
 from ds_core.sample_log import SampleLog
 
 from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length,
@@ -91,19 +92,19 @@ class DataArgs:
 
     def validate(self) -> None:
         if self.dataset_format not in FORMATS:
-            raise ValueError(f"--dataset_format must be one of {FORMATS}, got {self.dataset_format!r}")
+            raise ConfigError(f"--dataset_format must be one of {FORMATS}, got {self.dataset_format!r}")
         if self.image_pipeline not in ("host", "device", "auto"):
-            raise ValueError(f"--image_pipeline must be host, device or auto, got {self.image_pipeline!r}")
+            raise ConfigError(f"--image_pipeline must be host, device or auto, got {self.image_pipeline!r}")
         if self.bad_image not in ("skip", "error"):
-            raise ValueError(f"--bad_image must be skip or error, got {self.bad_image!r}")
+            raise ConfigError(f"--bad_image must be skip or error, got {self.bad_image!r}")
         for name in ("validation_fraction", "test_fraction"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
-                raise ValueError(f"--{name} must be in [0, 1), got {v}")
+                raise ConfigError(f"--{name} must be in [0, 1), got {v}")
         if self.validation_fraction + self.test_fraction >= 1.0:
-            raise ValueError("--validation_fraction + --test_fraction must leave some training data")
+            raise ConfigError("--validation_fraction + --test_fraction must leave some training data")
         if self.max_seq_length < 2 or self.dataloader_num_workers < 0 or self.image_size < 0:
-            raise ValueError("max_seq_length >= 2, dataloader_num_workers >= 0, image_size >= 0 expected")
+            raise ConfigError("max_seq_length >= 2, dataloader_num_workers >= 0, image_size >= 0 expected")
 
     @property
     def requested_pipeline(self) -> str:
@@ -175,7 +176,7 @@ def _detect_format(path: Path) -> str:
     suffix = path.suffix.lower().lstrip(".")
     if suffix in ("json", "jsonl", "csv"):
         return suffix
-    raise ValueError(f"--dataset_path {path}: cannot tell the format (expected a directory or .json/.jsonl/.csv); "
+    raise ConfigError(f"--dataset_path {path}: cannot tell the format (expected a directory or .json/.jsonl/.csv); "
                      "pass --dataset_format")
 
 
@@ -251,14 +252,14 @@ def load_tables(args: DataArgs) -> dict[str, CaptionTable]:
     """All splits the source has, by name. A single un-split source is returned as {train_split: table}."""
     if args.dataset_name:
         if args.dataset_path:
-            raise ValueError(f"--dataset_name {args.dataset_name} and --dataset_path {args.dataset_path}: give one")
+            raise ConfigError(f"--dataset_name {args.dataset_name} and --dataset_path {args.dataset_path}: give one")
         from .hub import load_cached_dataset  # noqa: PLC0415
 
         obj = load_cached_dataset(args.dataset_name, args.dataset_config_name)
         name = f"{args.dataset_name}/{args.dataset_config_name}" if args.dataset_config_name else args.dataset_name
         return {k: _from_hf(v, args, "", f"{name}:{k}") for k, v in obj.items()}  # source names the configuration
     if not args.dataset_path:
-        raise ValueError("--dataset_path (or --dataset_name) is required")
+        raise ConfigError("--dataset_path (or --dataset_name) is required")
     path = Path(args.dataset_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"--dataset_path {path} does not exist")
@@ -383,7 +384,7 @@ class CaptionData:
         self.args, self.table, self.tokenizer = args, table, tokenizer
         self.size = int(args.image_size or image_size)
         if self.size < 1:
-            raise ValueError("image size unknown: pass image_size (the model's vision image size) or --image_size")
+            raise ConfigError("image size unknown: pass image_size (the model's vision image size) or --image_size")
         self.rank, self.world_size, self.micro_batch, self.seed = rank, world_size, micro_batch, seed
         self.device, self.shuffle = torch.device(device), shuffle
         try:

@@ -10,7 +10,7 @@ embeddings are gathered from every rank and de-duplicated by row id before ranki
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as torch_dist
@@ -142,10 +142,3 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
         for k, v in recall_at_k(image @ text.t()).items():
             result[f"{prefix}_{k}"] = v
     return result
-
-
-def make_eval_fn(make_batches: Callable[[], Iterable[dict]], prefix: str = "eval") -> Callable:
-    """eval_fn(engine, step) -> dict for ds_core.loop.train; make_batches() returns a fresh pass over the split."""
-    def eval_fn(engine, step: int) -> dict[str, float]:
-        return evaluate(engine, make_batches(), prefix=prefix)
-    return eval_fn

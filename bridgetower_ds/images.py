@@ -5,7 +5,7 @@ at int(1333/800*S), both are floored to a multiple of `size_divisor` (32), then 
 when the resized image is smaller than S (very wide or tall images). Zero padding happens in uint8 space, before
 normalization, as in the reference.
 
-Speed, per the issue: JPEGs are decoded at a reduced DCT scale (1/2, 1/4, 1/8) when that still leaves at least the
+Speed: JPEGs are decoded at a reduced DCT scale (1/2, 1/4, 1/8) when that still leaves at least the
 resize target (`--jpeg_draft`, PIL's `Image.draft` semantics), and pixels stay uint8 until the accelerator normalizes
 them. JPEG decoding goes through simplejpeg (libjpeg-turbo into numpy, bit-identical to PIL's output, less overhead)
 when installed, PIL otherwise and for everything that is not a plain RGB/grayscale JPEG. The resize is torch's uint8
@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
+
+from ds_core.config import ConfigError
 
 try:  # libjpeg-turbo straight into a numpy array: bit-identical to PIL's decode, ~40% less CPU per 640x480 image
     import simplejpeg
@@ -480,7 +482,7 @@ def resolve_pipeline(requested: str, device: torch.device | str) -> tuple[str, s
                 return name, why
             reasons.append(why if not ok else f"{why}, but training runs on {dev.type}")
         return "device-cpu", "; ".join(reasons) + " -> CPU thread-pool decoding"
-    raise ValueError(f"--image_pipeline must be host, device or auto, got {requested!r}")
+    raise ConfigError(f"--image_pipeline must be host, device or auto, got {requested!r}")
 
 
 def make_device_decoder(pipeline: str, size: int, device, draft: bool = True,

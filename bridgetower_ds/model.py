@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
+
+from ds_core.config import ConfigError
 
 from .configs import CONTRASTIVE_HIDDEN_SIZE, LOGIT_SCALE_INIT, ModelArgs, preset
 
@@ -173,12 +174,8 @@ def apply_freezing(model: BridgeTowerForContrastiveLearning, args: ModelArgs) ->
     for p in model.parameters():
         counts["trainable" if p.requires_grad else "frozen"] += p.numel()
     if counts["trainable"] == 0:
-        raise ValueError("every parameter is frozen: nothing to train (check --freeze_* flags)")
+        raise ConfigError("every parameter is frozen: nothing to train (check --freeze_* flags)")
     return counts
-
-
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def forward_flops(cfg: BridgeTowerConfig, seq_len: int) -> dict[str, float]:
@@ -226,12 +223,3 @@ def model_summary(model: torch.nn.Module) -> str:
     n = sum(p.numel() for p in model.parameters())
     nt = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return f"BridgeTowerForContrastiveLearning: {n / 1e6:.1f}M parameters, {nt / 1e6:.1f}M trainable"
-
-
-def save_pretrained_dir(model: torch.nn.Module, tokenizer, out_dir: str | os.PathLike) -> None:
-    """save_pretrained for an unwrapped model + tokenizer (single process; ZeRO-3 uses ds_core.export_hf)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)

@@ -12,6 +12,8 @@ from typing import Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from ds_core.config import ConfigError
+
 from .configs import DEBUG_VOCAB_SIZE, ModelArgs
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
@@ -77,7 +79,7 @@ def load_tokenizer(args: ModelArgs, model_max_length: int = 128) -> PreTrainedTo
             raise FileNotFoundError(f"no tokenizer files in {path} ({e}); pass --tokenizer_name_or_path to a "
                                     f"directory holding the model's tokenizer (e.g. roberta-large's)") from e
     if args.preset != "debug":
-        raise ValueError(f"preset {args.preset!r} needs the model's tokenizer: pass --model_name_or_path or "
+        raise ConfigError(f"preset {args.preset!r} needs the model's tokenizer: pass --model_name_or_path or "
                          f"--tokenizer_name_or_path (a local directory); only the debug preset builds its own")
     return debug_tokenizer(model_max_length)
 

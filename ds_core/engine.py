@@ -35,10 +35,6 @@ class DistInfo:
     device: torch.device
     backend: str
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -16,50 +16,40 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ds_core import accelerators
+from ds_core.accelerators import from_device_name
 from ds_core.precision import cached_cpu_peak, cpu_peak_tflops, update_cpu_peak  # noqa: F401 (re-exported)
-
-# Dense peak TFLOPs per accelerator and compute dtype (vendor figures; sparsity excluded). MFU is taken against the
-# peak of the dtype the run computes in; an accelerator/dtype missing here gets no MFU (null with a note), never a
-# borrowed figure. Override with DS_CORE_PEAK_TFLOPS.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "bf16": {
-        # First-generation Gaudi (HL-205, AWS DL1): Habana publishes no dense bf16 MME figure; this is the community
-        # estimate used for MFU on DL1. Set DS_CORE_PEAK_TFLOPS for your own number.
-        "gaudi": 200.0,
-        "gaudi2": 432.0,  # HL-225, bf16 MME
-        "gaudi3": 1835.0,
-        "a100": 312.0,
-        "h100": 989.0,  # SXM; PCIe is 756
-        "h200": 989.0,
-    },
-    # fp32 without TF32 (torch's default for matmuls): the CUDA cores' FMA rate.
-    "fp32": {"a100": 19.5, "h100": 67.0, "h200": 67.0},
-}
 
 
 def accelerator_kind(accelerator: str, device: torch.device | None = None) -> str:
-    """Key of PEAK_TFLOPS for the running device ("cpu" when unknown)."""
+    """Row of ds_core.accelerators for the running device; otherwise the accelerator type ("cuda", "hpu", "cpu"),
+    which has no peak, so MFU is null rather than taken against another device's figure."""
     if accelerator == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(device).lower()
-        return next((k for k in ("h200", "h100", "a100") if k in name), "cuda")
+        return from_device_name(torch.cuda.get_device_name(device)) or "cuda"
     if accelerator == "hpu":
         try:
             import habana_frameworks.torch.hpu as hthpu  # noqa: PLC0415
 
-            name = hthpu.get_device_name().lower()
+            name = hthpu.get_device_name()
         except Exception:  # pragma: no cover - HPU only
             name = ""
-        return "gaudi3" if "gaudi3" in name else "gaudi2" if "gaudi2" in name else "gaudi"
+        # an HPU whose name the bridge does not give is first-generation Gaudi (the bridge names Gaudi2/3)
+        return from_device_name(name) or "gaudi"
     return accelerator
 
 
 def peak_tflops_for(kind: str, dtype: str = "bf16") -> float | None:
-    """The peak MFU is taken against: DS_CORE_PEAK_TFLOPS, the table, or on CPU the cached probe in `dtype`."""
+    """The dense peak MFU is taken against: DS_CORE_PEAK_TFLOPS, ds_core.accelerators' row for `kind` in the dtype
+    the run computes in, or on CPU the cached probe in `dtype`. None (no MFU) for a device or dtype without a
+    published figure."""
     if os.environ.get("DS_CORE_PEAK_TFLOPS"):
         return float(os.environ["DS_CORE_PEAK_TFLOPS"])
     if kind == "cpu":
         return cached_cpu_peak(dtype)
-    return PEAK_TFLOPS.get(dtype, {}).get(kind)
+    try:
+        return accelerators.get(kind).peak_tflops(dtype)
+    except accelerators.UnknownAcceleratorError:
+        return None
 
 
 def peak_probe_for(kind: str, dtype: str = "bf16") -> Callable[[], float] | None:

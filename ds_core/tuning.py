@@ -18,7 +18,11 @@ Per rank, bf16 mixed precision with Adam(W):
                  per layer s*(18h + 4i) + 5*a*s^2 bytes per sample, plus embeddings and the MLM head
                  (bf16 logits + fp32 log-softmax + its gradient, 10*s*V); with activation checkpointing each layer
                  keeps only its 2*s*h input and one layer is live again during its recomputation.
-  usable memory  capacity minus 8 % for allocator fragmentation and runtime context.
+  usable memory  capacity (ds_core.accelerators' table; cpu: the node's RAM over its ranks) minus 8 % for allocator
+                 fragmentation and runtime context.
+
+Models: the presets' descriptions in ds_configs/models/ (written by the model packages, see MODEL_DIR) or any HF
+config.json.
 
     ds-tune --model bert-1.5b --accelerator gaudi --accelerators-per-node 8 --nodes 8 --global-batch 4096
 """
@@ -31,11 +35,14 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
+
+from ds_core import accelerators
+from ds_core.config import DS_CONFIG_DIR
 
 GB = 1e9
-# Accelerator memory per device (decimal GB as vendors quote it). cpu: machine RAM shared by the node's ranks.
-ACCELERATOR_MEMORY_GB = {"gaudi": 32.0, "gaudi2": 96.0, "a100-80g": 80.0, "h100": 80.0, "cpu": None}
+# cpu is not in ds_core.accelerators (no vendor figure): its "memory" is the machine's RAM shared by the node's ranks.
+CPU = "cpu"
 USABLE_FRACTION = 0.92
 STAGES = (0, 1, 2, 3)
 # Buckets written into the recommended DeepSpeed JSON (elements); the memory model uses the same numbers.
@@ -47,29 +54,19 @@ SATURATING_TOKENS = 4096
 # Headroom (fraction of usable memory) a recommendation keeps when any option allows it.
 SAFETY_MARGIN = 0.10
 
-# HF-config-like descriptions (no model package is imported: ds_core sits below them). Exact parameter counts come
-# from building the matching transformers class on the meta device.
-MODELS = {
-    "bert-large": {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 1024,
-                   "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
-                   "vocab_size": 30528, "max_position_embeddings": 512, "type_vocab_size": 2, "seq_len": 128},
-    # the DeepSpeed/Habana BERT-1.5B shape (48 x 1600, 25 heads)
-    "bert-1.5b": {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 1600,
-                  "num_hidden_layers": 48, "num_attention_heads": 25, "intermediate_size": 6400,
-                  "vocab_size": 30528, "max_position_embeddings": 512, "type_vocab_size": 2, "seq_len": 128},
-    # BridgeTower/bridgetower-large-itm-mlm-itc: RoBERTa-large text tower, CLIP ViT-L/14 at 294 px, 6 cross layers
-    "bridgetower-large": {"model_type": "bridgetower", "architectures": ["BridgeTowerForContrastiveLearning"],
-                          "hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16,
-                          "contrastive_hidden_size": 512, "logit_scale_init_value": 2.6592, "seq_len": 50,
-                          "share_cross_modal_transformer_layers": True, "share_link_tower_layers": False,
-                          "link_tower_type": "add", "tie_word_embeddings": False,
-                          "text_config": {"vocab_size": 50265, "hidden_size": 1024, "num_hidden_layers": 24,
-                                          "num_attention_heads": 16, "intermediate_size": 4096,
-                                          "max_position_embeddings": 514, "type_vocab_size": 1, "pad_token_id": 1},
-                          "vision_config": {"hidden_size": 1024, "num_hidden_layers": 24, "patch_size": 14,
-                                            "image_size": 294, "share_layernorm": True,
-                                            "remove_last_layer": False}},
-}
+# Model descriptions (HF config.json form plus "seq_len") are written from the model packages' presets into
+# ds_configs/models/ (ds_core imports no model package): `python -m bert_ref.configs --preset bert_1p5b --write_config
+# PATH`, `python -m bridgetower_ds.configs --preset bridgetower_large --write_config PATH`; a test keeps the shipped
+# files equal to the presets. Exact parameter counts come from building the matching transformers class on the meta
+# device.
+MODEL_DIR = DS_CONFIG_DIR / "models"
+# the names ds-tune took before the descriptions came from the presets
+MODEL_ALIASES = {"bert-large": "bert_large", "bert-1.5b": "bert_1p5b", "bridgetower-large": "bridgetower_large"}
+
+
+def shipped_models() -> list[str]:
+    """Names --model accepts besides a path: the files in ds_configs/models/ (and MODEL_ALIASES)."""
+    return sorted(p.stem for p in MODEL_DIR.glob("*.json"))
 
 
 class TuningError(ValueError):
@@ -101,12 +98,37 @@ class ModelShape:
     exact: bool                 # params counted on a meta-device model, not by formula
 
 
+def write_spec_main(argv: Sequence[str] | None, *, prog: str, presets: Sequence[str],
+                    make_spec: Callable[[argparse.Namespace], dict],
+                    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None) -> int:
+    """The `--preset NAME --write_config PATH` command each model package runs (`python -m bert_ref.configs`,
+    `python -m bridgetower_ds.configs`): make_spec(args) turns the parsed flags into the model description that
+    load_spec reads; one writer, so the files in ds_configs/models/ all have one format."""
+    ap = argparse.ArgumentParser(prog=prog, description="Write a model preset as ds-tune's --model description.")
+    ap.add_argument("--preset", required=True, help=f"one of {', '.join(presets)}")
+    add_arguments(ap)
+    ap.add_argument("--write_config", required=True, help="where the JSON goes (then: ds-tune --model PATH)")
+    a = ap.parse_args(argv)
+    try:
+        spec = make_spec(a)
+    except ValueError as e:            # ConfigError / TuningError: a bad preset or flag value
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if "model_type" not in spec:
+        raise TuningError(f"{prog}: the description of {a.preset} has no model_type")   # a bug in make_spec
+    Path(a.write_config).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
 def load_spec(model: str) -> tuple:
-    if model in MODELS:
-        return model, dict(MODELS[model])
+    """(name, HF-config-like dict) for a shipped model name (or its old alias) or a config.json path."""
     p = Path(model)
     if not p.is_file():
-        raise TuningError(f"--model {model!r}: not one of {sorted(MODELS)} and not an HF config.json file")
+        shipped = MODEL_DIR / f"{MODEL_ALIASES.get(model, model)}.json"
+        if p.parent != Path(".") or not shipped.is_file():
+            raise TuningError(f"--model {model!r}: not one of {shipped_models() + sorted(MODEL_ALIASES)} "
+                              f"(ds_configs/models/) and not an HF config.json file")
+        p = shipped
     try:
         spec = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -186,7 +208,7 @@ def _shape_cached(model: str, seq_len: int) -> ModelShape:
         vocab = _get(spec, "vocab_size", default=0)
         pos = _get(spec, "max_position_embeddings", "n_positions", default=512)
         s = seq_len or spec.get("seq_len") or min(pos, 512)
-        towers = [Tower("encoder" if mt == "bert" else "layers", layers, h, heads, i, s)]
+        towers = [Tower("encoder" if mt in ("bert", "megatron-bert") else "layers", layers, h, heads, i, s)]
         head_seq = s
         approx = _analytic_params(h, i, layers, vocab, pos)
         approx_largest = max(vocab * h, h * i)
@@ -314,14 +336,15 @@ def estimate(shape: ModelShape, stage: int, micro_batch: int, ranks_per_node: in
 
 
 def capacity_bytes(accelerator: str, ranks_per_node: int) -> float:
-    if accelerator not in ACCELERATOR_MEMORY_GB:
-        raise TuningError(f"--accelerator {accelerator!r}: expected one of {sorted(ACCELERATOR_MEMORY_GB)}")
-    gb = ACCELERATOR_MEMORY_GB[accelerator]
-    if gb is None:
+    """Memory of one rank: the ds_core.accelerators row's capacity, or on cpu the node's RAM over its ranks."""
+    if accelerator == CPU:
         import psutil
 
         return psutil.virtual_memory().total / max(1, ranks_per_node)   # ranks of a node share its RAM
-    return gb * GB
+    try:
+        return accelerators.get(accelerator).memory_gb * GB
+    except accelerators.UnknownAcceleratorError as e:
+        raise TuningError(f"--accelerator: {e}; or {CPU}") from None
 
 
 # ------------------------------------------------------------------------------------------- search + advice
@@ -359,7 +382,7 @@ def search(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int,
         raise TuningError(f"--activation-checkpointing {checkpointing!r}: expected auto, on or off")
     usable = capacity_bytes(accelerator, ranks_per_node) * USABLE_FRACTION
     ckpts = {"auto": (False, True), "on": (True,), "off": (False,)}[checkpointing]
-    fused = accelerator != "cpu"
+    fused = accelerator != CPU
     per_rank = global_batch // n
     return [Option(st, m, per_rank // m, ck,
                    estimate(shape, st, m, ranks_per_node, nodes, checkpointing=ck, fused_adam=fused), usable)
@@ -389,7 +412,7 @@ def recommend(options: Sequence[Option], seq: int) -> Option | None:
 def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, checkpointing: str) -> list:
     """Advice when nothing fits at micro batch 1."""
     usable = capacity_bytes(accelerator, ranks_per_node) * USABLE_FRACTION
-    fused = accelerator != "cpu"
+    fused = accelerator != CPU
     tips = []
     if checkpointing == "off":
         e = estimate(shape, 3, 1, ranks_per_node, nodes, checkpointing=True, fused_adam=fused)
@@ -450,8 +473,12 @@ def _table(options: Sequence[Option], best: Option | None) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help=f"{' | '.join(MODELS)} | PATH_TO_HF_CONFIG.json")
-    p.add_argument("--accelerator", required=True, choices=sorted(ACCELERATOR_MEMORY_GB))
+    p.add_argument("--model", required=True,
+                   help=f"{' | '.join(shipped_models())} (ds_configs/models/, written from the presets; also "
+                        f"{', '.join(MODEL_ALIASES)}) | PATH_TO_HF_CONFIG.json")
+    p.add_argument("--accelerator", required=True,
+                   help=f"{' | '.join(a.name for a in accelerators.ACCELERATORS)} (ds_core.accelerators; aliases "
+                        f"{', '.join(x for a in accelerators.ACCELERATORS for x in a.aliases)}) | {CPU}")
     p.add_argument("--accelerators-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step (train_batch_size)")

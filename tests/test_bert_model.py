@@ -9,6 +9,7 @@ import torch
 from bert_ref.configs import (BertArgs, InputDirError, PhaseMismatchError, UnknownPresetError, bert_1p5b,
                               bert_large, check_data_matches, debug, debug_pre_ln, get_preset, pad_vocab)
 from bert_ref.model import build_model, flops_per_sequence, param_counts
+from bert_ref.data import IGNORE_INDEX
 from bert_ref.step import pretraining_losses
 from ds_core.config import ConfigError
 
@@ -187,7 +188,7 @@ def test_losses_are_separate_and_ignore_unmasked():
     ids = torch.randint(5, 1000, (2, 16))
     out = model(input_ids=ids, token_type_ids=torch.zeros_like(ids), attention_mask=torch.ones_like(ids))
     assert out.prediction_logits.shape == (2, 16, 1024) and out.seq_relationship_logits.shape == (2, 2)
-    labels = torch.full_like(ids, -100)
+    labels = torch.full_like(ids, IGNORE_INDEX)
     labels[0, 3], labels[1, 5] = 7, 9
     nsp_label = torch.tensor([0, 1])
     mlm, nsp = pretraining_losses(out.prediction_logits, out.seq_relationship_logits, labels, nsp_label)
@@ -255,7 +256,7 @@ def test_sparse_mlm_head_matches_dense_loss_and_grads():
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
     pos = masked_positions(batch["labels"], p.max_predictions_per_seq)
     assert pos.shape == (3, p.max_predictions_per_seq)
-    assert ((batch["labels"] != -100).sum(1) == (pos > 0).sum(1)).all()
+    assert ((batch["labels"] != IGNORE_INDEX).sum(1) == (pos > 0).sum(1)).all()
     with pytest.raises(ConfigError):
         masked_positions(batch["labels"], 1)
     S, h, V = p.seq_len, p.hidden_size, p.vocab_size

@@ -98,7 +98,7 @@ def test_nvlamb_matches_fused_lamb_kernel_over_steps(use_nvlamb):
 
 
 def test_nvlamb_first_update_of_a_bert_large_weight():
-    """The issue's measurement: at NVIDIA's phase-1 LR 6e-3 the first update of a 4096 x 1024 weight drawn N(0, 0.02)
+    """At NVIDIA's phase-1 LR 6e-3 the first update of a 4096 x 1024 weight drawn N(0, 0.02)
     has RMS lr * ||w|| / ||u|| * rms(u) = lr * 0.02 = 1.20e-4 (pytorch_optimizer's Lamb gave 2.93e-5)."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(4096, 1024) * 0.02)
@@ -281,3 +281,12 @@ def test_scheduler_drives_param_groups_and_round_trips():
     sch.step()
     sch2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"]) == pytest.approx(7 / 8)
+
+
+def test_layerwise_optimizers_refuse_bad_hyperparameters_naming_themselves():
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"NVLAMB: invalid lr=0\.0"):
+        NVLAMB(w, lr=0.0)
+    with pytest.raises(ValueError, match=r"LANS: invalid .*betas=\(1\.0, 0\.9\)"):
+        LANS(w, betas=(1.0, 0.9))
+    assert NVLAMB(w, lr=1e-3).defaults["betas"] == (0.9, 0.999)

@@ -24,7 +24,7 @@ from bridgetower_ds.data import DataArgs
 TYPES = [TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs]
 
 # optimum-habana examples/contrastive-image-text/README.md, "BridgeTower" (the published Gaudi benchmark), as a user
-# pastes it after `run_bridgetower.py`, with the blog's --report_to tensorboard and the issue's extra Trainer flags;
+# pastes it after `run_bridgetower.py`, with the blog's --report_to tensorboard and Trainer flags users add to it;
 # --push_to_hub is left out (refused, see below).
 PUBLISHED = """--output_dir /tmp/bridgetower-test
   --model_name_or_path BridgeTower/bridgetower-large-itm-mlm-itc

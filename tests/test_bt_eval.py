@@ -154,7 +154,7 @@ def _world_worker(rank: int, world: int, port: int, root, q) -> None:
 def test_eval_loss_and_recall_do_not_depend_on_the_world_size(tmp_path):
     """11 rows (one a missing file), eval micro batch 4. Before the batch plan, ranks split the rows first and then
     batched their share: on 2 ranks 5 + 5 rows, on 1 rank 4 + 4 + 2, so the in-batch negatives and the loss
-    differed (1.29 vs 1.96 in the issue; 1.118 vs 1.259 here before the change: each rank's 5 rows made a 4-row and
+    differed (1.118 vs 1.259 on this split with per-rank batching: each rank's 5 rows made a 4-row and
     a 1-row batch whose loss is exactly 0). Now batch c runs on rank c mod W: the same batches on any number of ranks
     (the plan's unit tests check 1, 2 and 3 ranks; here 1 and 2 end to end, with a bad image in the split)."""
     import torch.multiprocessing as mp

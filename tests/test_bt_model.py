@@ -10,6 +10,7 @@ from bridgetower_ds.configs import ModelArgs
 from bridgetower_ds.model import (BridgeTowerContrastive, apply_freezing, build_model, flops_per_sample,
                                   forward_flops, load_config)
 from bridgetower_ds.tokenizer import debug_tokenizer, load_tokenizer
+from ds_core.config import ConfigError
 
 
 def _batch(tok, n=4, size=32, seed=0):
@@ -34,7 +35,8 @@ def test_presets_match_published_architecture():
     base = configs.bridgetower_base()
     assert (base.text_config.hidden_size, base.vision_config.patch_size, base.vision_config.image_size) == (768, 16, 288)
     assert base.contrastive_hidden_size == 512
-    with pytest.raises(ValueError, match="unknown BridgeTower preset"):
+    with pytest.raises(ConfigError, match="--preset 'huge': unknown BridgeTower preset; expected one of "
+                                          "bridgetower_large, bridgetower_base, debug"):
         configs.preset("huge")
 
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO, run_deepspeed
 from ds_core import scaling
 
-# BERT-Large on 1, 2, 4, 8 nodes of 8 accelerators (issue 7)
+# BERT-Large on 1, 2, 4, 8 nodes of 8 accelerators
 PUBLISHED = "nodes,accelerators,throughput\n1,8,1379.76\n2,16,2705.57\n4,32,5291.58\n8,64,9977.54\n"
 SUMMARY = {"type": "summary", "model": "bert_large", "accelerators_per_node": 8, "accelerator": "hpu",
            "micro_batch": 64, "grad_accum": 1, "zero_stage": 1, "precision": "bf16", "seq_len": 128,
