@@ -77,6 +77,19 @@ def _summary_of(path: Path) -> dict:
     return summary
 
 
+def _canonical_accelerator(name):
+    """Runs written before ds_core.accelerators named devices by alias (`a100`, `h100`): group them with the runs that
+    write the table's name. A name the table does not know (cpu, a new device) is kept as written."""
+    from ds_core import accelerators
+
+    if not isinstance(name, str):
+        return name
+    try:
+        return accelerators.get(name).name
+    except accelerators.UnknownAcceleratorError:
+        return name
+
+
 def run_from_summary(summary: dict, source: str) -> Run:
     try:
         world = int(summary["world_size"])
@@ -87,6 +100,7 @@ def run_from_summary(summary: dict, source: str) -> Run:
     if world <= 0 or not math.isfinite(throughput) or throughput <= 0:
         raise ScalingError(f"{source}: world_size={world}, samples_per_s={throughput}: expected positive numbers")
     config = {k: summary.get(k) for k in GROUP_KEYS}
+    config["accelerator"] = _canonical_accelerator(config["accelerator"])
     extra = {k: summary[k] for k in ("grad_accum", "global_batch", "mfu", "tflops_per_accelerator")
              if summary.get(k) is not None}
     return Run(nodes=nodes, accelerators=world, throughput=throughput, source=source, config=config, extra=extra)
