@@ -232,6 +232,40 @@ def write_merged(out: str | os.PathLike, entries: Mapping[str, str], replace: bo
     return write_env_file(p, merged), changed
 
 
+# ------------------------------------------------------------------------ what launch.run hands to the ranks
+def rank_env_additions(profile: str, cwd: str | os.PathLike | None = None,
+                       environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables the launch wrapper itself hands to the ranks (no_ssh, mpirun: DeepSpeed exports nothing there):
+    the profile, then the .deepspeed_env files, which win as they do when DeepSpeed exports them over pdsh."""
+    added = resolve_profile(profile, environ) if profile else {}
+    added.update(load_deepspeed_env(cwd))
+    return added
+
+
+def require_profile_in_deepspeed_env(profile: str, cwd: str | os.PathLike | None = None) -> None:
+    """pdsh/openmpi/mpich: DeepSpeed exports .deepspeed_env itself; make sure the file is readable by it and holds
+    the profile, so a node never starts without its fabric settings."""
+    present = load_deepspeed_env(cwd)  # validates the file even without a profile
+    if not profile:
+        return
+    ok, detail = compare_with_profile(profile_entries(profile), present)
+    if not ok:
+        raise EnvFileError(
+            f"profile {profile}: .deepspeed_env {detail}. DeepSpeed exports only that file to other nodes: "
+            f"run `python -m launch.env write --profile {profile}` here first (add --set NAME=VALUE for a "
+            "site value)")
+
+
+def mpirun_rank_env(profile: str, cwd: str | os.PathLike | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables `mpirun` passes to every rank (-x / -genv): rank_env_additions plus PYTHONPATH, which
+    DeepSpeed's runners forward (PYTHON* variables); so do we."""
+    out = rank_env_additions(profile, cwd, environ)
+    if environ.get("PYTHONPATH"):
+        out.setdefault("PYTHONPATH", environ["PYTHONPATH"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
 def default_out() -> Path:
     return Path.cwd() / os.environ.get("DS_ENV_FILE", ".deepspeed_env")
 
