@@ -14,6 +14,7 @@ Kept free of torch and deepspeed imports: the launch wrappers use it on a login 
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable
 
@@ -27,6 +28,18 @@ def flag(name: str) -> tuple[str, ...]:
         raise ValueError(f"flag({name!r}): expected a long option starting with --")
     dashed = "--" + name[2:].replace("_", "-")
     return (name,) if dashed == name else (name, dashed)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, except that an abbreviation matching only the two spellings of ONE flag is that flag:
+    with both `--baseline_nodes` and `--baseline-nodes`, plain argparse calls `--baseline 2` ambiguous, which worked
+    before the rename. Subcommand parsers inherit the class (add_subparsers uses type(self))."""
+
+    def _get_option_tuples(self, option_string):  # argparse's hook: (action, option string, ...) per candidate
+        by_action = {}
+        for candidate in super()._get_option_tuples(option_string):
+            by_action.setdefault(id(candidate[0]), candidate)
+        return list(by_action.values())
 
 
 def error(prog: str, message: object) -> int:

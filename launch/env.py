@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from ds_core.cli import run_cli
+
 PROFILE_DIR = Path(__file__).resolve().parent / "env"
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Characters DeepSpeed's MultiNodeRunner.add_export leaves unquoted.
@@ -293,37 +295,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.cmd == "list":
-            for name in profile_names():
-                first = profile_path(name).read_text().splitlines()[0].lstrip("# ")
-                print(f"{name:10s} {first}")
-        elif args.cmd == "show":
-            sys.stdout.write(format_env(resolve_profile(args.profile)))
-        elif args.cmd == "write":
-            if not (args.profile or args.set or args.forward):
-                raise EnvFileError("nothing to write: give --profile, --set or --forward")
-            entries = build_entries(args.profile, args.set, args.forward)
-            path, changed = write_merged(args.out or default_out(), entries, args.replace)
-            for name, value in entries.items():
-                msg = plain_warning(name, value)
-                if msg:
-                    print(f"warning: {msg}", file=sys.stderr)
-            print(f"wrote {path}: {len(entries)} entries from "
-                  f"{'profile ' + args.profile if args.profile else 'arguments'}; changed: {', '.join(changed) or 'none'}")
-        else:
-            files = [Path(f) for f in args.files] or deepspeed_env_files()
-            if not files:
-                print("no .deepspeed_env file here or in $HOME")
-            for f in files:
-                n = len(read_env_file(f))
-                print(f"{f}: ok, {n} entries")
-    except EnvFileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _main(args: argparse.Namespace) -> int:
+    if args.cmd == "list":
+        for name in profile_names():
+            first = profile_path(name).read_text().splitlines()[0].lstrip("# ")
+            print(f"{name:10s} {first}")
+    elif args.cmd == "show":
+        sys.stdout.write(format_env(resolve_profile(args.profile)))
+    elif args.cmd == "write":
+        if not (args.profile or args.set or args.forward):
+            raise EnvFileError("nothing to write: give --profile, --set or --forward")
+        entries = build_entries(args.profile, args.set, args.forward)
+        path, changed = write_merged(args.out or default_out(), entries, args.replace)
+        for name, value in entries.items():
+            msg = plain_warning(name, value)
+            if msg:
+                print(f"warning: {msg}", file=sys.stderr)
+        print(f"wrote {path}: {len(entries)} entries from "
+              f"{'profile ' + args.profile if args.profile else 'arguments'}; changed: {', '.join(changed) or 'none'}")
+    else:
+        files = [Path(f) for f in args.files] or deepspeed_env_files()
+        if not files:
+            print("no .deepspeed_env file here or in $HOME")
+        for f in files:
+            n = len(read_env_file(f))
+            print(f"{f}: ok, {n} entries")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_cli(parser.prog, lambda: _main(args), (EnvFileError,))
 
 
 if __name__ == "__main__":

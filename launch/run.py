@@ -23,10 +23,10 @@ Every rank runs under launch.guard (see there): a frozen rank is killed after th
 mpi_discovery. Arguments after `--` go to the training module unchanged. Every process gets its arguments as an
 argument list; nothing is pasted into a shell command line.
 
-How: the flags (launch.settings.add_run_arguments) become one launch.settings.LaunchSettings, resolved once (launch.slurm
-and launch.aws_batch fill in hostfile, node rank and master from their cluster's variables); its hostfile is read and
-checked; then one small builder per launcher (BUILDERS) turns it into the command. What the ranks' environment gets
-(profile, .deepspeed_env) comes from launch.env.
+How: the flags (launch.settings.add_run_arguments) become one launch.settings.LaunchSettings, resolved once
+(launch.slurm and launch.aws_batch fill in hostfile, node rank and master from their cluster's variables); its
+hostfile is read and checked; then one small builder per launcher (BUILDERS) turns it into the command. What the
+ranks' environment gets (profile, .deepspeed_env) comes from launch.env.
 """
 from __future__ import annotations
 
