@@ -1,6 +1,6 @@
 """The launch settings: every wrapper (launch.run, launch.slurm, launch.aws_batch) resolves ONE LaunchSettings, from
 its flags, the environment variables that give the flags their defaults, and the cluster's own variables (Slurm,
-AWS Batch), before any launcher command is built. The command builders in launch.run read only this object.
+AWS Batch), before any launcher command is built. The command builders in launch.run take this object, not the flags.
 
     settings = LaunchSettings.from_args(build_parser().parse_args(own), extra)   # flags + $LAUNCH_* defaults
     settings = launch.slurm.resolve(settings, os.environ)                         # or launch.aws_batch.resolve
