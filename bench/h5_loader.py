@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bert_ref.data import IGNORE_INDEX, PretrainingData  # noqa: E402
 from bert_ref.prep.h5io import synthetic_arrays, write_shard  # noqa: E402
+from ds_core.cli import ArgumentParser, flag  # noqa: E402
 
 KEYS = ["input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels"]
 
@@ -95,17 +96,21 @@ def seek_times(data_dir: str, micro_batch: int, offsets: list[int], repeats: int
     return [min(times[o]) for o in offsets]
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=204800)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument(*flag("--seq_len"), type=int, default=128)
     ap.add_argument("--preds", type=int, default=20)
-    ap.add_argument("--micro-batch", type=int, default=64)
-    ap.add_argument("--ref-samples", type=int, default=32768, help="samples the (slow) reference iterates")
-    ap.add_argument("--seek-offsets", type=int, nargs=2, default=[1000, 150000])
-    ap.add_argument("--no-compression", action="store_true", help="write the shard without gzip")
+    ap.add_argument(*flag("--micro_batch"), type=int, default=64)
+    ap.add_argument(*flag("--ref_samples"), type=int, default=32768, help="samples the (slow) reference iterates")
+    ap.add_argument(*flag("--seek_offsets"), type=int, nargs=2, default=[1000, 150000])
+    ap.add_argument(*flag("--no_compression"), action="store_true", help="write the shard without gzip")
     ap.add_argument("--keep", default=None, help="write the shard into this directory and keep it")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    a = build_parser().parse_args(argv)
 
     tmp = None
     if a.keep:

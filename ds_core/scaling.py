@@ -1,13 +1,13 @@
 """Scaling-efficiency reporter: how well did throughput scale from the smallest run to N nodes.
 
 Reads only machine-readable outputs: the final ``{"type": "summary"}`` record of each run's ``metrics.jsonl``
-(written by ``ds_core.metrics`` through the loop), or a CSV of published numbers (``--from-table``, columns
+(written by ``ds_core.metrics`` through the loop), or a CSV of published numbers (``--from_table``, columns
 ``nodes,accelerators,throughput``). Runs are grouped by everything that changes what one sample costs (model,
 accelerator type, micro batch, sequence length, precision, ZeRO stage); groups are never merged or averaged, and
 every group after the first says how it differs.
 
     ds-scaling-report runs/n1 runs/n2 --format md --plot scaling.png
-    python -m ds_core.scaling --from-table published.csv --format json
+    python -m ds_core.scaling --from_table published.csv --format json
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from ds_core.cli import ArgumentParser, flag, run_cli
 
 # Keys that make two runs incomparable: a different value changes the work per sample or per accelerator.
 # grad_accum / global_batch are deliberately not here: they legitimately change in strong-scaling studies and are
@@ -180,7 +182,7 @@ def group_runs(runs: Sequence[Run], baseline_nodes: int | None = None) -> list:
         else:
             cands = [r for r in members if r.nodes == baseline_nodes]
             if not cands:
-                raise ScalingError(f"--baseline-nodes {baseline_nodes}: group {dict(zip(GROUP_KEYS, key))} has "
+                raise ScalingError(f"--baseline_nodes {baseline_nodes}: group {dict(zip(GROUP_KEYS, key))} has "
                                    f"runs at nodes {sorted({r.nodes for r in members})} only")
             base = cands[0]
         reason = ""
@@ -321,12 +323,12 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
 # ------------------------------------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-scaling-report", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="ds-scaling-report", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", help="run directories (containing metrics.jsonl) or metrics.jsonl files")
-    p.add_argument("--from-table", action="append", default=[], metavar="FILE.csv",
+    p.add_argument(*flag("--from_table"), action="append", default=[], metavar="FILE.csv",
                    help="CSV with columns nodes,accelerators,throughput (published or external numbers)")
-    p.add_argument("--baseline-nodes", type=int, default=None,
+    p.add_argument(*flag("--baseline_nodes"), type=int, default=None,
                    help="node count of the baseline run (default: the smallest run of each group)")
     p.add_argument("--format", choices=("md", "csv", "json"), default="md", help="output format (default md)")
     p.add_argument("--plot", metavar="FILE.png", help="write throughput and efficiency against accelerators")
@@ -334,18 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        runs = read_runs(args.runs)
-        for t in args.from_table:
-            runs += read_table(t)
-        if not runs:
-            raise ScalingError("nothing to report: give run directories, metrics.jsonl files or --from-table")
-        groups = group_runs(runs, args.baseline_nodes)
-    except (ScalingError, OSError) as e:
-        print(f"ds-scaling-report: error: {e}", file=sys.stderr)
-        return 2
+def _main(args: argparse.Namespace) -> int:
+    runs = read_runs(args.runs)
+    for t in args.from_table:
+        runs += read_table(t)
+    if not runs:
+        raise ScalingError("nothing to report: give run directories, metrics.jsonl files or --from_table")
+    groups = group_runs(runs, args.baseline_nodes)
     text = {"md": format_md, "csv": format_csv, "json": format_json}[args.format](groups)
     if args.out:
         Path(args.out).write_text(text + ("\n" if not text.endswith("\n") else ""), encoding="utf-8")
@@ -358,6 +355,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[ds-scaling-report] {len(groups)} groups of incomparable runs; see each group's reason",
               file=sys.stderr)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # OSError: a run directory, table or output path the user named
+    return run_cli(parser.prog, lambda: _main(args), (ScalingError, OSError))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ Per rank, bf16 mixed precision with Adam(W):
 Models: the presets' descriptions in ds_configs/models/ (written by the model packages, see MODEL_DIR) or any HF
 config.json.
 
-    ds-tune --model bert-1.5b --accelerator gaudi --accelerators-per-node 8 --nodes 8 --global-batch 4096
+    ds-tune --model bert-1.5b --accelerator gaudi --accelerators_per_node 8 --nodes 8 --global_batch 4096
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ from typing import Callable, Sequence
 
 from ds_core import accelerators
 from ds_core.config import DS_CONFIG_DIR
+from ds_core.cli import ArgumentParser, flag
+from ds_core.cli import error as cli_error
 
 GB = 1e9
 # cpu is not in ds_core.accelerators (no vendor figure): its "memory" is the machine's RAM shared by the node's ranks.
@@ -376,10 +378,10 @@ def search(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int,
     """Every (stage, micro batch, grad accumulation, checkpointing) with its estimate; feasible or not."""
     n = ranks_per_node * nodes
     if global_batch <= 0 or global_batch % n:
-        raise TuningError(f"--global-batch {global_batch} is not a positive multiple of {n} ranks "
+        raise TuningError(f"--global_batch {global_batch} is not a positive multiple of {n} ranks "
                           f"({nodes} nodes x {ranks_per_node}); train_batch_size = micro x accum x ranks")
     if checkpointing not in ("auto", "on", "off"):
-        raise TuningError(f"--activation-checkpointing {checkpointing!r}: expected auto, on or off")
+        raise TuningError(f"--activation_checkpointing {checkpointing!r}: expected auto, on or off")
     usable = capacity_bytes(accelerator, ranks_per_node) * USABLE_FRACTION
     ckpts = {"auto": (False, True), "on": (True,), "off": (False,)}[checkpointing]
     fused = accelerator != CPU
@@ -417,7 +419,7 @@ def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nod
     if checkpointing == "off":
         e = estimate(shape, 3, 1, ranks_per_node, nodes, checkpointing=True, fused_adam=fused)
         if e.total <= usable:
-            tips.append("turn on activation checkpointing (--activation-checkpointing on): ZeRO-3, micro batch 1 "
+            tips.append("turn on activation checkpointing (--activation_checkpointing on): ZeRO-3, micro batch 1 "
                         f"then needs {e.total / GB:.1f} GB of {usable / GB:.1f} GB")
     for more in range(nodes + 1, max(nodes * 64, 1024) + 1):
         e = estimate(shape, 3, 1, ranks_per_node, more, checkpointing=checkpointing != "off", fused_adam=fused)
@@ -472,19 +474,20 @@ def _table(options: Sequence[Option], best: Option | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="ds-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
                    help=f"{' | '.join(shipped_models())} (ds_configs/models/, written from the presets; also "
                         f"{', '.join(MODEL_ALIASES)}) | PATH_TO_HF_CONFIG.json")
     p.add_argument("--accelerator", required=True,
                    help=f"{' | '.join(a.name for a in accelerators.ACCELERATORS)} (ds_core.accelerators; aliases "
                         f"{', '.join(x for a in accelerators.ACCELERATORS for x in a.aliases)}) | {CPU}")
-    p.add_argument("--accelerators-per-node", type=int, default=8)
+    p.add_argument(*flag("--accelerators_per_node"), type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step (train_batch_size)")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the model's preset; "
-                                                         "BridgeTower: text tokens)")
-    p.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto")
+    p.add_argument(*flag("--global_batch"), type=int, required=True,
+                   help="sequences per optimizer step (train_batch_size)")
+    p.add_argument(*flag("--seq_len"), type=int, default=0,
+                   help="tokens per sequence (default: the model's preset; BridgeTower: text tokens)")
+    p.add_argument(*flag("--activation_checkpointing"), choices=("auto", "on", "off"), default="auto")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider (comma separated)")
     p.add_argument("--out", default="ds_config_tuned.json", help="where the recommended DeepSpeed JSON goes")
     p.add_argument("--all", action="store_true", help="also list configurations that do not fit")
@@ -495,18 +498,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    try:
-        if a.accelerators_per_node <= 0 or a.nodes <= 0:
-            raise TuningError("--accelerators-per-node and --nodes must be positive")
-        stages = tuple(int(s) for s in a.stages.split(","))
-        shape = model_shape(a.model, a.seq_len)
-        options = search(shape, a.accelerator, a.accelerators_per_node, a.nodes, a.global_batch,
+def _resolve(a: argparse.Namespace) -> tuple[ModelShape, list[Option]]:
+    if a.accelerators_per_node <= 0 or a.nodes <= 0:
+        raise TuningError("--accelerators_per_node and --nodes must be positive")
+    stages = tuple(int(s) for s in a.stages.split(","))
+    shape = model_shape(a.model, a.seq_len)
+    return shape, search(shape, a.accelerator, a.accelerators_per_node, a.nodes, a.global_batch,
                          a.activation_checkpointing, stages)
-    except (TuningError, ValueError) as e:
-        print(f"ds-tune: error: {e}", file=sys.stderr)
-        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        shape, options = _resolve(a)
+    except (TuningError, ValueError) as e:  # ValueError: --stages not numbers, a model config.json that is not one
+        return cli_error(parser.prog, e)  # only here: a ValueError further down is a bug and keeps its traceback
     seq = shape.towers[0].seq
     best = recommend(options, seq)
     shown = sorted((o for o in options if a.all or o.fits), key=lambda o: rank_key(o, seq))

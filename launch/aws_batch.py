@@ -20,8 +20,10 @@ import sys
 import time
 from typing import Mapping, Sequence
 
+from ds_core.cli import run_cli
 from launch import hostfile as hf
 from launch import run
+from launch.settings import LaunchSettings
 
 
 class RegistrationError(RuntimeError):
@@ -126,21 +128,22 @@ def register_with_main(info: dict, slots: int, port: int, timeout: float, node_a
     return reply["hostfile"], reply["master_addr"]
 
 
-def prepare(args, env: Mapping[str, str]) -> None:
+def resolve(settings: LaunchSettings, env: Mapping[str, str], register_port: int, register_timeout: float,
+            node_addr: str = "") -> LaunchSettings:
+    """The settings with hostfile / node_rank / master_addr / launcher (no_ssh) taken from the AWS Batch job (a new
+    object), after the main node gathered every child's address; writes this node's hostfile."""
     info = hf.aws_batch_info(env)
     if info["is_main"]:
-        hosts = gather_children(info, args.slots, args.register_port, args.register_timeout)
+        hosts = gather_children(info, settings.slots, register_port, register_timeout)
         master = hosts[info["main_index"]].name
     else:
-        text, master = register_with_main(info, args.slots, args.register_port, args.register_timeout,
-                                          args.node_addr)
+        text, master = register_with_main(info, settings.slots, register_port, register_timeout, node_addr)
         hosts = hf.parse_hostfile(text, "hostfile from the main node")
-    hf.write_hostfile(hosts, args.hostfile)
-    args.node_rank = info["index"]
-    args.master_addr = args.master_addr or master
-    args.launcher = "no_ssh"
-    print(f"aws_batch: node {info['index']} of {info['num_nodes']}, master {args.master_addr}, "
-          f"hostfile {args.hostfile}", flush=True)
+    hf.write_hostfile(hosts, settings.hostfile)
+    out = settings.replace(node_rank=info["index"], master_addr=settings.master_addr or master, launcher="no_ssh")
+    print(f"aws_batch: node {info['index']} of {info['num_nodes']}, master {out.master_addr}, "
+          f"hostfile {out.hostfile}", flush=True)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,16 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     own, extra = run.split_extra(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(own)
-    try:
-        prepare(args, os.environ)
-        return run.launch(args, extra)
-    except (RegistrationError, run.LaunchError, hf.HostfileError, run.envmod.EnvFileError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except OSError as e:
-        print(f"error: aws_batch: {e}", file=sys.stderr)
-        return 3
+    p = build_parser()
+    args = p.parse_args(own)
+
+    def body() -> int:
+        settings = resolve(LaunchSettings.from_args(args, extra), os.environ, args.register_port,
+                           args.register_timeout, args.node_addr)
+        return run.launch(settings)
+
+    # OSError: the registration socket (port taken, network unreachable)
+    return run_cli(p.prog, body, (RegistrationError, *run.LAUNCH_ERRORS, OSError))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from ds_core.cli import run_cli
+
 PROFILE_DIR = Path(__file__).resolve().parent / "env"
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Characters DeepSpeed's MultiNodeRunner.add_export leaves unquoted.
@@ -232,6 +234,40 @@ def write_merged(out: str | os.PathLike, entries: Mapping[str, str], replace: bo
     return write_env_file(p, merged), changed
 
 
+# ------------------------------------------------------------------------ what launch.run hands to the ranks
+def rank_env_additions(profile: str, cwd: str | os.PathLike | None = None,
+                       environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables the launch wrapper itself hands to the ranks (no_ssh, mpirun: DeepSpeed exports nothing there):
+    the profile, then the .deepspeed_env files, which win as they do when DeepSpeed exports them over pdsh."""
+    added = resolve_profile(profile, environ) if profile else {}
+    added.update(load_deepspeed_env(cwd))
+    return added
+
+
+def require_profile_in_deepspeed_env(profile: str, cwd: str | os.PathLike | None = None) -> None:
+    """pdsh/openmpi/mpich: DeepSpeed exports .deepspeed_env itself; make sure the file is readable by it and holds
+    the profile, so a node never starts without its fabric settings."""
+    present = load_deepspeed_env(cwd)  # validates the file even without a profile
+    if not profile:
+        return
+    ok, detail = compare_with_profile(profile_entries(profile), present)
+    if not ok:
+        raise EnvFileError(
+            f"profile {profile}: .deepspeed_env {detail}. DeepSpeed exports only that file to other nodes: "
+            f"run `python -m launch.env write --profile {profile}` here first (add --set NAME=VALUE for a "
+            "site value)")
+
+
+def mpirun_rank_env(profile: str, cwd: str | os.PathLike | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables `mpirun` passes to every rank (-x / -genv): rank_env_additions plus PYTHONPATH, which
+    DeepSpeed's runners forward (PYTHON* variables); so do we."""
+    out = rank_env_additions(profile, cwd, environ)
+    if environ.get("PYTHONPATH"):
+        out.setdefault("PYTHONPATH", environ["PYTHONPATH"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
 def default_out() -> Path:
     return Path.cwd() / os.environ.get("DS_ENV_FILE", ".deepspeed_env")
 
@@ -259,37 +295,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.cmd == "list":
-            for name in profile_names():
-                first = profile_path(name).read_text().splitlines()[0].lstrip("# ")
-                print(f"{name:10s} {first}")
-        elif args.cmd == "show":
-            sys.stdout.write(format_env(resolve_profile(args.profile)))
-        elif args.cmd == "write":
-            if not (args.profile or args.set or args.forward):
-                raise EnvFileError("nothing to write: give --profile, --set or --forward")
-            entries = build_entries(args.profile, args.set, args.forward)
-            path, changed = write_merged(args.out or default_out(), entries, args.replace)
-            for name, value in entries.items():
-                msg = plain_warning(name, value)
-                if msg:
-                    print(f"warning: {msg}", file=sys.stderr)
-            print(f"wrote {path}: {len(entries)} entries from "
-                  f"{'profile ' + args.profile if args.profile else 'arguments'}; changed: {', '.join(changed) or 'none'}")
-        else:
-            files = [Path(f) for f in args.files] or deepspeed_env_files()
-            if not files:
-                print("no .deepspeed_env file here or in $HOME")
-            for f in files:
-                n = len(read_env_file(f))
-                print(f"{f}: ok, {n} entries")
-    except EnvFileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _main(args: argparse.Namespace) -> int:
+    if args.cmd == "list":
+        for name in profile_names():
+            first = profile_path(name).read_text().splitlines()[0].lstrip("# ")
+            print(f"{name:10s} {first}")
+    elif args.cmd == "show":
+        sys.stdout.write(format_env(resolve_profile(args.profile)))
+    elif args.cmd == "write":
+        if not (args.profile or args.set or args.forward):
+            raise EnvFileError("nothing to write: give --profile, --set or --forward")
+        entries = build_entries(args.profile, args.set, args.forward)
+        path, changed = write_merged(args.out or default_out(), entries, args.replace)
+        for name, value in entries.items():
+            msg = plain_warning(name, value)
+            if msg:
+                print(f"warning: {msg}", file=sys.stderr)
+        print(f"wrote {path}: {len(entries)} entries from "
+              f"{'profile ' + args.profile if args.profile else 'arguments'}; changed: {', '.join(changed) or 'none'}")
+    else:
+        files = [Path(f) for f in args.files] or deepspeed_env_files()
+        if not files:
+            print("no .deepspeed_env file here or in $HOME")
+        for f in files:
+            n = len(read_env_file(f))
+            print(f"{f}: ok, {n} entries")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_cli(parser.prog, lambda: _main(args), (EnvFileError,))
 
 
 if __name__ == "__main__":

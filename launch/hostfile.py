@@ -3,10 +3,10 @@ an AWS Batch multi-node parallel job, or an MPI hostfile.
 
     python -m launch.hostfile build --hosts node1,node2 --slots 8 --out hostfile
     python -m launch.hostfile build --slurm --slots 8 --out hostfile        # SLURM_JOB_NODELIST
-    python -m launch.hostfile build --aws-batch --slots 8 --out hostfile    # AWS_BATCH_JOB_* variables
-    python -m launch.hostfile build --mpi-hostfile mpi_hosts --out hostfile
-    python -m launch.hostfile validate hostfile --equal-slots
-    python -m launch.hostfile expand-nodelist 'node[01-03,07],gpu-a[1-2]'
+    python -m launch.hostfile build --aws_batch --slots 8 --out hostfile    # AWS_BATCH_JOB_* variables
+    python -m launch.hostfile build --mpi_hostfile mpi_hosts --out hostfile
+    python -m launch.hostfile validate hostfile --equal_slots
+    python -m launch.hostfile expand_nodelist 'node[01-03,07],gpu-a[1-2]'
 
 Every problem is reported as `FILE line N: ...` and exits with status 2.
 """
@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
+
+from ds_core.cli import ArgumentParser, flag, run_cli
 
 # A host name is also used in pdsh's comma-separated -w list, in DeepSpeed's --include syntax (NAME:SLOTS) and as a
 # key of the base64 world info, so a colon, comma, '@', whitespace or shell metacharacter in it would be misread.
@@ -288,7 +290,7 @@ def hosts_from_mpi_hostfile(text: str, source: str, slots: int = 0) -> list[Host
 
 # ---------------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.hostfile", description=__doc__,
+    p = ArgumentParser(prog="python -m launch.hostfile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -297,71 +299,73 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--hosts", help="comma-separated host names; `name:N` gives one host its own slot count")
     src.add_argument("--slurm", action="store_true",
                      help="hosts from SLURM_JOB_NODELIST (compressed ranges such as node[01-03,07] are expanded)")
-    src.add_argument("--aws-batch", action="store_true",
+    src.add_argument(*flag("--aws_batch"), action="store_true",
                      help="hosts from an AWS Batch multi-node parallel job (AWS_BATCH_JOB_NUM_NODES, "
                           "AWS_BATCH_JOB_NODE_INDEX, AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS)")
-    src.add_argument("--mpi-hostfile", metavar="FILE",
+    src.add_argument(*flag("--mpi_hostfile"), metavar="FILE",
                      help="convert an OpenMPI (`host slots=N`) or MPICH (`host:N`) hostfile")
     b.add_argument("--slots", type=int, default=None,
                    help="slots (accelerators) per host where the source does not say; default $LAUNCH_SLOTS or 8. "
-                        "For --mpi-hostfile a value given here overrides the file's counts")
+                        "For --mpi_hostfile a value given here overrides the file's counts")
     b.add_argument("--nodelist", default="", help="with --slurm: use this node list instead of SLURM_JOB_NODELIST")
     b.add_argument("--addrs", default="",
-                   help="with --aws-batch: every node's private IP in node-index order (comma-separated); "
+                   help="with --aws_batch: every node's private IP in node-index order (comma-separated); "
                         "without it host names are placeholders fit only for --no_ssh launches")
-    b.add_argument("--equal-slots", action="store_true", help="fail unless every host has the same slots")
+    b.add_argument(*flag("--equal_slots"), action="store_true", help="fail unless every host has the same slots")
     b.add_argument("--out", default="hostfile", help="file to write (default: ./hostfile); '-' prints it")
 
     v = sub.add_parser("validate", help="check a DeepSpeed hostfile; exit 2 naming the bad line")
     v.add_argument("file", help="hostfile to check")
-    v.add_argument("--equal-slots", action="store_true",
+    v.add_argument(*flag("--equal_slots"), action="store_true",
                    help="require the same slots on every host (mpich/impi/slurm launchers, --no_ssh per node)")
     v.add_argument("--nodes", type=int, default=0, help="the run uses the first N hosts; fail if fewer (0: all)")
     v.add_argument("--slots", type=int, default=0, help="each used host must offer at least this many slots")
 
-    e = sub.add_parser("expand-nodelist", help="print a Slurm compressed node list one host per line")
+    e = sub.add_parser("expand_nodelist", aliases=["expand-nodelist"],
+                       help="print a Slurm compressed node list one host per line")
     e.add_argument("nodelist", help="e.g. 'node[01-03,07],gpu-a[1-2]'")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.cmd == "validate":
-            hosts = read_hostfile(args.file, equal_slots=args.equal_slots, nodes=args.nodes, slots=args.slots)
-            print(f"{args.file}: ok, {len(hosts)} hosts, {sum(h.slots for h in hosts)} slots")
-        elif args.cmd == "expand-nodelist":
-            print("\n".join(expand_nodelist(args.nodelist)))
+def _main(args: argparse.Namespace) -> int:
+    if args.cmd == "validate":
+        hosts = read_hostfile(args.file, equal_slots=args.equal_slots, nodes=args.nodes, slots=args.slots)
+        print(f"{args.file}: ok, {len(hosts)} hosts, {sum(h.slots for h in hosts)} slots")
+    elif args.cmd in ("expand_nodelist", "expand-nodelist"):
+        print("\n".join(expand_nodelist(args.nodelist)))
+    else:
+        explicit = args.slots is not None
+        if not explicit:
+            args.slots = int(os.environ.get("LAUNCH_SLOTS", "8"))
+        if args.slots <= 0:
+            raise HostfileError(f"--slots must be at least 1, got {args.slots}")
+        if args.hosts is not None:
+            hosts = hosts_from_names(args.hosts.split(","), args.slots, "--hosts item")
+        elif args.slurm:
+            hosts = hosts_from_slurm(os.environ, args.slots, args.nodelist)
+        elif args.aws_batch:
+            addrs = [a for a in args.addrs.split(",") if a]
+            hosts = hosts_from_aws_batch(os.environ, args.slots, addrs)
         else:
-            explicit = args.slots is not None
-            if not explicit:
-                args.slots = int(os.environ.get("LAUNCH_SLOTS", "8"))
-            if args.slots <= 0:
-                raise HostfileError(f"--slots must be at least 1, got {args.slots}")
-            if args.hosts is not None:
-                hosts = hosts_from_names(args.hosts.split(","), args.slots, "--hosts item")
-            elif args.slurm:
-                hosts = hosts_from_slurm(os.environ, args.slots, args.nodelist)
-            elif args.aws_batch:
-                addrs = [a for a in args.addrs.split(",") if a]
-                hosts = hosts_from_aws_batch(os.environ, args.slots, addrs)
-            else:
-                src = Path(args.mpi_hostfile)
-                try:
-                    text = src.read_text()
-                except OSError as e:
-                    raise HostfileError(f"{src}: cannot read MPI hostfile ({e.strerror})") from None
-                hosts = hosts_from_mpi_hostfile(text, str(src), args.slots if explicit else 0)
-            validate_hosts(hosts, "", equal_slots=args.equal_slots)
-            if args.out == "-":
-                sys.stdout.write(format_hostfile(hosts))
-            else:
-                write_hostfile(hosts, args.out)
-                print(f"wrote {args.out}: {len(hosts)} hosts, {sum(h.slots for h in hosts)} slots")
-    except HostfileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            src = Path(args.mpi_hostfile)
+            try:
+                text = src.read_text()
+            except OSError as e:
+                raise HostfileError(f"{src}: cannot read MPI hostfile ({e.strerror})") from None
+            hosts = hosts_from_mpi_hostfile(text, str(src), args.slots if explicit else 0)
+        validate_hosts(hosts, "", equal_slots=args.equal_slots)
+        if args.out == "-":
+            sys.stdout.write(format_hostfile(hosts))
+        else:
+            write_hostfile(hosts, args.out)
+            print(f"wrote {args.out}: {len(hosts)} hosts, {sum(h.slots for h in hosts)} slots")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_cli(parser.prog, lambda: _main(args), (HostfileError,))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,11 @@ Every rank runs under launch.guard (see there): a frozen rank is killed after th
 --stall_grace_s, so every node's launcher ends; under MPI the rendezvous comes from mpi4py, not DeepSpeed's
 mpi_discovery. Arguments after `--` go to the training module unchanged. Every process gets its arguments as an
 argument list; nothing is pasted into a shell command line.
+
+How: the flags (launch.settings.add_run_arguments) become one launch.settings.LaunchSettings, resolved once
+(launch.slurm and launch.aws_batch fill in hostfile, node rank and master from their cluster's variables); its
+hostfile is read and checked; then one small builder per launcher (BUILDERS) turns it into the command. What the
+ranks' environment gets (profile, .deepspeed_env) comes from launch.env.
 """
 from __future__ import annotations
 
@@ -33,79 +38,18 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
+from ds_core.cli import run_cli
 from launch import env as envmod
 from launch import hostfile as hf
 from launch import preflight
+# the settings and their flags live in launch.settings; these names stay importable from here
+from launch.settings import (DEFAULT_DIST_TIMEOUT_S, DEFAULT_MASTER_PORT, EQUAL_SLOTS, LAUNCHERS,  # noqa: F401
+                             MPI_LAUNCHERS, LaunchError, LaunchSettings, add_run_arguments)
 
-LAUNCHERS = ("pdsh", "no_ssh", "openmpi", "mpich", "mpirun", "srun")
-MPI_LAUNCHERS = ("openmpi", "mpich", "mpirun")
-DEFAULT_MASTER_PORT = 29500  # DeepSpeed's and torch's default
-# ds_core.config.TrainConfig.dist_timeout_s's default (a test keeps them equal; importing it here would pull in torch,
-# and the wrappers must start fast on a login node)
-DEFAULT_DIST_TIMEOUT_S = 1800
-# launchers that start the same number of ranks on every node
-EQUAL_SLOTS = {"mpich", "mpirun", "srun"}
-
-
-class LaunchError(RuntimeError):
-    """A setting or file that makes the launch impossible; the message names it."""
-
-
-def _env_default(name: str, default: str) -> str:
-    return os.environ.get(name, default)
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("run settings (each defaults to the environment variable named in its help)")
-    g.add_argument("--launcher", choices=LAUNCHERS, default=_env_default("LAUNCH_LAUNCHER", "pdsh"),
-                   help="how ranks are started (see above); $LAUNCH_LAUNCHER, default pdsh")
-    g.add_argument("--hostfile", default=_env_default("LAUNCH_HOSTFILE", "hostfile"),
-                   help="DeepSpeed hostfile (`host slots=N` lines); $LAUNCH_HOSTFILE, default ./hostfile")
-    g.add_argument("--nodes", type=int, default=int(_env_default("LAUNCH_NODES", "0")),
-                   help="use the first N hosts of the hostfile (0: all); $LAUNCH_NODES, default 0")
-    g.add_argument("--profile", default=_env_default("LAUNCH_PROFILE", ""),
-                   help="fabric env profile from launch/env/ (" + ", ".join(envmod.profile_names()) +
-                        "); pdsh/openmpi/mpich: must already be in .deepspeed_env (python -m launch.env write); "
-                        "no_ssh/mpirun: passed to the ranks by this wrapper; $LAUNCH_PROFILE, default none")
-    g.add_argument("--module", default=_env_default("LAUNCH_MODULE", "bert_ref.train"),
-                   help="training module run as `python -m MODULE` on every rank; $LAUNCH_MODULE, "
-                        "default bert_ref.train")
-    g.add_argument("--preset", default=_env_default("LAUNCH_PRESET", ""),
-                   help="passed as `--preset NAME` to the module (e.g. debug, bert_large); $LAUNCH_PRESET, "
-                        "default none (the module's default)")
-    g.add_argument("--deepspeed_config", default=_env_default("LAUNCH_DS_CONFIG", ""),
-                   help="DeepSpeed JSON passed as `--deepspeed_config` to the module; $LAUNCH_DS_CONFIG, "
-                        "default none: the module uses its own default (each model package declares one)")
-    g.add_argument("--master_addr", default=_env_default("MASTER_ADDR", ""),
-                   help="address of node 0 that every rank can reach; required for no_ssh; pdsh asks the first "
-                        "host over ssh (`hostname -I`) when empty, openmpi/mpich/mpirun use rank 0's address "
-                        "(broadcast through mpi4py by launch.guard), srun the first host's name; $MASTER_ADDR")
-    g.add_argument("--master_port", type=int, default=int(_env_default("MASTER_PORT", "0")),
-                   help="TCP port on node 0 for the rendezvous; $MASTER_PORT; default (0): 29500, except under MPI "
-                        "(openmpi, mpich, mpirun) where rank 0 picks a free port and broadcasts it. Where node 0 is "
-                        "this machine, a port already in use is refused before anything starts")
-    g.add_argument("--node_rank", type=int, default=int(_env_default("LAUNCH_NODE_RANK", "-1")),
-                   help="no_ssh: this node's index in the hostfile (0 = the master_addr node); $LAUNCH_NODE_RANK")
-    g.add_argument("--dist_timeout_s", type=int, default=int(_env_default("LAUNCH_DIST_TIMEOUT_S", "0")),
-                   help="collective timeout passed to the module as --dist_timeout_s (0: the module's own, "
-                        f"{DEFAULT_DIST_TIMEOUT_S} s unless given after --); $LAUNCH_DIST_TIMEOUT_S")
-    g.add_argument("--stall_grace_s", type=int, default=int(_env_default("LAUNCH_STALL_GRACE_S", "60")),
-                   help="a rank silent (stopped, frozen) for the collective timeout plus this many seconds is "
-                        "killed by launch.guard, so every node's launcher exits non-zero; 0 disables the guard's "
-                        "kill; $LAUNCH_STALL_GRACE_S, default 60")
-    g.add_argument("--launcher_arg", action="append", default=[], metavar="ARG",
-                   help="one extra argument for the underlying launcher (mpirun / srun / DeepSpeed's "
-                        "--launcher_args for openmpi/mpich); repeat for several; write --launcher_arg=-x for one that "
-                        "starts with '-'")
-    g.add_argument("--mpi_flavor", choices=("auto", "mpich", "openmpi"), default="auto",
-                   help="mpirun launcher: which MPI's flags to use (auto: ask `mpirun --version`); the ranks' mpi4py "
-                        "loads the library of the mpirun on PATH")
-    g.add_argument("--slots", type=int, default=int(_env_default("LAUNCH_SLOTS", "8")),
-                   help="srun: accelerators per node for the hostfile launch.slurm builds; $LAUNCH_SLOTS, default 8")
-    g.add_argument("--dry_run", action="store_true",
-                   help="print the command (JSON, one argument per line) and the variables added, then exit")
+# what a launch can fail on with a message for the user (exit status 2, ds_core.cli)
+LAUNCH_ERRORS: tuple[type[BaseException], ...] = (LaunchError, hf.HostfileError, envmod.EnvFileError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,28 +114,6 @@ def guard_args(args, extra: Sequence[str], mpi: dict | None = None) -> list[str]
         if mpi.get("libmpi"):
             out += ["--mpi_lib", mpi["libmpi"]]
     return out + [args.module]
-
-
-def rank_env_additions(args, cwd: str | None = None) -> dict[str, str]:
-    """Variables this wrapper itself hands to the ranks (no_ssh, mpirun): profile, then .deepspeed_env files,
-    which win as they do when DeepSpeed exports them over pdsh."""
-    added = envmod.resolve_profile(args.profile) if args.profile else {}
-    added.update(envmod.load_deepspeed_env(cwd))
-    return added
-
-
-def check_deepspeed_env_has_profile(args, cwd: str | None = None) -> None:
-    """pdsh/openmpi/mpich: DeepSpeed exports .deepspeed_env itself; make sure the file is readable by it and holds
-    the profile, so a node never starts without its fabric settings."""
-    present = envmod.load_deepspeed_env(cwd)  # validates the file even without a profile
-    if not args.profile:
-        return
-    ok, detail = envmod.compare_with_profile(envmod.profile_entries(args.profile), present)
-    if not ok:
-        raise LaunchError(
-            f"profile {args.profile}: .deepspeed_env {detail}. DeepSpeed exports only that file to other nodes: "
-            f"run `python -m launch.env write --profile {args.profile}` here first (add --set NAME=VALUE for a "
-            "site value)")
 
 
 def check_master_port(host: str, port: int) -> None:
@@ -260,110 +182,140 @@ def mpi_setup(args, environ: Mapping[str, str]) -> dict:
     return {"mpirun": mpirun, "flavor": found, "libmpi": libmpi_of(found, mpirun)}
 
 
-def build_command(args, extra: Sequence[str], environ: Mapping[str, str] | None = None,
-                  cwd: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """(argv, variables to add to the launcher's environment) for the chosen launcher."""
-    environ = os.environ if environ is None else environ
-    equal = args.launcher in EQUAL_SLOTS
-    hosts: list[hf.Host] = []
-    if args.launcher != "srun":
-        # our parser first: DeepSpeed's own (runner._parse_hostfile) accepts `node2;touch x slots=1` and slots=0
-        hosts = hf.read_hostfile(args.hostfile, equal_slots=equal, nodes=args.nodes)
-    used = hosts[:args.nodes] if args.nodes else hosts
-    port_value = args.master_port or DEFAULT_MASTER_PORT
-    port = ["--master_port", str(port_value)]
-    addr = ["--master_addr", args.master_addr] if args.master_addr else []
-    nodes = ["--num_nodes", str(args.nodes)] if args.nodes else []
-    guarded = ["--module", "launch.guard", *guard_args(args, extra), *train_args(args, extra)]
-    added: dict[str, str] = {}
-    check_port = not args.dry_run
-
-    if args.launcher == "pdsh":
-        check_deepspeed_env_has_profile(args, cwd)
-        if check_port:
-            check_master_port(args.master_addr or used[0].name, port_value)
-        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, *port, *addr, *nodes, *guarded]
-    elif args.launcher == "no_ssh":
-        if not args.master_addr:
-            raise LaunchError("no_ssh: --master_addr (or $MASTER_ADDR) is required: nodes cannot ask each other")
-        if not 0 <= args.node_rank < len(used):
-            raise LaunchError(f"no_ssh: --node_rank {args.node_rank} is outside 0..{len(used) - 1} "
-                              f"({len(used)} hosts in {args.hostfile})")
-        if check_port and args.node_rank == 0:  # node 0 serves the port; on other nodes it is node 0's own store
-            check_master_port(args.master_addr, port_value)
-        added = rank_env_additions(args, cwd)
-        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, "--no_ssh", "--node_rank", str(args.node_rank),
-                                 *addr, *port, *nodes, *guarded]
-    elif args.launcher in ("openmpi", "mpich"):
-        if args.nodes and args.nodes != len(hosts):
-            raise LaunchError(f"{args.launcher}: DeepSpeed's MPI backends cannot limit nodes; write a hostfile with "
-                              f"{args.nodes} hosts instead of --nodes")
-        check_deepspeed_env_has_profile(args, cwd)
-        mpi = mpi_setup(args, environ)
-        if check_port and args.master_port:
-            check_master_port(args.master_addr or used[0].name, args.master_port)
-        # DeepSpeed shlex-splits --launcher_args; shlex.join is its exact inverse, so each ARG stays one argument.
-        # One `--launcher_args=VALUE` token: as two tokens, a VALUE starting with '-' (--allow-run-as-root) is taken
-        # by DeepSpeed's argparse for an option ("argument --launcher_args: expected one argument").
-        largs = [f"--launcher_args={shlex.join(args.launcher_arg)}"] if args.launcher_arg else []
-        # DeepSpeed's MPI runners use --master_addr only for their own variables (launch.guard replaces them);
-        # naming the first host spares runner.main its `ssh HOST hostname -I`, which an MPI cluster need not allow
-        ds_addr = ["--master_addr", args.master_addr or used[0].name]
-        rank = [*guard_args(args, extra, mpi), *train_args(args, extra)]
-        if args.launcher == "mpich":
-            # DeepSpeed's MPICHRunner.get_cmd puts `-m` before the path of its launcher_helper.py when --module is
-            # given (`No module named '/.../launcher_helper.py'`): run the guard by file path, without --module
-            user = [str(Path(__file__).resolve().with_name("guard.py")), *rank]
-        else:
-            user = ["--module", "launch.guard", *rank]
-        cmd = deepspeed_cmd() + ["--hostfile", args.hostfile, "--launcher", args.launcher, *largs, *port, *ds_addr,
-                                 *user]
-    elif args.launcher == "mpirun":
-        mpi = mpi_setup(args, environ)
-        if check_port and args.master_port:
-            check_master_port(args.master_addr or used[0].name, args.master_port)
-        ranks_env = rank_env_additions(args, cwd)
-        if environ.get("PYTHONPATH"):  # DeepSpeed's runners forward PYTHON* variables; so do we
-            ranks_env.setdefault("PYTHONPATH", environ["PYTHONPATH"])
-        total, per_node = sum(h.slots for h in used), used[0].slots
-        py = [sys.executable, "-u", "-m", "launch.guard", *guard_args(args, extra, mpi), *train_args(args, extra)]
-        if mpi["flavor"] == "openmpi":
-            cmd = [mpi["mpirun"] or "mpirun", "-n", str(total), "-H", ",".join(f"{h.name}:{h.slots}" for h in used),
-                   "--map-by", f"ppr:{per_node}:node", *args.launcher_arg]
-            for k, v in ranks_env.items():
-                cmd += ["-x", f"{k}={v}"]
-        else:
-            cmd = [mpi["mpirun"] or "mpirun", "-n", str(total), "-ppn", str(per_node), "-hosts",
-                   ",".join(h.name for h in used), *args.launcher_arg]
-            for k, v in ranks_env.items():
-                cmd += ["-genv", k, v]
-        cmd += py
-    else:  # srun
-        if "SLURM_JOB_ID" not in environ and not args.dry_run:
-            raise LaunchError("srun: not inside a Slurm allocation (SLURM_JOB_ID unset); use sbatch/salloc")
-        node_flags = ["--nodes", str(args.nodes)] if args.nodes else []
-        forwarded = ["--profile", args.profile] if args.profile else []
-        forwarded += ["--module", args.module, "--preset", args.preset,
-                      *(["--deepspeed_config", args.deepspeed_config] if args.deepspeed_config else []),
-                      "--master_port", str(port_value), "--slots", str(args.slots),
-                      "--dist_timeout_s", str(args.dist_timeout_s), "--stall_grace_s", str(args.stall_grace_s)]
-        if args.master_addr:
-            forwarded += ["--master_addr", args.master_addr]
-        cmd = ["srun", *node_flags, "--ntasks-per-node=1", "--kill-on-bad-exit=1", *args.launcher_arg,
-               sys.executable, "-u", "-m", "launch.slurm", *forwarded, "--", *extra]
-    return cmd, added
+# ------------------------------------------------------------------------------- one builder per launcher
+# Each takes the resolved settings (hosts read: LaunchSettings.with_hosts) and returns (argv, variables to add to
+# the launcher's environment). Checks run in the order a user fixes them: settings, env files, ports.
+Built = tuple[list[str], dict[str, str]]
 
 
-def launch(args, extra: Sequence[str]) -> int:
-    cmd, added = build_command(args, extra)
-    if args.dry_run:
+def _guarded(s: LaunchSettings) -> list[str]:
+    """DeepSpeed's user-script part: launch.guard as a module, wrapping the training module."""
+    return ["--module", "launch.guard", *guard_args(s, s.module_args), *train_args(s, s.module_args)]
+
+
+def _nodes_flag(s: LaunchSettings) -> list[str]:
+    return ["--num_nodes", str(s.nodes)] if s.nodes else []
+
+
+def _addr_flag(s: LaunchSettings) -> list[str]:
+    return ["--master_addr", s.master_addr] if s.master_addr else []
+
+
+def build_pdsh(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
+    """`deepspeed --hostfile H` on the first node; DeepSpeed reaches the others over pdsh with .deepspeed_env."""
+    envmod.require_profile_in_deepspeed_env(s.profile, cwd)
+    if not s.dry_run:
+        check_master_port(s.master_addr or s.used_hosts[0].name, s.port)
+    return deepspeed_cmd() + ["--hostfile", s.hostfile, "--master_port", str(s.port), *_addr_flag(s),
+                              *_nodes_flag(s), *_guarded(s)], {}
+
+
+def build_no_ssh(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
+    """One DeepSpeed launcher per node; DeepSpeed does not read .deepspeed_env here, so its entries and the profile
+    go into the launcher's environment."""
+    used = s.used_hosts
+    if not s.master_addr:
+        raise LaunchError("no_ssh: --master_addr (or $MASTER_ADDR) is required: nodes cannot ask each other")
+    if not 0 <= s.node_rank < len(used):
+        raise LaunchError(f"no_ssh: --node_rank {s.node_rank} is outside 0..{len(used) - 1} "
+                          f"({len(used)} hosts in {s.hostfile})")
+    if not s.dry_run and s.node_rank == 0:  # node 0 serves the port; on other nodes it is node 0's own store
+        check_master_port(s.master_addr, s.port)
+    added = envmod.rank_env_additions(s.profile, cwd, environ)
+    return deepspeed_cmd() + ["--hostfile", s.hostfile, "--no_ssh", "--node_rank", str(s.node_rank), *_addr_flag(s),
+                              "--master_port", str(s.port), *_nodes_flag(s), *_guarded(s)], added
+
+
+def build_deepspeed_mpi(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
+    """`deepspeed --launcher openmpi|mpich`: DeepSpeed builds the mpirun command."""
+    if s.nodes and s.nodes != len(s.hosts):
+        raise LaunchError(f"{s.launcher}: DeepSpeed's MPI backends cannot limit nodes; write a hostfile with "
+                          f"{s.nodes} hosts instead of --nodes")
+    envmod.require_profile_in_deepspeed_env(s.profile, cwd)
+    mpi = mpi_setup(s, environ)
+    if not s.dry_run and s.master_port:
+        check_master_port(s.master_addr or s.used_hosts[0].name, s.master_port)
+    # DeepSpeed shlex-splits --launcher_args; shlex.join is its exact inverse, so each ARG stays one argument.
+    # One `--launcher_args=VALUE` token: as two tokens, a VALUE starting with '-' (--allow-run-as-root) is taken
+    # by DeepSpeed's argparse for an option ("argument --launcher_args: expected one argument").
+    largs = [f"--launcher_args={shlex.join(s.launcher_arg)}"] if s.launcher_arg else []
+    # DeepSpeed's MPI runners use --master_addr only for their own variables (launch.guard replaces them);
+    # naming the first host spares runner.main its `ssh HOST hostname -I`, which an MPI cluster need not allow
+    ds_addr = ["--master_addr", s.master_addr or s.used_hosts[0].name]
+    rank = [*guard_args(s, s.module_args, mpi), *train_args(s, s.module_args)]
+    if s.launcher == "mpich":
+        # DeepSpeed's MPICHRunner.get_cmd puts `-m` before the path of its launcher_helper.py when --module is
+        # given (`No module named '/.../launcher_helper.py'`): run the guard by file path, without --module
+        user = [str(Path(__file__).resolve().with_name("guard.py")), *rank]
+    else:
+        user = ["--module", "launch.guard", *rank]
+    return deepspeed_cmd() + ["--hostfile", s.hostfile, "--launcher", s.launcher, *largs,
+                              "--master_port", str(s.port), *ds_addr, *user], {}
+
+
+def build_mpirun(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
+    """mpirun (MPICH/Hydra or Open MPI) starts every rank; ranks find each other through mpi4py (launch.guard)."""
+    mpi = mpi_setup(s, environ)
+    used = s.used_hosts
+    if not s.dry_run and s.master_port:
+        check_master_port(s.master_addr or used[0].name, s.master_port)
+    ranks_env = envmod.mpirun_rank_env(s.profile, cwd, environ)
+    total, per_node = sum(h.slots for h in used), used[0].slots
+    py = [sys.executable, "-u", "-m", "launch.guard", *guard_args(s, s.module_args, mpi),
+          *train_args(s, s.module_args)]
+    if mpi["flavor"] == "openmpi":
+        cmd = [mpi["mpirun"] or "mpirun", "-n", str(total), "-H", ",".join(f"{h.name}:{h.slots}" for h in used),
+               "--map-by", f"ppr:{per_node}:node", *s.launcher_arg]
+        for k, v in ranks_env.items():
+            cmd += ["-x", f"{k}={v}"]
+    else:
+        cmd = [mpi["mpirun"] or "mpirun", "-n", str(total), "-ppn", str(per_node), "-hosts",
+               ",".join(h.name for h in used), *s.launcher_arg]
+        for k, v in ranks_env.items():
+            cmd += ["-genv", k, v]
+    return cmd + py, {}
+
+
+def build_srun(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
+    """Inside a Slurm allocation: one launch.slurm per node, which resolves its node's settings there."""
+    if "SLURM_JOB_ID" not in environ and not s.dry_run:
+        raise LaunchError("srun: not inside a Slurm allocation (SLURM_JOB_ID unset); use sbatch/salloc")
+    node_flags = ["--nodes", str(s.nodes)] if s.nodes else []
+    forwarded = ["--profile", s.profile] if s.profile else []
+    forwarded += ["--module", s.module, "--preset", s.preset,
+                  *(["--deepspeed_config", s.deepspeed_config] if s.deepspeed_config else []),
+                  "--master_port", str(s.port), "--slots", str(s.slots),
+                  "--dist_timeout_s", str(s.dist_timeout_s), "--stall_grace_s", str(s.stall_grace_s)]
+    forwarded += _addr_flag(s)
+    return ["srun", *node_flags, "--ntasks-per-node=1", "--kill-on-bad-exit=1", *s.launcher_arg,
+            sys.executable, "-u", "-m", "launch.slurm", *forwarded, "--", *s.module_args], {}
+
+
+BUILDERS: dict[str, Callable[[LaunchSettings, Mapping[str, str], str | None], Built]] = {
+    "pdsh": build_pdsh, "no_ssh": build_no_ssh, "openmpi": build_deepspeed_mpi, "mpich": build_deepspeed_mpi,
+    "mpirun": build_mpirun, "srun": build_srun}
+
+
+def build_command(s: LaunchSettings, environ: Mapping[str, str] | None = None, cwd: str | None = None) -> Built:
+    """(argv, variables to add to the launcher's environment) for the settings' launcher; the hosts must have been
+    read (LaunchSettings.with_hosts) for every launcher but srun."""
+    if s.launcher != "srun" and not s.hosts:
+        raise LaunchError(f"{s.launcher}: no hosts resolved from {s.hostfile} (call LaunchSettings.with_hosts)")
+    return BUILDERS[s.launcher](s, os.environ if environ is None else environ, cwd)
+
+
+def launch(s: LaunchSettings) -> int:
+    """Read the hosts, build the command, and print it (dry run) or exec it."""
+    s = s.with_hosts()
+    cmd, added = build_command(s)
+    if s.dry_run:
         print(json.dumps({"argv": cmd, "env_added": added}, indent=1))
         return 0
     env = dict(os.environ)
     env.update(added)
     exe = cmd[0] if os.path.sep in cmd[0] else shutil.which(cmd[0])
     if not exe:
-        raise LaunchError(f"{args.launcher}: {cmd[0]} not found on PATH")
+        raise LaunchError(f"{s.launcher}: {cmd[0]} not found on PATH")
     sys.stdout.flush()
     sys.stderr.flush()
     # exec: the launcher takes this process's place, so signals (and kill) reach it directly
@@ -373,12 +325,9 @@ def launch(args, extra: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     own, extra = split_extra(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(own)
-    try:
-        return launch(args, extra)
-    except (LaunchError, hf.HostfileError, envmod.EnvFileError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(own)
+    return run_cli(parser.prog, lambda: launch(LaunchSettings.from_args(args, extra)), LAUNCH_ERRORS)
 
 
 if __name__ == "__main__":

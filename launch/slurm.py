@@ -13,8 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ds_core.cli import run_cli
 from launch import hostfile as hf
 from launch import run
+from launch.settings import LaunchError, LaunchSettings
 
 
 def slots_from_env(env: Mapping[str, str], default: int) -> int:
@@ -23,21 +25,20 @@ def slots_from_env(env: Mapping[str, str], default: int) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else default
 
 
-def prepare(args, env: Mapping[str, str], hostfile_given: bool = False) -> None:
-    """Fill hostfile / node_rank / master_addr / launcher from the Slurm environment."""
+def resolve(settings: LaunchSettings, env: Mapping[str, str], hostfile_given: bool = False) -> LaunchSettings:
+    """The settings with hostfile / node_rank / master_addr / launcher taken from the Slurm environment (a new
+    object); writes this node's hostfile."""
     node_id = env.get("SLURM_NODEID", "")
     if not node_id.isdigit():
-        raise run.LaunchError("launch.slurm: SLURM_NODEID is not set; start it with "
-                              "`srun --ntasks-per-node=1 python -m launch.slurm ...` inside an allocation")
-    hosts = hf.hosts_from_slurm(env, slots_from_env(env, args.slots))
+        raise LaunchError("launch.slurm: SLURM_NODEID is not set; start it with "
+                          "`srun --ntasks-per-node=1 python -m launch.slurm ...` inside an allocation")
+    hosts = hf.hosts_from_slurm(env, slots_from_env(env, settings.slots))
     # default: a node-local file, so nodes sharing a working directory never write the same path
-    path = Path(args.hostfile) if hostfile_given else \
+    path = Path(settings.hostfile) if hostfile_given else \
         Path(tempfile.gettempdir()) / f"ds_hostfile_{env.get('SLURM_JOB_ID', 'nojob')}_{socket.gethostname()}"
     hf.write_hostfile(hosts, path)  # every node writes identical contents
-    args.hostfile = str(path)
-    args.node_rank = int(node_id)
-    args.master_addr = args.master_addr or hosts[0].name
-    args.launcher = "no_ssh"
+    return settings.replace(hostfile=str(path), node_rank=int(node_id),
+                            master_addr=settings.master_addr or hosts[0].name, launcher="no_ssh")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,12 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, extra = run.split_extra(sys.argv[1:] if argv is None else argv)
     p = build_parser()
     args = p.parse_args(own)
-    try:
-        prepare(args, os.environ, hostfile_given=args.hostfile != p.get_default("hostfile"))
-        return run.launch(args, extra)
-    except (run.LaunchError, hf.HostfileError, run.envmod.EnvFileError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    given = args.hostfile != p.get_default("hostfile")
+    return run_cli(p.prog, lambda: run.launch(resolve(LaunchSettings.from_args(args, extra), os.environ, given)),
+                   run.LAUNCH_ERRORS)
 
 
 if __name__ == "__main__":

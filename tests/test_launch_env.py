@@ -133,3 +133,22 @@ def test_accepted_values_survive_deepspeeds_pdsh_export_literally(tmp_path):
     out = subprocess.run(["bash", "-c", script], cwd=tmp_path, stdout=subprocess.PIPE, timeout=30).stdout
     assert out.decode().split("\0")[:-1] == list(values.values()) == list(read_back.values())
     assert not marker.exists()
+
+
+def test_rank_env_helpers(tmp_path, monkeypatch):
+    """What launch.run hands to the ranks: the profile, then .deepspeed_env (which wins, as over pdsh); mpirun adds
+    PYTHONPATH; pdsh/openmpi/mpich only check that the file holds the profile."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DS_ENV_FILE", raising=False)
+    (tmp_path / ".deepspeed_env").write_text("GLOO_SOCKET_IFNAME=eth9\nFOO=1\n")
+    added = envmod.rank_env_additions("tcp", tmp_path, {})
+    assert added["GLOO_SOCKET_IFNAME"] == "eth9" and added["DS_ACCELERATOR"] == "cpu" and added["FOO"] == "1"
+    assert envmod.rank_env_additions("", tmp_path, {}) == {"GLOO_SOCKET_IFNAME": "eth9", "FOO": "1"}
+    ranks = envmod.mpirun_rank_env("tcp", tmp_path, {"PYTHONPATH": "/src"})
+    assert ranks["PYTHONPATH"] == "/src" and "PYTHONPATH" not in envmod.mpirun_rank_env("tcp", tmp_path, {})
+    with pytest.raises(envmod.EnvFileError, match="profile efa: .deepspeed_env missing HCCL_OVER_OFI"):
+        envmod.require_profile_in_deepspeed_env("efa", tmp_path)
+    envmod.require_profile_in_deepspeed_env("", tmp_path)
+    (tmp_path / ".deepspeed_env").write_text("# a comment\n")
+    with pytest.raises(envmod.EnvFileError, match="comment line"):  # checked even without a profile
+        envmod.require_profile_in_deepspeed_env("", tmp_path)

@@ -1,11 +1,13 @@
 r"""`python -m bert_ref.prep` / `bert-prep`: raw text -> text shards -> vocab -> h5 shards -> check.
 
-    bert-prep text   --input RAW --output WORK/text --num-shards 64 --workers 8
-    bert-prep vocab  --input WORK/text --output WORK/vocab.txt --vocab-size 30522        (or --vocab-file vocab.txt)
-    bert-prep shards --input WORK/text --vocab WORK/vocab.txt --output WORK/h5_seq128 --max-seq-length 128 \
-                     --max-predictions-per-seq 20 --workers 8
+    bert-prep text   --input RAW --output WORK/text --num_shards 64 --workers 8
+    bert-prep vocab  --input WORK/text --output WORK/vocab.txt --vocab_size 30522        (or --vocab_file vocab.txt)
+    bert-prep shards --input WORK/text --vocab WORK/vocab.txt --output WORK/h5_seq128 --max_seq_length 128 \
+                     --max_predictions_per_seq 20 --workers 8
     bert-prep check  WORK/h5_seq128
     bert-prep all    --input RAW --output WORK ...          (the four stages chained; finished outputs are skipped)
+
+Flags take underscores (`--max_seq_length`); the dashed spellings of earlier versions are accepted too.
 """
 from __future__ import annotations
 
@@ -14,28 +16,29 @@ import sys
 from pathlib import Path
 
 from bert_ref.prep.text import FORMATS, PrepError, TextParams
+from ds_core.cli import ArgumentParser, flag, run_cli
 
 
 def _add_text(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("text")
     g.add_argument("--format", choices=FORMATS, default="auto",
                    help="input kind: plain text files, wikiextractor output, HF dataset (save_to_disk); auto detects")
-    g.add_argument("--num-shards", type=int, default=4, help="number of balanced text shards")
-    g.add_argument("--one-doc-per-line", action="store_true",
+    g.add_argument(*flag("--num_shards"), type=int, default=4, help="number of balanced text shards")
+    g.add_argument(*flag("--one_doc_per_line"), action="store_true",
                    help="plain text: each non-empty line is a document (default: blank lines separate documents)")
-    g.add_argument("--text-column", default="text", help="HF dataset: column holding the text")
-    g.add_argument("--hf-split", default="train", help="HF DatasetDict: split to read")
+    g.add_argument(*flag("--text_column"), default="text", help="HF dataset: column holding the text")
+    g.add_argument(*flag("--hf_split"), default="train", help="HF DatasetDict: split to read")
     g.add_argument("--segmenter", choices=("pysbd", "lines"), default="pysbd",
                    help="pysbd sentence segmentation, or 'lines' when every input line is already a sentence")
     g.add_argument("--language", default="en", help="pysbd language code")
-    g.add_argument("--min-sentences", type=int, default=1, help="drop documents with fewer sentences")
+    g.add_argument(*flag("--min_sentences"), type=int, default=1, help="drop documents with fewer sentences")
 
 
 def _add_vocab(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vocab")
-    g.add_argument("--vocab-file", default=None, help="use this existing BERT vocab.txt instead of training one")
-    g.add_argument("--vocab-size", type=int, default=30522, help="WordPiece vocab size to train")
-    g.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency when training")
+    g.add_argument(*flag("--vocab_file"), default=None, help="use this existing BERT vocab.txt instead of training one")
+    g.add_argument(*flag("--vocab_size"), type=int, default=30522, help="WordPiece vocab size to train")
+    g.add_argument(*flag("--min_frequency"), type=int, default=2, help="minimum pair frequency when training")
 
 
 def _add_case(p: argparse.ArgumentParser) -> None:
@@ -46,25 +49,26 @@ def _add_case(p: argparse.ArgumentParser) -> None:
 
 def _add_shards(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("shards")
-    g.add_argument("--max-seq-length", type=int, default=128, help="128 for phase 1, 512 for phase 2")
-    g.add_argument("--max-predictions-per-seq", type=int, default=20, help="20 for phase 1, 80 for phase 2")
-    g.add_argument("--masked-lm-prob", type=float, default=0.15)
-    g.add_argument("--short-seq-prob", type=float, default=0.1)
-    g.add_argument("--dupe-factor", type=int, default=5, help="times each document is used, with different masks")
-    g.add_argument("--whole-word-mask", action="store_true", help="mask whole words (all their ## pieces)")
-    g.add_argument("--num-test-shards", type=int, default=0, help="the last K text shards become *_test_* files")
+    g.add_argument(*flag("--max_seq_length"), type=int, default=128, help="128 for phase 1, 512 for phase 2")
+    g.add_argument(*flag("--max_predictions_per_seq"), type=int, default=20, help="20 for phase 1, 80 for phase 2")
+    g.add_argument(*flag("--masked_lm_prob"), type=float, default=0.15)
+    g.add_argument(*flag("--short_seq_prob"), type=float, default=0.1)
+    g.add_argument(*flag("--dupe_factor"), type=int, default=5,
+                   help="times each document is used, with different masks")
+    g.add_argument(*flag("--whole_word_mask"), action="store_true", help="mask whole words (all their ## pieces)")
+    g.add_argument(*flag("--num_test_shards"), type=int, default=0, help="the last K text shards become *_test_* files")
     g.add_argument("--prefix", default="bert", help="output file name prefix")
-    g.add_argument("--no-compression", action="store_true", help="write h5 without gzip")
+    g.add_argument(*flag("--no_compression"), action="store_true", help="write h5 without gzip")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="bert-prep", description=__doc__,
+    ap = ArgumentParser(prog="bert-prep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="stage", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--seed", type=int, default=12345)
     common.add_argument("--workers", type=int, default=1, help="worker processes")
-    common.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    common.add_argument(*flag("--no_progress"), dest="progress", action="store_false", help="no progress bars")
 
     p = sub.add_parser("text", parents=[common], help="raw documents -> balanced sentence-per-line text shards")
     p.add_argument("--input", required=True, help="text directory / file, wikiextractor output, or HF dataset dir")
@@ -87,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate every h5 file of DIR and print a summary")
     p.add_argument("directory")
     p.add_argument("--vocab", default=None, help="also check ids against this vocab.txt")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument(*flag("--no_progress"), dest="progress", action="store_false")
 
     p = sub.add_parser("all", parents=[common], help="text -> vocab -> shards -> check, into OUTPUT/{text,vocab.txt,"
                                                      "hdf5_seqL}")
@@ -125,43 +129,43 @@ def _check(directory: str, vocab: str | None, progress: bool) -> int:
     return 1 if s.errors else 0
 
 
+def _main(a: argparse.Namespace) -> int:
+    if a.stage == "text":
+        from bert_ref.prep.text import run_text
+
+        run_text(_text_params(a), a.output, workers=a.workers, progress=a.progress)
+    elif a.stage == "vocab":
+        from bert_ref.prep.vocab import run_vocab
+
+        run_vocab(a.input, a.output, vocab_size=a.vocab_size, lowercase=a.lowercase is not False,
+                  min_frequency=a.min_frequency, existing=a.vocab_file, progress=a.progress)
+    elif a.stage == "shards":
+        from bert_ref.prep.instances import run_shards
+
+        run_shards(a.input, a.vocab, a.output, _shard_params(a, a.vocab), workers=a.workers,
+                   num_test_shards=a.num_test_shards, prefix=a.prefix, progress=a.progress)
+    elif a.stage == "check":
+        return _check(a.directory, a.vocab, a.progress)
+    elif a.stage == "all":
+        from bert_ref.prep.instances import run_shards
+        from bert_ref.prep.text import run_text
+        from bert_ref.prep.vocab import run_vocab
+
+        work = Path(a.output)
+        text_dir = run_text(_text_params(a), work / "text", workers=a.workers, progress=a.progress)
+        vocab = run_vocab(text_dir, work / "vocab.txt", vocab_size=a.vocab_size,
+                          lowercase=a.lowercase is not False, min_frequency=a.min_frequency,
+                          existing=a.vocab_file, progress=a.progress)
+        h5_dir = work / f"hdf5_seq{a.max_seq_length}_pred{a.max_predictions_per_seq}"
+        run_shards(text_dir, vocab, h5_dir, _shard_params(a, str(vocab)), workers=a.workers,
+                   num_test_shards=a.num_test_shards, prefix=a.prefix, progress=a.progress)
+        return _check(str(h5_dir), str(vocab), a.progress)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        if a.stage == "text":
-            from bert_ref.prep.text import run_text
-
-            run_text(_text_params(a), a.output, workers=a.workers, progress=a.progress)
-        elif a.stage == "vocab":
-            from bert_ref.prep.vocab import run_vocab
-
-            run_vocab(a.input, a.output, vocab_size=a.vocab_size, lowercase=a.lowercase is not False,
-                      min_frequency=a.min_frequency, existing=a.vocab_file, progress=a.progress)
-        elif a.stage == "shards":
-            from bert_ref.prep.instances import run_shards
-
-            run_shards(a.input, a.vocab, a.output, _shard_params(a, a.vocab), workers=a.workers,
-                       num_test_shards=a.num_test_shards, prefix=a.prefix, progress=a.progress)
-        elif a.stage == "check":
-            return _check(a.directory, a.vocab, a.progress)
-        elif a.stage == "all":
-            from bert_ref.prep.instances import run_shards
-            from bert_ref.prep.text import run_text
-            from bert_ref.prep.vocab import run_vocab
-
-            work = Path(a.output)
-            text_dir = run_text(_text_params(a), work / "text", workers=a.workers, progress=a.progress)
-            vocab = run_vocab(text_dir, work / "vocab.txt", vocab_size=a.vocab_size,
-                              lowercase=a.lowercase is not False, min_frequency=a.min_frequency,
-                              existing=a.vocab_file, progress=a.progress)
-            h5_dir = work / f"hdf5_seq{a.max_seq_length}_pred{a.max_predictions_per_seq}"
-            run_shards(text_dir, vocab, h5_dir, _shard_params(a, str(vocab)), workers=a.workers,
-                       num_test_shards=a.num_test_shards, prefix=a.prefix, progress=a.progress)
-            return _check(str(h5_dir), str(vocab), a.progress)
-    except (PrepError, FileNotFoundError) as e:
-        print(f"bert-prep {a.stage}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(f"bert-prep {a.stage}", lambda: _main(a), (PrepError, FileNotFoundError))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from ds_core.cli import ArgumentParser, flag, run_cli
 from ds_core.study import report as report_mod
 from ds_core.study import runner
 from ds_core.study.spec import StudyError, load_study
@@ -15,7 +16,7 @@ from ds_core.scaling import ScalingError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-study", description=__doc__)
+    p = ArgumentParser(prog="ds-study", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, help_ in (("plan", "print the cells and their commands without running them"),
                         ("run", "run every cell not yet complete (resumable)")):
@@ -25,10 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "run":
             s.add_argument("--rerun", action="store_true", help="run complete cells again (earlier runs are moved "
                                                                  "to previous/, not deleted)")
-            s.add_argument("--no_report", action="store_true", help="do not write the report at the end")
+            s.add_argument(*flag("--no_report"), action="store_true", help="do not write the report at the end")
     s = sub.add_parser("report", help="tables (Markdown, CSV, JSON) and PNG charts of a study directory")
     s.add_argument("study_dir", nargs="?", default=None, help="study directory written by `ds-study run`")
-    s.add_argument("--from_table", "--from-table", action="append", default=[], metavar="CSV",
+    s.add_argument(*flag("--from_table"), action="append", default=[], metavar="CSV",
                    help="already-measured cells (axis columns + samples_per_s, optional accelerators/source), or a "
                         "scaling table (nodes,accelerators,throughput); repeat for several")
     s.add_argument("--out", default=None, help="report directory (default STUDY_DIR/report)")
@@ -40,35 +41,37 @@ def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def _main(args: argparse.Namespace) -> int:
+    if args.cmd in ("plan", "run"):
+        study = load_study(args.study)
+        out = Path(args.out) if args.out else runner.default_out(study)
+        if args.cmd == "plan":
+            runner.plan(study, out)
+            return 0
+        counts = runner.run(study, out, rerun=args.rerun)
+        if not args.no_report:
+            res = report_mod.report(out)
+            print(res["md"])
+            print(f"[ds-study] report files: {', '.join(map(str, res['files']))}")
+        return 0 if counts["failed"] == 0 else 1
+    if not args.study_dir and not args.from_table:
+        raise StudyError("report: give a study directory and/or --from_table CSV")
+    study_dir = Path(args.study_dir) if args.study_dir else None
+    if study_dir and not (study_dir / "study.toml").is_file():
+        raise StudyError(f"{study_dir}: no study.toml (not a directory written by `ds-study run`)")
+    res = report_mod.report(study_dir, args.from_table, Path(args.out) if args.out else None)
+    print(res["md"])
+    print(f"[ds-study] report files: {', '.join(map(str, res['files']))}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.cmd == "run" and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
-    try:
-        if args.cmd in ("plan", "run"):
-            study = load_study(args.study)
-            out = Path(args.out) if args.out else runner.default_out(study)
-            if args.cmd == "plan":
-                runner.plan(study, out)
-                return 0
-            counts = runner.run(study, out, rerun=args.rerun)
-            if not args.no_report:
-                res = report_mod.report(out)
-                print(res["md"])
-                print(f"[ds-study] report files: {', '.join(map(str, res['files']))}")
-            return 0 if counts["failed"] == 0 else 1
-        if not args.study_dir and not args.from_table:
-            raise StudyError("report: give a study directory and/or --from_table CSV")
-        study_dir = Path(args.study_dir) if args.study_dir else None
-        if study_dir and not (study_dir / "study.toml").is_file():
-            raise StudyError(f"{study_dir}: no study.toml (not a directory written by `ds-study run`)")
-        res = report_mod.report(study_dir, args.from_table, Path(args.out) if args.out else None)
-        print(res["md"])
-        print(f"[ds-study] report files: {', '.join(map(str, res['files']))}")
-        return 0
-    except (StudyError, ScalingError, OSError) as e:
-        print(f"ds-study: error: {e}", file=sys.stderr)
-        return 2
+    # OSError: a study file, table or directory the user named
+    return run_cli(parser.prog, lambda: _main(args), (StudyError, ScalingError, OSError))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""One command-line style for every CLI of ours (ds_core.cli): flags spelled with underscores as DeepSpeed's and
+transformers' are, the dashed spellings of earlier versions still accepted, and one way to fail on bad input:
+`<prog>: error: <message>` on stderr and exit status 2. Parsed in-process; nothing is launched or trained."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import tomllib
+
+import pytest
+
+from conftest import REPO
+from ds_core.cli import USAGE_ERROR, flag
+
+# every console script and `python -m` command line of ours that parses with argparse (the training entry points
+# parse with HfArgumentParser from dataclass field names: underscores by construction)
+CLI_MODULES = ["launch.run", "launch.aws_batch", "launch.slurm", "launch.preflight", "launch.env", "launch.hostfile",
+               "launch.guard", "bert_ref.prep.__main__", "ds_core.scaling", "ds_core.tuning", "ds_core.study.__main__",
+               "bench.h5_loader"]
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    """The parser and its subcommands' parsers, recursively (an alias appears once)."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in {id(p): p for p in action.choices.values()}.values():
+                yield from _parsers(sub)
+
+
+def _parse(module: str, argv: list[str]) -> dict:
+    return vars(importlib.import_module(module).build_parser().parse_args(argv))
+
+
+def test_every_console_script_is_covered():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    for name, target in scripts.items():
+        assert target.partition(":")[0] in CLI_MODULES, f"console script {name} ({target}) is not checked here"
+
+
+def test_flag_spellings():
+    assert flag("--max_seq_length") == ("--max_seq_length", "--max-seq-length")
+    assert flag("--hosts") == ("--hosts",)
+    with pytest.raises(ValueError, match="expected a long option"):
+        flag("max_seq_length")
+
+
+@pytest.mark.parametrize("module", CLI_MODULES)
+def test_no_flag_is_only_dashed(module):
+    """A dashed flag is only ever the alias of its underscore spelling, which comes first (--help shows it first
+    and argparse names the attribute after it)."""
+    for parser in _parsers(importlib.import_module(module).build_parser()):
+        for action in parser._actions:
+            longs = [o for o in action.option_strings if o.startswith("--")]
+            for opt in longs:
+                if "-" in opt[2:]:
+                    under = "--" + opt[2:].replace("-", "_")
+                    assert under in longs, f"{module} {parser.prog}: {opt} has no underscore spelling {under}"
+                    assert longs.index(under) < longs.index(opt), f"{module}: {under} must come before {opt}"
+        help_text = parser.format_help()
+        for action in parser._actions:
+            if any("-" in o[2:] for o in action.option_strings if o.startswith("--")):
+                assert action.option_strings[0] in help_text
+
+
+# (module, arguments that make a valid command line, renamed flag, its values)
+RENAMED = [
+    ("launch.hostfile", ["build"], "--aws_batch", []),
+    ("launch.hostfile", ["build"], "--mpi_hostfile", ["mpi_hosts"]),
+    ("launch.hostfile", ["build", "--hosts", "a,b"], "--equal_slots", []),
+    ("launch.hostfile", ["validate", "hostfile"], "--equal_slots", []),
+    *[("bert_ref.prep.__main__", ["text", "--input", "raw", "--output", "out"], f, v) for f, v in [
+        ("--num_shards", ["3"]), ("--one_doc_per_line", []), ("--text_column", ["body"]), ("--hf_split", ["dev"]),
+        ("--min_sentences", ["2"]), ("--no_progress", [])]],
+    *[("bert_ref.prep.__main__", ["vocab", "--output", "v.txt"], f, v) for f, v in [
+        ("--vocab_file", ["vocab.txt"]), ("--vocab_size", ["100"]), ("--min_frequency", ["3"])]],
+    *[("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o"], f, v) for f, v in [
+        ("--max_seq_length", ["512"]), ("--max_predictions_per_seq", ["80"]), ("--masked_lm_prob", ["0.2"]),
+        ("--short_seq_prob", ["0.3"]), ("--dupe_factor", ["2"]), ("--whole_word_mask", []),
+        ("--num_test_shards", ["1"]), ("--no_compression", [])]],
+    ("bert_ref.prep.__main__", ["check", "dir"], "--no_progress", []),
+    ("ds_core.scaling", ["run0"], "--from_table", ["published.csv"]),
+    ("ds_core.scaling", ["run0"], "--baseline_nodes", ["2"]),
+    *[("ds_core.tuning", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64"], f, v)
+      for f, v in [("--accelerators_per_node", ["4"]), ("--seq_len", ["512"]),
+                   ("--activation_checkpointing", ["on"])]],
+    ("ds_core.tuning", ["--model", "bert-large", "--accelerator", "gaudi2"], "--global_batch", ["64"]),
+    ("ds_core.study.__main__", ["report"], "--from_table", ["cells.csv"]),
+    ("ds_core.study.__main__", ["run", "study.toml"], "--no_report", []),
+    *[("bench.h5_loader", [], f, v) for f, v in [
+        ("--seq_len", ["512"]), ("--micro_batch", ["8"]), ("--ref_samples", ["10"]), ("--seek_offsets", ["1", "2"]),
+        ("--no_compression", [])]],
+]
+
+
+REQUIRED = {"--aws_batch": ("aws_batch", True), "--mpi_hostfile": ("mpi_hostfile", "mpi_hosts"),
+            "--global_batch": ("global_batch", 64)}
+
+
+@pytest.mark.parametrize("module, base, name, values", RENAMED, ids=[f"{m}:{f}" for m, _, f, _ in RENAMED])
+def test_renamed_flags_accept_both_spellings(module, base, name, values):
+    dashed = "--" + name[2:].replace("_", "-")
+    under = _parse(module, [*base, name, *values])
+    assert _parse(module, [*base, dashed, *values]) == under
+    if name in REQUIRED:  # the command line needs this flag (or one of its group): nothing to compare with
+        dest, value = REQUIRED[name]
+        assert under[dest] == value
+    else:
+        assert under != _parse(module, base), f"{name} changed nothing"
+
+
+def test_an_abbreviation_of_one_flag_is_not_ambiguous():
+    """argparse takes unique prefixes; both spellings of one flag must not make a prefix ambiguous."""
+    assert _parse("ds_core.scaling", ["--baseline", "2"])["baseline_nodes"] == 2
+    assert _parse("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o", "--dupe",
+                                             "3"])["dupe_factor"] == 3
+    with pytest.raises(SystemExit):  # two different flags still are
+        _parse("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o", "--max", "3"])
+
+
+def test_renamed_subcommand_keeps_its_old_name(capsys):
+    from launch import hostfile
+
+    for cmd in ("expand_nodelist", "expand-nodelist"):
+        assert hostfile.main([cmd, "node[1-2]"]) == 0
+        assert capsys.readouterr().out.split() == ["node1", "node2"]
+
+
+# (module, prog in the message, arguments, message); {tmp} is the test's tmp_path, which holds only `hostfile`
+BAD_INPUT = [
+    ("launch.run", "python -m launch.run", ["--hostfile", "{tmp}/missing"], "{tmp}/missing: cannot read hostfile"),
+    ("launch.slurm", "python -m launch.slurm", ["--dry_run"], "SLURM_NODEID is not set"),
+    ("launch.aws_batch", "python -m launch.aws_batch", ["--dry_run"], "AWS_BATCH_JOB_NUM_NODES=''"),  # was exit 3
+    ("launch.env", "python -m launch.env", ["show", "--profile", "nope"], "unknown profile 'nope'"),
+    ("launch.hostfile", "python -m launch.hostfile", ["validate", "{tmp}/hostfile"],
+     "{tmp}/hostfile line 2: duplicate host node0"),
+    ("bert_ref.prep.__main__", "bert-prep check", ["check", "{tmp}/missing"], "directory not found: {tmp}/missing"),
+    ("ds_core.scaling", "ds-scaling-report", ["{tmp}/missing"], "{tmp}/missing: no such run directory"),
+    ("ds_core.tuning", "ds-tune", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64",
+                                   "--accelerators_per_node", "0"], "--accelerators_per_node and --nodes must"),
+    ("ds_core.study.__main__", "ds-study", ["report", "{tmp}"], "{tmp}: no study.toml"),
+]
+
+
+@pytest.mark.parametrize("module, prog, argv, message", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_exits_2_with_the_message_on_stderr(module, prog, argv, message, tmp_path, capsys, monkeypatch):
+    for name in ("SLURM_NODEID", "AWS_BATCH_JOB_NUM_NODES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hostfile").write_text("node0 slots=2\nnode0 slots=2\n")
+    status = importlib.import_module(module).main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert status == USAGE_ERROR == 2, err
+    assert err.endswith("\n") and "Traceback" not in err
+    line = err.splitlines()[-1]  # the error is the last thing said
+    assert line.startswith(f"{prog}: error: ") and message.format(tmp=tmp_path) in line, err
