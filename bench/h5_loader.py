@@ -5,7 +5,7 @@ Reference (the pattern of NVIDIA's run_pretraining.py `pretraining_dataset`): th
 num_workers=0, RandomSampler. Ours: `bert_ref.data.PretrainingData` (block read, vectorized gather and labels,
 background prefetch). Both at micro batch 64. Then the resume seek time of ours at sample offset 1k and 150k.
 
-Usage: python bench/h5_loader.py [--samples 204800] [--micro-batch 64] [--ref-samples 32768] [--keep DIR]
+Usage: python bench/h5_loader.py [--samples 204800] [--micro_batch 64] [--ref_samples 32768] [--keep DIR]
 The last line printed is one JSON object (ratio = ours / reference samples/s; seek_ratio = seek@150k / seek@1k).
 """
 from __future__ import annotations

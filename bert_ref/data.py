@@ -9,7 +9,7 @@ model's vocabulary when a file is opened, and the ids of every block when it is 
 trained on (`bert-prep check DIR` reads every row up front).
 
 Which files: the training files are those whose names contain `training` (NVIDIA's loader selects them the same
-way), else every `*.hdf5` / `*.h5`; names with a `test` word (`bert_test_*`, from `bert-prep shards --num-test-shards`)
+way), else every `*.hdf5` / `*.h5`; names with a `test` word (`bert_test_*`, from `bert-prep shards --num_test_shards`)
 are held out, never trained on, and read by `bert_ref/eval.py`. A missing or empty directory raises `DataDirError`.
 
 How an epoch is laid out (all pure functions of the sorted file list, file sizes, world size, epoch and seed, so every

@@ -82,14 +82,14 @@ def main(argv: list[str] | None = None) -> dict:
     prep = [py, "-m", "bert_ref.prep"]
 
     make_corpus(out / "raw" / "corpus.txt")
-    _run([*prep, "text", "--input", str(out / "raw"), "--output", str(out / "text"), "--num-shards", "3",
-          "--workers", "1", "--no-progress"])
+    _run([*prep, "text", "--input", str(out / "raw"), "--output", str(out / "text"), "--num_shards", "3",
+          "--workers", "1", "--no_progress"])
     # <= 1024 tokens: the debug preset's vocabulary
-    _run([*prep, "vocab", "--input", str(out / "text"), "--output", str(out / "vocab.txt"), "--vocab-size", "1000",
-          "--no-progress"])
+    _run([*prep, "vocab", "--input", str(out / "text"), "--output", str(out / "vocab.txt"), "--vocab_size", "1000",
+          "--no_progress"])
     _run([*prep, "shards", "--input", str(out / "text"), "--vocab", str(out / "vocab.txt"), "--output",
-          str(out / "hdf5_seq128_pred20"), "--max-seq-length", "128", "--max-predictions-per-seq", "20",
-          "--dupe-factor", "2", "--num-test-shards", "1", "--workers", "1", "--no-progress"])
+          str(out / "hdf5_seq128_pred20"), "--max_seq_length", "128", "--max_predictions_per_seq", "20",
+          "--dupe_factor", "2", "--num_test_shards", "1", "--workers", "1", "--no_progress"])
     t_prep = time.perf_counter() - t0
 
     env = dict(os.environ)

@@ -1,5 +1,5 @@
 """Held-out evaluation of BERT pretraining: the `*_test_*` shards of the input directory (`bert-prep shards
---num-test-shards K` writes them), each sample evaluated exactly once across the ranks.
+--num_test_shards K` writes them), each sample evaluated exactly once across the ranks.
 
 Layout: the test files (sorted) are one sequence of N samples; rank r takes the contiguous range
 [N*r//W, N*(r+1)//W) (`eval_ranges`, pure), in micro batches of B, the last one short. Every rank runs the same number

@@ -62,7 +62,7 @@ def list_shards(input_dir: str | os.PathLike, split: str = "training") -> list[s
 
 def list_test_shards(input_dir: str | os.PathLike, files: list[str] | None = None) -> list[str]:
     """The held-out h5 files of `input_dir`: names with a `test` word (`bert_test_*` from `bert-prep shards
-    --num-test-shards`, NVIDIA's `*_test_*`); [] when there are none."""
+    --num_test_shards`, NVIDIA's `*_test_*`); [] when there are none."""
     files = list_shards(input_dir, split="") if files is None else files
     return [f for f in files if _TEST_NAME.search(Path(f).stem)]
 

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     tests = list_test_shards(args.input_dir)
     if train_cfg.eval_every and not tests:
         raise ConfigError(f"--eval_every {train_cfg.eval_every}: {args.input_dir} has no held-out *_test_* shards "
-                          "(bert-prep shards --num-test-shards K writes them)")
+                          "(bert-prep shards --num_test_shards K writes them)")
     eval_data = EvalData(tests, dist.rank, dist.world_size, micro, vocab_size=preset.vocab_size) if tests else None
     if eval_data is not None:
         check_data_matches(preset, eval_data, args.input_dir)

@@ -86,7 +86,7 @@ def preset(name: str) -> BridgeTowerConfig:
     return copy.deepcopy(PRESETS[name]())
 
 
-# Text tokens ds-tune assumes for BridgeTower when --seq-len is not given. Kept from ds-tune's earlier copy of the
+# Text tokens ds-tune assumes for BridgeTower when --seq_len is not given. Kept from ds-tune's earlier copy of the
 # shapes so its numbers do not move; a run padded to the data default (--max_seq_length 128) is tuned with 128.
 TUNING_SEQ_LEN = 50
 _TUNING_TOP = ("hidden_size", "num_hidden_layers", "num_attention_heads", "contrastive_hidden_size",

@@ -43,14 +43,14 @@ class ShardParams:
 
     def validate(self) -> None:
         if self.max_seq_length < 8:
-            raise PrepError(f"--max-seq-length {self.max_seq_length} too small (>= 8)")
+            raise PrepError(f"--max_seq_length {self.max_seq_length} too small (>= 8)")
         if not 1 <= self.max_predictions_per_seq < self.max_seq_length:
-            raise PrepError(f"--max-predictions-per-seq {self.max_predictions_per_seq} not in [1, max_seq_length)")
+            raise PrepError(f"--max_predictions_per_seq {self.max_predictions_per_seq} not in [1, max_seq_length)")
         if not 0 < self.masked_lm_prob < 1 or not 0 <= self.short_seq_prob <= 1:
-            raise PrepError(f"--masked-lm-prob {self.masked_lm_prob} / --short-seq-prob {self.short_seq_prob} "
+            raise PrepError(f"--masked_lm_prob {self.masked_lm_prob} / --short_seq_prob {self.short_seq_prob} "
                             "must be probabilities")
         if self.dupe_factor < 1:
-            raise PrepError(f"--dupe-factor must be >= 1, got {self.dupe_factor}")
+            raise PrepError(f"--dupe_factor must be >= 1, got {self.dupe_factor}")
 
 
 def output_name(prefix: str, split: str, p: ShardParams, index: int) -> str:
@@ -236,7 +236,7 @@ def run_shards(text_dir: str | os.PathLike, vocab_file: str | os.PathLike, outpu
     texts = list_text_shards(text_dir)
     read_vocab(vocab_file)  # fail early, in the parent, on a bad vocab
     if not 0 <= num_test_shards < len(texts):
-        raise PrepError(f"--num-test-shards {num_test_shards} must leave at least one of {len(texts)} "
+        raise PrepError(f"--num_test_shards {num_test_shards} must leave at least one of {len(texts)} "
                         "text shards for training")
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)

@@ -122,11 +122,11 @@ def read_hf(path: Path, text_column: str, split: str) -> Iterator[list[str]]:
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise PrepError(f"{path}: split '{split}' not in dataset (has {list(ds)}); use --hf-split")
+            raise PrepError(f"{path}: split '{split}' not in dataset (has {list(ds)}); use --hf_split")
         ds = ds[split]
     if text_column not in ds.column_names:
         raise PrepError(f"{path}: text column '{text_column}' not in dataset (columns {ds.column_names}); "
-                        "use --text-column")
+                        "use --text_column")
     for batch in ds.select_columns([text_column]).iter(batch_size=256):
         for text in batch[text_column]:
             if text:
@@ -188,7 +188,7 @@ def run_text(p: TextParams, output: str | os.PathLike, workers: int = 1, docs_pe
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST
     if p.num_shards < 1:
-        raise PrepError(f"--num-shards must be >= 1, got {p.num_shards}")
+        raise PrepError(f"--num_shards must be >= 1, got {p.num_shards}")
     if p.segmenter not in ("pysbd", "lines"):
         raise PrepError(f"--segmenter must be 'pysbd' or 'lines', got {p.segmenter!r}")
     names = shard_names(p.num_shards)

@@ -67,7 +67,7 @@ def run_vocab(text_dir: str | os.PathLike | None, output: str | os.PathLike, *, 
         tokens = read_vocab(existing)
     else:
         if text_dir is None:
-            raise PrepError("vocab: give the text shard directory (--input) or an existing vocab (--vocab-file)")
+            raise PrepError("vocab: give the text shard directory (--input) or an existing vocab (--vocab_file)")
         from tokenizers import BertWordPieceTokenizer
 
         files = [str(p) for p in list_text_shards(text_dir)]
