@@ -15,6 +15,7 @@ the settings are the minimal ones of Slurm's own quickstart (proctrack/pgid, no 
 """
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import signal
@@ -139,7 +140,11 @@ def cluster(d: Path, timeout_s: float = 60) -> Iterator[dict]:
         _wait_nodes_idle(env, timeout_s, proc, d)
         yield env
     finally:
+        # jobs first: slurmstepd and the job's processes are not in the daemons' process group
         if proc.poll() is None:
+            subprocess.run([_tool("scancel") or "scancel", "--full", "--signal=KILL", f"--user={getpass.getuser()}"],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+            time.sleep(1)
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=30)

@@ -58,7 +58,7 @@ def _finish(proc: subprocess.Popen, tmp_path: Path, env: dict, timeout: float) -
     except subprocess.TimeoutExpired:
         code = None
     if code is None:  # scancel ends the job's processes on both "nodes"; then sbatch returns
-        subprocess.run(["scancel", "--full", "--signal=KILL", f"--jobname=bert-ds"], env=env, timeout=60)
+        subprocess.run(["scancel", "--full", "--signal=KILL", "--jobname=bert-ds"], env=env, timeout=60)
         out, _ = proc.communicate(timeout=60)
     log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     text = f"{out}\n--- job.out\n{log}"
