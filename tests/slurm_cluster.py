@@ -65,7 +65,7 @@ def write_config(d: Path) -> Path:
     ctl_port = _free_port()
     cpus = os.cpu_count() or 1
     lines = [
-        "ClusterName=onebox", f"SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={ctl_port}",
+        "ClusterName=onebox", "SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={ctl_port}",
         "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={d / 'munge' / 'munged.sock'}",
         "SlurmUser=root", "SlurmdUser=root",
         f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={d / 'spool'}/%n",

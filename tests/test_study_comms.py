@@ -5,7 +5,6 @@ per-tensor norm exchange under ZeRO (bert_ref.layerwise) is recorded under its o
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
