@@ -28,6 +28,9 @@ from ds_core.study.spec import Study, StudyError, load_study
 
 # Reduction collectives that carry gradients. The logger also records scalar reductions (gradient norm for clipping,
 # overflow flags: 1 to 8 bytes) that are not gradient traffic; anything at or under SCALAR_BYTES is counted apart.
+# Larger non-gradient reductions of our own carry a log_name of their own (bert_ref.layerwise's per-tensor norms for
+# LAMB/LANS trust ratios under ZeRO: 4 bytes per parameter tensor, 144 on the BERT debug model), so they land among
+# the other collectives by name, whatever their size.
 REDUCTION_OPS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_fn",
                  "all_reduce_coalesced", "inference_all_reduce")
 SCALAR_BYTES = 64
