@@ -202,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         added, comm = mpi_rendezvous(args.master_addr, args.master_port)
         env.update(added)
     forwarded = ([f"--local_rank={args.local_rank}"] if args.local_rank is not None else []) + args.args
-    label = f"rank {env.get('RANK', '?')} on {socket.gethostname()}"
+    # Slurm names the node as the cluster knows it (several slurmd may share one host); elsewhere the host name.
+    label = f"rank {env.get('RANK', '?')} on {env.get('SLURMD_NODENAME') or socket.gethostname()}"
     # `-m launch.guard --child`: the child imports this module from the package, whichever way the guard started
     cmd = [sys.executable, "-u", "-m", "launch.guard", "--child", args.module, *forwarded]
     code = supervise(cmd, env, args.stall_timeout_s, label)
