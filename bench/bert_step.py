@@ -128,7 +128,8 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     opt = engine.optimizer.optimizer
     print(f"[ours] {preset.name} ZeRO-1 {dtype}: micro {a.micro_batch} x accum {a.grad_accum}, MLM head {head}, "
           f"fast dropout {not a.torch_dropout}: {s['samples_per_s']:.3f} seq/s, {s['tflops_per_accelerator']:.4f} "
-          f"TFLOPs vs {dtype} matmul peak {s['peak_tflops_per_accelerator']:.4f} -> MFU {s['mfu']}", flush=True)
+          f"TFLOPs vs {dtype} matmul peak {s['peak_tflops_per_accelerator']:.4f} -> MFU "
+          f"{'n/a' if s['mfu'] is None else format(s['mfu'], '.3f')}", flush=True)
     return {"samples_per_s": s["samples_per_s"], "mfu": s["mfu"], "step_tflops": s["tflops_per_accelerator"],
             "peak_tflops": s["peak_tflops_per_accelerator"], "flops_per_seq": flops, "mlm_head": head,
             "fast_dropout": not a.torch_dropout, "cpu_samples_per_s": _cpu_rate(cpu, a), "samples_per_step": round(s["samples_per_s"] * s["measured_seconds"] / s["measured_steps"], 6), "optimizer": type(opt).__name__,

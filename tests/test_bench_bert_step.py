@@ -72,7 +72,7 @@ def test_bench_runs_both_sides_with_the_same_optimizer_step(tmp_path):
     env = dict(os.environ, DS_CORE_PEAK_TFLOPS="1.0", PYTHONPATH=str(REPO))  # no CPU peak probe: not measured here
     proc = subprocess.run([sys.executable, str(BENCH), "--model", "debug", "--rounds", "1", "--steps", "1",
                            "--skip_bound"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=600)
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     import torch
