@@ -14,8 +14,8 @@
    the Trainer's in the same round, with min and max; the bench refuses a ratio when the sides differ in samples per
    step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same ratio per CPU-second of each side's
    process (all its threads, data loading included), which other processes' load inflates far less than wall time
-   on a shared machine; step_ratio (wall clock) is the figure a user sees and the target. The precision is the run's rule
-   (ds_core.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has it natively,
+   on a shared machine; step_ratio (wall clock) is the figure a user sees and the target. The precision is the
+   run's rule (ds_core.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has it natively,
    fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured matmul
    peak of that dtype (ds_core.metrics).
 2. Bound (after 1, --skip_bound): mfu_upper_bound, the MFU our step would have if only its linear layers' GEMMs and
@@ -27,7 +27,7 @@ The last line printed is one JSON object (step_ratio, mfu, mfu_upper_bound, ...)
 
     python bench/bert_step.py [--micro_batch 4] [--grad_accum 2] [--steps 2] [--warmup 1] [--rounds 3] [--threads 1]
         [--precision auto|bf16|fp32] [--dense_mlm] [--torch_dropout] [--no_malloc_tuning] [--skip_trainer]
-        [--skip_bound] [--memory]
+        [--skip_bound] [--memory] [--model debug]
 """
 from __future__ import annotations
 
