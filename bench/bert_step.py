@@ -15,9 +15,9 @@
    step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same ratio per CPU-second of each side's
    process (all its threads, data loading included), which other processes' load inflates far less than wall time
    on a shared machine; step_ratio (wall clock) is the figure a user sees and the target. The precision is the
-   run's rule (ds_core.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has it natively,
-   fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured matmul
-   peak of that dtype (ds_core.metrics).
+   run's rule (ds_core.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has it
+   natively, fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured
+   matmul peak of that dtype (ds_core.metrics).
 2. Bound (after 1, --skip_bound): mfu_upper_bound, the MFU our step would have if only its linear layers' GEMMs and
    the LAMB update cost anything (see bound_part), in the same dtype and thread count.
 3. Memory (--memory, off by default to keep the bench within 10 minutes on a 2-core CPU): two ranks, a
@@ -132,7 +132,9 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
           f"{'n/a' if s['mfu'] is None else format(s['mfu'], '.3f')}", flush=True)
     return {"samples_per_s": s["samples_per_s"], "mfu": s["mfu"], "step_tflops": s["tflops_per_accelerator"],
             "peak_tflops": s["peak_tflops_per_accelerator"], "flops_per_seq": flops, "mlm_head": head,
-            "fast_dropout": not a.torch_dropout, "cpu_samples_per_s": _cpu_rate(cpu, a), "samples_per_step": round(s["samples_per_s"] * s["measured_seconds"] / s["measured_steps"], 6), "optimizer": type(opt).__name__,
+            "fast_dropout": not a.torch_dropout, "cpu_samples_per_s": _cpu_rate(cpu, a),
+            "samples_per_step": round(s["samples_per_s"] * s["measured_seconds"] / s["measured_steps"], 6),
+            "optimizer": type(opt).__name__,
             "trust_ratio_tensors": _trust_keys(opt), "threads": _threads()}
 
 

@@ -24,7 +24,8 @@ def _bench_module():
 
 
 def _window(rate: float, **over) -> dict:
-    rec = dict(samples_per_s=rate, cpu_samples_per_s=rate / 2, samples_per_step=8.0, optimizer="NVLAMB", trust_ratio_tensors=46, threads=1,
+    rec = dict(samples_per_s=rate, cpu_samples_per_s=rate / 2, samples_per_step=8.0, optimizer="NVLAMB",
+               trust_ratio_tensors=46, threads=1,
                peak_rss_bytes=1, mfu=0.1, flops_per_seq=1.0, mlm_head="sparse (20/seq)", fast_dropout=True,
                peak_tflops=1.0)
     rec.update(over)
