@@ -1,15 +1,23 @@
 """BERT training-step benchmark: our step (bert_ref + ds_core.loop) against transformers' Trainer, in one run.
 
-1. step_ratio: one process, DeepSpeed ZeRO-1 for both, the same BertForPreTraining-shaped BERT-Large slice (hidden
-   1024, 16 heads, 4 layers, seq 128, vocab 30528), the same generated h5 shard, the same micro batch, accumulation,
-   LAMB optimizer and precision. Ours: bert_ref.data's block loader, the sparse MLM head (--dense_mlm turns it off),
-   FastDropout (--torch_dropout) and bert_ref.step through ds_core.train. Baseline: transformers' Trainer with the
-   same DeepSpeed config (as a dict), transformers' BertForPreTraining, and a per-sample dataset written as NVIDIA's
-   h5-era run_pretraining.py `pretraining_dataset` (whole file in numpy, labels built per sample) with the default
-   collator. step_ratio = our samples/s / the Trainer's, each over the steps after --warmup (ours from ds_core.metrics,
-   the Trainer's from on_step_end timestamps). The precision is the run's rule (ds_core.precision.resolve_precision,
-   as bert_ref.train applies it): bf16 where the accelerator has it natively, fp32 on a CPU without native bf16
-   (emulated bf16 is ~60x slower there). Our MFU is against the measured matmul peak of that dtype (ds_core.metrics).
+1. step_ratio: DeepSpeed ZeRO-1 for both, the same BertForPreTraining-shaped BERT-Large slice (hidden 1024, 16
+   heads, 4 layers, seq 128, vocab 30528), the same generated h5 shard (one epoch per window: each side trains on
+   every sample once, in its own order), the same micro batch, accumulation, optimizer (bert_ref.layerwise.NVLAMB with
+   per-tensor trust ratios under ZeRO on both sides: attach_zero_layout), gradient clipping, precision and torch
+   thread count. Ours: bert_ref.data's block loader, the sparse MLM head (--dense_mlm turns it off), FastDropout
+   (--torch_dropout) and bert_ref.step through ds_core.train. Baseline: transformers' Trainer with the same DeepSpeed
+   config (as a dict), transformers' BertForPreTraining, and a per-sample dataset written as NVIDIA's h5-era
+   run_pretraining.py `pretraining_dataset` (whole file in numpy, labels built per sample) with the default collator.
+   Each window is its own process (start-up not timed) and the sides alternate ABBA over --rounds rounds, so load on
+   a shared machine falls on both; a side's rate is over the steps after --warmup, data loading included (ours from
+   ds_core.metrics, the Trainer's from on_step_end timestamps). step_ratio = median over rounds of our samples/s /
+   the Trainer's in the same round, with min and max; the bench refuses a ratio when the sides differ in samples per
+   step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same ratio per CPU-second of each side's
+   process (all its threads, data loading included), which other processes' load inflates far less than wall time
+   on a shared machine; step_ratio (wall clock) is the figure a user sees and the target. The precision is the
+   run's rule (ds_core.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has it
+   natively, fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured
+   matmul peak of that dtype (ds_core.metrics).
 2. Bound (after 1, --skip_bound): mfu_upper_bound, the MFU our step would have if only its linear layers' GEMMs and
    the LAMB update cost anything (see bound_part), in the same dtype and thread count.
 3. Memory (--memory, off by default to keep the bench within 10 minutes on a 2-core CPU): two ranks, a
@@ -17,9 +25,9 @@
    rank optimizer-state bytes (fp32 master weights + moments) and the process peak RSS.
 The last line printed is one JSON object (step_ratio, mfu, mfu_upper_bound, ...). Target: step_ratio >= 1.3.
 
-    python bench/bert_step.py [--micro_batch 4] [--grad_accum 2] [--steps 3] [--warmup 1] [--threads 1]
+    python bench/bert_step.py [--micro_batch 4] [--grad_accum 2] [--steps 2] [--warmup 1] [--rounds 3] [--threads 1]
         [--precision auto|bf16|fp32] [--dense_mlm] [--torch_dropout] [--no_malloc_tuning] [--skip_trainer]
-        [--skip_bound] [--memory]
+        [--skip_bound] [--memory] [--model debug]
 """
 from __future__ import annotations
 
@@ -76,12 +84,22 @@ def _engine(preset, ds_config: dict, optimizer: str, sparse_mlm: bool = False, f
     return engine
 
 
-def _slice():
+def _slice(model: str = LARGE_SLICE["name"]):
+    """The bench's model: the BERT-Large slice, or bert_ref's tiny `debug` preset (tests of the bench itself)."""
     import dataclasses
 
-    from bert_ref.configs import bert_large
+    from bert_ref.configs import bert_large, debug
 
-    return dataclasses.replace(bert_large(1), **LARGE_SLICE)
+    return debug(1) if model == "debug" else dataclasses.replace(bert_large(1), **LARGE_SLICE)
+
+
+def _trust_keys(opt) -> int:
+    """Parameter tensors NVLAMB computes a trust ratio for (per tensor, through attach_zero_layout's layout); -1 for
+    an optimizer without trust ratios."""
+    if not hasattr(opt, "_layouts"):
+        return -1
+    return sum(lay.n_keys for lay in opt._layouts.values()) if opt._layouts else \
+        sum(len(g["params"]) for g in opt.param_groups)
 
 
 def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dict:
@@ -93,25 +111,62 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     from ds_core.engine import set_seed
     from ds_core.loop import train
 
-    preset = _slice()
+    preset = _slice(a.model)
     set_seed(0)
     data = build_data(str(shards), 0, 1, a.micro_batch)
     engine = _engine(preset, _ds_config(a.micro_batch, a.grad_accum, 1, dtype), "lamb", not a.dense_mlm,
                      not a.torch_dropout)
     preds = 0 if a.dense_mlm else preset.max_predictions_per_seq
     flops = flops_per_sequence(preset, mlm_positions=preds)
+    cpu = _cpu_clock_at_step_end(engine)
     cfg = TrainConfig(run_dir=str(tmp / "ours_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
                       save_final_checkpoint=False, progress_bar=False, precision=dtype)
     s = train(engine, make_step_fn(preds), data, cfg, _DIST, model_name=preset.name, flops_per_sample=flops,
               seq_len=preset.seq_len)
     data.close()
     head = "dense" if a.dense_mlm else f"sparse ({preds}/seq)"
+    opt = engine.optimizer.optimizer
     print(f"[ours] {preset.name} ZeRO-1 {dtype}: micro {a.micro_batch} x accum {a.grad_accum}, MLM head {head}, "
           f"fast dropout {not a.torch_dropout}: {s['samples_per_s']:.3f} seq/s, {s['tflops_per_accelerator']:.4f} "
-          f"TFLOPs vs {dtype} matmul peak {s['peak_tflops_per_accelerator']:.4f} -> MFU {s['mfu']:.3f}", flush=True)
-    return {"ours_samples_per_s": s["samples_per_s"], "mfu": s["mfu"], "step_tflops": s["tflops_per_accelerator"],
+          f"TFLOPs vs {dtype} matmul peak {s['peak_tflops_per_accelerator']:.4f} -> MFU "
+          f"{'n/a' if s['mfu'] is None else format(s['mfu'], '.3f')}", flush=True)
+    return {"samples_per_s": s["samples_per_s"], "mfu": s["mfu"], "step_tflops": s["tflops_per_accelerator"],
             "peak_tflops": s["peak_tflops_per_accelerator"], "flops_per_seq": flops, "mlm_head": head,
-            "fast_dropout": not a.torch_dropout}
+            "fast_dropout": not a.torch_dropout, "cpu_samples_per_s": _cpu_rate(cpu, a),
+            "samples_per_step": round(s["samples_per_s"] * s["measured_seconds"] / s["measured_steps"], 6),
+            "optimizer": type(opt).__name__,
+            "trust_ratio_tensors": _trust_keys(opt), "threads": _threads()}
+
+
+def _cpu_clock_at_step_end(engine) -> list[float]:
+    """This process's CPU time (all its threads: data loading included) at the end of each optimizer step, read right
+    after DeepSpeed's engine.step() at the accumulation boundary, where the Trainer's on_step_end reads it too."""
+    import time
+
+    marks: list[float] = []
+    step = engine.step
+
+    def timed_step(*args, **kw):
+        boundary = engine.is_gradient_accumulation_boundary()
+        out = step(*args, **kw)
+        if boundary:
+            marks.append(time.process_time())
+        return out
+
+    engine.step = timed_step
+    return marks
+
+
+def _cpu_rate(marks: list[float], a: argparse.Namespace) -> float:
+    """Samples per CPU-second over the steps after --warmup: on a shared machine the CPU time a side needs is
+    not inflated by other processes' load the way its wall time is (cache and memory-bandwidth sharing aside)."""
+    return a.steps * a.micro_batch * a.grad_accum / (marks[a.warmup + a.steps - 1] - marks[a.warmup - 1])
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 class NvidiaStyleDataset:
@@ -154,22 +209,45 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     """transformers' Trainer, DeepSpeed ZeRO-1 (the same config dict), the same model shape, LAMB and batch numbers."""
     import time
 
-    import torch
     from transformers import BertForPreTraining, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
+    from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import hf_config
     from bert_ref.optim import OptimArgs, build_optimizer
     from ds_core.engine import set_seed
 
-    preset = _slice()
+    preset = _slice(a.model)
     set_seed(0)
     model = BertForPreTraining(hf_config(preset))
-    opt = build_optimizer(model, OptimArgs(optimizer="lamb", learning_rate=LR, warmup_proportion=0.0))
     times: list[float] = []
+    cpu: list[float] = []
+    seen = [0]  # sequences the model has run forward on (accelerate's loader reads one batch ahead of the model)
+    fed: list[int] = []
+    model.register_forward_pre_hook(lambda m, args, kw: seen.__setitem__(0, seen[0] + kw["input_ids"].size(0)),
+                                    with_kwargs=True)
+    ds = NvidiaStyleDataset(str(next(shards.glob("*.hdf5"))), preset.max_predictions_per_seq)
+
+    class LambTrainer(Trainer):
+        """The Trainer with our NVLAMB (bert_ref.optim.build_optimizer: the same groups and hyper-parameters as ours).
+        Passing it as `optimizers=(opt, None)` does not work under DeepSpeed: transformers' deepspeed_init sets
+        trainer.optimizer = None and calls create_optimizer(), which then builds the default AdamW (what this bench
+        silently compared against before). create_optimizer is the override point transformers documents."""
+
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                self.optimizer = build_optimizer(model or self.model, OptimArgs(optimizer="lamb", learning_rate=LR,
+                                                                                  warmup_proportion=0.0))
+            return self.optimizer
 
     class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            # per-tensor trust ratios under ZeRO, as ours_part and bert_ref.train (attach after deepspeed.initialize)
+            attach_zero_layout(trainer.deepspeed, trainer.deepspeed.optimizer.optimizer)
+
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter())
+            cpu.append(time.process_time())
+            fed.append(seen[0])
 
     args = TrainingArguments(
         output_dir=str(tmp / "trainer_run"), per_device_train_batch_size=a.micro_batch,
@@ -177,18 +255,17 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
         lr_scheduler_type="constant", max_grad_norm=1.0, bf16=dtype == "bf16", deepspeed=_ds_config(
             a.micro_batch, a.grad_accum, 1, dtype), save_strategy="no", report_to=[], logging_strategy="no",
         dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0)
-    ds = NvidiaStyleDataset(str(next(shards.glob("*.hdf5"))), preset.max_predictions_per_seq)
-    trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator,
-                      optimizers=(opt, None), callbacks=[Clock()])
+    trainer = LambTrainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator,
+                          callbacks=[Clock()])
     trainer.train()
     steps = len(times) - a.warmup
-    rate = steps * a.micro_batch * a.grad_accum / (times[-1] - times[a.warmup - 1]) if a.warmup else \
-        float("nan")
+    rate = steps * a.micro_batch * a.grad_accum / (times[-1] - times[a.warmup - 1])
     print(f"[trainer] transformers Trainer + DeepSpeed ZeRO-1 {dtype}, per-sample dataset: {rate:.3f} seq/s "
           f"({steps} steps after {a.warmup} warm-up)", flush=True)
-    del trainer, model, opt
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return {"trainer_samples_per_s": rate}
+    opt = trainer.deepspeed.optimizer.optimizer  # the optimizer that stepped, inside DeepSpeed's ZeRO wrapper
+    return {"samples_per_s": rate, "cpu_samples_per_s": _cpu_rate(cpu, a),
+            "samples_per_step": (fed[-1] - fed[a.warmup - 1]) / steps,
+            "optimizer": type(opt).__name__, "trust_ratio_tensors": _trust_keys(opt), "threads": _threads()}
 
 
 def bound_part(a: argparse.Namespace, peak: float, dtype: str) -> dict:
@@ -203,17 +280,15 @@ def bound_part(a: argparse.Namespace, peak: float, dtype: str) -> dict:
     no-decay groups: the layout DeepSpeed's bf16 optimizer hands it), median of 3.
     mfu_upper_bound = step FLOPs / (accum * t_linear + t_opt) / peak; linear_only_mfu = linear FLOPs / t_linear /
     peak."""
-    import dataclasses
     import statistics
     import time
 
     import torch
 
-    from bert_ref.configs import bert_large
     from bert_ref.model import flops_per_sequence, hf_config
     from bert_ref.optim import OptimArgs, build_optimizer, param_groups
 
-    preset = dataclasses.replace(bert_large(1), **LARGE_SLICE)
+    preset = _slice(a.model)
     h, inter, B = preset.hidden_size, preset.intermediate_size, a.micro_batch
     P = preset.seq_len if a.dense_mlm else preset.max_predictions_per_seq
     rows_in_out = ([(B * preset.seq_len, h, h)] * 4 + [(B * preset.seq_len, h, inter), (B * preset.seq_len, inter, h)]
@@ -271,6 +346,88 @@ def bound_part(a: argparse.Namespace, peak: float, dtype: str) -> dict:
         out["bound_note"] = (f"linear layers ran at {linear_only:.2f} of the {peak:.4f} TFLOPs peak: that peak probe "
                              "read low (a busy machine); mfu and mfu_upper_bound are not meaningful in this run")
     return out
+
+
+def side_worker(a: argparse.Namespace, side: str, shards: Path, out: Path) -> None:
+    """One measurement window in its own process: build `side` (ours / trainer), train warm-up + --steps optimizer
+    steps, write its numbers to `out`. A fresh process per window: neither side inherits the other's heap, caches or
+    threads, and a window's numbers are not skewed by which side happened to run first in one process."""
+    from ds_core.engine import init_distributed, shutdown_distributed
+
+    global _DIST
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    _DIST = init_distributed()
+    with tempfile.TemporaryDirectory(prefix=f"bert_step_{side}_") as d:
+        rec = (ours_part if side == "ours" else trainer_part)(a, Path(d), shards, os.environ["BENCH_DTYPE"])
+    rec["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out.write_text(json.dumps(rec))
+    shutdown_distributed()
+
+
+def _run_window(a: argparse.Namespace, side: str, shards: Path, tmp: Path, dtype: str, i: int) -> dict:
+    out = tmp / f"window_{i}_{side}.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", BENCH_DTYPE=dtype,
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    flags = [f"--{k}={getattr(a, k)}" for k in ("micro_batch", "grad_accum", "steps", "warmup", "threads",
+                                                   "model")]
+    flags += [f for f in ("--dense_mlm", "--torch_dropout") if getattr(a, f[2:])]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--shards", str(shards), "--out", str(out),
+           *flags]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode or not out.exists():
+        sys.stdout.write(proc.stdout[-6000:])
+        raise SystemExit(f"bench window {i} ({side}) failed (exit {proc.returncode}): {' '.join(cmd)}")
+    for line in proc.stdout.splitlines():
+        if line.startswith(f"[{side}]"):
+            print(f"{line} (window {i})", flush=True)
+    return json.loads(out.read_text())
+
+
+def interleaved(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dict:
+    """--rounds rounds of one window per side, in ABBA order (ours, trainer, trainer, ours, ...) so that a load
+    trend on a shared machine does not favour either side; step_ratio is the median over rounds of ours / trainer
+    within a round (adjacent windows), with the min and max as the spread."""
+    import statistics
+
+    sides = ["ours"] + ([] if a.skip_trainer else ["trainer"])
+    rounds: list[dict] = []
+    for r in range(a.rounds):
+        order = sides if r % 2 == 0 else sides[::-1]
+        rounds.append({side: _run_window(a, side, shards, tmp, dtype, len(sides) * r + j)
+                       for j, side in enumerate(order)})
+    ours = [w["ours"] for w in rounds]
+    res = {k: ours[-1][k] for k in ("flops_per_seq", "mlm_head", "fast_dropout", "peak_tflops")}
+    res["ours_samples_per_s"] = statistics.median(w["samples_per_s"] for w in ours)
+    res["ours_samples_per_s_windows"] = [w["samples_per_s"] for w in ours]
+    mfus = [w["mfu"] for w in ours if w["mfu"] is not None]
+    res["mfu"] = statistics.median(mfus) if mfus else None
+    res["ours_peak_rss_bytes"] = max(w["peak_rss_bytes"] for w in ours)
+    if a.skip_trainer:
+        return res
+    tr = [w["trainer"] for w in rounds]
+    # the same work per optimizer step on both sides, or no ratio at all
+    for key in ("samples_per_step", "optimizer", "trust_ratio_tensors", "threads"):
+        got = {w[key] for w in ours + tr}
+        if len(got) != 1:
+            raise SystemExit(f"bench: the two sides differ in {key}: ours {[w[key] for w in ours]}, trainer "
+                             f"{[w[key] for w in tr]}; the ratio would compare different work")
+        res[f"both_{key}"] = got.pop()
+    ratios = [w["ours"]["samples_per_s"] / w["trainer"]["samples_per_s"] for w in rounds]
+    cpu_ratios = [w["ours"]["cpu_samples_per_s"] / w["trainer"]["cpu_samples_per_s"] for w in rounds]
+    res.update(trainer_samples_per_s=statistics.median(w["samples_per_s"] for w in tr),
+               trainer_samples_per_s_windows=[w["samples_per_s"] for w in tr],
+               trainer_peak_rss_bytes=max(w["peak_rss_bytes"] for w in tr),
+               step_ratio=statistics.median(ratios), step_ratio_rounds=ratios, step_ratio_min=min(ratios),
+               step_ratio_max=max(ratios), cpu_step_ratio=statistics.median(cpu_ratios),
+               cpu_step_ratio_rounds=cpu_ratios)
+    print(f"[bench] step_ratio median {res['step_ratio']:.3f} over {len(ratios)} rounds (min {min(ratios):.3f}, "
+          f"max {max(ratios):.3f}); ours {res['ours_samples_per_s']:.3f} seq/s, trainer "
+          f"{res['trainer_samples_per_s']:.3f} seq/s (medians); per CPU-second of each process: cpu_step_ratio "
+          f"{res['cpu_step_ratio']:.3f} (min {min(cpu_ratios):.3f}, max {max(cpu_ratios):.3f})", flush=True)
+    return res
 
 
 def optimizer_state_bytes(engine) -> dict:
@@ -366,8 +523,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro_batch", type=int, default=4)
     ap.add_argument("--grad_accum", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3, help="measured optimizer steps (after --warmup)")
+    ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps per window (after --warmup)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of one window per side (ABBA order); step_ratio is the median over rounds")
     ap.add_argument("--warmup", type=int, default=1, help="optimizer steps excluded from the measurement (>= 1)")
+    ap.add_argument("--model", default=LARGE_SLICE["name"], choices=(LARGE_SLICE["name"], "debug"),
+                    help="the BERT-Large slice, or the tiny debug preset (tests of the bench; no meaningful ratio)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (0: torch's default); the peak probe uses the same count")
     ap.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
@@ -382,10 +543,15 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true", help="also the 2-rank ZeRO-0 vs ZeRO-1 memory part")
     ap.add_argument("--memory_worker", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--side", default="", choices=("", "ours", "trainer"), help=argparse.SUPPRESS)
+    ap.add_argument("--shards", default="", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.memory_worker >= 0:
         memory_worker(a.memory_worker, Path(a.out))
+        return
+    if a.side:
+        side_worker(a, a.side, Path(a.shards), Path(a.out))
         return
     if a.warmup < 1:
         ap.error("--warmup must be >= 1 (the Trainer's rate is timed from the end of a warm-up step)")
@@ -394,7 +560,6 @@ def main() -> None:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from ds_core.engine import init_distributed, shutdown_distributed
     from ds_core.precision import resolve_precision
 
     t0 = time.perf_counter()
@@ -409,17 +574,13 @@ def main() -> None:
         tmp = Path(d)
         if a.memory:  # first: before this process holds a model and a process group
             result.update(memory_part(tmp, dtype))
-        global _DIST
-        _DIST = init_distributed()
+        # one epoch per window: each side trains on every sample of the shard once (in its own order)
         total = a.micro_batch * a.grad_accum * (a.steps + a.warmup)
-        shards = _shards(tmp, total, 128, 20, 30522)
-        result.update(ours_part(a, tmp, shards, dtype))
-        if not a.skip_trainer:
-            result.update(trainer_part(a, tmp, shards, dtype))
-            result["step_ratio"] = result["ours_samples_per_s"] / result["trainer_samples_per_s"]
+        preset = _slice(a.model)
+        shards = _shards(tmp, total, preset.seq_len, preset.max_predictions_per_seq, min(30522, preset.vocab_size))
+        result.update(interleaved(a, tmp, shards, dtype))
         if not a.skip_bound:
             result.update(bound_part(a, result["peak_tflops"], dtype))
-        shutdown_distributed()
     result["targets"] = {"step_ratio": 1.3} | ({"zero1_over_zero0_optimizer_memory": 0.55} if a.memory else {})
     if "step_ratio" in result:
         result["step_ratio_target_met"] = result["step_ratio"] >= 1.3

@@ -1,0 +1,91 @@
+"""bench/bert_step.py: the two sides do the same work (real DeepSpeed engines, real Trainer, tiny model), and the
+interleaving arithmetic (ABBA order, median ratio, refusal when the sides differ). No timing is asserted."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench" / "bert_step.py"
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bert_step_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _window(rate: float, **over) -> dict:
+    rec = dict(samples_per_s=rate, cpu_samples_per_s=rate / 2, samples_per_step=8.0, optimizer="NVLAMB",
+               trust_ratio_tensors=46, threads=1,
+               peak_rss_bytes=1, mfu=0.1, flops_per_seq=1.0, mlm_head="sparse (20/seq)", fast_dropout=True,
+               peak_tflops=1.0)
+    rec.update(over)
+    return rec
+
+
+def _args(rounds: int) -> argparse.Namespace:
+    return argparse.Namespace(rounds=rounds, skip_trainer=False)
+
+
+def test_interleaved_abba_median_and_spread(monkeypatch, tmp_path):
+    mod = _bench_module()
+    calls: list[str] = []
+    rates = {"ours": iter([3.0, 2.0, 4.0]), "trainer": iter([2.0, 2.0, 1.0])}
+
+    def fake_window(a, side, shards, tmp, dtype, i):
+        calls.append(side)
+        return _window(next(rates[side]))
+
+    monkeypatch.setattr(mod, "_run_window", fake_window)
+    res = mod.interleaved(_args(3), tmp_path, tmp_path, "fp32")
+    assert calls == ["ours", "trainer", "trainer", "ours", "ours", "trainer"]
+    assert res["step_ratio_rounds"] == [1.5, 1.0, 4.0]  # each round: adjacent windows
+    assert res["step_ratio"] == 1.5 and res["step_ratio_min"] == 1.0 and res["step_ratio_max"] == 4.0
+    assert res["ours_samples_per_s"] == 3.0 and res["trainer_samples_per_s"] == 2.0
+    assert res["both_optimizer"] == "NVLAMB"
+    assert res["cpu_step_ratio_rounds"] == [1.5, 1.0, 4.0]
+
+
+@pytest.mark.parametrize("key,value", [("optimizer", "AdamW"), ("samples_per_step", 6.0),
+                                       ("trust_ratio_tensors", 2), ("threads", 2)])
+def test_interleaved_refuses_different_work(monkeypatch, tmp_path, key, value):
+    mod = _bench_module()
+    monkeypatch.setattr(mod, "_run_window", lambda a, side, *rest: _window(1.0, **({key: value} if side == "trainer"
+                                                                                    else {})))
+    with pytest.raises(SystemExit, match=f"differ in {key}"):
+        mod.interleaved(_args(1), tmp_path, tmp_path, "fp32")
+
+
+@pytest.mark.slow
+def test_bench_runs_both_sides_with_the_same_optimizer_step(tmp_path):
+    """One round on the debug preset: our loop and transformers' Trainer each in its own process. The Trainer side
+    must step our NVLAMB with per-tensor trust ratios (transformers' deepspeed_init drops optimizers=(opt, None) and
+    builds AdamW: the bench once compared against that), on as many samples per step as ours."""
+    env = dict(os.environ, DS_CORE_PEAK_TFLOPS="1.0", PYTHONPATH=str(REPO))  # no CPU peak probe: not measured here
+    proc = subprocess.run([sys.executable, str(BENCH), "--model", "debug", "--rounds", "1", "--steps", "1",
+                           "--skip_bound"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    import torch
+
+    from bert_ref.configs import debug
+    from bert_ref.model import hf_config, model_class
+
+    with torch.device("meta"):
+        n_tensors = len(list(model_class(debug(1))(hf_config(debug(1))).parameters()))  # tied weights once
+    assert res["both_optimizer"] == "NVLAMB"
+    assert res["cpu_step_ratio"] > 0
+    assert res["both_trust_ratio_tensors"] == n_tensors  # per parameter tensor, not per ZeRO flat partition
+    assert res["both_samples_per_step"] == 4 * 2  # micro batch x accumulation
+    assert res["both_threads"] == 1
+    assert len(res["step_ratio_rounds"]) == 1 and res["step_ratio"] > 0
