@@ -24,13 +24,21 @@ Resume: the position is (epoch, samples consumed on this rank in the epoch). Sin
 of batches, the position is the same on every rank and maps, through the pure plan, to (file, block, offset). Resuming
 reads exactly one block (h5 slicing at the block start) and starts at the offset: the cost does not grow with the
 position and no skipped batch is ever built.
+
+Resume on another world size (`load_state_dicts`, given the saved states of ALL ranks): the samples consumed so far
+are a pure function of the old plan and the per-rank counts, so the rest of the epoch is computed from them and dealt
+to the new ranks in consecutive ranges of blocks (bert_ref.data_resize: the pool, the deal, the dropped tail of less
+than one micro batch per rank, how the epoch's step count follows). Same world size: exactly the resume above.
+
+Sample log: with `DS_CORE_SAMPLE_LOG=<dir>` set, each rank appends {"epoch", "indices"} per yielded micro batch to
+`<dir>/rank{r}.jsonl` (ds_core.sample_log); an index is the sample's position in the concatenation of the sorted
+training files (file i's row k is sum(sizes of files before i) + k), the same on any world size.
 """
 from __future__ import annotations
 
 import bisect
 import hashlib
 import os
-import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +46,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
+
+from ds_core.sample_log import SampleLog
+
+from .data_resize import Piece, deal, starts_of, unconsumed, whole
+# the layout and its checks live in bert_ref.shards; re-exported: bert-prep, eval and tests import them from here
+from .shards import (H5_SUFFIXES, PRED_DATASETS, SCHEMA, SEQ_DATASETS, VOCAB_ATTR, DataDirError,  # noqa: F401
+                     ShardError, ShardInfo, _read, check_arrays, inspect_shard, inspect_shards, list_shards,
+                     list_test_shards)
+
 
 # torch is imported where batches are built, so `bert-prep` (which shares the layout checks) starts fast
 if TYPE_CHECKING:
@@ -48,174 +65,11 @@ if TYPE_CHECKING:
 # or a plain cross entropy without a custom loss. (NVIDIA's recipe used -1 with `ignore_index=-1`; we don't.)
 IGNORE_INDEX = -100
 
-# dataset name -> (dtype, rank); dims: input_* [N, L], masked_lm_* [N, P], next_sentence_labels [N]
-SCHEMA: dict[str, tuple[np.dtype, int]] = {
-    "input_ids": (np.dtype("int32"), 2),
-    "input_mask": (np.dtype("int8"), 2),
-    "segment_ids": (np.dtype("int8"), 2),
-    "masked_lm_positions": (np.dtype("int32"), 2),
-    "masked_lm_ids": (np.dtype("int32"), 2),
-    "next_sentence_labels": (np.dtype("int8"), 1),
-}
-SEQ_DATASETS = ("input_ids", "input_mask", "segment_ids")
-PRED_DATASETS = ("masked_lm_positions", "masked_lm_ids")
-H5_SUFFIXES = (".hdf5", ".h5")
-VOCAB_ATTR = "vocab_size"  # h5 file attribute written by `bert-prep shards`: ids are < this
-_TEST_NAME = re.compile(r"(^|[_.-])test([_.-]|$)")
 DEFAULT_BLOCK_SAMPLES = 1 << 18  # 262144 samples of seq 128 ~ 250 MB in memory; at most two blocks are held
-
-
-class DataDirError(FileNotFoundError):
-    """The input directory is missing or holds no h5 shard."""
-
-
-class ShardError(ValueError):
-    """A shard is unusable; the message names the file and the dataset."""
-
-    def __init__(self, path: str | os.PathLike, dataset: str | None, problem: str):
-        self.path, self.dataset, self.problem = str(path), dataset, problem
-        where = f"{self.path}" + (f" [dataset '{dataset}']" if dataset else "")
-        super().__init__(f"bad BERT shard {where}: {problem}")
 
 
 class DataStateError(ValueError):
     """A saved data position does not fit this dataset / world size."""
-
-
-# ----------------------------------------------------------------------------------------------------- files
-def list_shards(input_dir: str | os.PathLike, split: str = "training") -> list[str]:
-    """Sorted h5 files of `input_dir`. If some names contain `split` ("training" / "test"), only those are taken
-    (NVIDIA's loader selects 'training' the same way); otherwise all h5 files. Temporary files (".tmp") never count."""
-    d = Path(input_dir)
-    if not d.is_dir():
-        raise DataDirError(f"BERT data directory not found: {d}")
-    files = sorted(str(p) for p in d.iterdir()
-                   if p.is_file() and p.suffix in H5_SUFFIXES and ".tmp" not in p.name)
-    chosen = [f for f in files if split in Path(f).name] if split else []
-    if not chosen and split == "training":  # unnamed training files: never train on the held-out test files
-        chosen = [f for f in files if f not in list_test_shards(d, files)]
-    files = chosen or files
-    if not files:
-        raise DataDirError(f"no h5 shards (*.hdf5, *.h5) in BERT data directory {d}")
-    return files
-
-
-def list_test_shards(input_dir: str | os.PathLike, files: list[str] | None = None) -> list[str]:
-    """The held-out h5 files of `input_dir`: names with a `test` word (`bert_test_*` from `bert-prep shards
-    --num-test-shards`, NVIDIA's `*_test_*`); [] when there are none."""
-    files = list_shards(input_dir, split="") if files is None else files
-    return [f for f in files if _TEST_NAME.search(Path(f).stem)]
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    path: str
-    num_samples: int
-    seq_len: int
-    max_predictions_per_seq: int
-    vocab_size: int | None = None  # the file's `vocab_size` attribute (None: not written, e.g. NVIDIA's files)
-
-
-def inspect_shard(path: str | os.PathLike, check_rows: int = 256, vocab_size: int | None = None) -> ShardInfo:
-    """Cheap validation on open: every dataset present with the right dtype and rank, consistent lengths and widths,
-    the file's `vocab_size` attribute (if any) not above `vocab_size` (the model's), and the first and last
-    `check_rows` rows readable and in range (a truncated or corrupt file fails here, naming the file and dataset).
-    Full content checks run on every block the loader reads, and `bert-prep check` reads all."""
-    import h5py
-
-    path = str(path)
-    try:
-        f = h5py.File(path, "r")
-    except Exception as e:  # truncated files fail here ("truncated file: eof = ...")
-        raise ShardError(path, None, f"cannot open as HDF5 ({type(e).__name__}: {e})") from e
-    with f:
-        shapes = {}
-        for name, (dtype, ndim) in SCHEMA.items():
-            if name not in f:
-                raise ShardError(path, name, f"missing dataset (file has {sorted(f.keys())})")
-            ds = f[name]
-            if not isinstance(ds, h5py.Dataset):
-                raise ShardError(path, name, "is a group, expected a dataset")
-            if ds.dtype != dtype:
-                raise ShardError(path, name, f"dtype {ds.dtype}, expected {dtype}")
-            if ds.ndim != ndim:
-                raise ShardError(path, name, f"shape {ds.shape}, expected {ndim} dimensions")
-            shapes[name] = ds.shape
-        n = shapes["input_ids"][0]
-        for name, shape in shapes.items():
-            if shape[0] != n:
-                raise ShardError(path, name, f"{shape[0]} samples but input_ids has {n}")
-        seq_len = shapes["input_ids"][1]
-        for name in SEQ_DATASETS:
-            if shapes[name][1] != seq_len:
-                raise ShardError(path, name, f"shape {shapes[name]}, expected [{n}, {seq_len}] like input_ids")
-        preds = shapes["masked_lm_positions"][1]
-        if shapes["masked_lm_ids"][1] != preds:
-            raise ShardError(path, "masked_lm_ids",
-                             f"shape {shapes['masked_lm_ids']}, expected [{n}, {preds}] like masked_lm_positions")
-        if n == 0:
-            raise ShardError(path, "input_ids", "file holds 0 samples")
-        if seq_len < 2 or preds < 1:
-            raise ShardError(path, "input_ids", f"sequence length {seq_len} / predictions {preds} too small")
-        attr = f.attrs.get(VOCAB_ATTR)
-        if attr is not None:
-            if np.ndim(attr) != 0 or not np.issubdtype(np.asarray(attr).dtype, np.integer) or int(attr) < 1:
-                raise ShardError(path, None, f"attribute {VOCAB_ATTR}={attr!r}, expected a positive integer")
-            attr = int(attr)
-            if vocab_size is not None and attr > vocab_size:
-                raise ShardError(path, None, f"written with a vocabulary of {attr} tokens (attribute {VOCAB_ATTR}) "
-                                             f"but the model's vocab_size is {vocab_size}")
-        bound = attr if attr is not None else vocab_size
-        k = min(check_rows, n)
-        for lo, hi in ((0, k), (n - k, n)):
-            check_arrays(path, _read(path, f, lo, hi), seq_len, first_row=lo, vocab_size=bound)
-    return ShardInfo(path, int(n), int(seq_len), int(preds), attr)
-
-
-
-def inspect_shards(files: list[str], vocab_size: int | None = None) -> list[ShardInfo]:
-    """inspect_shard for each file, and the files agree on seq_len and max_predictions_per_seq (training and test
-    shards are read the same way)."""
-    infos = [inspect_shard(p, vocab_size=vocab_size) for p in files]
-    first = infos[0]
-    for info in infos[1:]:
-        for attr, ds in (("seq_len", "input_ids"), ("max_predictions_per_seq", "masked_lm_positions")):
-            if getattr(info, attr) != getattr(first, attr):
-                raise ShardError(info.path, ds, f"{attr} {getattr(info, attr)} differs from "
-                                                f"{getattr(first, attr)} in {first.path}")
-    return infos
-
-def _read(path: str, f, lo: int, hi: int) -> dict[str, np.ndarray]:
-    out = {}
-    for name in SCHEMA:
-        try:
-            out[name] = f[name][lo:hi]
-        except Exception as e:
-            raise ShardError(path, name, f"cannot read samples {lo}:{hi} ({type(e).__name__}: {e}); "
-                             "truncated or corrupt file?") from e
-    return out
-
-
-def check_arrays(path: str, a: dict[str, np.ndarray], seq_len: int, first_row: int = 0,
-                 vocab_size: int | None = None) -> None:
-    """Content checks on a slice of a shard (rows first_row..): token ids in [0, vocab_size) (only >= 0 when
-    vocab_size is None), masks and labels 0/1, positions inside the sequence. Raises ShardError naming the file,
-    dataset and first bad row. Fast path: one min/max pass per dataset; the row search runs only on a violation."""
-    ids_hi, ids_what = ((None, "negative token ids") if vocab_size is None else
-                        (vocab_size - 1, f"token ids out of the vocabulary [0, {vocab_size})"))
-    # dataset -> (lowest allowed, highest allowed, what)
-    bounds = {"masked_lm_positions": (0, seq_len - 1, f"positions out of range [0, {seq_len})"),
-              "input_ids": (0, ids_hi, ids_what), "masked_lm_ids": (0, ids_hi, ids_what),
-              "input_mask": (0, 1, "values other than 0/1"), "segment_ids": (0, 1, "values other than 0/1"),
-              "next_sentence_labels": (0, 1, "values other than 0/1")}
-    for name, (lo, hi, what) in bounds.items():
-        x = a[name]
-        if x.size == 0 or (x.min() >= lo and (hi is None or x.max() <= hi)):
-            continue
-        bad = (x < lo) | (x > hi) if hi is not None else x < lo
-        rows = np.nonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0]
-        raise ShardError(path, name, f"{what} (first at sample {first_row + int(rows[0])}, "
-                                     f"{len(rows)} samples in rows {first_row}:{first_row + x.shape[0]})")
 
 
 # ---------------------------------------------------------------------------------------------- pure planning
@@ -285,6 +139,23 @@ def block_permutation(seg: Segment, epoch: int, seed: int) -> np.ndarray:
     """Visiting order of a block's samples; depends only on (seed, epoch, file name, block range)."""
     name_key = int.from_bytes(hashlib.sha1(Path(seg.path).name.encode()).digest()[:4], "little")
     return np.random.default_rng([seed, epoch, name_key, seg.start, seg.stop]).permutation(seg.size)
+
+
+def resized_plan(sizes: dict[str, int], epoch: int, seed: int, history: list[dict], rank: int, world_size: int,
+                 micro_batch: int) -> tuple[list[Piece], int]:
+    """(pieces, batches) of `rank` of `world_size` for the rest of `epoch` after `history` (pure; see data_resize).
+
+    history: the plans the epoch went through, oldest first, each {"world_size", "micro_batch", "samples": [consumed
+    on each rank]}; the first is a normal plan and also holds its "block_samples"."""
+    h0 = history[0]
+    w, b = int(h0["world_size"]), int(h0["micro_batch"])
+    plans = [whole(plan_segments(sizes, r, w, epoch, seed, int(h0["block_samples"]))) for r in range(w)]
+    pool = unconsumed(plans, h0["samples"], batches_per_epoch(sizes, w, epoch, seed, b) * b)
+    for h in history[1:]:
+        plans, nb = deal(pool, int(h["world_size"]), int(h["micro_batch"]))
+        pool = unconsumed(plans, h["samples"], nb * int(h["micro_batch"]))
+    plans, nb = deal(pool, world_size, micro_batch)
+    return plans[rank], nb
 
 
 # --------------------------------------------------------------------------------------------- batch building
@@ -370,9 +241,15 @@ class PretrainingData:
         self.vocab_size: int | None = max(stored) if stored else None  # as written with the shards
         self.num_samples = sum(self.sizes.values())
         self.fingerprint = files_fingerprint(self.sizes)
+        files_sorted = sorted(self.sizes)
+        # global sample index = offset of the file in the sorted concatenation + row (world-size independent)
+        self._base = dict(zip(files_sorted, np.cumsum([0] + [self.sizes[f] for f in files_sorted[:-1]]).tolist()))
+        self.sample_log = SampleLog(rank)
         self.epoch = 0
         self.samples_done = 0  # samples consumed on this rank in self.epoch (same on every rank)
-        self._plans: dict[int, tuple[list[Segment], list[int], int]] = {}
+        # plans self.epoch went through before this one (resumes on another world size); [] for a normal epoch
+        self.history: list[dict] = []
+        self._plans: dict[int, tuple[list[Piece], list[int], int]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._cache: dict[tuple, Future] = {}
         self._current: tuple | None = None
@@ -382,14 +259,18 @@ class PretrainingData:
                                f"{rank} of {world_size} no full micro batch of {micro_batch}")
 
     # -- plan
-    def _plan(self, epoch: int) -> tuple[list[Segment], list[int], int]:
-        """(blocks, cumulative start sample of each block, batches in the epoch) for this rank."""
+    def _plan(self, epoch: int) -> tuple[list[Piece], list[int], int]:
+        """(pieces of blocks, start sample of each piece, batches in the epoch) for this rank."""
         if epoch not in self._plans:
-            segs = plan_segments(self.sizes, self.rank, self.world_size, epoch, self.seed, self.block_samples)
-            starts = np.cumsum([0] + [s.size for s in segs[:-1]]).tolist()
-            nb = batches_per_epoch(self.sizes, self.world_size, epoch, self.seed, self.micro_batch)
+            if self.history and epoch == self.epoch:
+                pieces, nb = resized_plan(self.sizes, epoch, self.seed, self.history, self.rank, self.world_size,
+                                          self.micro_batch)
+            else:
+                pieces = whole(plan_segments(self.sizes, self.rank, self.world_size, epoch, self.seed,
+                                             self.block_samples))
+                nb = batches_per_epoch(self.sizes, self.world_size, epoch, self.seed, self.micro_batch)
             self._plans = {k: v for k, v in self._plans.items() if k >= epoch - 1}
-            self._plans[epoch] = (segs, starts, nb)
+            self._plans[epoch] = (pieces, starts_of(pieces), nb)
         return self._plans[epoch]
 
     def __len__(self) -> int:
@@ -430,76 +311,155 @@ class PretrainingData:
                 self._cache[(seg, epoch)] = self._submit(seg, epoch)
 
     def _next_block(self, epoch: int, block: int) -> tuple[Segment, int] | None:
-        segs = self._plan(epoch)[0]
-        if block + 1 < len(segs):
-            return segs[block + 1], epoch
-        return self._plan(epoch + 1)[0][0], epoch + 1  # first block of the next epoch
+        pieces = self._plan(epoch)[0]
+        for p in pieces[block + 1:]:
+            if p.seg != pieces[block].seg:  # a dealt plan may read two ranges of one block in a row
+                return p.seg, epoch
+        nxt = self._plan(epoch + 1)[0]  # first block of the next epoch
+        return (nxt[0].seg, epoch + 1) if nxt else None
 
     # -- DataSource
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.samples_done = int(epoch), 0
+        if self.history:  # a new epoch starts from a normal plan at this world size
+            self.history, self._plans = [], {}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         epoch, B = self.epoch, self.micro_batch
-        segs, starts, nb = self._plan(epoch)
+        pieces, starts, nb = self._plan(epoch)
         end = nb * B
         while self.samples_done < end and self.epoch == epoch:
             s = self.samples_done
-            parts, need = [], B
+            parts, need, index = [], B, []
             while need:
                 b = bisect.bisect_right(starts, s) - 1
-                seg = segs[b]
-                arrays, perm = self._get(seg, epoch)
+                piece = pieces[b]
+                arrays, perm = self._get(piece.seg, epoch)
                 nxt = self._next_block(epoch, b)
                 if nxt is not None:
                     self._prefetch(*nxt)
-                off = s - starts[b]
-                take = min(need, seg.size - off)
-                parts.append(make_batch(arrays, perm[off:off + take]))
+                off = piece.lo + s - starts[b]
+                take = min(need, piece.hi - off)
+                rows = perm[off:off + take]
+                parts.append(make_batch(arrays, rows))
+                if self.sample_log:
+                    index.append(self._base[piece.seg.path] + piece.seg.start + rows)
                 s, need = s + take, need - take
             self.samples_done = s
+            if self.sample_log:
+                self.sample_log.write(epoch, np.concatenate(index).tolist())
             yield _concat(parts)
 
     def position(self) -> dict:
         """Where the next batch starts on this rank: file, block and offset (for logs and the checkpoint)."""
-        segs, starts, nb = self._plan(self.epoch)
+        pieces, starts, nb = self._plan(self.epoch)
         s = self.samples_done
         if s >= nb * self.micro_batch:
             return {"file": None, "range_start": None, "block_start": None, "offset_in_block": None,
                     "offset_in_range": None}
         b = bisect.bisect_right(starts, s) - 1
+        segs = [p.seg for p in pieces]
         first = b  # first block of this file's range: the offset in the range counts from there
         while first > 0 and segs[first - 1].path == segs[b].path and segs[first - 1].stop == segs[first].start:
             first -= 1
         return {"file": Path(segs[b].path).name, "range_start": segs[first].start, "block_start": segs[b].start,
-                "offset_in_block": s - starts[b], "offset_in_range": s - starts[first]}
+                "offset_in_block": pieces[b].lo + s - starts[b], "offset_in_range": s - starts[first]}
 
     def state_dict(self) -> dict:
         """JSON-able position after the last yielded batch. `samples` (consumed in `epoch`) is what a resume uses and
-        is the same on every rank; file order / file / offsets are this rank's view of it, for people and logs."""
-        files = [Path(p).name for p in assign_shards(self.files, self.rank, self.world_size, self.epoch, self.seed)]
-        return {"version": 1, "epoch": self.epoch, "samples": self.samples_done,
+        is the same on every rank; file order / file / offsets are this rank's view of it, for people and logs.
+        `history`: the plans this epoch went through before a resume on another world size ([] normally)."""
+        if self.history:
+            files = list(dict.fromkeys(Path(p.seg.path).name for p in self._plan(self.epoch)[0]))
+        else:
+            files = [Path(p).name for p in assign_shards(self.files, self.rank, self.world_size, self.epoch,
+                                                         self.seed)]
+        return {"version": 2, "epoch": self.epoch, "samples": self.samples_done,
                 "batches": self.samples_done // self.micro_batch, "micro_batch": self.micro_batch,
                 "world_size": self.world_size, "rank": self.rank, "seed": self.seed,
+                "block_samples": self.block_samples, "history": self.history,
                 "fingerprint": self.fingerprint, "file_order": files, **self.position()}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Seek to a saved position. The position is the same on every rank, so any rank's state fits any rank."""
-        for key, mine in (("fingerprint", self.fingerprint), ("world_size", self.world_size), ("seed", self.seed)):
-            if state.get(key) != mine:
+    def _check(self, state: dict, keys: tuple[str, ...]) -> None:
+        mine = {"fingerprint": self.fingerprint, "world_size": self.world_size, "seed": self.seed}
+        for key in keys:
+            if state.get(key) != mine[key]:
                 raise DataStateError(
-                    f"saved data position has {key}={state.get(key)!r} but this run has {mine!r} "
-                    f"({self.input_dir}); exact resume needs the same shards, world size and data seed")
+                    f"saved data position has {key}={state.get(key)!r} but this run has {mine[key]!r} "
+                    f"({self.input_dir}); exact resume needs the same shards, world size and data seed"
+                    + (" (another world size: give the states of all ranks to load_state_dicts)"
+                       if key == "world_size" else ""))
         epoch, samples = int(state["epoch"]), int(state["samples"])
         if samples < 0 or epoch < 0:
             raise DataStateError(f"saved data position epoch {epoch}, sample {samples} is invalid")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Seek to a saved position of this world size. The position is the same on every rank, so any rank's state
+        fits any rank."""
+        self._check(state, ("fingerprint", "world_size", "seed"))
+        epoch, samples = int(state["epoch"]), int(state["samples"])
+        history = list(state.get("history") or [])
+        block_samples = int(state.get("block_samples", self.block_samples))
+        if (history and int(state["micro_batch"]) != self.micro_batch) or \
+                (not history and block_samples != self.block_samples):
+            # the saved plan is not the one this loader would make (a dealt plan depends on the micro batch, a
+            # normal one on the block size): continue from what it consumed, as after a resize. Every rank consumed
+            # `samples` (the loop keeps them in step), so this one state describes all of them.
+            self._resume_from(epoch, history + [self._entry(state, [samples] * self.world_size, not history)])
+            return
+        self.epoch, self.history, self._plans = epoch, history, {}
         # positions are in samples, so a changed micro batch still resumes at the same sample (clamped: an epoch
         # that ended under the old micro batch stays ended)
         end = self._plan(epoch)[2] * self.micro_batch
-        self.epoch, self.samples_done = epoch, min(samples, end)
-        if self.samples_done < end:  # start reading the block we resume in right away
-            segs, starts, _ = self._plan(epoch)
-            self._prefetch(segs[bisect.bisect_right(starts, self.samples_done) - 1], epoch)
+        self.samples_done = min(samples, end)
+        self._prefetch_position()
+
+    def load_state_dicts(self, states: list[dict]) -> None:
+        """Resume from the saved states of ALL ranks of a checkpoint, in rank order, at this or another world size.
+
+        Same world size (and plan): `load_state_dict(states[self.rank])`, i.e. exactly today's resume. Otherwise the
+        samples the saved ranks had not consumed in the epoch are dealt to this run's ranks (bert_ref.data_resize);
+        this rank takes its share and the epoch's length follows from it."""
+        if not states:
+            raise DataStateError(f"{self.input_dir}: no saved data state to resume from")
+        for i, st in enumerate(states):
+            self._check(st, ("fingerprint", "seed"))
+            where = f"saved data state {i} of {len(states)}"
+            if int(st.get("world_size", -1)) != len(states):
+                raise DataStateError(f"{where} has world_size={st.get('world_size')!r}, expected {len(states)} "
+                                     "(the states of every rank of one checkpoint, in rank order)")
+            if int(st.get("rank", i)) != i:
+                raise DataStateError(f"{where} has rank={st.get('rank')!r}, expected {i} (states in rank order)")
+            for key in ("epoch", "history", "micro_batch", "block_samples"):
+                if st.get(key) != states[0].get(key):
+                    raise DataStateError(f"{where} has {key}={st.get(key)!r} but rank 0's has "
+                                         f"{states[0].get(key)!r}: not one checkpoint")
+        if len(states) == self.world_size:
+            self.load_state_dict(states[self.rank])
+            return
+        history = list(states[0].get("history") or [])
+        self._resume_from(int(states[0]["epoch"]),
+                          history + [self._entry(states[0], [int(st["samples"]) for st in states], not history)])
+
+    def _entry(self, state: dict, samples: list[int], first: bool) -> dict:
+        out = {"world_size": int(state["world_size"]), "micro_batch": int(state["micro_batch"]), "samples": samples}
+        if first:  # the normal plan's blocks
+            out["block_samples"] = int(state.get("block_samples", self.block_samples))
+        return out
+
+    def _resume_from(self, epoch: int, history: list[dict]) -> None:
+        self.epoch, self.history, self._plans, self.samples_done = epoch, history, {}, 0
+        try:
+            self._plan(epoch)
+        except ValueError as e:  # counts outside the saved plan's epoch: not a position of that plan
+            raise DataStateError(f"{self.input_dir}: saved data position of epoch {epoch} does not fit its plan "
+                                 f"({e}); history {history}") from None
+        self._prefetch_position()
+
+    def _prefetch_position(self) -> None:
+        pieces, starts, nb = self._plan(self.epoch)
+        if self.samples_done < nb * self.micro_batch:  # start reading the block we resume in right away
+            self._prefetch(pieces[bisect.bisect_right(starts, self.samples_done) - 1].seg, self.epoch)
 
     shared_summary_stats = ("data_files", "data_samples")  # the whole set, the same on every rank: not summed
 

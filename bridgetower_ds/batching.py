@@ -9,8 +9,14 @@ Plan (pure, numpy only; tested without DeepSpeed):
   It does not depend on the world size.
 - Training: the order is trimmed so every rank has n // world rows; rank r takes positions r, r + W, r + 2W, ...
   After k micro batches on every rank the ranks together have consumed exactly the first k * B * W positions of the
-  global order, so the saved position (`sample_offset`) is a point in that world-size-independent order. Resuming
-  on another world size (a later change) can continue from it; today a different world size is refused.
+  global order, so the saved position (`sample_offset`) is a point in that world-size-independent order.
+- Resume on another world size W' (or micro batch B'): the epoch's rest is the window [sample_offset, end) of the
+  global order, `end` being where the saved plan's epoch ends (`epoch_end`: its trimmed and dropped rows excluded).
+  The window is dealt exactly like a whole epoch (`rank_batches(epoch, window)`): trimmed to W' x (len // W') rows,
+  rank r' takes positions r', r' + W', ..., a last one-row batch dropped. So the position stays a prefix of the
+  global order (window start + k * B' * W'), every rank runs the same number of batches (len(window) // W' / B',
+  rounded up), and fewer than 2 x W' rows of the window are dropped: the trim (< W') and the one-row tails (W'), as a
+  whole epoch drops them. A later resume in the same epoch windows again; the next epoch is whole.
 - Evaluation: the order is cut into micro batches first, and batch c goes to rank c mod W. Batch composition, and so
   the in-batch-negatives loss of every batch, is therefore the same on any number of ranks: eval loss depends on
   the eval micro batch size, never on the world size.
@@ -91,32 +97,81 @@ class BatchPlan:
         """Evaluation: the split's micro batches in global order (rank c mod W runs batch c)."""
         return split_batches(self.order(epoch), self.micro_batch, drop_small=False)
 
-    def rank_batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's micro batches for the epoch (arrays of dataset rows)."""
+    def _window(self, window: tuple[int, int] | None) -> tuple[int, int]:
+        if window is None:
+            return 0, self.rows
+        if not self.train:
+            raise ValueError("evaluation plans are not resumed: no window")
+        lo, hi = int(window[0]), int(window[1])
+        if not 0 <= lo <= hi <= self.rows:
+            raise ValueError(f"window [{lo}, {hi}) outside the {self.rows} rows of the epoch's global order")
+        return lo, hi
+
+    def rank_batches(self, epoch: int, window: tuple[int, int] | None = None) -> list[np.ndarray]:
+        """This rank's micro batches for the epoch (arrays of dataset rows); `window`: only positions [lo, hi) of
+        the epoch's global order (the rest of an epoch resumed on another world size), dealt like a whole epoch."""
         if not self.train:
             return self._global_batches(epoch)[self.rank::self.world_size]
-        per = self.rows // self.world_size
-        mine = self.order(epoch)[:per * self.world_size][self.rank::self.world_size]
+        lo, hi = self._window(window)
+        per = (hi - lo) // self.world_size
+        mine = self.order(epoch)[lo:lo + per * self.world_size][self.rank::self.world_size]
         return split_batches(mine, self.micro_batch, drop_small=True)
 
-    def sample_offset(self, epoch: int, batches_done: int) -> int:
+    def sample_offset(self, epoch: int, batches_done: int, window: tuple[int, int] | None = None) -> int:
         """Global position after every rank ran `batches_done` batches: how many leading samples of the epoch's
         global order have been consumed."""
         if not self.train:
             return int(sum(len(b) for b in self._global_batches(epoch)[:batches_done * self.world_size]))
-        per = self.rows // self.world_size
-        return min(batches_done * self.micro_batch, per) * self.world_size
+        lo, hi = self._window(window)
+        per = (hi - lo) // self.world_size
+        return lo + min(batches_done * self.micro_batch, per) * self.world_size
 
-    def batches_done(self, epoch: int, sample_offset: int) -> int:
+    def epoch_end(self, epoch: int, window: tuple[int, int] | None = None) -> int:
+        """Where this plan's epoch ends in the global order: the offset after its last batch (rows after it are the
+        trimmed / dropped tail the plan never trains on in this epoch)."""
+        return self.sample_offset(epoch, len(self.rank_batches(epoch, window)), window)
+
+    def batches_done(self, epoch: int, sample_offset: int, window: tuple[int, int] | None = None) -> int:
         """Inverse of sample_offset for this plan's world size; a position that is not a batch boundary here is
         refused with the numbers (it would need re-planning the rest of the epoch)."""
-        n_batches = len(self.rank_batches(epoch))
+        n_batches = len(self.rank_batches(epoch, window))
         for k in range(n_batches + 1):
-            if self.sample_offset(epoch, k) == sample_offset:
+            if self.sample_offset(epoch, k, window) == sample_offset:
                 return k
         raise ValueError(f"data position {sample_offset} (samples of epoch {epoch}'s global order) is not a micro "
                          f"batch boundary for world size {self.world_size} x micro batch {self.micro_batch} "
-                         f"over {self.rows} rows")
+                         f"over {self.rows} rows" + (f" in window {list(window)}" if window else ""))
+
+
+def resume_window(states: list[dict], rows: int, seed: int) -> tuple[int, tuple[int, int]]:
+    """(epoch, window) left to train on after the saved training states of ALL ranks of a checkpoint (rank order):
+    [sample_offset, where the saved plan's epoch ends). Every rank saved the same global position; one that does not
+    is refused, naming the field."""
+    if not states:
+        raise ValueError("no saved data state to resume from")
+    first = states[0]
+    for key, now in (("rows", rows), ("seed", seed)):
+        if first.get(key) != now:
+            raise ValueError(f"data position was saved with {key} {first.get(key)}, this run has {now}: the "
+                             "epoch's order differs, the position cannot be restored")
+    for i, st in enumerate(states):
+        if int(st.get("world_size", -1)) != len(states):
+            raise ValueError(f"saved data state {i} of {len(states)} has world_size={st.get('world_size')!r}, "
+                             f"expected {len(states)} (the states of every rank of one checkpoint, in rank order)")
+        for key in ("epoch", "sample_offset", "window", "micro_batch", "rows", "seed"):
+            if st.get(key) != first.get(key):
+                raise ValueError(f"saved data state {i} of {len(states)} has {key}={st.get(key)!r} but rank 0's "
+                                 f"has {first.get(key)!r}: not one checkpoint")
+    if "sample_offset" not in first:
+        raise ValueError("saved data position has no global sample_offset (saved before it existed): it can only "
+                         "be resumed on the world size that saved it")
+    saved = BatchPlan(rows, 0, len(states), int(first["micro_batch"]), seed, train=True)
+    epoch, window = int(first["epoch"]), first.get("window")
+    offset, end = int(first["sample_offset"]), saved.epoch_end(int(first["epoch"]), window)
+    start = saved.sample_offset(epoch, 0, window)
+    if not start <= offset <= end:
+        raise ValueError(f"saved data position {offset} is outside its epoch's plan [{start}, {end}] of {rows} rows")
+    return epoch, (offset, end)
 
 
 # ---------------------------------------------------------------------------------------------------- padding

@@ -6,7 +6,11 @@ rows hold an image path (relative to the manifest's folder) and a caption. Missi
 out of train deterministically (`split_seed`), so every rank and every rerun sees the same split.
 
 Order, rank share and resume position come from batching.BatchPlan (pure); every pipeline turns decoded rows into a
-batch with batching.BatchAssembler. The position saved in checkpoints is a point in the epoch's global sample order.
+batch with batching.BatchAssembler. The position saved in checkpoints is a point in the epoch's global sample order;
+`load_state_dicts` (the states of all ranks) resumes on another world size by dealing the rest of the epoch's order
+to the new ranks (batching.resume_window). With `DS_CORE_SAMPLE_LOG=<dir>`, each rank appends {"epoch", "indices":
+the plan's dataset rows of each training micro batch it consumed, "trained": the rows in the batch when bad images
+removed some} to `<dir>/rank{r}.jsonl` (ds_core.sample_log).
 
 Pipelines: "host" decodes/resizes/crops in DataLoader workers and ships uint8 [B,S,S,3]; normalization happens on
 the training device. "device-*" pipelines ship encoded bytes from the workers and decode on the accelerator
@@ -25,8 +29,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from ds_core.sample_log import SampleLog
+
 from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length,
-                       tokenize)
+                       resume_window, tokenize)
 from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, BadImage, host_transform, make_device_decoder,  # noqa: F401
                      normalize, read_bytes, resolve_pipeline)
 
@@ -442,7 +448,9 @@ class CaptionData:
                 print(f"[bridgetower_ds] image pipeline: {pipeline} ({why})", flush=True)
         self.pipeline = pipeline
         self.epoch, self.batches_done = 0, 0
+        self.window: tuple[int, int] | None = None  # self.epoch's rest after a resize (batching.resume_window)
         self._batches = self.plan.rank_batches(0)
+        self.sample_log = SampleLog(rank, enabled=shuffle)
         self.pad_to_max = pad_to_max_length(args.pad_to_max_length, self.device)
         self.bad = BadImageLog(args.bad_image, rank)
         self.assembler = BatchAssembler(size=self.size, device=self.device, world_size=world_size,
@@ -468,15 +476,32 @@ class CaptionData:
         return [(k + 1, rows) for k, rows in enumerate(self._batches) if k >= self.batches_done]
 
     # -- DataSource protocol
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.batches_done = int(epoch), 0
-        self._batches = self.plan.rank_batches(self.epoch)
+    def set_epoch(self, epoch: int, window: tuple[int, int] | None = None) -> None:
+        self.epoch, self.batches_done, self.window = int(epoch), 0, window
+        self._batches = self.plan.rank_batches(self.epoch, window)
 
     def state_dict(self) -> dict:
-        """The position as a point in the epoch's global (world-size-independent) sample order."""
-        return {"epoch": self.epoch, "sample_offset": self.plan.sample_offset(self.epoch, self.batches_done),
+        """The position as a point in the epoch's global (world-size-independent) sample order; `window`: the part
+        of it this epoch deals since a resume on another world size (None: all)."""
+        return {"epoch": self.epoch, "sample_offset": self.plan.sample_offset(self.epoch, self.batches_done,
+                                                                              self.window),
+                "window": list(self.window) if self.window else None,
                 "seed": self.seed, "world_size": self.world_size, "micro_batch": self.micro_batch,
                 "rows": len(self.table), "bad_images": self.bad.count}
+
+    def load_state_dicts(self, states: list[dict]) -> None:
+        """Resume from the saved states of ALL ranks of a checkpoint (rank order). Same world size and micro batch:
+        `load_state_dict(states[self.rank])`, exactly as before. Otherwise the rest of the epoch's global order is
+        dealt to this run's ranks (batching.resume_window); bad-image counts are summed so their total is kept."""
+        if len(states) == self.world_size and all(st.get("world_size") == self.world_size and
+                                                  st.get("micro_batch", self.micro_batch) == self.micro_batch
+                                                  for st in states):
+            return self.load_state_dict(states[self.rank])
+        try:
+            self.set_epoch(*resume_window(states, len(self.table), self.seed))
+        except ValueError as e:
+            raise ValueError(f"{self.table.source}: {e}") from None
+        self.bad.count = sum(int(st.get("bad_images", 0)) for st in states[self.rank::self.world_size])
 
     def load_state_dict(self, state: dict) -> None:
         saved = {k: state.get(k, now) for k, now in (("world_size", self.world_size), ("rows", len(self.table)),
@@ -487,9 +512,9 @@ class CaptionData:
             diff = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in now if saved[k] != now[k])
             raise ValueError(f"data position was saved with a different plan ({diff}): the per-rank order would "
                              "differ, so the position cannot be restored exactly")
-        self.set_epoch(int(state["epoch"]))
+        self.set_epoch(int(state["epoch"]), tuple(state["window"]) if state.get("window") else None)
         if "sample_offset" in state:
-            self.batches_done = self.plan.batches_done(self.epoch, int(state["sample_offset"]))
+            self.batches_done = self.plan.batches_done(self.epoch, int(state["sample_offset"]), self.window)
         else:  # positions saved before the global offset: rows into this rank's list
             self.batches_done = -(-int(state["offset"]) // self.micro_batch)
         self.bad.count = int(state.get("bad_images", self.bad.count))
@@ -513,6 +538,8 @@ class CaptionData:
         source = self._hpu.batches() if self._hpu is not None else self._assembled()
         for end, batch in source:
             self.batches_done = end
+            if self.sample_log:
+                self._log(self._batches[end - 1], batch)
             if batch is None:
                 batch = self.assembler.fill_in()
                 if batch is None:
@@ -525,6 +552,11 @@ class CaptionData:
             yield self.assembler.stand_in()
 
     # -- internals
+    def _log(self, rows: np.ndarray, batch: dict | None) -> None:
+        trained = [] if batch is None else [int(i) for i in batch["index"].tolist()]
+        extra = {} if trained == rows.tolist() else {"trained": trained}
+        self.sample_log.write(self.epoch, rows.tolist(), **extra)
+
     def _raw_batches(self) -> Iterator[dict]:
         workers = self.args.dataloader_num_workers
         if workers == 0:
