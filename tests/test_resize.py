@@ -23,7 +23,8 @@ LOSS_TOL = 0.1
 
 def ds_json(tmp_path: Path, stage: int, accum: int = 1) -> str:
     cfg = json.loads((DS_CONFIG_DIR / f"zero{stage}_bf16.json").read_text())
-    cfg["optimizer"]["params"]["lr"] = 3e-3
+    # torch's AdamW (DeepSpeed's torch_adam): no JIT-built fused_adam op to wait for, the same Adam moments
+    cfg["optimizer"]["params"].update(lr=3e-3, torch_adam=True)
     cfg.update(gradient_accumulation_steps=accum, train_micro_batch_size_per_gpu=MICRO)
     cfg.pop("train_batch_size", None)
     p = tmp_path / f"zero{stage}_ga{accum}.json"
