@@ -76,6 +76,7 @@ def test_bert_debug_two_ranks_to_one(tmp_path):
     check_resize_record(resumed, 2, 1, 2)
     ref, got = step_records(full), step_records(resumed)
     assert min(got) == 4 and max(got) == max(ref)
+    print(f"loss after resize: step 4 {got[4]['loss']:.4f}, uninterrupted {ref[4]['loss']:.4f}")
     assert got[4]["loss"] == pytest.approx(ref[4]["loss"], rel=LOSS_REL)
     assert got[4]["lr"] == pytest.approx(ref[4]["lr"], rel=1e-6)
     check_epoch(tmp_path / "log_full", tmp_path / "log_resumed", 3, 4, 1, 64)
@@ -106,6 +107,20 @@ def test_bridgetower_debug_two_ranks_to_one(tmp_path):
     check_resize_record(resumed, 2, 1, 2)
     ref, got = step_records(full), step_records(resumed)
     assert min(got) == 3 and max(got) == max(ref)
+    print(f"loss after resize: step 3 {got[3]['loss']:.4f}, uninterrupted {ref[3]['loss']:.4f}")
     assert got[3]["loss"] == pytest.approx(ref[3]["loss"], rel=LOSS_REL)
     train_rows = [i for r in range(2) for i in logged(tmp_path / "log_full", r)]
     check_epoch(tmp_path / "log_full", tmp_path / "log_resumed", 2, 8, 1, max(train_rows) + 1)
+    # ds-ckpt export-hf of the resumed run's final checkpoint = the fp32 model the run saved (logit_scale, [1] under
+    # DeepSpeed, goes back to transformers' 0-dim shape)
+    import torch
+    import transformers
+
+    from ds_core.ckpt_cli import export_hf
+
+    export_hf(str(resumed), str(tmp_path / "hf"))
+    cls = getattr(transformers, json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0])
+    exported, saved = cls.from_pretrained(tmp_path / "hf"), cls.from_pretrained(resumed)
+    assert exported.logit_scale.dim() == 0
+    for (name, a), (_, b) in zip(exported.state_dict().items(), saved.state_dict().items()):
+        assert torch.equal(a, b), name

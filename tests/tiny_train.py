@@ -10,7 +10,8 @@ TINY_SIGNAL_AT_STEP=k (with TINY_SIGNAL_RANK=r, TINY_SIGNAL=SIGTERM|SIGUSR1) mak
 during optimizer step k; TINY_DROPOUT_DUMP=DIR saves each rank's first dropout mask (embeddings) to DIR;
 TINY_DISK_FULL_AT=k makes every rank's checkpoint writer fail with ENOSPC at step k (where no tmpfs can be mounted).
 TINY_SAMPLE_LOG=DIR appends each rank's trained sample indices to DIR/samples_rank{r}.txt; TINY_DUMP_OPT=FILE saves
-the full fp32 master weights and Adam moments after training (rank 0); TINY_NO_RESIZE=1 uses a data source without
+the full fp32 master weights and Adam moments after training (rank 0), TINY_DUMP_OPT_ON_RESUME=FILE right after a
+resume loaded the checkpoint; TINY_NO_RESIZE=1 uses a data source without
 load_state_dicts.
 """
 from __future__ import annotations
@@ -116,9 +117,13 @@ def dump_optimizer(engine, path: str, rank: int) -> None:
 
     out = {}
     for name, p in engine.module.named_parameters():
-        out[name] = {"fp32": safe_get_full_fp32_param(p), "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
-                     "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq"),
-                     "lr": engine.optimizer.param_groups[0]["lr"]}
+        if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():  # fp32 ZeRO-0: plain torch
+            st = engine.optimizer.state[p]
+            fp32, avg, avg_sq = p.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+        else:
+            fp32, avg, avg_sq = (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"),
+                                 safe_get_full_optimizer_state(p, "exp_avg_sq"))
+        out[name] = {"fp32": fp32, "exp_avg": avg, "exp_avg_sq": avg_sq, "lr": engine.optimizer.param_groups[0]["lr"]}
     if rank == 0:
         torch.save(out, path)
 
@@ -218,6 +223,14 @@ def main(argv=None) -> dict:
 
         engine.module.bert.embeddings.dropout.register_forward_hook(keep_first_mask)
     data = (SyntheticData if os.environ.get("TINY_NO_RESIZE") else ResizableData)(args, dist.rank, dist.world_size, ds_config["train_micro_batch_size_per_gpu"], cfg.seed)
+    if os.environ.get("TINY_DUMP_OPT_ON_RESUME"):  # the optimizer state as the checkpoint load left it
+        real_load = data.load_state_dicts
+
+        def dump_then_load(states):  # the loop calls this right after ds_core.checkpoint.load, on every rank
+            dump_optimizer(engine, os.environ["TINY_DUMP_OPT_ON_RESUME"], dist.rank)
+            real_load(states)
+
+        data.load_state_dicts = dump_then_load
     per_sample = 6 * sum(p.numel() for p in model.parameters()) * args.seq_len  # ~6 N T training FLOPs
     summary = train(engine, step_fn, data, cfg, dist, model_name="tiny-bert", flops_per_sample=per_sample,
                     seq_len=args.seq_len, eval_fn=eval_fn, clock=FAKE_CLOCK)
