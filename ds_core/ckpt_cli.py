@@ -148,6 +148,17 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
     state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     with torch.device("meta"):
         expected = {k: v.shape for k, v in cls(config).state_dict().items()}
+    missing = [k for k in expected if k not in state]
+    if missing:
+        # zero_to_fp32 rebuilds trained parameters from the optimizer's fp32 partitions and frozen ones only where
+        # DeepSpeed stored them (ZeRO >= 2); under ZeRO-0/1 a frozen parameter (BridgeTower's text pooler) is in the
+        # module state of mp_rank_00 alone, in the dtype the run trained in (bf16-rounded under bf16)
+        module_file = root / tag / "mp_rank_00_model_states.pt"
+        if module_file.is_file():
+            module = torch.load(module_file, map_location="cpu", weights_only=False).get("module") or {}
+            for k in missing:
+                if k in module and module[k].numel() == expected[k].numel():
+                    state[k] = module[k].float()
     for k, v in list(state.items()):
         if k in expected and v.shape != expected[k] and v.numel() == expected[k].numel():
             state[k] = v.reshape(expected[k])

@@ -70,7 +70,8 @@ def test_two_ranks_to_one_keeps_optimizer_state_batch_and_samples(tmp_path, stag
     # universal checkpoint restored (dumped right after the load) is exactly what the two ranks held.
     out = tiny(run, cfg, 1, "--resume", "--max_steps", "16", TINY_SAMPLE_LOG=str(log),
                TINY_DUMP_OPT_ON_RESUME=str(tmp_path / "loaded.pt")).stdout
-    assert (run / "checkpoints" / "global_step4_universal" / "COMPLETE").is_file()
+    # ZeRO-0 (fp32) keeps the whole optimizer state in one file: it loads on any size without a conversion
+    assert (run / "checkpoints" / "global_step4_universal" / "COMPLETE").is_file() == (stage > 0)
     assert_same_optimizer(tmp_path / "saved.pt", tmp_path / "loaded.pt")
     assert "data-parallel size 2 -> 1 (--on_resize keep_batch): global batch kept at 16 (gradient accumulation " \
            "1 -> 2)" in out
@@ -81,6 +82,7 @@ def test_two_ranks_to_one_keeps_optimizer_state_batch_and_samples(tmp_path, stag
     assert summary["world_size"] == 1 and summary["grad_accum"] == 2 and summary["steps"] == 16
     ls, ref_ls = losses(run), losses(ref)
     assert sorted(ls) == list(range(1, 17))
+    print(f"ZeRO-{stage} loss after resize: step 5 {ls[5]:.4f}, uninterrupted {ref_ls[5]:.4f}")
     assert abs(ls[5] - ref_ls[5]) < LOSS_TOL, (ls[5], ref_ls[5])
     seen = samples_seen(log)
     assert seen == Counter(f"0 {i}" for i in range(SAMPLES)), "an epoch across the resize is not every sample once"
