@@ -15,9 +15,9 @@ from test_bt_train import ds_json as bt_ds_json, make_caption_set
 
 pytestmark = pytest.mark.slow
 # Same weights and global batch on both sides of the comparison, other samples (the rest of the epoch is dealt
-# anew): the step after the resize differs from the uninterrupted run's by batch noise only. Measured here: BERT
-# debug 0.4 % (loss ~7.0), BridgeTower debug 1.5 % (loss ~2.2); 10 % still fails a reset optimizer or a wrong LR.
-LOSS_REL = 0.10
+# anew): the step after the resize differs from the uninterrupted run's by batch noise only. Measured here (CPU,
+# fp32): BERT debug step 4 7.6506 resized vs 7.6472 (0.04 %), BridgeTower debug step 3 2.0662 vs 2.0552 (0.5 %).
+LOSS_REL = 0.05
 
 
 def step_records(run: Path) -> dict[int, dict]:
