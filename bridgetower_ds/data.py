@@ -32,7 +32,8 @@ import torch
 from ds_core.sample_log import SampleLog
 
 from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length,
-                       resume_window, tokenize)
+                       resume_window)
+from .fetch import FetchBatch, PlanSampler, identity
 from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, BadImage, host_transform, make_device_decoder,  # noqa: F401
                      normalize, read_bytes, resolve_pipeline)
 
@@ -364,59 +365,6 @@ def limit_rows(args: DataArgs, split: str, table: CaptionTable) -> CaptionTable:
     return table.subset(np.arange(limit), f"{table.source}[:{limit}]")
 
 
-# ---------------------------------------------------------------------------------------------------- workers
-class _Batches(torch.utils.data.Sampler):
-    """Yields (batches_done_after, rows) from the source's current position; iterated in the main process each time
-    the DataLoader starts, so persistent workers follow epoch changes and resumes."""
-
-    def __init__(self, owner: "CaptionData"):
-        self.owner = owner
-
-    def __iter__(self):
-        return iter(self.owner.pending_batches())
-
-    def __len__(self) -> int:
-        return len(self.owner.pending_batches())
-
-
-class _Fetch(torch.utils.data.Dataset):
-    """Worker side: one call builds one batch's candidates (host: decoded uint8 pixels; device: encoded bytes) and
-    their tokens; rows whose image is already known bad are dropped here and reported."""
-
-    def __init__(self, table: CaptionTable, tokenizer, size: int, host: bool, draft: bool, max_pixels: int,
-                 max_len: int, pad_to_max: bool):
-        self.table, self.tokenizer, self.size, self.host = table, tokenizer, size, host
-        self.draft, self.max_pixels, self.max_len, self.pad_to_max = draft, max_pixels, max_len, pad_to_max
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-    def __getitem__(self, spec) -> dict:
-        end, rows = spec
-        items, names, bad, keep = [], [], [], []
-        for r in rows:
-            data, name = self.table.load(int(r))
-            if self.host and not isinstance(data, BadImage):
-                try:
-                    data = host_transform(data, name, self.size, self.draft, self.max_pixels)
-                except BadImage as e:
-                    data = e
-            if isinstance(data, BadImage):  # dropped here; device decoders report their own failures
-                bad.append((data.name, data.reason))
-                continue
-            keep.append(int(r))
-            items.append(data)
-            names.append(name)
-        out = {"end": int(end), "bad": bad, "index": torch.as_tensor(keep, dtype=torch.long)}
-        if keep:
-            out.update(tokenize(self.tokenizer, [self.table.captions[r] for r in keep], self.max_len, self.pad_to_max))
-        if self.host:
-            out["pixels_u8"] = torch.from_numpy(np.stack(items)) if items else None
-        else:
-            out["encoded"], out["names"] = items, names
-        return out
-
-
 # ---------------------------------------------------------------------------------------------------- data source
 class CaptionData:
     """ds_core.loop.DataSource over one split for one rank; yields BatchAssembler's batch dicts on `device`.
@@ -457,7 +405,7 @@ class CaptionData:
                                         pad_to_max=self.pad_to_max,
                                         min_rows=min(MIN_CONTRASTIVE_ROWS, micro_batch) if shuffle else 1,
                                         fill_in=shuffle, bad=self.bad, first_valid=self._first_valid_batch)
-        self._fetch = _Fetch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft, args.max_image_pixels,
+        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft, args.max_image_pixels,
                              args.max_seq_length, self.pad_to_max)
         self._decoder = None
         self._hpu = None
@@ -565,9 +513,9 @@ class CaptionData:
             return
         if self._loader is None:
             self._loader = torch.utils.data.DataLoader(
-                self._fetch, sampler=_Batches(self), batch_size=None, num_workers=workers, persistent_workers=True,
+                self._fetch, sampler=PlanSampler(self), batch_size=None, num_workers=workers, persistent_workers=True,
                 prefetch_factor=2, pin_memory=self.device.type == "cuda", timeout=self.args.dataloader_timeout_s,
-                collate_fn=_identity)
+                collate_fn=identity)
         yield from self._loader
 
     def _assembled(self) -> Iterator[tuple[int, dict | None]]:
@@ -591,7 +539,7 @@ class CaptionData:
     def _first_valid_batch(self) -> dict:
         """The epoch's first rows of this rank that decode (host path, bad images not counted twice), enough for a
         contrastive batch: the fill-in before any good batch was seen."""
-        host = _Fetch(self.table, self.tokenizer, self.size, True, self.args.jpeg_draft, self.args.max_image_pixels,
+        host = FetchBatch(self.table, self.tokenizer, self.size, True, self.args.jpeg_draft, self.args.max_image_pixels,
                       self.args.max_seq_length, self.pad_to_max)
         need = self.assembler.min_rows
         order = np.concatenate(self._batches) if self._batches else self.plan.order(self.epoch)
@@ -612,10 +560,6 @@ class CaptionData:
         if self._decoder is not None:
             self._decoder.close()
         self._loader = None
-
-
-def _identity(x):
-    return x
 
 
 def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int, world_size: int,

@@ -165,6 +165,20 @@ def test_bert_resize_twice_in_one_epoch_and_resume_the_resized_plan(shards):
     assert len(set(epoch) - set(seen)) < 3 * 3 + 2 * 4  # at most one tail dropped per resize
 
 
+def test_bert_same_world_with_another_block_size_continues_from_what_was_consumed(shards):
+    """The saved plan's blocks are not this loader's: the position is re-planned like a resize, not misread."""
+    d, key = shards
+    epoch = flat(consume(bert(d, 2, block=16), key))
+    before = bert(d, 2, block=16)
+    head = flat(consume(before, key, 5))
+    after = bert(d, 2, block=1000)
+    for x in after:
+        x.load_state_dict(json.loads(json.dumps(before[x.rank].state_dict())))
+    tail = flat(consume(after, key))
+    check_exactly_once(epoch, head, tail, 2, 4, len(after[0]))
+    assert saved(after)[0]["history"][0]["block_samples"] == 16
+
+
 def test_bert_block_reads_stay_block_reads_after_a_resize(shards, monkeypatch):
     """Dealt ranges are consecutive in the pool: each block is read once per rank that reads from it."""
     import bert_ref.data as data_mod
