@@ -18,6 +18,7 @@ from bert_ref.layerwise import attach_zero_layout  # noqa: E402
 from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E402
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
+from ds_core.ckpt_resize import plan_resize  # noqa: E402
 from ds_core.config import (ConfigError, TrainConfig, check_ds_json, ds_config_for, parse_args,  # noqa: E402
                             save_run_config)
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed  # noqa: E402
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     dist = init_distributed(train_cfg.dist_timeout_s)
     set_seed(train_cfg.seed)
     ds_config = ds_config_for(train_cfg, dist.world_size)
+    plan_resize(train_cfg, ds_config, dist.world_size)  # --resume onto another world size: batch, universal load
     opt_args = opt_args.for_preset(preset.name, preset.phase)  # '' / 0 -> the preset's published recipe
     save_run_config(train_cfg.run_dir, train_cfg, args, opt_args, rank=dist.rank)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ds_core.ckpt_resize import plan_resize
 from ds_core.config import ConfigError, TrainConfig, check_ds_json, ds_config_for, parse_args, save_run_config
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import train
@@ -48,6 +49,7 @@ def main(argv=None) -> dict:
     dist = init_distributed(train_cfg.dist_timeout_s)
     set_seed(train_cfg.seed)
     ds_config = ds_config_for(train_cfg, dist.world_size)
+    plan_resize(train_cfg, ds_config, dist.world_size)  # --resume onto another world size: batch, universal load
     lr, wd, notes = compat.resolve_optimizer(optim, ds_config, f"DeepSpeed config {train_cfg.deepspeed_config}")
     notices += notes + compat.apply_report_to(compat_args.report_to, ds_config, train_cfg.run_dir)
     save_run_config(train_cfg.run_dir, train_cfg, model_args, data_args, run_args, optim, compat_args,

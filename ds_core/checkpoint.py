@@ -3,7 +3,11 @@
 Layout under run_dir/checkpoints/:
   global_step{N}/            DeepSpeed's files (module, ZeRO partitions) written by engine.save_checkpoint
   global_step{N}/client_rank{r}.pt   per-rank client state: step, epoch, data position, RNG states, fingerprint
-  global_step{N}/COMPLETE    written by rank 0 after every rank finished (barrier); JSON with the fingerprint
+  global_step{N}/COMPLETE    written by rank 0 after every rank finished (barrier); JSON with the fingerprint and
+                             the batch numbers (train_batch_size, micro batch, accumulation, data-parallel size)
+  global_step{N}/hf_model.json   the module's transformers class and config (rank 0), for `ds-ckpt export-hf`
+  global_step{N}_universal/  the same step converted by DeepSpeed's ds_to_universal, made on a resume onto another
+                             data-parallel size (ds_core.ckpt_resize); COMPLETE once the conversion finished
   latest                     tag of the newest COMPLETE checkpoint, replaced atomically
 
 DeepSpeed's own client_state is saved by data-parallel rank 0 only, but the data position and RNG streams differ per
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,8 @@ from ds_core.config import ConfigError, atomic_write_text
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+HF_MODEL = "hf_model.json"
+_TAG_RE = re.compile(r"global_step\d+")
 
 
 class CheckpointError(RuntimeError):
@@ -66,20 +73,34 @@ def set_rng_state(state: dict) -> None:
         get_accelerator().set_rng_state(state["accelerator"])
 
 
+def _base_optimizer(engine):
+    opt = engine.optimizer
+    return getattr(opt, "optimizer", opt)  # the torch optimizer inside DeepSpeed's ZeRO / bf16 wrapper
+
+
 def model_fingerprint(engine, zero_stage: int) -> dict:
-    """What must match for a checkpoint to load: parameter names and full shapes, ZeRO stage, data-parallel size."""
+    """What must match for a checkpoint to load: parameter names and full shapes, ZeRO stage, optimizer class.
+    dp_world_size is recorded but may differ (a resize: ds_core.ckpt_resize)."""
     shapes = {}
     for name, p in engine.module.named_parameters():
         shape = getattr(p, "ds_shape", None) or p.shape  # ZeRO-3 keeps the full shape in ds_shape
         shapes[name] = list(shape)
-    return {"param_shapes": shapes, "zero_stage": zero_stage, "dp_world_size": engine.dp_world_size}
+    return {"param_shapes": shapes, "zero_stage": zero_stage, "dp_world_size": engine.dp_world_size,
+            "optimizer_class": type(_base_optimizer(engine)).__name__}
+
+
+# Recorded in the fingerprint, compared elsewhere: a data-parallel size change is a resize, not a mismatch.
+NOT_COMPARED = frozenset({"dp_world_size"})
 
 
 def describe_mismatch(saved: dict, current: dict) -> list[str]:
+    """What differs between a checkpoint's fingerprint and this run's (keys the checkpoint lacks are not compared,
+    so checkpoints written before a key existed still load)."""
     diffs = []
-    for key in ("zero_stage", "dp_world_size"):
+    for key in ("zero_stage",):
         if saved.get(key) != current.get(key):
-            diffs.append(f"{key}: checkpoint {saved.get(key)}, this run {current.get(key)}")
+            diffs.append(f"{key}: checkpoint {saved.get(key)}, this run {current.get(key)} (DeepSpeed's universal "
+                         f"checkpoint loading here changes the data-parallel size, not the ZeRO stage)")
     a, b = saved.get("param_shapes", {}), current.get("param_shapes", {})
     missing, extra = sorted(set(a) - set(b)), sorted(set(b) - set(a))
     if missing:
@@ -89,14 +110,20 @@ def describe_mismatch(saved: dict, current: dict) -> list[str]:
     changed = [f"{n}: checkpoint {a[n]}, this run {b[n]}" for n in sorted(set(a) & set(b)) if a[n] != b[n]]
     if changed:
         diffs.append(f"{len(changed)} parameter shape(s) differ, e.g. " + "; ".join(changed[:3]))
-    for key in sorted(set(saved) - {"param_shapes", "zero_stage", "dp_world_size"}):
+    for key in sorted(set(saved) - {"param_shapes", "zero_stage"} - NOT_COMPARED):
         if saved.get(key) != current.get(key):
             diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}")
     return diffs
 
 
 def is_complete(ckpt_root: Path, tag: str) -> bool:
-    return (ckpt_root / tag / COMPLETE).is_file()
+    return (Path(ckpt_root) / tag / COMPLETE).is_file()
+
+
+def step_tags(ckpt_root: str | os.PathLike) -> list[str]:
+    """Tags global_step{N} under ckpt_root, complete or not, newest first (not the _universal conversions)."""
+    tags = [p.name for p in Path(ckpt_root).glob("global_step*") if _TAG_RE.fullmatch(p.name) and p.is_dir()]
+    return sorted(tags, key=lambda t: int(t[len("global_step"):]), reverse=True)
 
 
 def latest_tag(ckpt_root: str | os.PathLike) -> str | None:
@@ -107,8 +134,7 @@ def latest_tag(ckpt_root: str | os.PathLike) -> str | None:
         tag = f.read_text().strip()
         if is_complete(root, tag):
             return tag
-    tags = [p.name for p in root.glob("global_step*") if is_complete(root, p.name)]
-    return max(tags, key=lambda t: int(t[len("global_step"):]), default=None)
+    return next((t for t in step_tags(root) if is_complete(root, t)), None)
 
 
 def _free_bytes(path: Path) -> str:
@@ -116,6 +142,24 @@ def _free_bytes(path: Path) -> str:
         if p.exists():
             return f"{shutil.disk_usage(p).free:,} bytes free on the file system of {p}"
     return "free space unknown"
+
+
+def batch_layout(engine) -> dict:
+    """The batch numbers a checkpoint records (ds_core.ckpt_resize.Layout's fields)."""
+    return {"dp_world_size": engine.dp_world_size, "train_batch_size": engine.train_batch_size(),
+            "micro_batch": engine.train_micro_batch_size_per_gpu(), "grad_accum": engine.gradient_accumulation_steps()}
+
+
+def hf_model_info(module) -> dict | None:
+    """The module's transformers class (the first in its MRO that transformers exports: a subclass such as bert_ref's
+    sparse-MLM head saves as its base) and config, so a checkpoint can be exported without the model package."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    import transformers
+
+    cls = next((c.__name__ for c in type(module).__mro__ if getattr(transformers, c.__name__, None) is c), None)
+    return {"class": cls, "config": config.to_dict()} if cls else None
 
 
 def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fingerprint: dict,
@@ -156,7 +200,11 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
         raise CheckpointError(_write_failed(path, previous, where)) from error
     if _rank() == 0:
         try:  # each an atomic rename: a failure leaves `latest` on the previous checkpoint
-            atomic_write_text(path / COMPLETE, json.dumps({"step": step, "fingerprint": fingerprint}) + "\n")
+            info = hf_model_info(engine.module)
+            if info is not None:
+                atomic_write_text(path / HF_MODEL, json.dumps(info, default=str) + "\n")
+            atomic_write_text(path / COMPLETE, json.dumps({"step": step, "fingerprint": fingerprint,
+                                                           "batch": batch_layout(engine)}) + "\n")
             atomic_write_text(root / LATEST, tag + "\n")
         except OSError as e:
             raise CheckpointError(_write_failed(path, latest_tag(root), f"rank 0: {e}")) from e
@@ -190,12 +238,15 @@ def prune(ckpt_root: str | os.PathLike, keep: int) -> list[str]:
     first, so a deletion cut short leaves a directory that is never taken as good."""
     root = Path(ckpt_root)
     named = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
-    tags = sorted((p.name for p in root.glob("global_step*") if is_complete(root, p.name)),
-                  key=lambda t: int(t[len("global_step"):]), reverse=True)
+    tags = [t for t in step_tags(root) if is_complete(root, t)]
     removed = []
     for tag in tags[keep:]:
         if tag == named:
             continue
+        uni = root / (tag + "_universal")  # its conversion (ds_core.ckpt_resize) goes with it, marker first
+        if (uni / COMPLETE).is_file():
+            (uni / COMPLETE).unlink()
+        shutil.rmtree(uni, ignore_errors=True)
         (root / tag / COMPLETE).unlink()
         shutil.rmtree(root / tag)
         removed.append(tag)
@@ -229,8 +280,40 @@ def trim_metrics(path: str | os.PathLike, step: int) -> int:
     return dropped
 
 
-def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict) -> dict | None:
-    """Load the latest complete checkpoint into `engine`; returns this rank's client state (RNG restored), or None."""
+def saved_world_size(ckpt_root: str | os.PathLike, tag: str) -> int:
+    """The data-parallel size the checkpoint was saved with (its COMPLETE marker)."""
+    meta = json.loads((Path(ckpt_root) / tag / COMPLETE).read_text())
+    return int(meta.get("batch", {}).get("dp_world_size") or meta["fingerprint"]["dp_world_size"])
+
+
+def read_client_states(ckpt_root: str | os.PathLike, tag: str, world: int) -> list[dict]:
+    """client_rank{r}.pt of every saved rank, in rank order; a missing or unreadable one is named."""
+    states = []
+    for r in range(world):
+        f = Path(ckpt_root) / tag / f"client_rank{r}.pt"
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {f.parent}: {f.name} is missing (saved by {world} ranks, each writes "
+                                  f"one); this checkpoint cannot be resumed")
+        try:
+            states.append(torch.load(f, map_location="cpu", weights_only=False))
+        except Exception as e:  # a truncated zip: torch raises RuntimeError / EOFError / pickle errors
+            raise CheckpointError(f"checkpoint {f.parent}: {f.name} is unreadable ({type(e).__name__}: {e})") from e
+    return states
+
+
+def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0) -> dict | None:
+    """Load the latest complete checkpoint into `engine`; returns this rank's client state (RNG restored), or None.
+    Collective.
+
+    The returned state also holds "data_states": the data states of ALL saved ranks in rank order (for a data source's
+    load_state_dicts), and "saved_world_size". On another data-parallel size (a resize) a ZeRO >= 1 checkpoint is
+    converted once to DeepSpeed's universal format (ds_core.ckpt_resize.ensure_universal) and loaded from it: the
+    engine must have been built with checkpoint.load_universal (ds_core.ckpt_resize.plan_resize sets it). RNG on a
+    resize: a rank that existed in the saved run gets its own streams back; a new rank r gets
+    ds_core.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at step 0.
+    "data" of a new rank is None."""
+    from ds_core.engine import set_seed
+
     root = Path(ckpt_root)
     tag = latest_tag(root)
     if tag is None:
@@ -239,16 +322,37 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict) -> dict | None
     diffs = describe_mismatch(saved, fingerprint)
     if diffs:
         raise ConfigError(f"checkpoint {root / tag} does not match this run: " + " | ".join(diffs))
-    client_file = root / tag / f"client_rank{_rank()}.pt"
-    if not client_file.is_file():
-        raise CheckpointError(f"checkpoint {root / tag}: {client_file.name} is missing (saved with another "
-                              f"world size?)")
-    load_path, _ = engine.load_checkpoint(str(root), tag=tag, load_module_strict=True, load_optimizer_states=True,
+    saved_world, world = saved_world_size(root, tag), engine.dp_world_size
+    states = read_client_states(root, tag, saved_world)  # before any loading: a missing file fails first
+    load_tag = tag
+    if saved_world != world:
+        stage = engine.zero_optimization_stage()
+        if stage == 0 and (engine.bfloat16_enabled() or engine.fp16_enabled()):
+            raise ConfigError(f"checkpoint {root / tag}: saved by {saved_world} ranks, this run has {world}: ZeRO "
+                              f"stage 0 with bf16/fp16 partitions its fp32 master weights per rank (BF16_Optimizer) "
+                              f"and is not resized here; use ZeRO stage 1-3 or the same world size")
+        if stage > 0:
+            if not engine.load_universal_checkpoint():
+                raise ConfigError(f"checkpoint {root / tag}: saved by {saved_world} ranks, this run has {world}, and "
+                                  f"the engine was built without checkpoint.load_universal: the entry point must call "
+                                  f"ds_core.ckpt_resize.plan_resize on its DeepSpeed config before build_engine")
+            from ds_core.ckpt_resize import ensure_universal
+
+            load_tag = ensure_universal(root, tag).name
+    load_path, _ = engine.load_checkpoint(str(root), tag=load_tag, load_module_strict=True, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
-        raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
-    state: dict[str, Any] = torch.load(client_file, map_location="cpu", weights_only=False)
-    set_rng_state(state.pop("rng"))
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {root / load_tag}")
+    rank = _rank()
+    if rank < saved_world:
+        state: dict[str, Any] = dict(states[rank])
+        set_rng_state(state.pop("rng"))
+    else:
+        state = {k: v for k, v in states[0].items() if k != "rng"}
+        state["data"] = None
+        set_seed(seed + int(state["step"]), rank)
+    state["data_states"] = [s["data"] for s in states]
+    state["saved_world_size"] = saved_world
     return state
 
 
@@ -290,11 +394,12 @@ def init_from(engine, ckpt_root: str | os.PathLike, fingerprint: dict, reset_opt
                               f"{root}/global_step*)")
     saved = json.loads((root / tag / COMPLETE).read_text())
     diffs = describe_mismatch(saved["fingerprint"], fingerprint)
+    if saved_world_size(root, tag) != engine.dp_world_size:  # a new phase is not a resume: no universal conversion
+        diffs.append(f"dp_world_size: checkpoint {saved_world_size(root, tag)}, this run {engine.dp_world_size}")
     if diffs:
         raise ConfigError(f"cannot start from checkpoint {root / tag}: " + " | ".join(diffs) + " (the model, "
                           "optimizer, ZeRO stage and data-parallel size must be those of the run that saved it)")
-    opt = engine.optimizer
-    base = getattr(opt, "optimizer", opt)  # the torch optimizer inside DeepSpeed's ZeRO / bf16 wrapper
+    base = _base_optimizer(engine)
     mine = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
     load_path, _ = engine.load_checkpoint(str(root), tag=tag, load_module_strict=True, load_optimizer_states=True,
                                           load_lr_scheduler_states=False)

@@ -60,6 +60,10 @@ class TrainConfig:
                                   aliases=["--overwrite_output_dir"])
     save_total_limit: int = arg("Keep only the newest K complete checkpoints (never the one `latest` names); "
                                 "0 keeps all.", default=0)  # same name as transformers' TrainingArguments
+    on_resize: str = arg("--resume onto another data-parallel size: keep_batch keeps the global batch by recomputing "
+                         "gradient accumulation (refused when it does not divide); scale_lr keeps micro batch and "
+                         "accumulation and scales the LR by new/old global batch (ds_core.ckpt_resize).",
+                         default="keep_batch")
     max_steps_this_run: int = arg("Stop this process after N optimizer steps: save a checkpoint and exit with status "
                                   "75 (resume with --resume); 0 runs to max_steps.", default=0)
     log_every: int = arg("Write a metrics record every N optimizer steps.", default=1, aliases=["--logging_steps"])
@@ -93,6 +97,7 @@ class TrainConfig:
             ("precision", self.precision in ("auto", "bf16", "fp32"), "one of auto, bf16, fp32"),
             ("save_total_limit", self.save_total_limit >= 0, ">= 0"),
             ("max_steps_this_run", self.max_steps_this_run >= 0, ">= 0"),
+            ("on_resize", self.on_resize in ("keep_batch", "scale_lr"), "one of keep_batch, scale_lr"),
             ("overwrite_run_dir", not (self.overwrite_run_dir and self.resume),
              "not together with --resume (resume continues the run in run_dir, overwrite moves it aside)"),
         ]

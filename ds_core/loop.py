@@ -19,7 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from ds_core import checkpoint as ckpt
-from ds_core.config import TrainConfig, atomic_write_text, precision_of
+from ds_core.config import ConfigError, TrainConfig, atomic_write_text, precision_of
 from ds_core.engine import DistInfo, set_seed, shutdown_distributed
 from ds_core.metrics import Metrics, accelerator_kind, peak_memory_bytes, peak_probe_for, peak_tflops_for
 from ds_core.precision import resolve_precision
@@ -72,6 +72,22 @@ class StepOutput:
 
 
 class DataSource(Protocol):
+    """What the loop needs of a model's data.
+
+    state_dict(): THIS rank's position (saved per rank in client_rank{r}.pt of each checkpoint).
+    load_state_dict(state): this rank's own saved state; used on a resume onto the same world size by a source that
+        has no load_state_dicts.
+    load_state_dicts(states) (optional; the resize contract): called on every resume with the saved states of ALL
+        ranks of the checkpoint, in rank order, whether the world size is the same or not. The source knows its own
+        rank and world size, and takes its share of the epoch's samples that no saved rank consumed: over the epoch
+        every sample is seen exactly once, on any world size. On the same world size it must behave as
+        load_state_dict(states[rank]) did (bitwise on CPU). A source without it resumes on the same world size only:
+        ds_core refuses a resize naming the source's class, before any loading.
+    RNG on a resize (ds_core.checkpoint.load): a rank that existed in the saved run gets its own python / numpy /
+    torch streams back; a new rank r gets ds_core.engine.set_seed(seed + step, r). Data order never comes from these
+    streams (each source seeds its own generators from the global seed), so they only drive dropout and the like.
+    """
+
     def set_epoch(self, epoch: int) -> None: ...
     def __iter__(self) -> Iterator[Any]: ...
     def state_dict(self) -> dict: ...
@@ -191,13 +207,21 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
 
     step, epoch = 0, 0
     phase_start = 0  # step this phase started from: 0, or the step of the init_from checkpoint
-    state = ckpt.load(engine, ckpt_root, fp) if cfg.resume else None
+    resize = check_resize(engine, data, cfg, ckpt_root) if cfg.resume else None  # refusals before any loading
+    state = ckpt.load(engine, ckpt_root, fp, seed=cfg.seed) if cfg.resume else None
     if state is not None:
         step, epoch = state["step"], state["epoch"]
         phase_start = state.get("phase_start", 0)
-        data.load_state_dict(state["data"])
+        if hasattr(data, "load_state_dicts"):
+            data.load_state_dicts(state["data_states"])
+        else:
+            data.load_state_dict(state["data"])
+        if resize is not None:
+            apply_lr_factor(engine, resize.lr_factor)
         if dist.rank == 0:
             print(f"[ds_core] resumed from {ckpt_root / ckpt.tag_for(step)} at step {step}, epoch {epoch}", flush=True)
+            if resize is not None:
+                print(f"[ds_core] {resize.describe()}", flush=True)
     else:
         if cfg.resume and dist.rank == 0:
             print(f"[ds_core] --resume: no complete checkpoint in {ckpt_root}; starting from step 0", flush=True)
@@ -214,6 +238,9 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
         if dropped:
             print(f"[ds_core] --resume: dropped {dropped} metrics record(s) after step {step} from "
                   f"{run_dir / 'metrics.jsonl'}", flush=True)
+        if resize is not None:  # before ds_core.metrics opens the file (append): the record precedes the steps
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(resize.record(step)) + "\n")
 
     # Like HF Trainer: max_steps, when given, wins over epochs (the data source is cycled as often as needed).
     max_steps = phase_start + cfg.max_steps if cfg.max_steps else math.inf
@@ -335,6 +362,52 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
     if stopped:
         _exit_stopped(stopped, step, ckpt_root, data, dist)
     return summary
+
+
+def check_resize(engine, data: Any, cfg: TrainConfig, ckpt_root: Path):
+    """On --resume: the ds_core.ckpt_resize.ResizePlan when the latest checkpoint has another data-parallel size
+    (None otherwise), after refusing what cannot be resized: a data source without load_state_dicts, an engine whose
+    batch numbers are not those plan_resize chose (an entry point that did not call it)."""
+    from ds_core.ckpt_resize import Layout, ResizePlan, saved_layout
+
+    tag = ckpt.latest_tag(ckpt_root) if ckpt_root.is_dir() else None
+    if tag is None:
+        return None
+    old = saved_layout(ckpt_root, tag)
+    new = Layout(engine.dp_world_size, engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                 engine.gradient_accumulation_steps())
+    if old.dp_world_size == new.dp_world_size:
+        return None
+    where = f"--resume from {ckpt_root / tag} (saved by {old.dp_world_size} data-parallel ranks) on {new.dp_world_size}"
+    if not hasattr(data, "load_state_dicts"):
+        raise ConfigError(f"{where}: the data source {type(data).__module__}.{type(data).__name__} has no "
+                          f"load_state_dicts, so it cannot deal the epoch's remaining samples to another number of "
+                          f"ranks; resume on {old.dp_world_size} ranks")
+    if cfg.on_resize == "keep_batch" and new.train_batch_size != old.train_batch_size:
+        raise ConfigError(f"{where}, --on_resize keep_batch: this engine's global batch is {new.train_batch_size} "
+                          f"(micro {new.micro_batch} x accumulation {new.grad_accum} x {new.dp_world_size}), the "
+                          f"checkpoint's {old.train_batch_size}: the entry point must call "
+                          f"ds_core.ckpt_resize.plan_resize on its DeepSpeed config before build_engine")
+    factor = new.train_batch_size / old.train_batch_size if cfg.on_resize == "scale_lr" else 1.0
+    return ResizePlan(tag, cfg.on_resize, old, new, factor)
+
+
+def apply_lr_factor(engine, factor: float) -> None:
+    """Multiply the LR by `factor` after a checkpoint restored the old one: the schedule's base LRs (ds_core.schedule
+    .LRSchedule, torch LR schedulers) when there is a schedule, else the optimizer's param groups."""
+    if factor == 1.0:
+        return
+    sched = engine.lr_scheduler
+    if sched is None:
+        for g in engine.optimizer.param_groups:
+            g["lr"] *= factor
+        return
+    if not hasattr(sched, "base_lrs"):
+        raise ConfigError(f"--on_resize scale_lr: the LR scheduler {type(sched).__name__} has no base_lrs to scale; "
+                          f"use --on_resize keep_batch")
+    sched.base_lrs = [b * factor for b in sched.base_lrs]
+    for g in engine.optimizer.param_groups:  # the LR of the next update, until the schedule's next step
+        g["lr"] *= factor
 
 
 def _exit_stopped(reason: str, step: int, ckpt_root: Path, data: Any, dist: DistInfo) -> None:

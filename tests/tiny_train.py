@@ -9,6 +9,10 @@ the data source report per-rank summary statistics (rank r: bad_rows = r + 1).
 TINY_SIGNAL_AT_STEP=k (with TINY_SIGNAL_RANK=r, TINY_SIGNAL=SIGTERM|SIGUSR1) makes rank r send itself the signal
 during optimizer step k; TINY_DROPOUT_DUMP=DIR saves each rank's first dropout mask (embeddings) to DIR;
 TINY_DISK_FULL_AT=k makes every rank's checkpoint writer fail with ENOSPC at step k (where no tmpfs can be mounted).
+TINY_SAMPLE_LOG=DIR appends each rank's trained sample indices to DIR/samples_rank{r}.txt; TINY_DUMP_OPT=FILE saves
+the full fp32 master weights and Adam moments after training (rank 0), TINY_DUMP_OPT_ON_RESUME=FILE right after a
+resume loaded the checkpoint; TINY_NO_RESIZE=1 uses a data source without
+load_state_dicts.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 
 from ds_core import checkpoint as ckpt
+from ds_core.ckpt_resize import plan_resize
 from ds_core.config import TrainConfig, check_ds_json, ds_config_for, parse_args, save_run_config
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import StepOutput, train
@@ -44,25 +49,60 @@ class SyntheticData:
         self.rank, self.world, self.mb, self.seed = rank, world, micro_batch, seed
         self.epoch, self.offset = 0, 0
 
+    def _perm(self) -> np.ndarray:
+        return np.random.default_rng(self.seed + self.epoch).permutation(len(self.ids))
+
     def _order(self) -> np.ndarray:
-        perm = np.random.default_rng(self.seed + self.epoch).permutation(len(self.ids))
-        return perm[self.rank::self.world]
+        if self.dealt is not None:  # this rank's share of a resized epoch's remaining samples
+            return self.dealt
+        return self._perm()[self.rank::self.world]
+
+    dealt: np.ndarray | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.offset = epoch, 0
+        self.epoch, self.offset, self.dealt = epoch, 0, None
 
     def __iter__(self):
         order = self._order()
+        log = os.environ.get("TINY_SAMPLE_LOG")
         while self.offset + self.mb <= len(order):
             idx = order[self.offset:self.offset + self.mb]
             self.offset += self.mb
+            if log:  # every sample this rank trains on: "epoch index" lines (the exactly-once check of the tests)
+                with open(os.path.join(log, f"samples_rank{self.rank}.txt"), "a") as f:
+                    f.write("".join(f"{self.epoch} {i}\n" for i in idx))
             yield {"input_ids": torch.from_numpy(self.ids[idx]), "labels": torch.from_numpy(self.labels[idx])}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset}
+        state = {"epoch": self.epoch, "offset": self.offset}
+        if self.dealt is not None:
+            state["dealt"] = self.dealt.tolist()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset = state["epoch"], state["offset"]
+        self.dealt = np.asarray(state["dealt"]) if "dealt" in state else None
+
+
+class ResizableData(SyntheticData):
+    """SyntheticData with ds_core's resize contract (TINY_NO_RESIZE=1 uses the plain one, which cannot resize)."""
+
+    def load_state_dicts(self, states: list) -> None:
+        """ds_core's resize contract: same world size -> load_state_dict(own); otherwise the samples of the epoch no
+        saved rank consumed, in the epoch's order, dealt round-robin to this world's ranks."""
+        if len(states) == self.world:
+            self.load_state_dict(states[self.rank])
+            return
+        epochs = {s["epoch"] for s in states}
+        if len(epochs) != 1:
+            raise ValueError(f"saved ranks are in different epochs {sorted(epochs)}")
+        self.epoch = epochs.pop()
+        consumed = set()
+        for r, s in enumerate(states):
+            order = (np.asarray(s["dealt"]) if "dealt" in s else self._perm()[r::len(states)])
+            consumed.update(order[:s["offset"]].tolist())
+        remaining = np.array([i for i in self._perm() if i not in consumed], dtype=np.int64)
+        self.dealt, self.offset = remaining[self.rank::self.world], 0
 
     shared_summary_stats = ("data_samples",)  # the whole set's size: the same on every rank
 
@@ -70,6 +110,22 @@ class SyntheticData:
         if not os.environ.get("TINY_STATS"):
             return {}
         return {"bad_rows": self.rank + 1, "bad_row_examples": [f"rank{self.rank}"], "data_samples": len(self.ids)}
+
+
+def dump_optimizer(engine, path: str, rank: int) -> None:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():  # fp32 ZeRO-0: plain torch
+            st = engine.optimizer.state[p]
+            fp32, avg, avg_sq = p.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+        else:
+            fp32, avg, avg_sq = (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"),
+                                 safe_get_full_optimizer_state(p, "exp_avg_sq"))
+        out[name] = {"fp32": fp32, "exp_avg": avg, "exp_avg_sq": avg_sq, "lr": engine.optimizer.param_groups[0]["lr"]}
+    if rank == 0:
+        torch.save(out, path)
 
 
 class FakeClock:
@@ -114,6 +170,7 @@ def main(argv=None) -> dict:
     set_seed(cfg.seed)
     save_run_config(cfg.run_dir, cfg, args, rank=dist.rank)
     ds_config = ds_config_for(cfg, dist.world_size)
+    plan_resize(cfg, ds_config, dist.world_size)
     model = BertForSequenceClassification(BertConfig(vocab_size=args.vocab, hidden_size=32, num_hidden_layers=2,
                                                      num_attention_heads=2, intermediate_size=64,
                                                      max_position_embeddings=args.seq_len, num_labels=2))
@@ -165,12 +222,22 @@ def main(argv=None) -> dict:
                 torch.save(mask.cpu(), os.path.join(dump, f"mask_rank{dist.rank}.pt"))
 
         engine.module.bert.embeddings.dropout.register_forward_hook(keep_first_mask)
-    data = SyntheticData(args, dist.rank, dist.world_size, ds_config["train_micro_batch_size_per_gpu"], cfg.seed)
+    data = (SyntheticData if os.environ.get("TINY_NO_RESIZE") else ResizableData)(args, dist.rank, dist.world_size, ds_config["train_micro_batch_size_per_gpu"], cfg.seed)
+    if os.environ.get("TINY_DUMP_OPT_ON_RESUME"):  # the optimizer state as the checkpoint load left it
+        real_load = data.load_state_dicts
+
+        def dump_then_load(states):  # the loop calls this right after ds_core.checkpoint.load, on every rank
+            dump_optimizer(engine, os.environ["TINY_DUMP_OPT_ON_RESUME"], dist.rank)
+            real_load(states)
+
+        data.load_state_dicts = dump_then_load
     per_sample = 6 * sum(p.numel() for p in model.parameters()) * args.seq_len  # ~6 N T training FLOPs
     summary = train(engine, step_fn, data, cfg, dist, model_name="tiny-bert", flops_per_sample=per_sample,
                     seq_len=args.seq_len, eval_fn=eval_fn, clock=FAKE_CLOCK)
     if args.export_dir:
         ckpt.export_hf(engine, args.export_dir)
+    if os.environ.get("TINY_DUMP_OPT"):  # full fp32 master weights and Adam moments per parameter (collective)
+        dump_optimizer(engine, os.environ["TINY_DUMP_OPT"], dist.rank)
     shutdown_distributed()
     return summary
 

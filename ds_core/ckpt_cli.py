@@ -1,0 +1,213 @@
+"""`ds-ckpt` (also `python -m ds_core.ckpt_cli`): look at and convert a run's checkpoints without starting a run.
+
+  ds-ckpt info RUN_DIR                 steps, latest, ZeRO stage, world size, batch, data position per rank, bytes,
+                                       complete / incomplete (and universal conversions)
+  ds-ckpt universal RUN_DIR [--tag T]  convert a checkpoint (default: the latest complete) with DeepSpeed's
+                                       ds_to_universal into <tag>_universal next to it (what a resize does itself)
+  ds-ckpt export-hf RUN_DIR OUT [--tag T]
+                                       fp32 weights of any checkpoint (ZeRO-0..3, partitions gathered) through
+                                       DeepSpeed's zero_to_fp32, written as pytorch_model.bin + config.json: a
+                                       `from_pretrained` of the model's transformers class loads OUT
+
+Runs on one process without torch.distributed; reads only files. Errors name the path and what is wrong (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from ds_core import checkpoint as ckpt
+from ds_core.config import ConfigError
+
+
+def _root(run_dir: str) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        raise ConfigError(f"{run_dir}: no checkpoints/ directory (expected RUN_DIR/checkpoints/global_step*/)")
+    return root
+
+
+def _tag(root: Path, tag: str | None) -> str:
+    if tag:
+        if not (root / tag).is_dir():
+            raise ConfigError(f"{root / tag}: no such checkpoint (have: {', '.join(ckpt.step_tags(root)) or 'none'})")
+        if not ckpt.is_complete(root, tag):
+            raise ConfigError(f"{root / tag}: no {ckpt.COMPLETE} marker: an incomplete checkpoint (a save cut short) "
+                              f"is never used")
+        return tag
+    latest = ckpt.latest_tag(root)
+    if latest is None:
+        raise ConfigError(f"{root}: no complete checkpoint (a global_step*/{ckpt.COMPLETE} marker)")
+    return latest
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def info(run_dir: str) -> dict:
+    """What `ds-ckpt info` prints, as a dict (tags newest first)."""
+    import torch
+
+    root = _root(run_dir)
+    named = (root / ckpt.LATEST).read_text().strip() if (root / ckpt.LATEST).is_file() else None
+    out: dict[str, Any] = {"checkpoints": str(root), "latest": ckpt.latest_tag(root), "latest_file": named, "tags": []}
+    for tag in ckpt.step_tags(root):
+        path = root / tag
+        entry: dict[str, Any] = {"tag": tag, "complete": ckpt.is_complete(root, tag), "bytes": _bytes(path)}
+        if entry["complete"]:
+            meta = json.loads((path / ckpt.COMPLETE).read_text())
+            fp = meta.get("fingerprint", {})
+            entry.update(step=meta.get("step"), zero_stage=fp.get("zero_stage"),
+                         world_size=ckpt.saved_world_size(root, tag), batch=meta.get("batch"),
+                         optimizer=fp.get("optimizer_class", fp.get("optimizer")))
+            data = []
+            for f in sorted(path.glob("client_rank*.pt"), key=lambda p: int(p.stem[len("client_rank"):])):
+                try:
+                    st = torch.load(f, map_location="cpu", weights_only=False)
+                    data.append({"rank": int(f.stem[len("client_rank"):]), "epoch": st.get("epoch"),
+                                 "data": st.get("data")})
+                except Exception as e:  # shown, not fatal: info is for looking at broken checkpoints too
+                    data.append({"rank": f.stem, "error": f"{type(e).__name__}: {e}"})
+            entry["data_position"] = data
+        uni = ckpt_universal(root, tag)
+        if uni is not None:
+            entry["universal"] = uni
+        out["tags"].append(entry)
+    return out
+
+
+def ckpt_universal(root: Path, tag: str) -> dict | None:
+    from ds_core.ckpt_resize import universal_dir
+
+    u = universal_dir(root, tag)
+    if not u.is_dir():
+        return None
+    return {"path": str(u), "complete": (u / ckpt.COMPLETE).is_file(), "bytes": _bytes(u)}
+
+
+def _short(data: Any, limit: int = 160) -> str:
+    text = json.dumps(data, default=str)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def print_info(d: dict) -> None:
+    print(f"{d['checkpoints']}: latest complete {d['latest'] or 'none'}"
+          + (f" (`latest` names {d['latest_file']})" if d['latest_file'] != d['latest'] else ""))
+    for t in d["tags"]:
+        if not t["complete"]:
+            print(f"  {t['tag']}: INCOMPLETE (no {ckpt.COMPLETE}; never loaded), {t['bytes']:,} bytes")
+            continue
+        b = t.get("batch") or {}
+        print(f"  {t['tag']}: step {t['step']}, ZeRO-{t['zero_stage']}, world size {t['world_size']}, global batch "
+              f"{b.get('train_batch_size', '?')} (micro {b.get('micro_batch', '?')} x accum {b.get('grad_accum', '?')}"
+              f"), optimizer {t.get('optimizer')}, {t['bytes']:,} bytes")
+        for r in t["data_position"]:
+            print(f"    rank {r['rank']}: " + (r["error"] if "error" in r else
+                                               f"epoch {r['epoch']}, data {_short(r['data'])}"))
+        if "universal" in t:
+            u = t["universal"]
+            print(f"    universal: {u['path']} ({'complete' if u['complete'] else 'INCOMPLETE'}, {u['bytes']:,} bytes)")
+
+
+def universal(run_dir: str, tag: str | None = None) -> Path:
+    from ds_core.ckpt_resize import convert_to_universal
+
+    root = _root(run_dir)
+    return convert_to_universal(root, _tag(root, tag))
+
+
+def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
+    """fp32 weights of a checkpoint as a transformers model directory (pytorch_model.bin + config.json).
+
+    The class and config come from the checkpoint's hf_model.json (written by ds_core.checkpoint.save). A parameter
+    the model keeps in another shape than transformers' (BridgeTower's logit_scale, [1] under DeepSpeed, 0-dim in
+    transformers) is reshaped to the class's own shape when the element count matches."""
+    import torch
+    import transformers
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root = _root(run_dir)
+    tag = _tag(root, tag)
+    meta_file = root / tag / ckpt.HF_MODEL
+    if not meta_file.is_file():
+        raise ConfigError(f"{meta_file}: missing: the checkpoint does not record its transformers class and config "
+                          f"(saved before export-hf existed, or the model is not a transformers model)")
+    meta = json.loads(meta_file.read_text())
+    cls = getattr(transformers, meta["class"], None)
+    if cls is None:
+        raise ConfigError(f"{meta_file}: class {meta['class']!r} is not in transformers {transformers.__version__}")
+    config = cls.config_class.from_dict(meta["config"])
+    config.architectures = [meta["class"]]
+    config.dtype = "float32"  # the file holds fp32 master weights, whatever the run trained in
+    state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in cls(config).state_dict().items()}
+    missing = [k for k in expected if k not in state]
+    if missing:
+        # zero_to_fp32 rebuilds trained parameters from the optimizer's fp32 partitions and frozen ones only where
+        # DeepSpeed stored them (ZeRO >= 2); under ZeRO-0/1 a frozen parameter (BridgeTower's text pooler) is in the
+        # module state of mp_rank_00 alone, in the dtype the run trained in (bf16-rounded under bf16)
+        module_file = root / tag / "mp_rank_00_model_states.pt"
+        if module_file.is_file():
+            module = torch.load(module_file, map_location="cpu", weights_only=False).get("module") or {}
+            for k in missing:
+                if k in module and module[k].numel() == expected[k].numel():
+                    state[k] = module[k].float()
+    for k, v in list(state.items()):
+        if k in expected and v.shape != expected[k] and v.numel() == expected[k].numel():
+            state[k] = v.reshape(expected[k])
+    unknown = sorted(set(state) - set(expected))
+    if unknown:
+        raise ConfigError(f"{root / tag}: {len(unknown)} weight(s) that {meta['class']} does not have, e.g. "
+                          f"{unknown[:3]}")
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")  # a partial export never looks like a model
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save({k: v.contiguous() for k, v in state.items()}, tmp / "pytorch_model.bin")
+    config.save_pretrained(str(tmp))
+    if out.exists():
+        if any(out.iterdir()):
+            shutil.rmtree(tmp)
+            raise ConfigError(f"{out}: exists and is not empty; export-hf never overwrites a directory")
+        out.rmdir()
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ds-ckpt", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("info", help="steps, ZeRO stage, world size, data position, sizes")
+    a.add_argument("run_dir")
+    a.add_argument("--json", action="store_true", help="print JSON instead of text")
+    a = sub.add_parser("universal", help="convert to DeepSpeed's universal checkpoint")
+    a.add_argument("run_dir")
+    a.add_argument("--tag", default=None, help="global_step{N}; default the latest complete one")
+    a = sub.add_parser("export-hf", help="fp32 weights as a transformers model directory")
+    a.add_argument("run_dir")
+    a.add_argument("out")
+    a.add_argument("--tag", default=None, help="global_step{N}; default the latest complete one")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "info":
+            d = info(args.run_dir)
+            print(json.dumps(d, indent=2, default=str)) if args.json else print_info(d)
+        elif args.cmd == "universal":
+            print(f"universal checkpoint: {universal(args.run_dir, args.tag)}")
+        else:
+            print(f"exported: {export_hf(args.run_dir, args.out, args.tag)}")
+    except (ConfigError, OSError) as e:
+        print(f"ds-ckpt {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
