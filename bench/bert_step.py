@@ -17,7 +17,7 @@
    rank optimizer-state bytes (fp32 master weights + moments) and the process peak RSS.
 The last line printed is one JSON object (step_ratio, mfu, mfu_upper_bound, ...). Target: step_ratio >= 1.3.
 
-    python bench/bert_step.py [--micro_batch 4] [--grad_accum 2] [--steps 3] [--warmup 1] [--threads 1]
+    python -m bench.bert_step [--micro_batch 4] [--grad_accum 2] [--steps 3] [--warmup 1] [--threads 1]
         [--precision auto|bf16|fp32] [--dense_mlm] [--torch_dropout] [--no_malloc_tuning] [--skip_trainer]
         [--skip_bound] [--memory]
 """
@@ -27,14 +27,12 @@ import argparse
 import json
 import os
 import resource
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import bench_env, run_local_ranks
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 LARGE_SLICE = dict(name="bert_large_4l", num_hidden_layers=4)
@@ -327,17 +325,9 @@ def memory_part(tmp: Path, dtype: str) -> dict:
     shards = _shards(tmp, 16, 128, 20, 30522)
     res: dict = {}
     for stage in (0, 1):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", BENCH_SHARDS=str(shards), BENCH_DTYPE=dtype,
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
-               str(Path(__file__).resolve()), "--memory_worker", str(stage), "--out", str(tmp)]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode:
-            sys.stdout.write(proc.stdout[-6000:])
-            raise SystemExit(f"memory launch with ZeRO-{stage} failed (exit {proc.returncode})")
+        env = bench_env(threads=1, DS_ACCELERATOR="cpu", BENCH_SHARDS=str(shards), BENCH_DTYPE=dtype)
+        run_local_ranks(2, ["-m", "bench.bert_step", "--memory_worker", str(stage), "--out", str(tmp)], env=env,
+                        log=tmp / f"memory_zero{stage}.log", what=f"memory launch with ZeRO-{stage}")
         ranks = [json.loads((tmp / f"mem_zero{stage}_rank{r}.json").read_text()) for r in (0, 1)]
         res[stage] = {k: max(r[k] for r in ranks) for k in ("optimizer_state_bytes", "master_bytes", "moment_bytes",
                                                            "peak_rss_bytes")}
@@ -362,7 +352,8 @@ MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_thresh
 
 def main() -> None:
     if "GLIBC_TUNABLES" not in os.environ and "--no_malloc_tuning" not in sys.argv:  # read at process start only
-        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES))
+        os.execve(sys.executable, [sys.executable, "-m", "bench.bert_step", *sys.argv[1:]],
+                  dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro_batch", type=int, default=4)
     ap.add_argument("--grad_accum", type=int, default=2)

@@ -5,7 +5,7 @@ Reference (the pattern of NVIDIA's run_pretraining.py `pretraining_dataset`): th
 num_workers=0, RandomSampler. Ours: `bert_ref.data.PretrainingData` (block read, vectorized gather and labels,
 background prefetch). Both at micro batch 64. Then the resume seek time of ours at sample offset 1k and 150k.
 
-Usage: python bench/h5_loader.py [--samples 204800] [--micro-batch 64] [--ref-samples 32768] [--keep DIR]
+Usage: python -m bench.h5_loader [--samples 204800] [--micro_batch 64] [--ref_samples 32768] [--keep DIR]
 The last line printed is one JSON object (ratio = ours / reference samples/s; seek_ratio = seek@150k / seek@1k).
 """
 from __future__ import annotations
@@ -22,9 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bert_ref.data import IGNORE_INDEX, PretrainingData  # noqa: E402
-from bert_ref.prep.h5io import synthetic_arrays, write_shard  # noqa: E402
+from bert_ref.data import IGNORE_INDEX, PretrainingData
+from bert_ref.prep.h5io import synthetic_arrays, write_shard
 
 KEYS = ["input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels"]
 
@@ -98,12 +97,13 @@ def seek_times(data_dir: str, micro_batch: int, offsets: list[int], repeats: int
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=204800)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--seq_len", "--seq-len", type=int, default=128)
     ap.add_argument("--preds", type=int, default=20)
-    ap.add_argument("--micro-batch", type=int, default=64)
-    ap.add_argument("--ref-samples", type=int, default=32768, help="samples the (slow) reference iterates")
-    ap.add_argument("--seek-offsets", type=int, nargs=2, default=[1000, 150000])
-    ap.add_argument("--no-compression", action="store_true", help="write the shard without gzip")
+    ap.add_argument("--micro_batch", "--micro-batch", type=int, default=64)
+    ap.add_argument("--ref_samples", "--ref-samples", type=int, default=32768,
+                    help="samples the (slow) reference iterates")
+    ap.add_argument("--seek_offsets", "--seek-offsets", type=int, nargs=2, default=[1000, 150000])
+    ap.add_argument("--no_compression", "--no-compression", action="store_true", help="write the shard without gzip")
     ap.add_argument("--keep", default=None, help="write the shard into this directory and keep it")
     a = ap.parse_args(argv)
 

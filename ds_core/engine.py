@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ds_core.config import ConfigError
+from ds_core.local_ranks import free_port
 
 # Per-launcher names of "how many ranks share this node". DeepSpeed's launcher also sets CROSS_SIZE (= nodes).
 _LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
@@ -38,12 +39,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _in_mpi() -> bool:
@@ -123,7 +118,7 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     if "RANK" not in os.environ and not _in_mpi():
         # A single process started by hand: a world of one, on a free local port.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     accel = get_accelerator()
     if os.environ.get("LOCAL_RANK", "0") == "0":
         for lock, age in stale_build_locks():
