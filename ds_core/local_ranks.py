@@ -123,13 +123,17 @@ def rank_commands(num_ranks: int, target: Sequence[str], *, master_port: int, en
         head, rest = ["-m", target[1]], target[2:]
     else:
         head, rest = [target[0]], target[1:]
-    world = dict(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(num_ranks), CROSS_RANK="0",
-                 CROSS_SIZE="1", LOCAL_SIZE=str(num_ranks))
     out = []
     for rank in range(num_ranks):
         cmd = [sys.executable, "-u", *head, *([f"--local_rank={rank}"] if local_rank_arg else []), *rest]
-        out.append((cmd, {**env, **world, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        out.append((cmd, {**env, **rank_variables(rank, num_ranks, master_port=master_port, master_addr=master_addr)}))
     return out
+
+
+def rank_variables(rank: int, num_ranks: int, *, master_port: int, master_addr: str = LOOPBACK) -> dict[str, str]:
+    """The variables DeepSpeed's launch.py gives rank `rank` of a one-node world of `num_ranks`."""
+    return dict(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(num_ranks), CROSS_RANK="0",
+                CROSS_SIZE="1", LOCAL_SIZE=str(num_ranks), RANK=str(rank), LOCAL_RANK=str(rank))
 
 
 def write_loopback_hostfile(path: str | os.PathLike, nodes: int, slots: int) -> Path:
