@@ -179,6 +179,19 @@ class LaunchResult:
         return next((c for c in own if c != 0), next((c for c in self.codes if c != 0), 0))
 
 
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process left in session `sid` (procfs; no-op where there is none). A killed rank's compiler
+    children would otherwise finish a build nobody waits for while its lock file blocks every later run."""
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) == sid and int(entry.name) != os.getpid():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+
+
 class LauncherGroup:
     """Processes (launchers or ranks) started in sessions of their own, so that each can be killed with all its
     children. With `new_session=False` they stay in the caller's process group instead (the foreground CLI: a
@@ -219,12 +232,14 @@ class LauncherGroup:
         self.signal(signal.SIGKILL)
         for p in self.procs:
             p.wait()
-        # ranks whose launcher already exited are still in that launcher's group
+        # ranks whose launcher already exited are still in that launcher's group; processes that made groups of
+        # their own (ninja runs each compiler in one: a rank JIT-building an op) are still in the session
         for p in self.procs if self.new_session else ():
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            _kill_session(p.pid)
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
             self._log = subprocess.DEVNULL

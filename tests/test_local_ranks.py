@@ -125,3 +125,24 @@ def test_timeout_kills_every_rank(tmp_path):
     for r in (0, 1):
         pid = int((tmp_path / f"pid{r}").read_text())
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_kill_reaches_processes_that_left_the_process_group(tmp_path):
+    """As ninja does with each compiler: a child in a process group of its own, same session. A timeout must end it
+    too (a JIT build left running keeps its lock file and blocks every later run)."""
+    pidfile = tmp_path / "child.pid"
+    script = ("import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(600)'], process_group=0); open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    group = local_ranks.LauncherGroup([[sys.executable, "-c", script]], env=dist_env(), cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    assert os.getpgid(child) != group.procs[0].pid  # really outside the launcher's group
+    res = group.wait(timeout_s=0, poll_s=0.1)
+    assert res.timed_out
+    for _ in range(50):
+        if not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.1)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
