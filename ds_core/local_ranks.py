@@ -9,7 +9,7 @@ Two ways to start ranks on this machine:
   itself with the variables DeepSpeed's launch.py gives each rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE,
   CROSS_RANK, CROSS_SIZE, MASTER_ADDR, MASTER_PORT, --local_rank=N). It imports neither torch nor deepspeed: the
   `deepspeed` runner and its launch.py each import both (~3.5 s apiece on a 2-core CPU, one after the other) before
-  any rank starts, which was a third of a 2-rank debug run's time to its first step. The documented local path.
+  any rank starts: most of the gap to a plain torchrun script (bench/startup.py). The documented local path.
 - through DeepSpeed's launcher (`local_command`, `node_commands`): `deepspeed --num_gpus N` and the `--no_ssh`
   per-node form that AWS Batch or Kubernetes use; what the launch tests and multi-node studies exercise.
 
@@ -199,7 +199,8 @@ class LauncherGroup:
 
     def __init__(self, cmds: Sequence[Sequence[str]], *, env: Mapping[str, str] | None = None,
                  cwd: str | os.PathLike, log_path: str | os.PathLike | None = None,
-                 envs: Sequence[Mapping[str, str]] | None = None, new_session: bool = True, inherit_output=False):
+                 envs: Sequence[Mapping[str, str]] | None = None, new_session: bool = True,
+                 inherit_output: bool = False):
         if (env is None) == (envs is None) or (envs is not None and len(envs) != len(cmds)):
             raise ValueError("give either env (one for all) or envs (one per command)")
         self.log_path = Path(log_path) if log_path else None
