@@ -6,9 +6,9 @@ one synthetic batch of the same shape), both measured in this run. The same run 
 
     python -m bench.startup [--ranks 2] [--repeats 3] [--skip_deepspeed_launcher]
 
-The sides alternate within each repeat (ours, plain, deepspeed launcher) and each side's median over the repeats is
-kept (the machine may be shared; interleaving spreads other load over all sides). Ours is read from the first step
-record's wall time in metrics.jsonl (ds_core.metrics writes `time`); the plain script prints its own. The last line is
+The sides alternate within each repeat (ours, plain, deepspeed launcher; each repeat starts with the next side) and
+each side's median over the repeats is kept (the machine may be shared; interleaving spreads other load over all
+sides, and the rotation the first launch's cold caches). Ours is read from the first step record's wall time in metrics.jsonl (ds_core.metrics writes `time`); the plain script prints its own. The last line is
 one JSON object: ours_s, plain_s, startup_ratio = ours / plain (target <= 1.5), deepspeed_launcher_s and its ratio.
 """
 from __future__ import annotations
@@ -136,11 +136,12 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="startup_bench_") as d:
         tmp = Path(d)
         data = _shards(tmp)
+        launch = {"ours": lambda i: ours(tmp, data, a.ranks, i), "plain": lambda i: plain(tmp, a.ranks, i),
+                  "deepspeed_launcher": lambda i: ours(tmp, data, a.ranks, i, via_deepspeed=True)}
         for i in range(a.repeats):
-            runs["ours"].append(ours(tmp, data, a.ranks, i))
-            runs["plain"].append(plain(tmp, a.ranks, i))
-            if "deepspeed_launcher" in runs:
-                runs["deepspeed_launcher"].append(ours(tmp, data, a.ranks, i, via_deepspeed=True))
+            # the first launch of a session pays cold caches (page cache, .pyc): each repeat starts with another side
+            for side in sides[i % len(sides):] + sides[:i % len(sides)]:
+                runs[side].append(launch[side](i))
             print(f"repeat {i}: " + ", ".join(f"{k} {v[-1][0]:.1f} s to first step ({v[-1][1]:.1f} s in all)"
                                                for k, v in runs.items()), flush=True)
     med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in runs.items()}
