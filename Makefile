@@ -43,10 +43,11 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)
-	$(PY) bench/h5_loader.py
-	$(PY) bench/bert_step.py
-	$(PY) bench/image_pipeline.py
-	$(PY) bench/zero_memory.py
+	$(PY) -m bench.h5_loader
+	$(PY) -m bench.bert_step
+	$(PY) -m bench.image_pipeline
+	$(PY) -m bench.zero_memory
+	$(PY) -m bench.startup
 
 clean:
 	rm -rf $(VENV) demo_out runs .pytest_cache

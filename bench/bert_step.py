@@ -25,7 +25,7 @@
    rank optimizer-state bytes (fp32 master weights + moments) and the process peak RSS.
 The last line printed is one JSON object (step_ratio, mfu, mfu_upper_bound, ...). Target: step_ratio >= 1.3.
 
-    python bench/bert_step.py [--micro_batch 4] [--grad_accum 2] [--steps 2] [--warmup 1] [--rounds 3] [--threads 1]
+    python -m bench.bert_step [--micro_batch 4] [--grad_accum 2] [--steps 2] [--warmup 1] [--rounds 3] [--threads 1]
         [--precision auto|bf16|fp32] [--dense_mlm] [--torch_dropout] [--no_malloc_tuning] [--skip_trainer]
         [--skip_bound] [--memory] [--model debug]
 """
@@ -35,14 +35,13 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import REPO, bench_env, run_local_ranks
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 LARGE_SLICE = dict(name="bert_large_4l", num_hidden_layers=4)
@@ -374,7 +373,7 @@ def _run_window(a: argparse.Namespace, side: str, shards: Path, tmp: Path, dtype
     flags = [f"--{k}={getattr(a, k)}" for k in ("micro_batch", "grad_accum", "steps", "warmup", "threads",
                                                    "model")]
     flags += [f for f in ("--dense_mlm", "--torch_dropout") if getattr(a, f[2:])]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--shards", str(shards), "--out", str(out),
+    cmd = [sys.executable, "-m", "bench.bert_step", "--side", side, "--shards", str(shards), "--out", str(out),
            *flags]
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode or not out.exists():
@@ -390,14 +389,20 @@ def interleaved(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> d
     """--rounds rounds of one window per side, in ABBA order (ours, trainer, trainer, ours, ...) so that a load
     trend on a shared machine does not favour either side; step_ratio is the median over rounds of ours / trainer
     within a round (adjacent windows), with the min and max as the spread."""
-    import statistics
-
     sides = ["ours"] + ([] if a.skip_trainer else ["trainer"])
     rounds: list[dict] = []
     for r in range(a.rounds):
         order = sides if r % 2 == 0 else sides[::-1]
         rounds.append({side: _run_window(a, side, shards, tmp, dtype, len(sides) * r + j)
                        for j, side in enumerate(order)})
+    return dict(summarize(rounds, a.skip_trainer), windows=rounds)
+
+
+def summarize(rounds: list[dict], skip_trainer: bool = False) -> dict:
+    """The figures of rounds of windows ({side: window record}); refuses a ratio when the sides did different work.
+    Also reachable as `--summarize_windows FILE`: FILE holds the bench's last JSON line (its `windows`) or the list."""
+    import statistics
+
     ours = [w["ours"] for w in rounds]
     res = {k: ours[-1][k] for k in ("flops_per_seq", "mlm_head", "fast_dropout", "peak_tflops")}
     res["ours_samples_per_s"] = statistics.median(w["samples_per_s"] for w in ours)
@@ -405,7 +410,7 @@ def interleaved(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> d
     mfus = [w["mfu"] for w in ours if w["mfu"] is not None]
     res["mfu"] = statistics.median(mfus) if mfus else None
     res["ours_peak_rss_bytes"] = max(w["peak_rss_bytes"] for w in ours)
-    if a.skip_trainer:
+    if skip_trainer:
         return res
     tr = [w["trainer"] for w in rounds]
     # the same work per optimizer step on both sides, or no ratio at all
@@ -484,17 +489,9 @@ def memory_part(tmp: Path, dtype: str) -> dict:
     shards = _shards(tmp, 16, 128, 20, 30522)
     res: dict = {}
     for stage in (0, 1):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", BENCH_SHARDS=str(shards), BENCH_DTYPE=dtype,
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
-               str(Path(__file__).resolve()), "--memory_worker", str(stage), "--out", str(tmp)]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode:
-            sys.stdout.write(proc.stdout[-6000:])
-            raise SystemExit(f"memory launch with ZeRO-{stage} failed (exit {proc.returncode})")
+        env = bench_env(threads=1, DS_ACCELERATOR="cpu", BENCH_SHARDS=str(shards), BENCH_DTYPE=dtype)
+        run_local_ranks(2, ["-m", "bench.bert_step", "--memory_worker", str(stage), "--out", str(tmp)], env=env,
+                        log=tmp / f"memory_zero{stage}.log", what=f"memory launch with ZeRO-{stage}")
         ranks = [json.loads((tmp / f"mem_zero{stage}_rank{r}.json").read_text()) for r in (0, 1)]
         res[stage] = {k: max(r[k] for r in ranks) for k in ("optimizer_state_bytes", "master_bytes", "moment_bytes",
                                                            "peak_rss_bytes")}
@@ -519,7 +516,8 @@ MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_thresh
 
 def main() -> None:
     if "GLIBC_TUNABLES" not in os.environ and "--no_malloc_tuning" not in sys.argv:  # read at process start only
-        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES))
+        os.execve(sys.executable, [sys.executable, "-m", "bench.bert_step", *sys.argv[1:]],
+                  dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro_batch", type=int, default=4)
     ap.add_argument("--grad_accum", type=int, default=2)
@@ -546,7 +544,14 @@ def main() -> None:
     ap.add_argument("--side", default="", choices=("", "ours", "trainer"), help=argparse.SUPPRESS)
     ap.add_argument("--shards", default="", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--summarize_windows", default="",
+                    help="print the figures of a kept run's windows (its last JSON line, or the list of rounds of "
+                         "{side: window}) and exit")
     a = ap.parse_args()
+    if a.summarize_windows:
+        kept = json.loads(Path(a.summarize_windows).read_text())
+        print(json.dumps(summarize(kept["windows"] if isinstance(kept, dict) else kept, a.skip_trainer)))
+        return
     if a.memory_worker >= 0:
         memory_worker(a.memory_worker, Path(a.out))
         return

@@ -5,14 +5,13 @@ Reference (the pattern of NVIDIA's run_pretraining.py `pretraining_dataset`): th
 num_workers=0, RandomSampler. Ours: `bert_ref.data.PretrainingData` (block read, vectorized gather and labels,
 background prefetch). Both at micro batch 64. Then the resume seek time of ours at sample offset 1k and 150k.
 
-Usage: python bench/h5_loader.py [--samples 204800] [--micro_batch 64] [--ref_samples 32768] [--keep DIR]
+Usage: python -m bench.h5_loader [--samples 204800] [--micro_batch 64] [--ref_samples 32768] [--keep DIR]
 The last line printed is one JSON object (ratio = ours / reference samples/s; seek_ratio = seek@150k / seek@1k).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,10 +21,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bert_ref.data import IGNORE_INDEX, PretrainingData  # noqa: E402
-from bert_ref.prep.h5io import synthetic_arrays, write_shard  # noqa: E402
-from ds_core.cli import ArgumentParser, flag  # noqa: E402
+from bert_ref.data import IGNORE_INDEX, PretrainingData
+from bert_ref.prep.h5io import synthetic_arrays, write_shard
+from ds_core.cli import ArgumentParser, flag
 
 KEYS = ["input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels"]
 

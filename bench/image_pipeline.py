@@ -6,69 +6,34 @@
     host_ratio compares the host-side work; the CLIP normalization of our uint8 batch runs on the accelerator in this
     design, so it is timed separately on this CPU and host_ratio_incl_normalize counts it too (conservative).
 (b) end-to-end fine-tuning samples/s with the debug model, ours vs a transformers Trainer baseline: implemented in
-    bench/_bt_e2e.py (`bench_e2e() -> dict` with "e2e_ratio"); merged here when present.
+    bench/bt_e2e.py (`bench_e2e() -> dict` with "e2e_ratio").
 
 Images: >= 500 generated photographic-like 640 x 480 JPEGs at quality 90 (smooth gradients, shapes, texture, noise).
 The last line printed is one JSON object with host_ratio and e2e_ratio.
 
-    python bench/image_pipeline.py [--images 500] [--image_dir DIR] [--skip_e2e]
+    python -m bench.image_pipeline [--images 500] [--image_dir DIR] [--skip_e2e]
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import io
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool: per-core figures
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image, ImageDraw, ImageFilter  # noqa: E402
+from PIL import Image  # noqa: E402
 
+from bench.bt_e2e import bench_e2e  # noqa: E402
+from bench.common import make_images  # noqa: E402
 from bridgetower_ds.images import host_transform, normalize, read_bytes  # noqa: E402
 
 SIZE = 294  # BridgeTower Large's vision image size (published config: 294 px, patch 14)
-
-
-def photo_like(rng: np.random.Generator, w: int = 640, h: int = 480) -> Image.Image:
-    """A synthetic photograph: lit gradient background, a few blurred shapes, fine texture and sensor noise."""
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    base = rng.uniform(40, 200, 3)
-    gx, gy = rng.uniform(-0.2, 0.2, 2)
-    img = base + (gx * x + gy * y)[..., None] + 25 * np.sin(x / rng.uniform(40, 120) + rng.uniform(0, 6))[..., None]
-    im = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
-    draw = ImageDraw.Draw(im)
-    for _ in range(int(rng.integers(3, 8))):
-        x0, y0 = rng.integers(0, w - 40), rng.integers(0, h - 40)
-        x1, y1 = x0 + rng.integers(30, 260), y0 + rng.integers(30, 200)
-        color = tuple(int(c) for c in rng.integers(0, 256, 3))
-        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=color)
-    im = im.filter(ImageFilter.GaussianBlur(rng.uniform(0.6, 2.0)))
-    arr = np.asarray(im).astype(np.float32)
-    arr += 8 * np.sin(x / 3.1 + y / 4.7)[..., None] * rng.random()  # fine texture
-    arr += rng.normal(0, 4, arr.shape)  # sensor noise
-    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
-
-
-def make_images(root: Path, n: int, seed: int = 0) -> list[Path]:
-    root.mkdir(parents=True, exist_ok=True)
-    paths = [root / f"{i:05d}.jpg" for i in range(n)]
-    if all(p.exists() and p.stat().st_size > 0 for p in paths):
-        return paths
-    rng = np.random.default_rng(seed)
-    for p in paths:
-        photo_like(rng).save(p, "JPEG", quality=90)
-    return paths
 
 
 # Per-core cost is CPU time of this (single-threaded) process: the machine is shared, and wall time would charge
@@ -138,20 +103,8 @@ def bench_host(paths: list[Path], rounds: int = 2) -> dict:
 
 
 def bench_e2e_part(image_dir: Path) -> dict:
-    try:
-        import _bt_e2e  # noqa: PLC0415 - bench/_bt_e2e.py, part (b)
-    except ImportError as e:
-        print(f"(b) end-to-end: MISSING bench/_bt_e2e.py with bench_e2e() -> dict(e2e_ratio=...) ({e})")
-        return {"e2e_ratio": None, "e2e_missing": "bench/_bt_e2e.py:bench_e2e"}
-    fn = getattr(_bt_e2e, "bench_e2e", None)
-    if fn is None:
-        print("(b) end-to-end: MISSING bench_e2e() in bench/_bt_e2e.py")
-        return {"e2e_ratio": None, "e2e_missing": "bench/_bt_e2e.py:bench_e2e"}
-    params = inspect.signature(fn).parameters
-    out = fn(image_dir=str(image_dir)) if "image_dir" in params else fn()
-    if "e2e_ratio" not in out:
-        print(f"(b) end-to-end: bench_e2e() returned no e2e_ratio: {out}")
-    return out
+    """Part (b) on the same JPEGs."""
+    return bench_e2e(image_dir=str(image_dir))
 
 
 def main(argv=None) -> None:

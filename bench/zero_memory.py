@@ -12,7 +12,7 @@ The prediction is ds_core.tuning.estimate() (the ds-tune memory model) for the s
 buckets. Activations are kept small (micro batch 1, 64 tokens) so the comparison is about model-state memory.
 Large allocations are forced to mmap (MALLOC_MMAP_THRESHOLD_) so freed memory leaves the RSS and a peak is a peak.
 
-    python bench/zero_memory.py            # prints the table; last line: {"max_rel_error": ...}
+    python -m bench.zero_memory            # prints the table; last line: {"max_rel_error": ...}
 """
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import bench_env, run_local_ranks
+
 
 BERT = {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 768, "num_hidden_layers": 12,
         "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522, "max_position_embeddings": 128,
@@ -138,18 +137,14 @@ def worker(stage: int, out: Path) -> None:
 # ------------------------------------------------------------------------------------------------- driver
 
 def run_stage(stage: int, tmp: Path, timeout: float) -> list:
-    from tests.conftest import dist_env, free_port  # the same launch environment the tests use
-
     out = tmp / f"stage{stage}"
     out.mkdir()
-    env = dist_env(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(Path(__file__).resolve()), "--worker", "--stage", str(stage), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    env = bench_env(threads=1, DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    run_local_ranks(2, ["-m", "bench.zero_memory", "--worker", "--stage", str(stage), "--out", str(out)], env=env,
+                    log=tmp / f"stage{stage}.log", timeout_s=timeout, what=f"ZeRO-{stage} run")
     files = sorted(out.glob("rank*.json"))
-    if proc.returncode != 0 or len(files) != 2:
-        sys.exit(f"ZeRO-{stage} run failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")
+    if len(files) != 2:
+        sys.exit(f"ZeRO-{stage} run wrote {len(files)} of 2 rank records in {out}")
     return [json.loads(f.read_text()) for f in files]
 
 

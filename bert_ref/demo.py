@@ -11,11 +11,12 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ds_core.local_ranks import rank_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,17 +64,11 @@ def _run(cmd: list[str], env: dict | None = None, log: Path | None = None) -> No
         raise SystemExit(f"demo: {cmd[0]} failed (exit {proc.returncode}); full log: {log}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo_out", help="output directory (replaced)")
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    ap.add_argument("--ranks", type=int, default=2, help="local ranks (deepspeed --num_gpus)")
+    ap.add_argument("--ranks", type=int, default=2, help="local ranks (python -m ds_core.local_ranks -n)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(args.out).resolve()
@@ -92,14 +87,12 @@ def main(argv: list[str] | None = None) -> dict:
           "--dupe_factor", "2", "--num_test_shards", "1", "--workers", "1", "--no_progress"])
     t_prep = time.perf_counter() - t0
 
-    env = dict(os.environ)
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    if env["DS_ACCELERATOR"] == "cpu":
+    env = rank_env(pythonpath=[REPO], extra={"TOKENIZERS_PARALLELISM": "false"})
+    if env.get("DS_ACCELERATOR") == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.ranks)))
-    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false")
     run_dir = out / "run"
-    deepspeed = str(Path(py).parent / "deepspeed")
-    _run([deepspeed, "--num_gpus", str(args.ranks), "--master_port", str(_free_port()), "--module", "bert_ref.train",
+    # the documented local start (docs: python -m ds_core.local_ranks -n 2 -m bert_ref.train ...)
+    _run([py, "-m", "ds_core.local_ranks", "-n", str(args.ranks), "-m", "bert_ref.train",
           "--preset", "debug", "--deepspeed_config", "ds_configs/bert_debug_zero1_bf16.json",
           "--input_dir", str(out / "hdf5_seq128_pred20"), "--run_dir", str(run_dir), "--max_steps", str(args.steps),
           "--optimizer", "lamb", "--learning_rate", "0.02", "--warmup_proportion", "0.1",

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ds_core.config import ConfigError
+from ds_core.local_ranks import free_port, rank_variables
 
 # Per-launcher names of "how many ranks share this node". DeepSpeed's launcher also sets CROSS_SIZE (= nodes).
 _LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
@@ -34,12 +35,6 @@ class DistInfo:
     accelerator: str  # "cpu" | "cuda" | "hpu"
     device: torch.device
     backend: str
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _in_mpi() -> bool:
@@ -118,8 +113,7 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
 
     if "RANK" not in os.environ and not _in_mpi():
         # A single process started by hand: a world of one, on a free local port.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+        os.environ.update(rank_variables(0, 1, master_port=int(os.environ.get("MASTER_PORT") or free_port())))
     accel = get_accelerator()
     if os.environ.get("LOCAL_RANK", "0") == "0":
         for lock, age in stale_build_locks():

@@ -1,11 +1,21 @@
-"""Start N local ranks, or N simulated nodes on loopback, through DeepSpeed's own launcher; wait with a timeout that
-kills every process started (launchers AND their ranks).
+"""Start N local ranks, or N simulated nodes on loopback; wait with a timeout that kills every process started.
 
 One owner for what the demo, benchmarks, tests and `ds-study` all need: a free port, the ranks' environment, the
-`deepspeed` command line, and a process group per launcher so that a dead or hung job can be taken down whole (a
-killed launcher alone leaves its ranks running, holding ports, memory and JIT build locks).
+command lines, and a process group per start so that a dead or hung job can be taken down whole (a killed launcher
+alone leaves its ranks running, holding ports, memory and JIT build locks).
 
-    cmds = [local_command(2, ["--module", "bert_ref.train", "--preset", "debug", ...], master_port=free_port())]
+Two ways to start ranks on this machine:
+- direct (`rank_commands`, `python -m ds_core.local_ranks -n 2 -m bert_ref.train ...`): this process spawns the ranks
+  itself with the variables DeepSpeed's launch.py gives each rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE,
+  CROSS_RANK, CROSS_SIZE, MASTER_ADDR, MASTER_PORT, --local_rank=N). It imports neither torch nor deepspeed: the
+  `deepspeed` runner and its launch.py each import both (~3.5 s apiece on a 2-core CPU, one after the other) before
+  any rank starts: most of the gap to a plain torchrun script (bench/startup.py). The documented local path.
+- through DeepSpeed's launcher (`local_command`, `node_commands`): `deepspeed --num_gpus N` and the `--no_ssh`
+  per-node form that AWS Batch or Kubernetes use; what the launch tests and multi-node studies exercise.
+
+    cmds = rank_commands(2, ["-m", "bert_ref.train", "--preset", "debug", ...], master_port=free_port(), env=rank_env())
+    result = run_ranks(cmds, cwd=".", log_path=Path("run/log.txt"), timeout_s=600)
+    cmds = [local_command(2, ["--module", "bert_ref.train", ...], master_port=free_port())]
     result = run_launchers(cmds, env=rank_env(), cwd=".", log_path=Path("run/log.txt"), timeout_s=600)
     cmds = node_commands(2, 1, target, master_port=free_port(), hostfile=write_loopback_hostfile(p, 2, 1))
 """
@@ -33,16 +43,26 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def _accelerator_present() -> bool:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return True
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    """CUDA (or ROCm) or Habana on this host, asked without importing torch where the answer is already known: a
+    CPU-only torch build (torch/version.py with `cuda = None` and `hip = None`) cannot see a GPU, and importing torch
+    (~2 s) here would be paid before every rank starts."""
     import importlib.util
+    import re
 
-    return importlib.util.find_spec("habana_frameworks") is not None
+    if importlib.util.find_spec("habana_frameworks") is not None:
+        return True
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:  # pragma: no cover - torch is a dependency
+        return False
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+        if all(re.search(rf"^{k}\b[^=\n]*= None\s*$", text, re.M) for k in ("cuda", "hip")):
+            return False
+    except OSError:  # pragma: no cover - an unusual install: ask torch
+        pass
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def rank_env(base: Mapping[str, str] | None = None, *, threads: int | None = None,
@@ -82,6 +102,40 @@ def local_command(num_ranks: int, target: Sequence[str], *, master_port: int) ->
     return [*deepspeed_launcher(), "--num_gpus", str(num_ranks), "--master_port", str(master_port), *target]
 
 
+def rank_commands(num_ranks: int, target: Sequence[str], *, master_port: int, env: Mapping[str, str],
+                  master_addr: str = LOOPBACK, local_rank_arg: bool = True) -> list[tuple[list[str], dict[str, str]]]:
+    """(command, environment) per rank for starting `num_ranks` ranks on this host directly.
+
+    TARGET is a script path, or `-m`/`--module` M, then its arguments. Each rank gets what DeepSpeed's
+    deepspeed/launcher/launch.py sets for a one-node world (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, CROSS_RANK=0,
+    CROSS_SIZE=1, LOCAL_SIZE, RANK, LOCAL_RANK, and `--local_rank=N` after the target unless `local_rank_arg` is
+    false) and runs unbuffered (`python -u`), as there. launch.py also narrows CUDA_VISIBLE_DEVICES to the ranks'
+    devices; each rank here picks device LOCAL_RANK itself (ds_core.engine.init_distributed), which is the same.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks = {num_ranks}: expected >= 1")
+    target = list(target)
+    if not target:
+        raise ValueError("no target: expected a script path or -m MODULE, then its arguments")
+    if target[0] in ("-m", "--module"):
+        if len(target) < 2:
+            raise ValueError(f"{target[0]} without a module name")
+        head, rest = ["-m", target[1]], target[2:]
+    else:
+        head, rest = [target[0]], target[1:]
+    out = []
+    for rank in range(num_ranks):
+        cmd = [sys.executable, "-u", *head, *([f"--local_rank={rank}"] if local_rank_arg else []), *rest]
+        out.append((cmd, {**env, **rank_variables(rank, num_ranks, master_port=master_port, master_addr=master_addr)}))
+    return out
+
+
+def rank_variables(rank: int, num_ranks: int, *, master_port: int, master_addr: str = LOOPBACK) -> dict[str, str]:
+    """The variables DeepSpeed's launch.py gives rank `rank` of a one-node world of `num_ranks`."""
+    return dict(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(num_ranks), CROSS_RANK="0",
+                CROSS_SIZE="1", LOCAL_SIZE=str(num_ranks), RANK=str(rank), LOCAL_RANK=str(rank))
+
+
 def write_loopback_hostfile(path: str | os.PathLike, nodes: int, slots: int) -> Path:
     """A hostfile of `nodes` simulated hosts (node0, node1, ...) with `slots` ranks each. With --no_ssh the names are
     only labels: every launcher is told the master address (loopback) directly."""
@@ -103,11 +157,12 @@ def node_commands(nodes: int, ranks_per_node: int, target: Sequence[str], *, mas
 
 @dataclass
 class LaunchResult:
-    codes: list[int]          # exit code per launcher (negative: killed by that signal)
+    codes: list[int]          # exit code per process (negative: killed by that signal)
     timed_out: bool
     seconds: float
     log_path: Path | None = None
     extra: dict = field(default_factory=dict)
+    killed: list[bool] = field(default_factory=list)  # still running when the group was killed
 
     @property
     def ok(self) -> bool:
@@ -115,24 +170,48 @@ class LaunchResult:
 
     @property
     def exit_code(self) -> int:
-        """The first non-zero exit code (0 when all succeeded); 124 on a timeout, as coreutils' timeout."""
+        """The first non-zero exit code of a process that ended on its own (0 when all succeeded), else of any (a
+        peer killed after another failed reads -9, which is not why the job failed); 124 on a timeout, as coreutils'
+        timeout."""
         if self.timed_out:
             return 124
-        return next((c for c in self.codes if c != 0), 0)
+        own = [c for c, k in zip(self.codes, self.killed or [False] * len(self.codes)) if not k]
+        return next((c for c in own if c != 0), next((c for c in self.codes if c != 0), 0))
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process left in session `sid` (procfs; no-op where there is none). A killed rank's compiler
+    children would otherwise finish a build nobody waits for while its lock file blocks every later run."""
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) == sid and int(entry.name) != os.getpid():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
 
 
 class LauncherGroup:
-    """Launchers started in sessions of their own, so that each can be killed with all its ranks."""
+    """Processes (launchers or ranks) started in sessions of their own, so that each can be killed with all its
+    children. With `new_session=False` they stay in the caller's process group instead (the foreground CLI: a
+    Ctrl-C or a test's kill of the CLI's group reaches the ranks too)."""
 
-    def __init__(self, cmds: Sequence[Sequence[str]], *, env: Mapping[str, str], cwd: str | os.PathLike,
-                 log_path: str | os.PathLike | None = None):
+    def __init__(self, cmds: Sequence[Sequence[str]], *, env: Mapping[str, str] | None = None,
+                 cwd: str | os.PathLike, log_path: str | os.PathLike | None = None,
+                 envs: Sequence[Mapping[str, str]] | None = None, new_session: bool = True,
+                 inherit_output: bool = False):
+        if (env is None) == (envs is None) or (envs is not None and len(envs) != len(cmds)):
+            raise ValueError("give either env (one for all) or envs (one per command)")
         self.log_path = Path(log_path) if log_path else None
-        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self._log = open(self.log_path, "ab") if self.log_path else (None if inherit_output else subprocess.DEVNULL)
+        self.new_session = new_session
         self.procs: list[subprocess.Popen] = []
         try:
-            for cmd in cmds:
-                self.procs.append(subprocess.Popen(list(cmd), cwd=cwd, env=dict(env), stdout=self._log,
-                                                   stderr=subprocess.STDOUT, start_new_session=True))
+            for i, cmd in enumerate(cmds):
+                self.procs.append(subprocess.Popen(list(cmd), cwd=cwd, env=dict(env if envs is None else envs[i]),
+                                                   stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
+                                                   start_new_session=new_session))
         except BaseException:
             self.kill()
             raise
@@ -140,38 +219,52 @@ class LauncherGroup:
     def poll(self) -> list[int | None]:
         return [p.poll() for p in self.procs]
 
-    def kill(self) -> None:
-        """SIGKILL every launcher's whole process group (its ranks included), then reap."""
+    def signal(self, sig: int) -> None:
+        """Send `sig` to every process still running (to its group when it has a session of its own)."""
         for p in self.procs:
             if p.poll() is None:
                 try:
-                    os.killpg(p.pid, signal.SIGKILL)
+                    os.killpg(p.pid, sig) if self.new_session else p.send_signal(sig)
                 except ProcessLookupError:
                     pass
+
+    def kill(self) -> None:
+        """SIGKILL every process (with its whole process group when it has a session of its own), then reap."""
+        self.signal(signal.SIGKILL)
         for p in self.procs:
             p.wait()
-        # ranks whose launcher already exited are still in that launcher's group
-        for p in self.procs:
+        # ranks whose launcher already exited are still in that launcher's group; processes that made groups of
+        # their own (ninja runs each compiler in one: a rank JIT-building an op) are still in the session
+        for p in self.procs if self.new_session else ():
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        if self._log is not subprocess.DEVNULL:
+            _kill_session(p.pid)
+        if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
             self._log = subprocess.DEVNULL
 
     def wait(self, timeout_s: float, on_poll: Callable[[], None] | None = None, poll_s: float = 1.0,
-             fail_fast: bool = True) -> LaunchResult:
-        """Wait for every launcher; after `timeout_s` kill them all. With `fail_fast`, one launcher failing kills the
-        others (a simulated node whose peer died would otherwise wait for its collective timeout)."""
+             fail_fast: bool = True, grace_s: float = 0.0) -> LaunchResult:
+        """Wait for every process; after `timeout_s` kill them all. With `fail_fast`, one process failing ends the
+        others (a simulated node or rank whose peer died would otherwise wait for its collective timeout): SIGTERM
+        and up to `grace_s` to finish (a rank in the middle of a checkpoint write finishes it, as DeepSpeed's
+        launch.py allows 30 s), then SIGKILL."""
         t0 = time.monotonic()
         timed_out = False
+        codes: list[int | None] = [None] * len(self.procs)
         try:
             while True:
                 codes = self.poll()
                 if all(c is not None for c in codes):
                     break
                 if fail_fast and any(c not in (None, 0) for c in codes):
+                    if grace_s > 0:
+                        self.signal(signal.SIGTERM)
+                        end = time.monotonic() + grace_s
+                        while time.monotonic() < end and any(c is None for c in self.poll()):
+                            time.sleep(min(poll_s, 0.2))
                     break
                 if time.monotonic() - t0 > timeout_s:
                     timed_out = True
@@ -180,8 +273,11 @@ class LauncherGroup:
                     on_poll()
                 time.sleep(poll_s)
         finally:
+            if not (fail_fast and grace_s > 0 and any(c not in (None, 0) for c in codes)):
+                codes = self.poll()
             self.kill()
-        return LaunchResult([p.returncode for p in self.procs], timed_out, time.monotonic() - t0, self.log_path)
+        return LaunchResult([p.returncode for p in self.procs], timed_out, time.monotonic() - t0, self.log_path,
+                            killed=[c is None for c in codes])
 
 
 def run_launchers(cmds: Sequence[Sequence[str]], *, env: Mapping[str, str], cwd: str | os.PathLike,
@@ -189,3 +285,64 @@ def run_launchers(cmds: Sequence[Sequence[str]], *, env: Mapping[str, str], cwd:
                   on_poll: Callable[[], None] | None = None, poll_s: float = 1.0) -> LaunchResult:
     """Start the launchers, wait up to `timeout_s`, kill whatever is left; stdout+stderr of all go to `log_path`."""
     return LauncherGroup(cmds, env=env, cwd=cwd, log_path=log_path).wait(timeout_s, on_poll=on_poll, poll_s=poll_s)
+
+
+def run_ranks(cmds: Sequence[tuple[Sequence[str], Mapping[str, str]]], *, cwd: str | os.PathLike, timeout_s: float,
+              log_path: str | os.PathLike | None = None, on_poll: Callable[[], None] | None = None,
+              poll_s: float = 1.0, grace_s: float = 30.0) -> LaunchResult:
+    """Start ranks made by `rank_commands`, wait up to `timeout_s`; one failing rank ends the others after `grace_s`
+    (a peer left alone would wait for its collective timeout), as DeepSpeed's launch.py does."""
+    group = LauncherGroup([c for c, _ in cmds], envs=[e for _, e in cmds], cwd=cwd, log_path=log_path)
+    return group.wait(timeout_s, on_poll=on_poll, poll_s=poll_s, grace_s=grace_s)
+
+
+_CLI_FLAGS = {"--no_local_rank", "-h", "--help"}
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Our options come first; the target starts at -m/--module or at the first word that is not an option (an
+    argparse REMAINDER would take the target's own --flags for ours)."""
+    i = 0
+    while i < len(argv) and argv[i] not in ("-m", "--module") and argv[i].startswith("-"):
+        i += 1 if (argv[i] in _CLI_FLAGS or "=" in argv[i]) else 2
+    return list(argv[:i]), list(argv[i:])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m ds_core.local_ranks -n 2 -m bert_ref.train ARGS` (or a script path instead of -m M): the
+    toolkit's local launcher. Ranks run in this process's group (Ctrl-C reaches them); SIGTERM/SIGUSR1 sent to this
+    process are passed on (a preempted run checkpoints and exits 75); exit status: the first failing rank's."""
+    import argparse
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ours, target = _split_argv(argv)
+    ap = argparse.ArgumentParser(prog="python -m ds_core.local_ranks", description=main.__doc__,
+                                 usage="%(prog)s [-n N] [--master_port P] [--timeout_s S] (-m MODULE | SCRIPT) ARGS")
+    ap.add_argument("-n", "--num_ranks", "--num_gpus", type=int, default=1, help="ranks on this host (default 1)")
+    ap.add_argument("--master_addr", default=LOOPBACK)
+    ap.add_argument("--master_port", type=int, default=0, help="rendezvous port (default: a free one)")
+    ap.add_argument("--timeout_s", type=float, default=0, help="kill every rank after this long (default: never)")
+    ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS per rank (default: inherited)")
+    ap.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the target")
+    a = ap.parse_args(ours)
+    if not target:
+        ap.error("no target: expected -m MODULE or a script path, then its arguments")
+    try:
+        cmds = rank_commands(a.num_ranks, target, master_port=a.master_port or free_port(a.master_addr),
+                             master_addr=a.master_addr, env=rank_env(threads=a.threads or None),
+                             local_rank_arg=not a.no_local_rank)
+    except ValueError as e:
+        ap.error(str(e))
+    group = LauncherGroup([c for c, _ in cmds], envs=[e for _, e in cmds], cwd=os.getcwd(), new_session=False,
+                          inherit_output=True)
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: group.signal(signum))
+    res = group.wait(a.timeout_s or float("inf"), poll_s=0.1, grace_s=30.0)
+    if res.timed_out:
+        print(f"[ds_core.local_ranks] timed out after {a.timeout_s:.0f} s: every rank killed", file=sys.stderr)
+    code = res.exit_code
+    return 128 - code if code < 0 else code  # a rank killed by signal S: the shell's 128 + S
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,66 +1,57 @@
-"""Shared test helpers: run a real DeepSpeed job (CPU accelerator, gloo) on N local ranks."""
+"""Shared test helpers: run a real DeepSpeed job (CPU accelerator, gloo) on N local ranks.
+
+Starting ranks, their environment and free ports belong to ds_core.local_ranks (the project's one starter); these
+helpers only add what a test needs on top: captured text output and a failed test, with the output, on a timeout.
+"""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from ds_core import local_ranks
+from ds_core.local_ranks import free_port  # noqa: F401 - tests import it from here
+
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 
 
 def dist_env(**extra: str) -> dict[str, str]:
-    """Environment for launched ranks: CPU accelerator, few threads per rank (2 cores shared by 2 ranks)."""
-    env = dict(os.environ)
-    env.update(
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
-    env.update(extra)
-    return env
+    """Environment for launched ranks: CPU accelerator, one thread per rank (2 cores shared by 2 ranks), this
+    checkout first on PYTHONPATH, offline."""
+    return local_ranks.rank_env(threads=1, pythonpath=[REPO], extra=dict(
+        DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_group(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
-    """Run cmd in a session of its own (stdout+stderr text); on timeout kill the whole session, ranks included (a
-    killed launcher alone leaves its ranks running, holding ports, memory and JIT build locks), then fail the test."""
-    import signal
-
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                          **kw) as p:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            pytest.fail(f"timed out after {timeout:.0f} s, process group killed: {' '.join(cmd)}\n{out[-8000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, None)
+def run_group(cmd: list[str], timeout: float, cwd: Path | None = None,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run cmd in a session of its own (stdout+stderr as text); on timeout the whole session, ranks included, is
+    killed (ds_core.local_ranks.LauncherGroup) and the test fails with the output."""
+    with tempfile.TemporaryDirectory(prefix="run_group_") as d:
+        log = Path(d) / "out.txt"
+        res = local_ranks.LauncherGroup([cmd], env=env or dict(os.environ), cwd=cwd or REPO, log_path=log).wait(
+            timeout, poll_s=0.2, fail_fast=False)
+        out = log.read_text(errors="replace")
+    if res.timed_out:
+        pytest.fail(f"timed out after {timeout:.0f} s, process group killed: {' '.join(cmd)}\n{out[-8000:]}")
+    return subprocess.CompletedProcess(cmd, res.codes[0], out, None)
 
 
 def run_deepspeed(args: list[str], num_ranks: int = 2, timeout: float = 600, env: dict | None = None,
-                  check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N <args>` with the venv's launcher; returns the finished process (stdout+stderr text)."""
-    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), *args]
+                  check: bool = True, cwd: Path | None = None, launcher: str = "local") -> subprocess.CompletedProcess:
+    """A DeepSpeed program (`--module M ARGS` or `SCRIPT ARGS`) on `num_ranks` local ranks; returns the finished
+    process (stdout+stderr text). launcher "local": the toolkit's documented starter (`python -m
+    ds_core.local_ranks -n N ...`, what `make demo` runs); "deepspeed": `deepspeed --num_gpus N ...`."""
+    if launcher == "local":
+        cmd = [sys.executable, "-m", "ds_core.local_ranks", "-n", str(num_ranks), *args]
+    elif launcher == "deepspeed":
+        cmd = local_ranks.local_command(num_ranks, args, master_port=free_port())
+    else:
+        raise ValueError(f"launcher = {launcher!r}: expected 'local' or 'deepspeed'")
     proc = run_group(cmd, cwd=cwd or REPO, env=env or dist_env(), timeout=timeout)
     if check and proc.returncode != 0:
-        pytest.fail(f"deepspeed run failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-8000:]}")
+        pytest.fail(f"{launcher} run failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-8000:]}")
     return proc
-
-
-@pytest.fixture
-def ds_run():
-    return run_deepspeed

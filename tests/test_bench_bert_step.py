@@ -1,9 +1,7 @@
-"""bench/bert_step.py: the two sides do the same work (real DeepSpeed engines, real Trainer, tiny model), and the
-interleaving arithmetic (ABBA order, median ratio, refusal when the sides differ). No timing is asserted."""
+"""bench.bert_step (run as `python -m bench.bert_step`): the two sides do the same work (real DeepSpeed engines,
+real Trainer, tiny model), and the summary of interleaved windows (median ratio and spread, refusal when the sides differ). No timing is asserted."""
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,14 +11,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "bench" / "bert_step.py"
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bert_step_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _window(rate: float, **over) -> dict:
@@ -32,23 +22,23 @@ def _window(rate: float, **over) -> dict:
     return rec
 
 
-def _args(rounds: int) -> argparse.Namespace:
-    return argparse.Namespace(rounds=rounds, skip_trainer=False)
+def _summarize(tmp_path: Path, rounds: list[dict]) -> subprocess.CompletedProcess:
+    """The bench's own summary of recorded windows (`--summarize_windows`), run as the bench is run: nothing imports
+    bench (tests/test_layering.py)."""
+    f = tmp_path / "windows.json"
+    f.write_text(json.dumps({"windows": rounds}))
+    return subprocess.run([sys.executable, "-m", "bench.bert_step", "--no_malloc_tuning", "--summarize_windows",
+                           str(f)], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
 
 
-def test_interleaved_abba_median_and_spread(monkeypatch, tmp_path):
-    mod = _bench_module()
-    calls: list[str] = []
-    rates = {"ours": iter([3.0, 2.0, 4.0]), "trainer": iter([2.0, 2.0, 1.0])}
-
-    def fake_window(a, side, shards, tmp, dtype, i):
-        calls.append(side)
-        return _window(next(rates[side]))
-
-    monkeypatch.setattr(mod, "_run_window", fake_window)
-    res = mod.interleaved(_args(3), tmp_path, tmp_path, "fp32")
-    assert calls == ["ours", "trainer", "trainer", "ours", "ours", "trainer"]
-    assert res["step_ratio_rounds"] == [1.5, 1.0, 4.0]  # each round: adjacent windows
+def test_interleaved_median_and_spread(tmp_path):
+    rounds = [{"ours": _window(3.0), "trainer": _window(2.0)}, {"trainer": _window(2.0), "ours": _window(2.0)},
+              {"ours": _window(4.0), "trainer": _window(1.0)}]
+    proc = _summarize(tmp_path, rounds)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["step_ratio_rounds"] == [1.5, 1.0, 4.0]  # each round: its two adjacent windows
     assert res["step_ratio"] == 1.5 and res["step_ratio_min"] == 1.0 and res["step_ratio_max"] == 4.0
     assert res["ours_samples_per_s"] == 3.0 and res["trainer_samples_per_s"] == 2.0
     assert res["both_optimizer"] == "NVLAMB"
@@ -57,12 +47,10 @@ def test_interleaved_abba_median_and_spread(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("key,value", [("optimizer", "AdamW"), ("samples_per_step", 6.0),
                                        ("trust_ratio_tensors", 2), ("threads", 2)])
-def test_interleaved_refuses_different_work(monkeypatch, tmp_path, key, value):
-    mod = _bench_module()
-    monkeypatch.setattr(mod, "_run_window", lambda a, side, *rest: _window(1.0, **({key: value} if side == "trainer"
-                                                                                    else {})))
-    with pytest.raises(SystemExit, match=f"differ in {key}"):
-        mod.interleaved(_args(1), tmp_path, tmp_path, "fp32")
+def test_interleaved_refuses_different_work(tmp_path, key, value):
+    proc = _summarize(tmp_path, [{"ours": _window(1.0), "trainer": _window(1.0, **{key: value})}])
+    assert proc.returncode != 0
+    assert f"differ in {key}" in proc.stderr
 
 
 @pytest.mark.slow
@@ -71,8 +59,8 @@ def test_bench_runs_both_sides_with_the_same_optimizer_step(tmp_path):
     must step our NVLAMB with per-tensor trust ratios (transformers' deepspeed_init drops optimizers=(opt, None) and
     builds AdamW: the bench once compared against that), on as many samples per step as ours."""
     env = dict(os.environ, DS_CORE_PEAK_TFLOPS="1.0", PYTHONPATH=str(REPO))  # no CPU peak probe: not measured here
-    proc = subprocess.run([sys.executable, str(BENCH), "--model", "debug", "--rounds", "1", "--steps", "1",
-                           "--skip_bound"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run([sys.executable, "-m", "bench.bert_step", "--model", "debug", "--rounds", "1", "--steps", "1",
+                           "--skip_bound"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,20 +1,21 @@
-"""bench/h5_loader.py runs end to end on a small shard and prints its JSON contract (the real run uses 200k samples)."""
+"""bench.h5_loader runs end to end on a small shard and prints its JSON contract (the real run uses 200k samples)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
+import subprocess
+import sys
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "h5_loader.py"
+from conftest import REPO, dist_env
 
 
-def test_h5_loader_bench_small(capsys, tmp_path):
-    spec = importlib.util.spec_from_file_location("h5_loader_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    result = mod.main(["--samples", "3000", "--ref-samples", "640", "--seek-offsets", "100", "2500",
-                       "--no-compression", "--keep", str(tmp_path)])
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert last == result
+def test_h5_loader_bench_small(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.h5_loader", "--samples", "3000", "--ref_samples", "640",
+                           "--seek_offsets", "100", "2500", "--no_compression", "--keep", str(tmp_path)],
+                          cwd=REPO, env=dist_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"ratio", "seek_ratio", "ours_samples_per_s", "reference_samples_per_s"} <= set(last)
     assert last["ratio"] > 0 and last["seek_ratio"] > 0
+    assert last["samples"] == 3000 and last["compression"] is None
+    assert list(tmp_path.glob("bench_training_seq128_pred20_3000.hdf5"))

@@ -1,4 +1,4 @@
-"""bench/image_pipeline.py stays runnable: a tiny part (a) run, last line one JSON object with host_ratio."""
+"""bench.image_pipeline stays runnable: a tiny part (a) run, last line one JSON object with host_ratio."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_image_pipeline_bench_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "image_pipeline.py"), "--images", "12", "--rounds", "1",
+    proc = subprocess.run([sys.executable, "-m", "bench.image_pipeline", "--images", "12", "--rounds", "1",
                            "--image_dir", str(tmp_path), "--skip_e2e"], cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]

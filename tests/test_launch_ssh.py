@@ -213,17 +213,22 @@ def test_launch_run_openmpi_over_ssh(tmp_path, private_sshd):
 
 
 # ------------------------------------------------------------------------------------------------ MPI rendezvous, hangs
-RDV_PROBE = '''"""Rendezvous through ds_core.engine, one all-reduce, record it; with --hold keep all-reducing until killed."""
+RDV_PROBE = '''"""Rendezvous through ds_core.engine, one all-reduce, record it; with --hold keep all-reducing until killed.
+The rendezvous may take 20 s on a loaded 2-core machine: it gets --init_timeout_s, and only the held all-reduces the
+short --dist_timeout_s (their own group), so a frozen peer is noticed after that and not after the init's bound."""
 import argparse, json, os, time
+from datetime import timedelta
 import torch
 import torch.distributed as dist
 from ds_core.engine import init_distributed, shutdown_distributed
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--dist_timeout_s", type=int, default=60)
+p.add_argument("--init_timeout_s", type=int, default=180)
 p.add_argument("--hold", action="store_true")
 args, _ = p.parse_known_args()
-info = init_distributed(timeout_s=args.dist_timeout_s)
+info = init_distributed(timeout_s=max(args.init_timeout_s, args.dist_timeout_s))
+hold_group = dist.new_group(timeout=timedelta(seconds=args.dist_timeout_s)) if args.hold else None
 t = torch.tensor([float(info.rank + 1)])
 dist.all_reduce(t)
 keys = ("{marker}", "MASTER_ADDR", "MASTER_PORT", "MPI4PY_LIBMPI")
@@ -232,11 +237,12 @@ rec = dict(rank=info.rank, world=info.world_size, nodes=info.nodes, sum=t.item()
 with open(os.path.join(args.out, "rdv%d.json" % info.rank), "w") as f:
     json.dump(rec, f)
 while args.hold:
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=hold_group)
     time.sleep(0.2)
 shutdown_distributed()
 '''
-HOLD_TIMEOUT_S, GRACE_S = 45, 15  # init collectives on a loaded 2-core machine can take 20 s
+# the held all-reduces' timeout (the rendezvous has its own, long one: RDV_PROBE) and launch.guard's grace
+HOLD_TIMEOUT_S, GRACE_S = 20, 10
 
 
 def _start(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:

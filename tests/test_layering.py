@@ -1,12 +1,18 @@
-"""The layering of ../shared/STYLE.md: model packages import ds_core, never each other; ds_core imports neither."""
+"""The layering of ../shared/STYLE.md: model packages import ds_core, never each other; ds_core imports neither.
+bench/ may import any package but no test code, and nothing imports bench (a test needing bench code means that code
+belongs in the library or in the test helpers)."""
 import ast
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"ds_core": {"bert_ref", "bridgetower_ds", "launch"}, "bert_ref": {"bridgetower_ds", "launch"},
-             "bridgetower_ds": {"bert_ref", "launch"}, "launch": {"bert_ref", "bridgetower_ds"}}
+_NO_BENCH = {"bench", "tests"}
+FORBIDDEN = {"ds_core": {"bert_ref", "bridgetower_ds", "launch", *_NO_BENCH},
+             "bert_ref": {"bridgetower_ds", "launch", *_NO_BENCH},
+             "bridgetower_ds": {"bert_ref", "launch", *_NO_BENCH},
+             "launch": {"bert_ref", "bridgetower_ds", *_NO_BENCH},
+             "studies": _NO_BENCH, "tests": {"bench"}, "bench": {"tests", "conftest"}}
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -17,6 +23,14 @@ def imported_packages(path: Path) -> set[str]:
             names.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("import_module", "spec_from_file_location", "run_path")
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names.add(node.args[0].value.split(".")[0].split("/")[0])  # importlib/runpy by name or by path
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("spec_from_file_location", "run_path", "insert", "append")
+                and any(w in ast.unparse(node) for w in ("'bench'", '"bench"', "bench/"))):
+            names.add("bench")  # a file of bench/ loaded by path, or bench/ put on sys.path
     return names
 
 
@@ -27,3 +41,23 @@ def test_package_imports_respect_layering(package):
         hits = imported_packages(f) & FORBIDDEN[package]
         bad += [f"{f.relative_to(REPO)} imports {h}" for h in sorted(hits)]
     assert not bad, "; ".join(bad)
+
+
+def test_bench_is_a_package_without_path_edits():
+    """bench runs as `python -m bench.<name>`: no sys.path edits, no private modules imported across files."""
+    assert (REPO / "bench" / "__init__.py").is_file()
+    bad = [f"{f.relative_to(REPO)}: sys.path edit" for f in sorted((REPO / "bench").glob("*.py"))
+           if "sys.path" in f.read_text()]
+    bad += [f"{f.relative_to(REPO)} imports {n}" for f in sorted((REPO / "bench").glob("*.py"))
+            for n in _bench_modules_imported(f) if n.startswith("_")]
+    assert not bad, "; ".join(bad)
+
+
+def _bench_modules_imported(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bench."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("bench."))
+    return out

@@ -1,4 +1,4 @@
-"""Part (b) of bench/image_pipeline.py: end-to-end BridgeTower fine-tuning samples/s, ours vs a Trainer baseline.
+"""Part (b) of bench.image_pipeline: end-to-end BridgeTower fine-tuning samples/s, ours vs a Trainer baseline.
 
 Both sides: the debug BridgeTower (same config, random init), the same images and captions, batch, worker count,
 max_seq_length (captions padded to it on both sides, so the model does identical work), AdamW lr 1e-5 with
@@ -15,20 +15,20 @@ and each keeps its best round (the machine this runs on may be shared).
 
 Each side runs in its own subprocess so neither inherits the other's process group, threads or caches.
 
-    python bench/_bt_e2e.py [--image_dir DIR] [--steps 40] [--warmup 5] [--batch 32] [--workers 2] [--rounds 2]
+    python -m bench.bt_e2e [--image_dir DIR] [--steps 40] [--warmup 5] [--batch 32] [--workers 2] [--rounds 2]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.common import REPO, bench_env, make_images
+
 MAX_SEQ = 32
 
 _WORDS = {
@@ -146,16 +146,11 @@ def bench_e2e(image_dir: str | None = None, steps: int = 40, warmup: int = 5, ba
     with tempfile.TemporaryDirectory(prefix="bt_e2e_") as tmp:
         work = Path(tmp)
         if image_dir is None:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from image_pipeline import make_images  # noqa: PLC0415 - the same generated photographs
-
             image_dir = str(work / "jpeg640x480")
             make_images(Path(image_dir), n_images)
         manifest = make_manifest(Path(image_dir), work)
         n = sum(1 for _ in manifest.open())
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", ACCELERATE_USE_CPU="1",
-                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = bench_env(threads=1, DS_ACCELERATOR="cpu", ACCELERATE_USE_CPU="1")
         common = dict(steps=steps, warmup=warmup, batch=batch, workers=workers)
         print(f"(b) end-to-end fine-tuning, debug BridgeTower, {n} JPEGs 640x480 -> 32x32, batch {batch}, "
               f"{workers} workers, {steps} steps after {warmup} warm-up steps, 1 process, CPU, fp32, "
@@ -163,7 +158,7 @@ def bench_e2e(image_dir: str | None = None, steps: int = 40, warmup: int = 5, ba
         bases, ours_ = [], []
         for r in range(1, rounds + 1):
             out = work / f"baseline{r}.json"
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--baseline", "--manifest",
+            proc = subprocess.run([sys.executable, "-m", "bench.bt_e2e", "--baseline", "--manifest",
                                    str(manifest), "--out", str(out)] + [f"--{k}={v}" for k, v in common.items()],
                                   cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if proc.returncode != 0:
@@ -196,7 +191,6 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.baseline:
-        sys.path.insert(0, str(REPO))
         run_baseline(a.manifest, a.steps, a.warmup, a.batch, a.workers, a.out)
         return
     print(json.dumps(bench_e2e(a.image_dir, a.steps, a.warmup, a.batch, a.workers, rounds=a.rounds)))
