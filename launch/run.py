@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ds_core.cli import run_cli
+from ds_core.local_ranks import deepspeed_launcher
 from launch import env as envmod
 from launch import hostfile as hf
 from launch import preflight
@@ -67,13 +68,6 @@ def split_extra(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def deepspeed_cmd() -> list[str]:
-    exe = Path(sys.executable).parent / "deepspeed"
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("deepspeed")
-    # the runner module is what the `deepspeed` script runs; calling it keeps the same interpreter
-    return [found] if found else [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
 
 
 def _given_dist_timeout(extra: Sequence[str]) -> int:
@@ -206,7 +200,7 @@ def build_pdsh(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -
     envmod.require_profile_in_deepspeed_env(s.profile, cwd)
     if not s.dry_run:
         check_master_port(s.master_addr or s.used_hosts[0].name, s.port)
-    return deepspeed_cmd() + ["--hostfile", s.hostfile, "--master_port", str(s.port), *_addr_flag(s),
+    return deepspeed_launcher() + ["--hostfile", s.hostfile, "--master_port", str(s.port), *_addr_flag(s),
                               *_nodes_flag(s), *_guarded(s)], {}
 
 
@@ -222,7 +216,7 @@ def build_no_ssh(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None)
     if not s.dry_run and s.node_rank == 0:  # node 0 serves the port; on other nodes it is node 0's own store
         check_master_port(s.master_addr, s.port)
     added = envmod.rank_env_additions(s.profile, cwd, environ)
-    return deepspeed_cmd() + ["--hostfile", s.hostfile, "--no_ssh", "--node_rank", str(s.node_rank), *_addr_flag(s),
+    return deepspeed_launcher() + ["--hostfile", s.hostfile, "--no_ssh", "--node_rank", str(s.node_rank), *_addr_flag(s),
                               "--master_port", str(s.port), *_nodes_flag(s), *_guarded(s)], added
 
 
@@ -249,7 +243,7 @@ def build_deepspeed_mpi(s: LaunchSettings, environ: Mapping[str, str], cwd: str 
         user = [str(Path(__file__).resolve().with_name("guard.py")), *rank]
     else:
         user = ["--module", "launch.guard", *rank]
-    return deepspeed_cmd() + ["--hostfile", s.hostfile, "--launcher", s.launcher, *largs,
+    return deepspeed_launcher() + ["--hostfile", s.hostfile, "--launcher", s.launcher, *largs,
                               "--master_port", str(s.port), *ds_addr, *user], {}
 
 
