@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_core import checkpoint as ckpt
+from ds_core.cli import ArgumentParser, run_cli
 from ds_core.config import ConfigError
 
 
@@ -181,8 +182,8 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ds-ckpt", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="ds-ckpt", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("info", help="steps, ZeRO stage, world size, data position, sizes")
     a.add_argument("run_dir")
@@ -190,12 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("universal", help="convert to DeepSpeed's universal checkpoint")
     a.add_argument("run_dir")
     a.add_argument("--tag", default=None, help="global_step{N}; default the latest complete one")
-    a = sub.add_parser("export-hf", help="fp32 weights as a transformers model directory")
+    # `export-hf` is the spelling the docs use; `export_hf` matches the underscore style of our flags
+    a = sub.add_parser("export-hf", aliases=["export_hf"], help="fp32 weights as a transformers model directory")
     a.add_argument("run_dir")
     a.add_argument("out")
     a.add_argument("--tag", default=None, help="global_step{N}; default the latest complete one")
-    args = p.parse_args(argv)
-    try:
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    def body() -> int:
         if args.cmd == "info":
             d = info(args.run_dir)
             print(json.dumps(d, indent=2, default=str)) if args.json else print_info(d)
@@ -203,10 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"universal checkpoint: {universal(args.run_dir, args.tag)}")
         else:
             print(f"exported: {export_hf(args.run_dir, args.out, args.tag)}")
-    except (ConfigError, OSError) as e:
-        print(f"ds-ckpt {args.cmd}: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_cli(f"{parser.prog} {args.cmd}", body, (ConfigError, OSError))
 
 
 if __name__ == "__main__":

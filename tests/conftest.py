@@ -22,8 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 def dist_env(**extra: str) -> dict[str, str]:
     """Environment for launched ranks: CPU accelerator, one thread per rank (2 cores shared by 2 ranks), this
     checkout first on PYTHONPATH, offline."""
-    return local_ranks.rank_env(threads=1, pythonpath=[REPO], extra=dict(
-        DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra))
+    return local_ranks.rank_env(threads=1, pythonpath=[REPO], extra={
+        "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        **extra})  # a caller's value wins (e.g. DS_ACCELERATOR spelled out by a launch test)
 
 
 def run_group(cmd: list[str], timeout: float, cwd: Path | None = None,

@@ -16,7 +16,7 @@ from ds_core.cli import USAGE_ERROR, flag
 # parse with HfArgumentParser from dataclass field names: underscores by construction)
 CLI_MODULES = ["launch.run", "launch.aws_batch", "launch.slurm", "launch.preflight", "launch.env", "launch.hostfile",
                "launch.guard", "bert_ref.prep.__main__", "ds_core.scaling", "ds_core.tuning", "ds_core.study.__main__",
-               "bench.h5_loader"]
+               "ds_core.ckpt_cli", "bench.h5_loader"]
 
 
 def _parsers(parser: argparse.ArgumentParser):
@@ -139,6 +139,7 @@ BAD_INPUT = [
     ("ds_core.tuning", "ds-tune", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64",
                                    "--accelerators_per_node", "0"], "--accelerators_per_node and --nodes must"),
     ("ds_core.study.__main__", "ds-study", ["report", "{tmp}"], "{tmp}: no study.toml"),
+    ("ds_core.ckpt_cli", "ds-ckpt info", ["info", "{tmp}"], "no checkpoints/ directory"),
 ]
 
 

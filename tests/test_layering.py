@@ -1,6 +1,8 @@
 """The layering of ../shared/STYLE.md: model packages import ds_core, never each other; ds_core imports neither.
-bench/ may import any package but no test code, and nothing imports bench (a test needing bench code means that code
-belongs in the library or in the test helpers)."""
+bench/ may import any package but no test code, and nothing imports bench to reuse its code (a test needing bench code
+means that code belongs in the library or in the test helpers). Tests of bench's own command lines (tests/test_cli.py,
+tests/test_docs.py) load its modules by name through importlib to parse their flags; that is testing bench, not
+depending on it, and is the one exception."""
 import ast
 from pathlib import Path
 
