@@ -545,8 +545,7 @@ def main() -> None:
     ap.add_argument("--shards", default="", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--summarize_windows", default="",
-                    help="print the figures of a kept run's windows (its last JSON line, or the list of rounds of "
-                         "{side: window}) and exit")
+                    help="re-summarize a kept run's windows (its last JSON line, or the list of rounds) and exit")
     a = ap.parse_args()
     if a.summarize_windows:
         kept = json.loads(Path(a.summarize_windows).read_text())
