@@ -56,6 +56,27 @@ def check_resize_record(run: Path, old_world: int, new_world: int, grad_accum: i
     assert rz["new"]["grad_accum"] == grad_accum and rz["new"]["train_batch_size"] == rz["old"]["train_batch_size"]
 
 
+def two_ranks_then_one(tmp_path: Path, args: list[str], ckpt_step: int) -> tuple[dict, dict]:
+    """Train `args` on 2 ranks with a checkpoint every `ckpt_step` steps (tmp_path/full), resume a copy of that
+    checkpoint on 1 rank (tmp_path/resumed), both with sample logs; check the resize line and record and that the
+    loss of the first step after the resize is within LOSS_REL of the uninterrupted run's. Returns both runs' step
+    records (step -> record)."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_deepspeed([*args, "--run_dir", str(full), "--num_steps_per_checkpoint", str(ckpt_step)],
+                  env=dist_env(DS_CORE_SAMPLE_LOG=str(tmp_path / "log_full")))
+    copy_checkpoint(full, resumed, ckpt_step)
+    out = run_deepspeed([*args, "--run_dir", str(resumed), "--resume", "true"], num_ranks=1,
+                        env=dist_env(DS_CORE_SAMPLE_LOG=str(tmp_path / "log_resumed"))).stdout
+    assert "data-parallel size 2 -> 1" in out
+    check_resize_record(resumed, 2, 1, 2)
+    ref, got = step_records(full), step_records(resumed)
+    first = ckpt_step + 1
+    assert min(got) == first and max(got) == max(ref)
+    print(f"loss after resize: step {first} {got[first]['loss']:.4f}, uninterrupted {ref[first]['loss']:.4f}")
+    assert got[first]["loss"] == pytest.approx(ref[first]["loss"], rel=LOSS_REL)
+    return ref, got
+
+
 def test_bert_debug_two_ranks_to_one(tmp_path):
     from bert_ref.prep.h5io import synthetic_arrays, write_shard
 
@@ -66,18 +87,7 @@ def test_bert_debug_two_ranks_to_one(tmp_path):
     args = ["--module", "bert_ref.train", "--preset", "debug", "--deepspeed_config",
             "ds_configs/bert_debug_zero1_bf16.json", "--input_dir", str(shards), "--max_epochs", "1",
             "--optimizer", "lamb", "--learning_rate", "0.02", "--export_hf", "false", "--progress_bar", "false"]
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run_deepspeed([*args, "--run_dir", str(full), "--num_steps_per_checkpoint", "3"],
-                  env=dist_env(DS_CORE_SAMPLE_LOG=str(tmp_path / "log_full")))
-    copy_checkpoint(full, resumed, 3)
-    out = run_deepspeed([*args, "--run_dir", str(resumed), "--resume", "true"], num_ranks=1,
-                        env=dist_env(DS_CORE_SAMPLE_LOG=str(tmp_path / "log_resumed"))).stdout
-    assert "data-parallel size 2 -> 1" in out
-    check_resize_record(resumed, 2, 1, 2)
-    ref, got = step_records(full), step_records(resumed)
-    assert min(got) == 4 and max(got) == max(ref)
-    print(f"loss after resize: step 4 {got[4]['loss']:.4f}, uninterrupted {ref[4]['loss']:.4f}")
-    assert got[4]["loss"] == pytest.approx(ref[4]["loss"], rel=LOSS_REL)
+    ref, got = two_ranks_then_one(tmp_path, args, 3)
     assert got[4]["lr"] == pytest.approx(ref[4]["lr"], rel=1e-6)
     check_epoch(tmp_path / "log_full", tmp_path / "log_resumed", 3, 4, 1, 64)
 
@@ -97,18 +107,8 @@ def test_bridgetower_debug_two_ranks_to_one(tmp_path):
             "--deepspeed_config", bt_config(tmp_path), "--max_epochs", "1",
             "--micro_batch_size", "8", "--max_seq_length", "16", "--progress_bar", "false",
             "--lr_scheduler_type", "constant", "--dataloader_num_workers", "0"]
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run_deepspeed([*args, "--run_dir", str(full), "--num_steps_per_checkpoint", "2"],
-                  env=dist_env(DS_CORE_SAMPLE_LOG=str(tmp_path / "log_full")))
-    copy_checkpoint(full, resumed, 2)
-    out = run_deepspeed([*args, "--run_dir", str(resumed), "--resume", "true"], num_ranks=1,
-                        env=dist_env(DS_CORE_SAMPLE_LOG=str(tmp_path / "log_resumed"))).stdout
-    assert "data-parallel size 2 -> 1" in out
-    check_resize_record(resumed, 2, 1, 2)
-    ref, got = step_records(full), step_records(resumed)
-    assert min(got) == 3 and max(got) == max(ref)
-    print(f"loss after resize: step 3 {got[3]['loss']:.4f}, uninterrupted {ref[3]['loss']:.4f}")
-    assert got[3]["loss"] == pytest.approx(ref[3]["loss"], rel=LOSS_REL)
+    two_ranks_then_one(tmp_path, args, 2)
+    resumed = tmp_path / "resumed"
     train_rows = [i for r in range(2) for i in logged(tmp_path / "log_full", r)]
     check_epoch(tmp_path / "log_full", tmp_path / "log_resumed", 2, 8, 1, max(train_rows) + 1)
     # ds-ckpt export-hf of the resumed run's final checkpoint = the fp32 model the run saved (logit_scale, [1] under
