@@ -14,6 +14,7 @@ import torch
 
 from ds_core.config import ConfigError, arg
 from ds_core.schedule import LRSchedule, poly_warmup_factor
+from ds_core.schedules_ref import BERT_KINDS, bert_schedule_factor
 
 from .layerwise import LANS, NVLAMB
 
@@ -28,6 +29,7 @@ class Recipe:
     learning_rate: float
     global_batch: int
     source: str
+    schedule: str = "nvidia_poly"  # ds_core.schedules_ref kind (bert_ref.recipes has the full published recipes)
 
 
 # NVIDIA DeepLearningExamples PyTorch/LanguageModeling/BERT scripts/run_pretraining.sh (h5 era): FusedLAMB, phase 1
@@ -39,8 +41,8 @@ class Recipe:
 PUBLISHED: dict[str, dict[int, Recipe]] = {
     "bert_large": {1: Recipe("lamb", 6e-3, 65536, "NVIDIA DeepLearningExamples BERT phase 1"),
                    2: Recipe("lamb", 4e-3, 32768, "NVIDIA DeepLearningExamples BERT phase 2")},
-    "bert_1p5b": {p: Recipe("lans", 0.0015, 8 * 8 * 384, "Habana Model-References deepspeed-bert BERT-1.5B")
-                  for p in (1, 2)},
+    "bert_1p5b": {p: Recipe("lans", 0.0015, 8 * 8 * 384, "Habana Model-References deepspeed-bert BERT-1.5B",
+                         "habana_poly") for p in (1, 2)},
 }
 PUBLISHED["debug"] = PUBLISHED["bert_large"]  # the debug presets follow the model they shrink
 PUBLISHED["debug_pre_ln"] = PUBLISHED["bert_1p5b"]
@@ -63,6 +65,9 @@ class OptimArgs:
                                default=1.0)
     bias_correction_lag: bool = arg("lamb / lans: bias-correct with step t-1 from step 2 on, as Habana's "
                                     "run_pretraining.py does whenever ZeRO is on (adjust_step=True).", default=False)
+    lr_schedule: str = arg("nvidia_poly (NVIDIA's PolyWarmUpScheduler), habana_poly (Habana's, with a constant "
+                           "phase) or poly_warmup (this project's earlier Habana-like one); '' = the preset's "
+                           "(bert_large: nvidia_poly, bert_1p5b: habana_poly). ds_core.schedules_ref.", default="")
     warmup_proportion: float = arg("Fraction of max_steps with linear warm-up from 0 to the peak LR.", default=0.05)
     constant_proportion: float = arg("Fraction of max_steps held at the peak LR after warm-up.", default=0.0)
     poly_degree: float = arg("Degree of the polynomial decay to 0 over the remaining steps (1 = linear).",
@@ -74,6 +79,8 @@ class OptimArgs:
                                  "(bert_large phase 1: 65536, phase 2: 32768; bert_1p5b: 24576).", default=0)
 
     def validate(self) -> None:
+        if self.lr_schedule not in BERT_KINDS + ("",):
+            raise ConfigError(f"--lr_schedule {self.lr_schedule!r}: expected one of {', '.join(BERT_KINDS)}")
         if self.optimizer not in OPTIMIZERS + ("",):
             raise ConfigError(f"--optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
         checks = [("learning_rate", self.learning_rate >= 0, ">= 0 (0 = the preset's)"),
@@ -101,6 +108,7 @@ class OptimArgs:
         if recipe is None:
             return replace(self)
         return replace(self, optimizer=self.optimizer or recipe.optimizer,
+                       lr_schedule=self.lr_schedule or recipe.schedule,
                        learning_rate=self.learning_rate or recipe.learning_rate,
                        base_global_batch=self.base_global_batch or recipe.global_batch)
 
@@ -152,19 +160,20 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, global_batch: int =
     raise ConfigError(f"--optimizer {args.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
 
 
-# NVIDIA's schedule (linear warm-up, constant phase, polynomial decay; DeepLearningExamples' PolyWarmUpScheduler) lives
-# in ds_core.schedule with the Trainer kinds, so BERT and BridgeTower share one schedule class. Step is 0-based.
+# poly_warmup, this project's earlier schedule, kept under its old name for callers of lr_factor. Step is 0-based.
 lr_factor = poly_warmup_factor
 
 
 def schedule_for(args: OptimArgs, total_steps: int):
-    """callable(optimizer) -> ds_core.schedule.LRSchedule, the form DeepSpeed's `lr_scheduler=` argument accepts."""
-    lr_factor(0, total_steps, args.warmup_proportion, args.constant_proportion, args.poly_degree)  # validate early
+    """callable(optimizer) -> ds_core.schedule.LRSchedule, the form DeepSpeed's `lr_scheduler=` argument accepts.
+    args.lr_schedule '' (args not resolved by for_preset: tests, benchmarks) runs poly_warmup."""
+    kind = args.lr_schedule or "poly_warmup"
+    factor = bert_schedule_factor(kind, total_steps, args.warmup_proportion, args.constant_proportion,
+                                  args.poly_degree)  # validate before any rank builds
 
     def make(optimizer: Any) -> LRSchedule:
-        return LRSchedule(optimizer, lambda step: lr_factor(step, total_steps, args.warmup_proportion,
-                                                            args.constant_proportion, args.poly_degree),
-                          f"poly_warmup, warm-up {args.warmup_proportion} of {total_steps} steps")
+        return LRSchedule(optimizer, factor, f"{kind}, warm-up {args.warmup_proportion}, constant "
+                          f"{args.constant_proportion}, degree {args.poly_degree} of {total_steps} steps")
     return make
 
 
