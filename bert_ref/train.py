@@ -16,6 +16,7 @@ from bert_ref.eval import EvalData, make_eval_fn  # noqa: E402
 from bert_ref.model import build_model, flops_per_sequence  # noqa: E402
 from bert_ref.layerwise import attach_zero_layout  # noqa: E402
 from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E402
+from bert_ref.recipes import check_recipe_batch, expand_recipe  # noqa: E402
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
 from ds_core.ckpt_resize import plan_resize  # noqa: E402
@@ -32,6 +33,7 @@ DEFAULT_DS_CONFIG = "bert_large_zero1_bf16.json"
 
 def main(argv: list[str] | None = None) -> dict:
     # parse_args validates every section first: a bad preset or a missing --input_dir fails before any rank starts
+    argv, recipe = expand_recipe(list(sys.argv[1:] if argv is None else argv))  # --recipe NAME: the published run
     train_cfg, args, opt_args = parse_args([TrainConfig, BertArgs, OptimArgs], argv, description=__doc__)
     preset = args.model_preset()
     train_cfg.deepspeed_config = train_cfg.deepspeed_config or DEFAULT_DS_CONFIG
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     dist = init_distributed(train_cfg.dist_timeout_s)
     set_seed(train_cfg.seed)
     ds_config = ds_config_for(train_cfg, dist.world_size)
+    check_recipe_batch(recipe, ds_config)  # a recipe's LR and steps hold for its global batch only
     plan_resize(train_cfg, ds_config, dist.world_size)  # --resume onto another world size: batch, universal load
     opt_args = opt_args.for_preset(preset.name, preset.phase)  # '' / 0 -> the preset's published recipe
     save_run_config(train_cfg.run_dir, train_cfg, args, opt_args, rank=dist.rank)

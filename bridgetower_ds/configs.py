@@ -163,7 +163,7 @@ class OptimArgs:
                 "optimizer.params.weight_decay, else 0.0 (Trainer's)"})
     lr_scheduler_type: str = field(default="linear", metadata={
         "help": "linear | cosine | cosine_with_restarts | polynomial | constant | constant_with_warmup | "
-                "inverse_sqrt (transformers' schedules) | poly_warmup (NVIDIA's BERT schedule)"})
+                "inverse_sqrt (transformers' schedules) | poly_warmup (a Habana-like BERT schedule)"})
     warmup_steps: float = field(default=0, metadata={
         "help": "linear warm-up: >= 1 a number of optimizer steps, < 1 a share of all steps (transformers 5)"})
     warmup_ratio: float = field(default=0.0, metadata={

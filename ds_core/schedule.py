@@ -1,8 +1,8 @@
 """Learning-rate schedules and weight-decay groups shared by every model, as transformers' Trainer has them.
 
 Schedules: `transformers.get_scheduler`'s LambdaLR kinds (linear, cosine, cosine_with_restarts, polynomial, constant,
-constant_with_warmup, inverse_sqrt) plus NVIDIA's BERT schedule ("poly_warmup": linear warm-up, constant phase,
-polynomial decay; DeepLearningExamples' run_pretraining.py PolyWarmUpScheduler as bert_ref ran it). For the HF kinds
+constant_with_warmup, inverse_sqrt) plus "poly_warmup" (linear warm-up, constant phase, polynomial decay: a
+Habana-like BERT schedule; NVIDIA's and Habana's own are in ds_core.schedules_ref). For the HF kinds
 the per-step multiplier is transformers' own lambda, taken from a LambdaLR built on a one-tensor probe optimizer, so
 the values are transformers' by construction rather than a copy that could drift.
 
@@ -58,7 +58,7 @@ def total_optimizer_steps(max_steps: int, max_epochs: int, micro_batches_per_epo
 
 def poly_warmup_factor(step: int, total_steps: int, warmup_proportion: float, constant_proportion: float = 0.0,
                        degree: float = 1.0) -> float:
-    """NVIDIA's BERT schedule (bert_ref.optim.lr_factor; tests check they agree). Step is 0-based.
+    """poly_warmup, a Habana-like BERT schedule (not NVIDIA's: ds_core.schedules_ref). Step is 0-based.
 
     Linear warm-up reaching 1 at the last warm-up step ((step + 1) / warm, so the first update is not wasted at
     LR 0), a constant phase, then (1 - progress)^degree towards 0; steps past total_steps use 0."""
