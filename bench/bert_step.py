@@ -27,7 +27,7 @@ The last line printed is one JSON object (step_ratio, mfu, mfu_upper_bound, ...)
 
     python -m bench.bert_step [--micro_batch 4] [--grad_accum 2] [--steps 2] [--warmup 1] [--rounds 3] [--threads 1]
         [--precision auto|bf16|fp32] [--dense_mlm] [--torch_dropout] [--no_malloc_tuning] [--skip_trainer]
-        [--skip_bound] [--memory] [--model debug]
+        [--skip_bound] [--memory | --memory_only] [--memory_model debug_pre_ln] [--model debug]
 """
 from __future__ import annotations
 
@@ -49,12 +49,13 @@ BIG_SLICE = dict(name="bert_1p5b_2l", num_hidden_layers=2)
 LR = 1e-4
 
 
-def _ds_config(micro: int, accum: int, stage: int, dtype: str) -> dict:
-    """The one DeepSpeed config both sides get; its precision section set by ds_core.precision (the run's rule)."""
+def _ds_config(micro: int, accum: int, stage: int, dtype: str, world: int = 1) -> dict:
+    """The one DeepSpeed config both sides get; its precision section set by ds_core.precision (the run's rule).
+    train_batch_size counts every rank (the memory launch has 2: DeepSpeed asserts micro x accum x world)."""
     from ds_core.precision import apply_precision
 
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, "train_batch_size":
-           micro * accum, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+           micro * accum * world, "gradient_clipping": 1.0, "bf16": {"enabled": True},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000_000},
            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     return apply_precision(cfg, dtype, "bench DeepSpeed config")
@@ -460,18 +461,15 @@ def optimizer_state_bytes(engine) -> dict:
 
 def memory_worker(stage: int, out: Path) -> None:
     """One rank of the memory launch: build the 1.5B slice engine, run 2 optimizer steps, write this rank's numbers."""
-    import dataclasses
-
-    from bert_ref.configs import bert_1p5b
     from bert_ref.data import build_data
     from bert_ref.step import step_fn
     from ds_core.engine import init_distributed, set_seed, shutdown_distributed
 
-    preset = dataclasses.replace(bert_1p5b(1), **BIG_SLICE)
+    preset = _memory_slice(os.environ.get("BENCH_MEMORY_MODEL", BIG_SLICE["name"]))
     dist = init_distributed()
     set_seed(0)
     data = build_data(os.environ["BENCH_SHARDS"], dist.rank, dist.world_size, 2)
-    engine = _engine(preset, _ds_config(2, 1, stage, os.environ["BENCH_DTYPE"]), "lans")
+    engine = _engine(preset, _ds_config(2, 1, stage, os.environ["BENCH_DTYPE"], dist.world_size), "lans")
     it = iter(data)
     for _ in range(2):
         out_ = step_fn(engine, next(it))
@@ -485,11 +483,22 @@ def memory_worker(stage: int, out: Path) -> None:
     shutdown_distributed()
 
 
-def memory_part(tmp: Path, dtype: str) -> dict:
-    shards = _shards(tmp, 16, 128, 20, 30522)
+def _memory_slice(model: str):
+    """The memory launch's model: the BERT-1.5B slice, or bert_ref's tiny Pre-LN `debug_pre_ln` (tests of the bench)."""
+    import dataclasses
+
+    from bert_ref.configs import bert_1p5b, debug_pre_ln
+
+    return debug_pre_ln(1) if model == "debug_pre_ln" else dataclasses.replace(bert_1p5b(1), **BIG_SLICE)
+
+
+def memory_part(tmp: Path, dtype: str, model: str = BIG_SLICE["name"]) -> dict:
+    preset = _memory_slice(model)
+    shards = _shards(tmp / "memory", 16, 128, 20, min(30522, preset.vocab_size))
     res: dict = {}
     for stage in (0, 1):
-        env = bench_env(threads=1, DS_ACCELERATOR="cpu", BENCH_SHARDS=str(shards), BENCH_DTYPE=dtype)
+        env = bench_env(threads=1, DS_ACCELERATOR="cpu", BENCH_SHARDS=str(shards), BENCH_DTYPE=dtype,
+                        BENCH_MEMORY_MODEL=model)
         run_local_ranks(2, ["-m", "bench.bert_step", "--memory_worker", str(stage), "--out", str(tmp)], env=env,
                         log=tmp / f"memory_zero{stage}.log", what=f"memory launch with ZeRO-{stage}")
         ranks = [json.loads((tmp / f"mem_zero{stage}_rank{r}.json").read_text()) for r in (0, 1)]
@@ -497,7 +506,7 @@ def memory_part(tmp: Path, dtype: str) -> dict:
                                                            "peak_rss_bytes")}
         res[stage]["params"] = ranks[0]["params"]
         gib = 2**30
-        print(f"[memory] {BIG_SLICE['name']} ({ranks[0]['params'] / 1e6:.0f}M params), 2 ranks, ZeRO-{stage}: "
+        print(f"[memory] {preset.name} ({ranks[0]['params'] / 1e6:.1f}M params), 2 ranks, ZeRO-{stage}: "
               f"optimizer state {res[stage]['optimizer_state_bytes'] / gib:.3f} GiB/rank (master "
               f"{res[stage]['master_bytes'] / gib:.3f} + moments {res[stage]['moment_bytes'] / gib:.3f}), peak RSS "
               f"{res[stage]['peak_rss_bytes'] / gib:.3f} GiB/rank", flush=True)
@@ -539,6 +548,9 @@ def main() -> None:
     ap.add_argument("--skip_trainer", action="store_true", help="no Trainer baseline (no step_ratio)")
     ap.add_argument("--skip_bound", action="store_true", help="skip the MFU upper bound (linear layers + optimizer)")
     ap.add_argument("--memory", action="store_true", help="also the 2-rank ZeRO-0 vs ZeRO-1 memory part")
+    ap.add_argument("--memory_only", action="store_true", help="only the memory part (implies --memory)")
+    ap.add_argument("--memory_model", default=BIG_SLICE["name"], choices=(BIG_SLICE["name"], "debug_pre_ln"),
+                    help="the memory part's model: the BERT-1.5B slice, or the tiny Pre-LN debug preset (tests)")
     ap.add_argument("--memory_worker", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--side", default="", choices=("", "ours", "trainer"), help=argparse.SUPPRESS)
@@ -574,18 +586,22 @@ def main() -> None:
     result: dict = {"bench": "bert_step", "precision": dtype, "precision_reason": reason,
                     "threads": torch.get_num_threads(), "micro_batch": a.micro_batch, "grad_accum": a.grad_accum,
                     "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
+    a.memory = a.memory or a.memory_only
     with tempfile.TemporaryDirectory(prefix="bert_step_") as d:
         tmp = Path(d)
         if a.memory:  # first: before this process holds a model and a process group
-            result.update(memory_part(tmp, dtype))
-        # one epoch per window: each side trains on every sample of the shard once (in its own order)
-        total = a.micro_batch * a.grad_accum * (a.steps + a.warmup)
-        preset = _slice(a.model)
-        shards = _shards(tmp, total, preset.seq_len, preset.max_predictions_per_seq, min(30522, preset.vocab_size))
-        result.update(interleaved(a, tmp, shards, dtype))
-        if not a.skip_bound:
-            result.update(bound_part(a, result["peak_tflops"], dtype))
-    result["targets"] = {"step_ratio": 1.3} | ({"zero1_over_zero0_optimizer_memory": 0.55} if a.memory else {})
+            result.update(memory_part(tmp, dtype, a.memory_model), memory_model=a.memory_model)
+        if not a.memory_only:
+            # one epoch per window: each side trains on every sample of the shard once (in its own order)
+            total = a.micro_batch * a.grad_accum * (a.steps + a.warmup)
+            preset = _slice(a.model)
+            shards = _shards(tmp, total, preset.seq_len, preset.max_predictions_per_seq,
+                             min(30522, preset.vocab_size))
+            result.update(interleaved(a, tmp, shards, dtype))
+            if not a.skip_bound:
+                result.update(bound_part(a, result["peak_tflops"], dtype))
+    result["targets"] = ({} if a.memory_only else {"step_ratio": 1.3}) | \
+        ({"zero1_over_zero0_optimizer_memory": 0.55} if a.memory else {})
     if "step_ratio" in result:
         result["step_ratio_target_met"] = result["step_ratio"] >= 1.3
     if "zero1_over_zero0_optimizer_memory" in result:

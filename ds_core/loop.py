@@ -413,8 +413,10 @@ def apply_lr_factor(engine, factor: float) -> None:
 def _exit_stopped(reason: str, step: int, ckpt_root: Path, data: Any, dist: DistInfo) -> None:
     """End the process after an early stop: the checkpoint is saved and every rank is here (same verdict)."""
     if dist.rank == 0:
+        # the last line of ours: DeepSpeed's launcher then logs "[ERROR] ... exits with return code = 75" (its words)
         print(f"[ds_core] stopped after optimizer step {step} ({reason}); checkpoint {ckpt_root / ckpt.tag_for(step)} "
-              f"saved; exit status {EXIT_STOPPED}: run again with --resume to continue", flush=True)
+              f"saved; exit status {EXIT_STOPPED} is a planned stop, not a failure (DeepSpeed's launcher reports it as "
+              f"'[ERROR] ... return code = {EXIT_STOPPED}'): run again with --resume to continue", flush=True)
     if hasattr(data, "close"):
         data.close()  # prefetch threads would otherwise keep the interpreter alive
     shutdown_distributed()  # as every entry point does at a normal end (gloo's exit-time abort otherwise)

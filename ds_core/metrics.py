@@ -270,6 +270,7 @@ class Metrics:
         else:
             self._write(rec)
             self._monitor(step, rec, prefix="Eval")
+            self._print(rec)
         return rec
 
     def end_training(self) -> None:
@@ -324,15 +325,17 @@ class Metrics:
         for ev in evals:
             self._write(ev)
             self._monitor(ev["step"], ev, prefix="Eval")
+            self._print(ev)
 
     def _print(self, rec: dict) -> None:
-        """One console line per step record, rank 0, with the numbers of the file (same rounding as nothing: %.4g)."""
+        """One console line per step or eval record, rank 0, with the numbers of the file (%.4g). A step outside the
+        throughput window says "not timed" (not "warm-up": that reads like LR warm-up, and it follows a resume too)."""
         if not self.console:
             return
         skip = {"type", "time", "warmup"}
-        parts = [f"step {rec['step']}"] + [f"{k} {_fmt(v)}" for k, v in rec.items()
-                                           if k not in skip and k != "step" and v is not None]
-        line = "[ds_core] " + " | ".join(parts) + (" (warm-up)" if rec.get("warmup") else "")
+        parts = [("eval at " if rec.get("type") == "eval" else "") + f"step {rec['step']}"]
+        parts += [f"{k} {_fmt(v)}" for k, v in rec.items() if k not in skip and k != "step" and v is not None]
+        line = "[ds_core] " + " | ".join(parts) + (" (not timed)" if rec.get("warmup") else "")
         if self._bar is not None:
             self._bar.write(line)
         else:

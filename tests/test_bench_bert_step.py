@@ -77,3 +77,20 @@ def test_bench_runs_both_sides_with_the_same_optimizer_step(tmp_path):
     assert res["both_samples_per_step"] == 4 * 2  # micro batch x accumulation
     assert res["both_threads"] == 1
     assert len(res["step_ratio_rounds"]) == 1 and res["step_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_memory_launch_runs_zero0_and_zero1_on_two_ranks(tmp_path):
+    """`--memory`'s launch path (2 local ranks, ZeRO-0 then ZeRO-1, LANS) on the tiny Pre-LN preset. It once failed
+    at DeepSpeed's batch assertion (train_batch_size set for one rank); ZeRO-1 must hold half the optimizer state
+    (fp32 master + moments partitioned over 2 ranks) of ZeRO-0."""
+    proc = subprocess.run([sys.executable, "-m", "bench.bert_step", "--no_malloc_tuning", "--memory_only",
+                           "--memory_model", "debug_pre_ln", "--precision", "fp32"], cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["memory_model"] == "debug_pre_ln" and "step_ratio" not in res
+    assert res["zero1_optimizer_state_bytes_per_rank"] < res["zero0_optimizer_state_bytes_per_rank"]
+    assert res["zero1_over_zero0_optimizer_memory"] == pytest.approx(0.5, abs=0.01)
+    assert res["memory_target_met"] is True

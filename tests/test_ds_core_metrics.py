@@ -188,3 +188,22 @@ def test_no_known_peak_gives_null_mfu_with_a_note(tmp_path):
     s = m.summary()
     m.close()
     assert s["mfu"] is None and "no bf16 peak known" in s["mfu_note"]
+
+
+def test_console_prints_each_eval_and_marks_untimed_steps(tmp_path, capsys):
+    """One line per held-out evaluation with its numbers; steps outside the throughput window say "not timed"."""
+    clock = Clock()
+    m = make(tmp_path, clock, warmup=1)
+    m.begin()
+    for step in (1, 2):
+        clock.t += 1.0
+        m.step(step, samples=8, loss=2.0)
+        m.eval(step, {"mlm_loss": 6.25, "mlm_accuracy": 0.125, "nsp_loss": 0.5, "nsp_accuracy": 0.75, "samples": 64})
+    m.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[ds_core]")]
+    assert len(lines) == 4 and lines[0].startswith("[ds_core] step 1 |") and lines[0].endswith("(not timed)")
+    assert lines[2].startswith("[ds_core] step 2 |") and "not timed" not in lines[2] and "warm-up" not in lines[2]
+    for ln, step in ((lines[1], 1), (lines[3], 2)):
+        assert ln == (f"[ds_core] eval at step {step} | mlm_loss 6.25 | mlm_accuracy 0.125 | nsp_loss 0.5 | "
+                      "nsp_accuracy 0.75 | samples 64")
+    assert [r["type"] for r in read(tmp_path)].count("eval") == 2  # the file keeps them too
