@@ -8,12 +8,13 @@ Sources (docs/bert_pretraining.md shows the commands; tests/test_recipes.py chec
   of 64, lr 6e-3, warm-up 0.2843, 7038 steps; phase 2: 4096 = 512 x 8, lr 4e-3, warm-up 0.128, 1563 steps; seed 12439;
   checkpoint every 200 steps) and run_pretraining.py (FusedLAMB(lr) with apex defaults: betas 0.9 / 0.999, eps 1e-6,
   max_grad_norm 1.0, bias correction; weight decay 0.01 except bias / LayerNorm; PolyWarmUpScheduler degree 0.5).
-- HabanaAI Model-References, PyTorch/nlp/DeepSpeedExamples/deepspeed-bert: scripts/run_bert_1.5b_32x.sh (multi-node
-  form of run_bert_1.5b_8x.sh; last at cce550e8b7d4a9c322cfdd774ce059d2f2bc86d2, HL_NUM_NODES nodes x 8 cards) with
-  scripts/deepspeed_config_bert_1.5b.json (train_batch_size 12288, micro 32, ZeRO-1, bf16, gradient_clipping 1.0):
-  lr 0.0015 (not scaled with the node count), warm-up 0.05, constant 0.25, degree 1.0, 155,000 steps, seed 12439,
-  LANS(max_grad_norm=0, eps=1e-6, adjust_step=<ZeRO on>). On 8 nodes the 12288 sequences are 6 accumulated micro
-  batches of 32 per card, on 16 nodes 3.
+- HabanaAI Model-References, PyTorch/nlp/DeepSpeedExamples/deepspeed-bert: scripts/run_bert_1.5b_32x.sh (the
+  multi-node form of run_bert_1.5b_8x.sh, HL_NUM_NODES nodes x 8 cards; its last version is at
+  59a69770ac86f7065b2c5954b13cdf5cb9d1dfd8) with scripts/deepspeed_config_bert_1.5b.json (train_batch_size 12288,
+  micro 32, ZeRO-1, bf16, gradient_clipping 1.0): lr 0.0015 (not scaled with the node count), warm-up 0.05, constant
+  0.25, degree 1.0, 155,000 steps, seed 12439; run_pretraining.py and lans.py (at
+  06bfc5eaa56c3282c26896efd535982abe52b2eb): LANS(max_grad_norm=0, eps=1e-6, adjust_step=<ZeRO on>). On 8 nodes
+  the 12288 sequences are 6 accumulated micro batches of 32 per card, on 16 nodes 3.
 
 Not reproduced: NVIDIA's fp16 AMP with DDP (the recipes run bf16 with ZeRO-1, which does not change the update's
 arithmetic beyond precision).

@@ -6,11 +6,12 @@ The table below is written from the references themselves, not from bert_ref.rec
     128 / 512, lr 6e-3 / 4e-3, warm-up 0.2843 / 0.128, steps 7038 / 1563, seed 12439, checkpoint every 200);
     run_pretraining.py lines 376-387 (weight decay 0.01 but bias/LayerNorm, FusedLAMB(lr) with apex's defaults
     betas (0.9, 0.999), eps 1e-6, max_grad_norm 1.0; PolyWarmUpScheduler default degree 0.5, no constant phase).
-  HabanaAI/Model-References cce550e8b7d4a9c322cfdd774ce059d2f2bc86d2 PyTorch/nlp/DeepSpeedExamples/deepspeed-bert:
-    scripts/run_bert_1.5b_32x.sh (HL_NUM_NODES nodes x 8; lr 0.0015, warm-up 0.05, constant 0.25, degree 1.0,
-    155000 steps, seed 12439, checkpoint every 200), scripts/deepspeed_config_bert_1.5b.json (train_batch_size 12288,
-    micro 32, ZeRO-1, bf16, gradient_clipping 1.0), run_pretraining.py (LANS(max_grad_norm=0., eps=1e-6,
-    adjust_step=args.zero_optimization), weight decay 0.01 but bias/LayerNorm), lans.py (betas 0.9, 0.999).
+  HabanaAI/Model-References PyTorch/nlp/DeepSpeedExamples/deepspeed-bert: scripts/run_bert_1.5b_32x.sh and
+    scripts/deepspeed_config_bert_1.5b.json at 59a69770ac86f7065b2c5954b13cdf5cb9d1dfd8 (the script's last version;
+    HL_NUM_NODES nodes x 8; lr 0.0015, warm-up 0.05, constant 0.25, degree 1.0, 155000 steps, seed 12439, checkpoint
+    every 200; train_batch_size 12288, micro 32, ZeRO-1, bf16, gradient_clipping 1.0); run_pretraining.py and lans.py
+    at 06bfc5eaa56c3282c26896efd535982abe52b2eb (LANS(max_grad_norm=0., eps=1e-6, adjust_step=args.zero_optimization),
+    betas 0.9, 0.999; weight decay 0.01 but bias/LayerNorm).
 """
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ def nvidia(lr, warmup, total, phase2=False, phase1_end=7038):
     # run_pretraining.py prepare_model_and_optimizer + the training loop (lines 383-408, 611-613 at 7a4c4250)
     opt = FusedLAMBStub(groups(), lr=lr)
     sched = nv.PolyWarmUpScheduler(opt, warmup=warmup, total_steps=total)
-    if phase2:  # --resume_from_checkpoint --phase2: checkpoint of phase 1 end; global_step = resume_step - phase1_end_step
+    if phase2:  # --resume_from_checkpoint --phase2 from phase 1's last checkpoint:
+        # global_step = resume_step - phase1_end_step
         p1 = FusedLAMBStub(groups(), lr=6e-3)
         for _ in range(phase1_end): p1.step()
         ckpt = {'optimizer': p1.state_dict()}
