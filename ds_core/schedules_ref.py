@@ -14,10 +14,13 @@ Step counting (0-based step k = updates already applied, as ds_core.schedule.LRS
 apply progress (k + 1) / total_steps to update k. NVIDIA steps the scheduler before each update and the scheduler reads
 apex FusedLAMB's param_group['step'] + 1; phase 2 (`--phase2 --resume_from_checkpoint`) sets that count to
 resume_step - phase1_end_step = 0, so phase 2 counts its own steps from 0 against its own max_steps (1563).
-Habana's scheduler reads param_group['step'] (no + 1) after each update, but with bf16 + ZeRO-1 DeepSpeed's optimizer
-wrapper runs one zero-gradient optimizer step inside deepspeed.initialize (the step LANS's adjust_step takes back for
-bias correction), so update k again sees progress (k + 1) / total. tests/data/lr_reference.npz holds every step of the
-references' own code for the published settings (tests/test_schedules_ref.py compares them).
+Habana's scheduler reads param_group['step'] (no + 1) after each update, but under ZeRO-1 the DeepSpeed their script
+was written for runs one zero-gradient optimizer step inside deepspeed.initialize (the step LANS's adjust_step, on
+"for Zero01 optimization when using DeepSpeed", takes back for bias correction), so update k again sees progress
+(k + 1) / total. (A DeepSpeed whose ZeRO-1 skips that initial step, as the upstream one installed here does, would
+give updates 0 and 1 both progress 1 / total and lag one step after: 1/155000 of the schedule.)
+tests/data/lr_reference.npz holds every step of the references' own code for the published settings
+(tests/test_schedules_ref.py compares them).
 
 Past total_steps both references are undefined (NVIDIA's (1 - progress) ** 0.5 turns complex, Habana's goes negative):
 here the factor is 0.
