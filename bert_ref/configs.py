@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from bert_ref.habana_ckpt import is_habana_checkpoint
 from ds_core.config import ConfigError, arg
 
 BERT_VOCAB = 30522  # the uncased WordPiece vocabulary of the original BERT release
@@ -175,10 +176,12 @@ class BertArgs:
         if not p.is_dir():
             raise InputDirError(f"--input_dir {p}: " + ("not a directory" if p.exists() else "no such directory"))
         hf_dir = (Path(self.init_checkpoint) / "config.json").is_file()
-        if self.init_checkpoint and not (self.init_run_dir() or hf_dir):
+        habana = self.model_preset().habana_pre_ln and is_habana_checkpoint(self.init_checkpoint)
+        if self.init_checkpoint and not (self.init_run_dir() or hf_dir or habana):
             raise ConfigError(f"--init_checkpoint {self.init_checkpoint}: expected a bert_ref.train run directory "
                               "(with checkpoints/) or a Hugging Face checkpoint directory with config.json "
-                              "(save_pretrained format)")
+                              "(save_pretrained format), or with a habana_pre_ln preset a Habana deepspeed-bert "
+                              "checkpoint (bert_ref.habana_ckpt)")
         if self.reset_optimizer and not self.init_run_dir():
             raise ConfigError("--reset_optimizer applies to a run-directory --init_checkpoint only")
         if self.attn_implementation not in ("sdpa", "eager"):

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ds_core.config import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where a checkpoint is read: bert_ref.configs imports this module for the check
+    import torch
 
 _DECODER = "cls.predictions.decoder.weight"
 _WORDS = "bert.embeddings.word_embeddings.weight"
@@ -40,15 +42,40 @@ def habana_to_ours(name: str, num_layers: int) -> str:
     return name
 
 
+_MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+def is_habana_checkpoint(path: str | Path) -> bool:
+    """A DeepSpeed checkpoint file, a tag directory holding one, or a DeepSpeed save directory (`latest` + tags);
+    not a Hugging Face directory (config.json)."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix == ".pt"
+    return path.is_dir() and not (path / "config.json").exists() and (
+        (path / _MODEL_FILE).is_file() or (path / "latest").is_file() or any(path.glob(f"*/{_MODEL_FILE}")))
+
+
 def read_habana_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
-    """The model state dict in a Habana checkpoint file or DeepSpeed checkpoint directory (module docstring)."""
+    """The model state dict in a Habana checkpoint file or DeepSpeed checkpoint directory (module docstring); of a
+    save directory, the tag its `latest` file names."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(path.glob("mp_rank_00_model_states.pt")) or sorted(path.glob("*/mp_rank_00_model_states.pt"))
-        if len(files) != 1:
-            raise ConfigError(f"Habana checkpoint {path}: expected one mp_rank_00_model_states.pt in it (or in one "
-                              f"tag directory under it), found {len(files)}")
-        path = files[0]
+        if (path / _MODEL_FILE).is_file():
+            path = path / _MODEL_FILE
+        elif (path / "latest").is_file():
+            tag = (path / "latest").read_text().strip()
+            if not (path / tag / _MODEL_FILE).is_file():
+                raise ConfigError(f"Habana checkpoint {path}: 'latest' names tag {tag!r}, but {path / tag / _MODEL_FILE} "
+                                  f"does not exist (an unfinished save?)")
+            path = path / tag / _MODEL_FILE
+        else:
+            files = sorted(path.glob(f"*/{_MODEL_FILE}"))
+            if len(files) != 1:
+                raise ConfigError(f"Habana checkpoint {path}: no 'latest' file and {len(files)} tag directories with "
+                                  f"{_MODEL_FILE}; give the tag directory")
+            path = files[0]
+    import torch
+
     try:
         obj = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's files hold Python objects
     except Exception as e:  # noqa: BLE001 - any unreadable file is reported with its path
@@ -69,6 +96,8 @@ def load_habana_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
     the model must be given and every given tensor used, with the same shape, except the vocabulary: Habana's 30522
     rows go into our padded 30528 (the extra rows, never produced by the tokenizer, get zero embeddings and MLM bias).
     Errors name the checkpoint and the tensors."""
+    import torch
+
     if not getattr(model.config, "habana_pre_ln", False):
         raise ConfigError(f"{where}: a Habana checkpoint goes into a habana_pre_ln preset (bert_1p5b_habana, "
                           f"debug_habana); this model computes MegatronBert's Pre-LN, another function")

@@ -30,6 +30,7 @@ import torch
 from ds_core.config import ConfigError
 
 from .configs import BertPreset
+from .habana_ckpt import is_habana_checkpoint, load_habana_state_dict, read_habana_checkpoint
 
 
 def hf_config(preset: BertPreset, attn_implementation: str = "sdpa"):
@@ -177,11 +178,16 @@ def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkp
                 fast_dropout: bool = False) -> torch.nn.Module:
     """A BertForPreTraining (Post-LN presets) or MegatronBertForPreTraining (Pre-LN presets): MLM + NSP heads,
     decoder tied to the word embeddings; randomly initialised from the preset or loaded from a local Hugging Face
-    checkpoint directory of the same form (never downloaded). sparse_mlm: the subclass
+    checkpoint directory of the same form (never downloaded), or, for a habana_pre_ln preset, from a Habana
+    deepspeed-bert checkpoint (bert_ref.habana_ckpt). sparse_mlm: the subclass
     whose forward takes masked_lm_positions (see _sparse_mlm_class; bert_ref.step.make_step_fn). fast_dropout: the
     hidden dropouts become FastDropout (same p up to 2^-15, cheaper random numbers on the CPU)."""
     cls = model_class(preset, sparse_mlm)
-    if init_checkpoint:
+    if init_checkpoint and preset.habana_pre_ln and is_habana_checkpoint(init_checkpoint):
+        model = cls(hf_config(preset, attn_implementation))
+        habana_pre_ln_form(model)
+        load_habana_state_dict(model, read_habana_checkpoint(init_checkpoint), f"--init_checkpoint {init_checkpoint}")
+    elif init_checkpoint:
         import json
 
         cfg_file = Path(init_checkpoint) / "config.json"

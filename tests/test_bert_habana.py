@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bert_ref.configs import bert_1p5b, bert_1p5b_habana, debug_habana, debug_pre_ln
+from bert_ref.configs import BertArgs, bert_1p5b, bert_1p5b_habana, debug_habana, debug_pre_ln
 from bert_ref.habana_ckpt import habana_to_ours, load_habana_state_dict, read_habana_checkpoint
 from bert_ref.model import build_model
 from ds_core.config import ConfigError
@@ -101,12 +101,18 @@ def test_loader_names_and_errors(tmp_path):
     assert habana_to_ours("bert.pooler.dense_act.weight", 3) == "bert.pooler.dense.weight"
     sd = habana_weights()
     # DeepSpeed's checkpoint file (what Habana's run_pretraining.py saves), 'module.'-prefixed names included
-    tag = tmp_path / "ckpt" / "1000"
-    tag.mkdir(parents=True)
-    torch.save({"module": {"module." + k: v for k, v in sd.items()}, "global_steps": 1000},
-               tag / "mp_rank_00_model_states.pt")
-    model = build_model(small(debug_habana)).eval()
-    load_habana_state_dict(model, read_habana_checkpoint(tmp_path / "ckpt"), "ckpt")
+    for tag in ("500", "1000"):
+        (tmp_path / "ckpt" / tag).mkdir(parents=True)
+        torch.save({"module": {"module." + k: v * (tag == "1000") for k, v in sd.items()}, "global_steps": int(tag)},
+                   tmp_path / "ckpt" / tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(ConfigError, match="no 'latest' file and 2 tag directories"):
+        read_habana_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "latest").write_text("1000")
+    # --init_checkpoint: accepted by the run settings, loaded by build_model (the tag `latest` names)
+    BertArgs(preset="debug_habana", input_dir=str(tmp_path), init_checkpoint=str(tmp_path / "ckpt")).validate()
+    with pytest.raises(ConfigError, match="--init_checkpoint"):
+        BertArgs(preset="debug_pre_ln", input_dir=str(tmp_path), init_checkpoint=str(tmp_path / "ckpt")).validate()
+    model = build_model(small(debug_habana), init_checkpoint=str(tmp_path / "ckpt")).eval()
     assert np.abs(logits(model)[1] - REF["nsp_logits"]).max() <= 1e-5
     with pytest.raises(ConfigError, match="bert.encoder.layer.1.output.dense.weight"):
         load_habana_state_dict(model, {k: v for k, v in sd.items() if k != "bert.encoder.layer.1.output.dense.weight"})
