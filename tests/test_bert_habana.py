@@ -60,6 +60,20 @@ def test_habana_form_computes_habanas_function(attn):
         assert model.cls.predictions.bias[250:].abs().max() == 0
 
 
+def test_habana_form_dropout_where_habanas_is():
+    """Training mode, dropout 0.1: with torch's generator seeded the same, our eager path draws the same masks as
+    Habana's modeling.py (same dropout calls, same order, same shapes: the embedding dropout after its LayerNorm), so
+    the logits match too. (SDPA draws its attention dropout inside the kernel: not compared.)"""
+    model = build_model(small(debug_habana, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1),
+                        attn_implementation="eager").train()
+    load_habana_state_dict(model, habana_weights())
+    torch.manual_seed(META["dropout_seed"])
+    mlm, nsp = logits(model)
+    assert np.abs(mlm - REF["mlm_logits_train"]).max() <= 1e-5
+    assert np.abs(nsp - REF["nsp_logits_train"]).max() <= 1e-5
+    assert np.abs(REF["mlm_logits_train"] - REF["mlm_logits"]).max() > 0.1  # dropout did act
+
+
 def test_megatron_form_is_another_function():
     """The same weights in MegatronBert's own Pre-LN (bert_1p5b's form) do not give Habana's logits: the comparison
     above can fail, and the two forms must not be mixed (check_checkpoint_form)."""

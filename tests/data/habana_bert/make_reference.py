@@ -2,7 +2,7 @@
 BertForPreTraining with `layer_norm_large_model: true`, the form of scripts/bert_1.5b_config.json) on seeded random
 weights and inputs of a small config, and writes what tests/test_bert_habana.py compares against:
 reference.json (config, state-dict names and shapes in Habana's order, seeds, sha256 of the weights) and
-reference.npz (inputs, MLM and NSP logits, float32).
+reference.npz (inputs, MLM and NSP logits, float32, in eval mode and in training mode with a seeded dropout).
 
 Run from a copy of the reference OUTSIDE this repository (no HPU needed: on a machine without CUDA, modeling.py uses
 torch.nn.LayerNorm and F.gelu, as it does on Gaudi):
@@ -29,7 +29,7 @@ CONFIG = {"vocab_size": 250, "hidden_size": 64, "num_hidden_layers": 3, "num_att
           "intermediate_size": 256, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
           "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 64, "type_vocab_size": 2,
           "initializer_range": 0.02, "layer_norm_large_model": True}
-WEIGHT_SEED, INPUT_SEED, BATCH, SEQ = 1234, 99, 3, 16
+WEIGHT_SEED, INPUT_SEED, DROPOUT_SEED, BATCH, SEQ = 1234, 99, 7, 3, 16
 
 
 def seeded_state_dict(names_shapes: list[tuple[str, list[int]]], seed: int = WEIGHT_SEED) -> dict[str, torch.Tensor]:
@@ -78,10 +78,17 @@ def main() -> None:
     sd = seeded_state_dict(names_shapes)
     model.load_state_dict(sd)
     inputs = seeded_inputs()
+    args = [torch.from_numpy(inputs[k]) for k in ("input_ids", "token_type_ids", "attention_mask")]
     with torch.no_grad():
-        mlm, nsp = model(*(torch.from_numpy(inputs[k]) for k in ("input_ids", "token_type_ids", "attention_mask")))
-    np.savez_compressed(HERE / "reference.npz", mlm_logits=mlm.numpy(), nsp_logits=nsp.numpy(), **inputs)
+        mlm, nsp = model(*args)
+        # training mode: dropout 0.1 everywhere, torch's generator seeded just before the forward (the draws are
+        # then comparable with a model that calls its dropouts in the same order on the same shapes)
+        torch.manual_seed(DROPOUT_SEED)
+        mlm_train, nsp_train = model.train()(*args)
+    np.savez_compressed(HERE / "reference.npz", mlm_logits=mlm.numpy(), nsp_logits=nsp.numpy(),
+                        mlm_logits_train=mlm_train.numpy(), nsp_logits_train=nsp_train.numpy(), **inputs)
     meta = {"reference": REFERENCE, "config": CONFIG, "weight_seed": WEIGHT_SEED, "input_seed": INPUT_SEED,
+            "dropout_seed": DROPOUT_SEED,
             "state_dict": names_shapes, "state_dict_sha256": fingerprint(sd), "torch": torch.__version__,
             "command": "PYTHONPATH=<deepspeed-bert copy> python tests/data/habana_bert/make_reference.py"}
     (HERE / "reference.json").write_text(json.dumps(meta, indent=1) + "\n")
