@@ -23,6 +23,7 @@ are given the SDPA forward of transformers' BERT (use_sdpa_attention).
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -104,43 +105,26 @@ def _sparse_mlm_class(base):
     return SparseMLM
 
 
-def habana_pre_ln_form(model: torch.nn.Module) -> None:
-    """Make a MegatronBert(ForPreTraining) compute Habana's `layer_norm_large_model` forward (module docstring, the
-    two differences): layer 0's attention adds no residual (Habana's stream starts at 0), and the embedding dropout
-    moves from before layer 0's LayerNorm (MegatronBert) to after it (Habana: BertEmbeddings LayerNorm -> dropout).
-    Parameters and state dict are unchanged; the model's config gets habana_pre_ln = True."""
-    from transformers.models.megatron_bert.modeling_megatron_bert import MegatronBertAttention
-
-    bert = model.bert if hasattr(model, "bert") else model
-    first = bert.encoder.layer[0].attention
-    if type(first).__name__ == "HabanaFirstAttention":
-        return
-    if type(first) is not MegatronBertAttention:
-        raise TypeError(f"habana_pre_ln_form: layer 0 attention is {type(first).__name__}, expected "
-                        f"MegatronBertAttention (a Pre-LN model)")
+@functools.cache
+def _megatron_classes() -> tuple[type, type]:
+    """HabanaFirstAttention and MegatronBertSdpaSelfAttention, made on first use (transformers is imported lazily
+    here) and registered as attributes of this module, so that pickle finds a model's classes by name."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.megatron_bert.modeling_megatron_bert import (MegatronBertAttention,
+                                                                          MegatronBertSelfAttention)
 
     class HabanaFirstAttention(MegatronBertAttention):
-        def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
-            normed = self.emb_dropout(self.ln(hidden_states))  # Habana's BertEmbeddings: LayerNorm, then dropout
+        """Layer 0's attention in Habana's form: LayerNorm (Habana's embeddings LayerNorm), embedding dropout,
+        self-attention, output dense + dropout, and no residual (Habana's stream starts at 0)."""
+
+        def forward(self, hidden_states, attention_mask=None, **kwargs):
+            normed = self.emb_dropout(self.ln(hidden_states))
             context = self.self(normed, attention_mask=attention_mask, **kwargs)
-            out = self.output.dropout(self.output.dense(context[0]))  # no residual: Habana's stream starts at 0
-            return (out,) + tuple(context[1:])
-
-    first.__class__ = HabanaFirstAttention
-    first.emb_dropout = bert.embeddings.dropout  # the same nn.Dropout (p, FastDropout) at Habana's place
-    bert.embeddings.dropout = torch.nn.Identity()
-    (model.config if hasattr(model, "config") else bert.config).habana_pre_ln = True
-
-
-def use_sdpa_attention(model: torch.nn.Module) -> None:
-    """Give every MegatronBert self-attention the SDPA kernel BERT-Large runs (transformers' sdpa_attention_forward,
-    the function BertSelfAttention calls with attn_implementation='sdpa'): same Q/K/V/dense modules and state dict,
-    same additive mask (the eager mask MegatronBertModel builds), attention-probability dropout inside the kernel.
-    tests/test_bert_habana.py checks it equal to the eager path."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.models.megatron_bert.modeling_megatron_bert import MegatronBertSelfAttention
+            return (self.output.dropout(self.output.dense(context[0])),) + tuple(context[1:])
 
     class MegatronBertSdpaSelfAttention(MegatronBertSelfAttention):
+        """MegatronBert self-attention through transformers' sdpa_attention_forward (BERT-Large's kernel)."""
+
         def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, cache=None,
                     output_attentions=False, **kwargs):
             if encoder_hidden_states is not None or cache is not None or output_attentions:
@@ -153,10 +137,45 @@ def use_sdpa_attention(model: torch.nn.Module) -> None:
                                             dropout=self.dropout.p if self.training else 0.0)
             return out.reshape(*hidden_states.shape[:-1], -1).contiguous(), None
 
+    for cls in (HabanaFirstAttention, MegatronBertSdpaSelfAttention):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+        globals()[cls.__name__] = cls
+    return HabanaFirstAttention, MegatronBertSdpaSelfAttention
+
+
+def habana_pre_ln_form(model: torch.nn.Module) -> None:
+    """Make a MegatronBert(ForPreTraining) compute Habana's `layer_norm_large_model` forward (module docstring, the
+    two differences): layer 0's attention adds no residual (Habana's stream starts at 0), and the embedding dropout
+    moves from before layer 0's LayerNorm (MegatronBert) to after it (Habana: BertEmbeddings LayerNorm -> dropout).
+    Parameters and state dict are unchanged; the model's config gets habana_pre_ln = True."""
+    from transformers.models.megatron_bert.modeling_megatron_bert import MegatronBertAttention
+
+    first_cls, _ = _megatron_classes()
+    bert = model.bert if hasattr(model, "bert") else model
+    first = bert.encoder.layer[0].attention
+    if type(first) is first_cls:
+        return
+    if type(first) is not MegatronBertAttention:
+        raise TypeError(f"habana_pre_ln_form: layer 0 attention is {type(first).__name__}, expected "
+                        f"MegatronBertAttention (a Pre-LN model)")
+    first.__class__ = first_cls
+    first.emb_dropout = bert.embeddings.dropout  # the same nn.Dropout (p, FastDropout) at Habana's place
+    bert.embeddings.dropout = torch.nn.Identity()
+    (model.config if hasattr(model, "config") else bert.config).habana_pre_ln = True
+
+
+def use_sdpa_attention(model: torch.nn.Module) -> None:
+    """Give every MegatronBert self-attention the SDPA kernel BERT-Large runs (transformers' sdpa_attention_forward,
+    the function BertSelfAttention calls with attn_implementation='sdpa'): same Q/K/V modules and state dict, same
+    additive mask (the eager mask MegatronBertModel builds), attention-probability dropout inside the kernel.
+    tests/test_bert_habana.py checks it equal to the eager path."""
+    from transformers.models.megatron_bert.modeling_megatron_bert import MegatronBertSelfAttention
+
+    _, sdpa_cls = _megatron_classes()
     bert = model.bert if hasattr(model, "bert") else model
     for layer in bert.encoder.layer:
         if type(layer.attention.self) is MegatronBertSelfAttention:
-            layer.attention.self.__class__ = MegatronBertSdpaSelfAttention
+            layer.attention.self.__class__ = sdpa_cls
 
 
 class FastDropout(torch.nn.Dropout):
