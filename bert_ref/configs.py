@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from bert_ref.habana_ckpt import is_habana_checkpoint
 from ds_core.config import ConfigError, arg
 
 BERT_VOCAB = 30522  # the uncased WordPiece vocabulary of the original BERT release
@@ -53,6 +54,7 @@ class BertPreset:
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
     pre_ln: bool = False  # LayerNorm before each sublayer (MegatronBertForPreTraining); False: BERT's Post-LN
+    habana_pre_ln: bool = False  # Pre-LN exactly as Habana's modeling.py (bert_ref.model.habana_pre_ln_form)
     phase: int = 1
     seq_len: int = PHASES[1][0]
     max_predictions_per_seq: int = PHASES[1][1]
@@ -87,6 +89,12 @@ def bert_1p5b(phase: int = 1) -> BertPreset:
                                num_attention_heads=25, intermediate_size=6400, pre_ln=True)
 
 
+def bert_1p5b_habana(phase: int = 1) -> BertPreset:
+    """bert_1p5b computing exactly the function of Habana's modeling.py (residual stream from 0, embedding dropout
+    after the LayerNorm; bert_ref.model); loads Habana checkpoints (bert_ref.habana_ckpt)."""
+    return dataclasses.replace(bert_1p5b(phase), name="bert_1p5b_habana", habana_pre_ln=True)
+
+
 def debug(phase: int = 1) -> BertPreset:
     """Tiny BERT for tests and `make demo`: 2 layers, hidden 64. Its vocabulary is small (1024) so the MLM decoder
     does not dominate a CPU step; build the demo vocab with at most that many tokens. No dropout, so that a small
@@ -101,8 +109,14 @@ def debug_pre_ln(phase: int = 1) -> BertPreset:
     return dataclasses.replace(debug(phase), name="debug_pre_ln", pre_ln=True)
 
 
+def debug_habana(phase: int = 1) -> BertPreset:
+    """The debug size in bert_1p5b_habana's form."""
+    return dataclasses.replace(debug_pre_ln(phase), name="debug_habana", habana_pre_ln=True)
+
+
 PRESETS: dict[str, Callable[[int], BertPreset]] = {"bert_large": bert_large, "bert_1p5b": bert_1p5b, "debug": debug,
-                                                   "debug_pre_ln": debug_pre_ln}
+                                                   "debug_pre_ln": debug_pre_ln, "bert_1p5b_habana": bert_1p5b_habana,
+                                                   "debug_habana": debug_habana}
 
 
 def get_preset(name: str, phase: int = 1) -> BertPreset:
@@ -144,8 +158,8 @@ class BertArgs:
     activation_checkpointing: bool = arg("Recompute each encoder layer's activations in backward (less memory, "
                                            "~1/3 more compute; reported FLOPs exclude the recompute).",
                                            default=False)
-    attn_implementation: str = arg("transformers attention kernel: 'sdpa' or 'eager' (Pre-LN presets always run "
-                                   "eager: transformers' MegatronBert has no SDPA path).", default="sdpa")
+    attn_implementation: str = arg("Attention kernel: 'sdpa' or 'eager' (Pre-LN presets: bert_ref.model gives "
+                                   "MegatronBert the SDPA path of transformers' BERT).", default="sdpa")
     sparse_mlm: bool = arg("Run the MLM head (transform + vocabulary decoder) only at the max_predictions_per_seq "
                            "masked positions (NVIDIA's and Habana's recipes compute it at every position); same loss, "
                            "fewer FLOPs (and the reported FLOPs count only those positions).", default=False)
@@ -162,10 +176,12 @@ class BertArgs:
         if not p.is_dir():
             raise InputDirError(f"--input_dir {p}: " + ("not a directory" if p.exists() else "no such directory"))
         hf_dir = (Path(self.init_checkpoint) / "config.json").is_file()
-        if self.init_checkpoint and not (self.init_run_dir() or hf_dir):
+        habana = self.model_preset().habana_pre_ln and is_habana_checkpoint(self.init_checkpoint)
+        if self.init_checkpoint and not (self.init_run_dir() or hf_dir or habana):
             raise ConfigError(f"--init_checkpoint {self.init_checkpoint}: expected a bert_ref.train run directory "
                               "(with checkpoints/) or a Hugging Face checkpoint directory with config.json "
-                              "(save_pretrained format)")
+                              "(save_pretrained format), or with a habana_pre_ln preset a Habana deepspeed-bert "
+                              "checkpoint (bert_ref.habana_ckpt)")
         if self.reset_optimizer and not self.init_run_dir():
             raise ConfigError("--reset_optimizer applies to a run-directory --init_checkpoint only")
         if self.attn_implementation not in ("sdpa", "eager"):

@@ -8,17 +8,22 @@ LayerNorms: Habana's embeddings LayerNorm <-> layer 0 `attention.ln`; layer i's 
 i `ln` (before the FFN); layer i's output LayerNorm <-> layer i+1 `attention.ln`, and the last one <-> the final
 `encoder.ln`), the same heads and the same count, and differs in exactly two places:
   1. the residual stream's start: Habana starts it at 0 (BertEncoder.forward: layer_norm_input = 0), so the
-     embeddings enter only through layer 0's attention input; MegatronBert starts it at the embeddings
+     embeddings enter only through layer 0's attention input (the embeddings output, LayerNorm-ed, feeds layer 0's
+     attention and is not added to the stream); MegatronBert starts it at the embeddings
      (x_1 = emb + Attn(LN(emb)) against Habana's x_1 = Attn(LN(emb)));
   2. the embedding dropout: Habana drops out after the embeddings LayerNorm, MegatronBert before layer 0's LN.
 (Also: Habana's additive attention mask is -10000, transformers' the dtype minimum: no difference after softmax.)
-We use MegatronBertForPreTraining: its checkpoints load with transformers alone, so anyone can use them
-(a Habana-exact subclass would load into MegatronBert silently computing another function), and its form is the
-standard Pre-LN one (Xiong et al. 2020; Megatron-LM) with the property the 1.5B recipe needs: an un-normalized
-residual stream with a LayerNorm before every sublayer and one at the end.
+bert_1p5b uses MegatronBertForPreTraining as it is: its checkpoints load with transformers alone, and its form is the
+standard Pre-LN one (Xiong et al. 2020; Megatron-LM). The `habana_pre_ln` presets (bert_1p5b_habana, debug_habana)
+change those two places (habana_pre_ln_form) and so compute Habana's function exactly; their config.json carries
+`habana_pre_ln: true`, and check_checkpoint_form refuses to mix the two forms. load_habana_state_dict maps a Habana
+checkpoint's names to ours (bert_ref/habana_ckpt.py). Both forms run attention through SDPA (as BERT-Large) unless
+attn_implementation is 'eager': transformers' MegatronBert has only the eager kernel, so the self-attention modules
+are given the SDPA forward of transformers' BERT (use_sdpa_attention).
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -26,11 +31,12 @@ import torch
 from ds_core.config import ConfigError
 
 from .configs import BertPreset
+from .habana_ckpt import is_habana_checkpoint, load_habana_state_dict, read_habana_checkpoint
 
 
 def hf_config(preset: BertPreset, attn_implementation: str = "sdpa"):
     """transformers config of the preset: BertConfig (Post-LN) or MegatronBertConfig (Pre-LN). MegatronBert has
-    only the eager attention kernel in transformers, so a Pre-LN preset always runs it."""
+    only the eager attention kernel in transformers, so its config says eager (build_model swaps in SDPA)."""
     from transformers import BertConfig, MegatronBertConfig
 
     cls = MegatronBertConfig if preset.pre_ln else BertConfig
@@ -42,6 +48,8 @@ def hf_config(preset: BertPreset, attn_implementation: str = "sdpa"):
         hidden_act="gelu", initializer_range=0.02, layer_norm_eps=1e-12,
     )
     cfg._attn_implementation = "eager" if preset.pre_ln else attn_implementation
+    if preset.habana_pre_ln:
+        cfg.habana_pre_ln = True  # saved in config.json: check_checkpoint_form reads it back
     return cfg
 
 
@@ -53,17 +61,23 @@ def model_class(preset: BertPreset, sparse_mlm: bool = False):
     return _sparse_mlm_class(base) if sparse_mlm else base
 
 
-FORMS = {"bert": "Post-LN BertForPreTraining", "megatron-bert": "Pre-LN MegatronBertForPreTraining"}
+FORMS = {"bert": "Post-LN BertForPreTraining", "megatron-bert": "Pre-LN MegatronBertForPreTraining",
+         "megatron-bert+habana": "Pre-LN MegatronBertForPreTraining in Habana's form (habana_pre_ln)"}
 
 
-def check_checkpoint_form(preset: BertPreset, model_type: str, where: str) -> None:
+def check_checkpoint_form(preset: BertPreset, config: dict, where: str) -> None:
     """Refuse weights of the other LayerNorm placement: a Post-LN checkpoint's tensors do not exist in the Pre-LN
-    model and vice versa (and a partial load would train from a half-random model)."""
+    model and vice versa (and a partial load would train from a half-random model); and refuse the other Pre-LN form:
+    the tensors are the same, the function is not (a silent switch would break a loss curve)."""
+    model_type = config.get("model_type", "")
     want = "megatron-bert" if preset.pre_ln else "bert"
-    if model_type != want:
-        got = FORMS.get(model_type, f"model_type {model_type!r}")
-        raise ConfigError(f"{where}: a {got} checkpoint, but preset {preset.name} is a {FORMS[want]} (model_type "
-                          f"{want!r}); start from a checkpoint of the same preset")
+    form = model_type + ("+habana" if config.get("habana_pre_ln") else "")
+    want_form = want + ("+habana" if preset.habana_pre_ln else "")
+    if form != want_form:
+        got = FORMS.get(form, f"model_type {model_type!r}")
+        raise ConfigError(f"{where}: a {got} checkpoint, but preset {preset.name} is a {FORMS[want_form]} "
+                          f"(model_type {want!r}, habana_pre_ln {preset.habana_pre_ln}); start from a checkpoint of "
+                          f"the same preset")
 
 
 def _sparse_mlm_class(base):
@@ -91,6 +105,79 @@ def _sparse_mlm_class(base):
     return SparseMLM
 
 
+@functools.cache
+def _megatron_classes() -> tuple[type, type]:
+    """HabanaFirstAttention and MegatronBertSdpaSelfAttention, made on first use (transformers is imported lazily
+    here) and registered as attributes of this module, so that pickle finds a model's classes by name."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.megatron_bert.modeling_megatron_bert import (MegatronBertAttention,
+                                                                          MegatronBertSelfAttention)
+
+    class HabanaFirstAttention(MegatronBertAttention):
+        """Layer 0's attention in Habana's form: LayerNorm (Habana's embeddings LayerNorm), embedding dropout,
+        self-attention, output dense + dropout, and no residual (Habana's stream starts at 0)."""
+
+        def forward(self, hidden_states, attention_mask=None, **kwargs):
+            normed = self.emb_dropout(self.ln(hidden_states))
+            context = self.self(normed, attention_mask=attention_mask, **kwargs)
+            return (self.output.dropout(self.output.dense(context[0])),) + tuple(context[1:])
+
+    class MegatronBertSdpaSelfAttention(MegatronBertSelfAttention):
+        """MegatronBert self-attention through transformers' sdpa_attention_forward (BERT-Large's kernel)."""
+
+        def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, cache=None,
+                    output_attentions=False, **kwargs):
+            if encoder_hidden_states is not None or cache is not None or output_attentions:
+                raise ValueError("MegatronBertSdpaSelfAttention: self-attention of an encoder only (no cross "
+                                 "attention, cache or attention outputs); build the model with "
+                                 "attn_implementation='eager' for those")
+            shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+            q, k, v = (lin(hidden_states).view(shape).transpose(1, 2) for lin in (self.query, self.key, self.value))
+            out, _ = sdpa_attention_forward(self, q, k, v, attention_mask, is_causal=False,
+                                            dropout=self.dropout.p if self.training else 0.0)
+            return out.reshape(*hidden_states.shape[:-1], -1).contiguous(), None
+
+    for cls in (HabanaFirstAttention, MegatronBertSdpaSelfAttention):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+        globals()[cls.__name__] = cls
+    return HabanaFirstAttention, MegatronBertSdpaSelfAttention
+
+
+def habana_pre_ln_form(model: torch.nn.Module) -> None:
+    """Make a MegatronBert(ForPreTraining) compute Habana's `layer_norm_large_model` forward (module docstring, the
+    two differences): layer 0's attention adds no residual (Habana's stream starts at 0), and the embedding dropout
+    moves from before layer 0's LayerNorm (MegatronBert) to after it (Habana: BertEmbeddings LayerNorm -> dropout).
+    Parameters and state dict are unchanged; the model's config gets habana_pre_ln = True."""
+    from transformers.models.megatron_bert.modeling_megatron_bert import MegatronBertAttention
+
+    first_cls, _ = _megatron_classes()
+    bert = model.bert if hasattr(model, "bert") else model
+    first = bert.encoder.layer[0].attention
+    if type(first) is first_cls:
+        return
+    if type(first) is not MegatronBertAttention:
+        raise TypeError(f"habana_pre_ln_form: layer 0 attention is {type(first).__name__}, expected "
+                        f"MegatronBertAttention (a Pre-LN model)")
+    first.__class__ = first_cls
+    first.emb_dropout = bert.embeddings.dropout  # the same nn.Dropout (p, FastDropout) at Habana's place
+    bert.embeddings.dropout = torch.nn.Identity()
+    (model.config if hasattr(model, "config") else bert.config).habana_pre_ln = True
+
+
+def use_sdpa_attention(model: torch.nn.Module) -> None:
+    """Give every MegatronBert self-attention the SDPA kernel BERT-Large runs (transformers' sdpa_attention_forward,
+    the function BertSelfAttention calls with attn_implementation='sdpa'): same Q/K/V modules and state dict, same
+    additive mask (the eager mask MegatronBertModel builds), attention-probability dropout inside the kernel.
+    tests/test_bert_habana.py checks it equal to the eager path."""
+    from transformers.models.megatron_bert.modeling_megatron_bert import MegatronBertSelfAttention
+
+    _, sdpa_cls = _megatron_classes()
+    bert = model.bert if hasattr(model, "bert") else model
+    for layer in bert.encoder.layer:
+        if type(layer.attention.self) is MegatronBertSelfAttention:
+            layer.attention.self.__class__ = sdpa_cls
+
+
 class FastDropout(torch.nn.Dropout):
     """nn.Dropout whose keep mask comes from 16-bit slices of 64-bit random words (4 draws per call of torch's
     generator instead of one per element: CPU bernoulli_ costs ~10 ns per element here). p is rounded to a multiple of
@@ -110,19 +197,24 @@ def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkp
                 fast_dropout: bool = False) -> torch.nn.Module:
     """A BertForPreTraining (Post-LN presets) or MegatronBertForPreTraining (Pre-LN presets): MLM + NSP heads,
     decoder tied to the word embeddings; randomly initialised from the preset or loaded from a local Hugging Face
-    checkpoint directory of the same form (never downloaded). sparse_mlm: the subclass
+    checkpoint directory of the same form (never downloaded), or, for a habana_pre_ln preset, from a Habana
+    deepspeed-bert checkpoint (bert_ref.habana_ckpt). sparse_mlm: the subclass
     whose forward takes masked_lm_positions (see _sparse_mlm_class; bert_ref.step.make_step_fn). fast_dropout: the
     hidden dropouts become FastDropout (same p up to 2^-15, cheaper random numbers on the CPU)."""
     cls = model_class(preset, sparse_mlm)
-    if init_checkpoint:
+    if init_checkpoint and preset.habana_pre_ln and is_habana_checkpoint(init_checkpoint):
+        model = cls(hf_config(preset, attn_implementation))
+        habana_pre_ln_form(model)
+        load_habana_state_dict(model, read_habana_checkpoint(init_checkpoint), f"--init_checkpoint {init_checkpoint}")
+    elif init_checkpoint:
         import json
 
         cfg_file = Path(init_checkpoint) / "config.json"
         try:
-            model_type = json.loads(cfg_file.read_text()).get("model_type", "")
+            saved = json.loads(cfg_file.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"--init_checkpoint {init_checkpoint}: cannot read {cfg_file}: {e}") from e
-        check_checkpoint_form(preset, model_type, f"--init_checkpoint {init_checkpoint}")
+        check_checkpoint_form(preset, saved, f"--init_checkpoint {init_checkpoint}")
         got = cls.config_class.from_pretrained(init_checkpoint, local_files_only=True)  # check before the weights
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             if getattr(got, key) != getattr(preset, key):
@@ -144,6 +236,10 @@ def build_model(preset: BertPreset, init_checkpoint: str = "", activation_checkp
                 m.p = preset.hidden_dropout_prob
     else:
         model = cls(hf_config(preset, attn_implementation))
+    if preset.habana_pre_ln:
+        habana_pre_ln_form(model)
+    if preset.pre_ln and attn_implementation == "sdpa":
+        use_sdpa_attention(model)
     if fast_dropout:  # the hidden dropouts (attention-probability dropout runs inside SDPA)
         for m in model.modules():
             if type(m) is torch.nn.Dropout:

@@ -46,6 +46,7 @@ PUBLISHED: dict[str, dict[int, Recipe]] = {
 }
 PUBLISHED["debug"] = PUBLISHED["bert_large"]  # the debug presets follow the model they shrink
 PUBLISHED["debug_pre_ln"] = PUBLISHED["bert_1p5b"]
+PUBLISHED["bert_1p5b_habana"] = PUBLISHED["debug_habana"] = PUBLISHED["bert_1p5b"]  # same model, Habana's forward
 
 
 @dataclass

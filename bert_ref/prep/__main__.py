@@ -59,6 +59,10 @@ def _add_shards(p: argparse.ArgumentParser) -> None:
     g.add_argument(*flag("--num_test_shards"), type=int, default=0, help="the last K text shards become *_test_* files")
     g.add_argument("--prefix", default="bert", help="output file name prefix")
     g.add_argument(*flag("--no_compression"), action="store_true", help="write h5 without gzip")
+    g.add_argument(*flag("--nvidia_compat"), action="store_true",
+                   help="write the arrays NVIDIA's create_pretraining_data.py (DeepLearningExamples 7a4c4250) writes "
+                        "for the same text shard, vocab, seed and settings (its seeding, document shuffle, masking "
+                        "draws and tokenization; uncased only; slower)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +116,7 @@ def _shard_params(a: argparse.Namespace, vocab: str):
     return ShardParams(max_seq_length=a.max_seq_length, max_predictions_per_seq=a.max_predictions_per_seq,
                        masked_lm_prob=a.masked_lm_prob, short_seq_prob=a.short_seq_prob, dupe_factor=a.dupe_factor,
                        seed=a.seed, whole_word_mask=a.whole_word_mask, lowercase=lower,
-                       compression="" if a.no_compression else "gzip")
+                       compression="" if a.no_compression else "gzip", nvidia_compat=a.nvidia_compat)
 
 
 def _text_params(a: argparse.Namespace) -> TextParams:

@@ -10,6 +10,10 @@ times with different masks, and the instances of a shard are shuffled.
 
 One process per text shard (`--workers`); each shard's random stream is seeded by (seed, shard index), so the output
 does not depend on the number of workers. Memory per worker is one text shard and its instances.
+
+With nvidia_compat (`--nvidia_compat`) the arrays are those NVIDIA's create_pretraining_data.py writes for the same
+shard, vocab, seed and settings: its seeding, document shuffle, masking draws, replacement vocabulary and
+tokenization (bert_ref.prep.nvidia says what differs and why).
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ class ShardParams:
     whole_word_mask: bool = False
     lowercase: bool = True
     compression: str = "gzip"
+    nvidia_compat: bool = False
 
     def validate(self) -> None:
         if self.max_seq_length < 8:
@@ -51,6 +56,13 @@ class ShardParams:
                             "must be probabilities")
         if self.dupe_factor < 1:
             raise PrepError(f"--dupe_factor must be >= 1, got {self.dupe_factor}")
+        if self.nvidia_compat and self.whole_word_mask:
+            raise PrepError("--nvidia_compat with --whole_word_mask: NVIDIA's create_pretraining_data.py (7a4c4250) "
+                            "has no whole-word masking; drop one of them")
+        if self.nvidia_compat and not self.lowercase:
+            raise PrepError("--nvidia_compat with a cased vocab / --cased: NVIDIA's create_pretraining_data.py always "
+                            "lower-cases (its --do_lower_case defaults to True and cannot be turned off); use "
+                            "--uncased or drop --nvidia_compat")
 
 
 def output_name(prefix: str, split: str, p: ShardParams, index: int) -> str:
@@ -58,8 +70,9 @@ def output_name(prefix: str, split: str, p: ShardParams, index: int) -> str:
     bert_training_seq128_pred20_mlm0.15_dupe5_seed12345_uncased_00003.hdf5"""
     case = "uncased" if p.lowercase else "cased"
     wwm = "_wwm" if p.whole_word_mask else ""
+    nv = "_nvidia" if p.nvidia_compat else ""
     return (f"{prefix}_{split}_seq{p.max_seq_length}_pred{p.max_predictions_per_seq}_mlm{p.masked_lm_prob:g}"
-            f"_dupe{p.dupe_factor}_seed{p.seed}_{case}{wwm}_{index:05d}.hdf5")
+            f"_dupe{p.dupe_factor}_seed{p.seed}_{case}{wwm}{nv}_{index:05d}.hdf5")
 
 
 # ---------------------------------------------------------------------------------------------- the recipe
@@ -114,8 +127,9 @@ def _mask(tokens: list[int], p: ShardParams, vocab: Vocab, rng: random.Random) -
 
 
 def instances_from_document(docs: list[list[array]], d: int, p: ShardParams, vocab: Vocab,
-                            rng: random.Random, out: list) -> None:
-    """Append (tokens, len_a, positions, ids, is_random_next) for document `d` (BERT's original algorithm)."""
+                            rng: random.Random, out: list, mask=_mask) -> None:
+    """Append (tokens, len_a, positions, ids, is_random_next) for document `d` (BERT's original algorithm); `mask`:
+    _mask, or bert_ref.prep.nvidia.mask_nvidia in the compat mode."""
     document = docs[d]  # sentences of int32 token ids
     max_tokens = p.max_seq_length - 3
     target = max_tokens if rng.random() >= p.short_seq_prob else rng.randint(2, max_tokens)
@@ -151,7 +165,7 @@ def instances_from_document(docs: list[list[array]], d: int, p: ShardParams, voc
                 _truncate_pair(a, b, max_tokens, rng)
                 if a and b:
                     tokens = [vocab.cls, *a, vocab.sep, *b, vocab.sep]
-                    positions, ids = _mask(tokens, p, vocab, rng)
+                    positions, ids = mask(tokens, p, vocab, rng)
                     out.append((array("i", tokens), len(a), array("i", positions), array("i", ids), random_next))
             chunk, length = [], 0
         i += 1
@@ -208,14 +222,22 @@ def make_shard(text_path: str, out_path: str, index: int, vocab_file: str, p: Sh
     """One text shard -> one h5 file (written atomically). Returns (output path, samples)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     vocab = Vocab(read_vocab(vocab_file))
-    docs = _tokenize_docs(read_text_shard(text_path), vocab_file, p.lowercase)
+    mask = _mask
+    if p.nvidia_compat:
+        from bert_ref.prep import nvidia
+
+        docs = nvidia.tokenize_docs(read_text_shard(text_path), vocab.tokens)
+        rng = nvidia.shard_rng(p.seed, docs)  # NVIDIA: the same seed for every shard, then a document shuffle
+        mask = nvidia.mask_nvidia
+    else:
+        docs = _tokenize_docs(read_text_shard(text_path), vocab_file, p.lowercase)
+        rng = random.Random(p.seed * 1_000_003 + index)
     if not docs:
         raise PrepError(f"{text_path}: no documents with tokens")
-    rng = random.Random(p.seed * 1_000_003 + index)
     instances: list = []
     for _ in range(p.dupe_factor):
         for d in range(len(docs)):
-            instances_from_document(docs, d, p, vocab, rng, instances)
+            instances_from_document(docs, d, p, vocab, rng, instances, mask)
     rng.shuffle(instances)
     if not instances:
         raise PrepError(f"{text_path}: produced no instances (documents too short?)")
