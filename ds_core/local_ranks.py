@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from ds_core.parent_watch import pdeathsig_preexec
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -65,6 +67,17 @@ def _accelerator_present() -> bool:
     return torch.cuda.is_available()
 
 
+def torch_extensions_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """{"TORCH_EXTENSIONS_DIR": <this venv>/torch_extensions} unless `environ` sets it or Python runs outside a venv.
+
+    torch keys its JIT build cache (~/.cache/torch_extensions/py311_cpu/<op>) by op name only, so two checkouts or
+    venvs (or two paths to one venv) find each other's build of DeepSpeed's CPU shm op, see other sources and rebuild
+    it (40-50 s per start) on every alternation. One cache per venv, by its resolved path, ends that."""
+    if environ.get("TORCH_EXTENSIONS_DIR") or sys.prefix == sys.base_prefix:
+        return {}
+    return {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix).resolve() / "torch_extensions")}
+
+
 def rank_env(base: Mapping[str, str] | None = None, *, threads: int | None = None,
              pythonpath: Sequence[str | os.PathLike] = (), extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for launched ranks: `base` (default os.environ) plus
@@ -73,9 +86,11 @@ def rank_env(base: Mapping[str, str] | None = None, *, threads: int | None = Non
       would otherwise try CUDA first and fail on a CPU-only host);
     - OMP_NUM_THREADS=threads when given (ranks sharing few cores must not each start one thread per core);
     - `pythonpath` entries in front of PYTHONPATH (a checkout that is not the installed one);
+    - TORCH_EXTENSIONS_DIR under this venv unless set (torch_extensions_env);
     - `extra` last, so a caller's explicit value always wins.
     """
     env = dict(os.environ if base is None else base)
+    env.update(torch_extensions_env({**env, **(extra or {})}))
     if "DS_ACCELERATOR" not in env and not (extra and "DS_ACCELERATOR" in extra) and not _accelerator_present():
         env["DS_ACCELERATOR"] = "cpu"
     if threads:
@@ -211,7 +226,9 @@ class LauncherGroup:
             for i, cmd in enumerate(cmds):
                 self.procs.append(subprocess.Popen(list(cmd), cwd=cwd, env=dict(env if envs is None else envs[i]),
                                                    stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
-                                                   start_new_session=new_session))
+                                                   start_new_session=new_session,
+                                                   # no orphans: a child gets SIGTERM when this process dies
+                                                   preexec_fn=pdeathsig_preexec()))
         except BaseException:
             self.kill()
             raise
