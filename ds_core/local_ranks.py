@@ -325,6 +325,12 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return list(argv[:i]), list(argv[i:])
 
 
+def _ds_json_arg(target: Sequence[str]) -> str:
+    from ds_core.ds_json_check import ds_config_in
+
+    return ds_config_in(target)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m ds_core.local_ranks -n 2 -m bert_ref.train ARGS` (or a script path instead of -m M): the
     toolkit's local launcher. Ranks run in this process's group (Ctrl-C reaches them); SIGTERM/SIGUSR1 sent to this
@@ -350,6 +356,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                              local_rank_arg=not a.no_local_rank)
     except ValueError as e:
         ap.error(str(e))
+    ds_json = _ds_json_arg(target)
+    if ds_json:  # the whole DeepSpeed JSON, before any rank is spawned (the ranks would find it after init)
+        from ds_core.config import ConfigError
+        from ds_core.ds_json_check import check_before_spawn
+
+        try:
+            check_before_spawn(ds_json, a.num_ranks)
+        except ConfigError as e:
+            ap.exit(2, f"{ap.prog}: error: {e}\n")
     group = LauncherGroup([c for c, _ in cmds], envs=[e for _, e in cmds], cwd=os.getcwd(), new_session=False,
                           inherit_output=True)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):

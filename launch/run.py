@@ -363,6 +363,21 @@ def build_command(s: LaunchSettings, environ: Mapping[str, str] | None = None, c
     return BUILDERS[s.launcher](s, os.environ if environ is None else environ, cwd)
 
 
+def check_ds_json_before_spawn(s: LaunchSettings) -> None:
+    """The whole DeepSpeed JSON (nested keys, by DeepSpeed's own classes) and its batch arithmetic for this world,
+    before any node starts a rank (ds_core.ds_json_check); deepspeed is imported here only when a JSON is given."""
+    from ds_core.config import ConfigError
+    from ds_core.ds_json_check import check_before_spawn, ds_config_in
+
+    path = s.deepspeed_config or ds_config_in(s.module_args)
+    if not path:
+        return
+    try:
+        check_before_spawn(path, sum(h.slots for h in s.used_hosts) if s.launcher != "srun" else None)
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+
+
 def launch(s: LaunchSettings) -> int:
     """Read the hosts, build the command, and print it (dry run) or exec it."""
     s = s.with_hosts()
@@ -371,6 +386,7 @@ def launch(s: LaunchSettings) -> int:
     if s.dry_run:
         print(json.dumps({"argv": cmd, "env_added": added}, indent=1))
         return 0
+    check_ds_json_before_spawn(s)
     env = dict(os.environ)
     env.update(added)
     exe = cmd[0] if os.path.sep in cmd[0] else shutil.which(cmd[0])
