@@ -52,9 +52,9 @@ def test_live_run_refuses_a_second_with_or_without_resume_then_its_death_frees_t
     holder = hold_lock(run)
     try:
         (run / "config.json").write_text('{"first": true}')
-        for resume in (False, True):
+        for how in ({}, {"resume": True}, {"overwrite_run_dir": True}):
             with pytest.raises(run_lock.RunDirLocked) as e:
-                prepare_run_dir(TrainConfig(run_dir=str(run), resume=resume), rank=0)
+                prepare_run_dir(TrainConfig(run_dir=str(run), **how), rank=0)
             msg = str(e.value)
             assert f"run_dir {run} is in use by a live run" in msg and f"pid {holder.pid}" in msg, msg
         assert (run / "config.json").read_text() == '{"first": true}'
