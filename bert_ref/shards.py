@@ -164,7 +164,8 @@ def check_arrays(path: str, a: dict[str, np.ndarray], seq_len: int, first_row: i
                  vocab_size: int | None = None) -> None:
     """Content checks on a slice of a shard (rows first_row..): token ids in [0, vocab_size) (only >= 0 when
     vocab_size is None), masks and labels 0/1, positions inside the sequence and not in its padding. Raises
-    ShardError naming the file, dataset and first bad row. Fast path: one min/max pass per dataset; the row search runs only on a violation."""
+    ShardError naming the file, dataset and first bad row. Fast path: one min/max pass per dataset; the row search
+    runs only on a violation."""
     ids_hi, ids_what = ((None, "negative token ids") if vocab_size is None else
                         (vocab_size - 1, f"token ids out of the vocabulary [0, {vocab_size})"))
     # dataset -> (lowest allowed, highest allowed, what)

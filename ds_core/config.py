@@ -481,7 +481,7 @@ def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | N
     source = f"DeepSpeed config {resolve_ds_path(ds_config_path)}"
     check_ds_keys(cfg, source)
     check_ds_values(cfg, source)
-    check_with_deepspeed(cfg, source)  # every nested key, by DeepSpeed's own classes (the rank imports deepspeed anyway)
+    check_with_deepspeed(cfg, source)  # every nested key, by DeepSpeed's classes (the rank imports deepspeed anyway)
     if optimizer_in_code is None:
         return
     if optimizer_in_code and "optimizer" in cfg:

@@ -1,5 +1,5 @@
-"""The whole DeepSpeed JSON checked by DeepSpeed's own config classes before any rank is spawned (ds_core.ds_json_check):
-each bad case is refused naming the file and the key, by the starters (local_ranks, launch.run) before a rank runs."""
+"""The whole DeepSpeed JSON checked by DeepSpeed's own config classes before any rank is spawned
+(ds_core.ds_json_check): each bad case is refused naming the file and the key, by the starters (local_ranks, launch.run) before a rank runs."""
 from __future__ import annotations
 
 import copy
@@ -34,14 +34,16 @@ def _with(**changes):
 CASES = [
     ("malformed JSON", "{", "malformed JSON at line 1"),
     ("negative lr", _with(optimizer__params__lr=-1.0), "optimizer.params.lr = -1.0"),
-    ("top-level typo", _with(zero_optimisation={"stage": 1}), "'zero_optimisation' (did you mean 'zero_optimization'?)"),
+    ("top-level typo", _with(zero_optimisation={"stage": 1}),
+     "'zero_optimisation' (did you mean 'zero_optimization'?)"),
     ("batch arithmetic", _with(train_batch_size=12), "train_batch_size=12"),
     ("zero stage 4", _with(zero_optimization__stage=4), "zero_optimization.stage = 4"),
     ("zero section a list", _with(zero_optimization=[1]), "zero_optimization = [1]: expected a JSON object"),
     ("nested typo", _with(zero_optimization__overlap_com=True),
      "unknown key zero_optimization.overlap_com (did you mean zero_optimization.overlap_comm?)"),
     ("doubly nested typo", _with(zero_optimization__offload_optimizer={"devcie": "cpu"}),
-     "unknown key zero_optimization.offload_optimizer.devcie (did you mean zero_optimization.offload_optimizer.device?)"),
+     "unknown key zero_optimization.offload_optimizer.devcie "
+     "(did you mean zero_optimization.offload_optimizer.device?)"),
     ("offload device", _with(zero_optimization__offload_optimizer={"device": "gpu"}),
      "zero_optimization.offload_optimizer.device = 'gpu'"),
     ("bf16.enabled not a bool", _with(bf16__enabled="maybe"), "bf16.enabled = 'maybe'"),

@@ -101,7 +101,8 @@ def test_local_starter_killed_takes_its_ranks_down(tmp_path):
     """kill -9 of `python -m ds_core.local_ranks`: its ranks get SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
     script = tmp_path / "rank.py"
     script.write_text("import os, sys, time\n"
-                      f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+                      f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
+                      ".write(str(os.getpid()))\n"
                       "time.sleep(600)\n")
     starter = subprocess.Popen([sys.executable, "-m", "ds_core.local_ranks", "-n", "2", str(script)], cwd=REPO,
                                env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
