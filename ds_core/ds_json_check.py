@@ -22,7 +22,6 @@ import hashlib
 import inspect
 import json
 import os
-import sys
 import typing
 from pathlib import Path
 from typing import Any, Sequence
@@ -166,8 +165,11 @@ def check_with_deepspeed(cfg: dict, source: str) -> None:
 # ------------------------------------------------------------------------------------------- before spawning ranks
 def _verdict_dir() -> Path:
     """Where passed checks are remembered: this venv (beside its torch_extensions), else the user's cache."""
-    if sys.prefix != sys.base_prefix:
-        return Path(sys.prefix).resolve() / "ds_core_checked"
+    from ds_core.venv import venv_dir
+
+    venv = venv_dir()
+    if venv is not None:
+        return venv / "ds_core_checked"
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ds_core" / "ds_json_checked"
 
 

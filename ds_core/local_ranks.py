@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ds_core.parent_watch import pdeathsig_preexec
+from ds_core.venv import torch_extensions_env
 
 LOOPBACK = "127.0.0.1"
 
@@ -65,17 +66,6 @@ def _accelerator_present() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def torch_extensions_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """{"TORCH_EXTENSIONS_DIR": <this venv>/torch_extensions} unless `environ` sets it or Python runs outside a venv.
-
-    torch keys its JIT build cache (~/.cache/torch_extensions/py311_cpu/<op>) by op name only, so two checkouts or
-    venvs (or two paths to one venv) find each other's build of DeepSpeed's CPU shm op, see other sources and rebuild
-    it (40-50 s per start) on every alternation. One cache per venv, by its resolved path, ends that."""
-    if environ.get("TORCH_EXTENSIONS_DIR") or sys.prefix == sys.base_prefix:
-        return {}
-    return {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix).resolve() / "torch_extensions")}
 
 
 def rank_env(base: Mapping[str, str] | None = None, *, threads: int | None = None,

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ds_core.cli import run_cli
-from ds_core.local_ranks import deepspeed_launcher, torch_extensions_env
+from ds_core.local_ranks import deepspeed_launcher
+from ds_core.venv import torch_extensions_env
 from launch import env as envmod
 from launch import hostfile as hf
 from launch import preflight

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from ds_core.local_ranks import rank_env, torch_extensions_env
+from ds_core.local_ranks import rank_env
+from ds_core.venv import torch_extensions_env
 from launch import run as runmod
 
 
