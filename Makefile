@@ -7,6 +7,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 EXTRAS ?= mpi,test
 STAMP  := $(VENV)/.installed
+# One torch JIT extension cache per venv (DeepSpeed's CPU shm op): torch's default ~/.cache/torch_extensions is shared
+# by every checkout, each of which rebuilds the op (40-50 s) when another built it last. A value you set wins.
+export TORCH_EXTENSIONS_DIR ?= $(or $(realpath $(VENV)),$(abspath $(VENV)))/torch_extensions
 
 .PHONY: setup demo test test-fast bench clean
 

@@ -36,9 +36,9 @@ and the seed: a resume under a different seed or set of files is refused with a 
 
 Checks (bert_ref.shards): every file is opened and checked for missing datasets, wrong dtype or shape, datasets of
 different lengths and a sequence length that differs between files; its first and last 256 rows are read (a truncated
-or corrupt file fails here) and range-checked. Every block read later is range-checked completely (positions, masks, labels, token
-ids) before any of its samples is trained on. Errors are `ShardError`s naming the file, the dataset and the first bad
-sample.
+or corrupt file fails here) and range-checked. Every block read later is range-checked completely (positions, masks,
+labels, token ids, no masked position in the padding) before any of its samples is trained on. Errors are `ShardError`s
+naming the file, the dataset and the first bad sample.
 
 Resume on another world size (`load_state_dicts`, given the saved states of ALL ranks): the samples consumed so far
 are a pure function of the old plan and the per-rank counts, so the rest of the epoch is computed from them and dealt

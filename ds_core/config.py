@@ -306,6 +306,15 @@ def check_batch_arithmetic(tb: int | None, mb: int | None, ga: int | None, world
     return tb, mb, ga
 
 
+def check_ds_keys(cfg: dict, source: str = "DeepSpeed config") -> None:
+    """Unknown top-level keys refused with a did-you-mean (nested keys: ds_core.ds_json_check)."""
+    unknown = sorted(set(cfg) - DS_TOP_LEVEL_KEYS)
+    if unknown:
+        hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, DS_TOP_LEVEL_KEYS, 1))
+                              else "") for k in unknown]
+        raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(hints)}")
+
+
 def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, micro_batch: int = 0,
                    grad_accum: int = 0, zero_stage: int = -1) -> dict:
     """Load, validate and resolve a DeepSpeed JSON for `world_size` data-parallel ranks.
@@ -317,11 +326,7 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
         cfg, source = json.loads(json.dumps(path_or_dict)), "DeepSpeed config"
     else:
         cfg, source = read_ds_json(path_or_dict), f"DeepSpeed config {resolve_ds_path(path_or_dict)}"
-    unknown = sorted(set(cfg) - DS_TOP_LEVEL_KEYS)
-    if unknown:
-        hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, DS_TOP_LEVEL_KEYS, 1))
-                              else "") for k in unknown]
-        raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(hints)}")
+    check_ds_keys(cfg, source)
     if micro_batch:
         cfg["train_micro_batch_size_per_gpu"] = micro_batch
     if grad_accum:
@@ -470,9 +475,13 @@ def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | N
     section, never both and never neither (ds_core.engine.build_engine checks the same, but only after init and
     model build). optimizer_in_code None: the model takes either (BridgeTower builds AdamW in code when the JSON
     has no "optimizer"), so only the values are checked."""
+    from ds_core.ds_json_check import check_with_deepspeed
+
     cfg = read_ds_json(ds_config_path)
     source = f"DeepSpeed config {resolve_ds_path(ds_config_path)}"
+    check_ds_keys(cfg, source)
     check_ds_values(cfg, source)
+    check_with_deepspeed(cfg, source)  # every nested key, by DeepSpeed's classes (the rank imports deepspeed anyway)
     if optimizer_in_code is None:
         return
     if optimizer_in_code and "optimizer" in cfg:

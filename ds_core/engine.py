@@ -18,6 +18,8 @@ import torch
 
 from ds_core.config import ConfigError
 from ds_core.local_ranks import free_port, rank_variables
+from ds_core.parent_watch import watch_parent
+from ds_core.venv import torch_extensions_env
 
 # Per-launcher names of "how many ranks share this node". DeepSpeed's launcher also sets CROSS_SIZE (= nodes).
 _LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
@@ -111,9 +113,13 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    watch_parent()  # a rank started by a launcher ends when the launcher dies (ds_core.parent_watch)
     if "RANK" not in os.environ and not _in_mpi():
         # A single process started by hand: a world of one, on a free local port.
         os.environ.update(rank_variables(0, 1, master_port=int(os.environ.get("MASTER_PORT") or free_port())))
+    # this venv's own JIT op cache, whichever launcher started the rank (DeepSpeed's pdsh runner, mpirun and srun do
+    # not pass the starter's TORCH_EXTENSIONS_DIR to other nodes); a value set by the user wins
+    os.environ.update(torch_extensions_env(os.environ))
     accel = get_accelerator()
     if os.environ.get("LOCAL_RANK", "0") == "0":
         for lock, age in stale_build_locks():

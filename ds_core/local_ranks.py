@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from ds_core.parent_watch import pdeathsig_preexec
+from ds_core.venv import torch_extensions_env
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -73,9 +76,11 @@ def rank_env(base: Mapping[str, str] | None = None, *, threads: int | None = Non
       would otherwise try CUDA first and fail on a CPU-only host);
     - OMP_NUM_THREADS=threads when given (ranks sharing few cores must not each start one thread per core);
     - `pythonpath` entries in front of PYTHONPATH (a checkout that is not the installed one);
+    - TORCH_EXTENSIONS_DIR under this venv unless set (torch_extensions_env);
     - `extra` last, so a caller's explicit value always wins.
     """
     env = dict(os.environ if base is None else base)
+    env.update(torch_extensions_env({**env, **(extra or {})}))
     if "DS_ACCELERATOR" not in env and not (extra and "DS_ACCELERATOR" in extra) and not _accelerator_present():
         env["DS_ACCELERATOR"] = "cpu"
     if threads:
@@ -211,7 +216,9 @@ class LauncherGroup:
             for i, cmd in enumerate(cmds):
                 self.procs.append(subprocess.Popen(list(cmd), cwd=cwd, env=dict(env if envs is None else envs[i]),
                                                    stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
-                                                   start_new_session=new_session))
+                                                   start_new_session=new_session,
+                                                   # no orphans: a child gets SIGTERM when this process dies
+                                                   preexec_fn=pdeathsig_preexec()))
         except BaseException:
             self.kill()
             raise
@@ -308,6 +315,12 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return list(argv[:i]), list(argv[i:])
 
 
+def _ds_json_arg(target: Sequence[str]) -> str:
+    from ds_core.ds_json_check import ds_config_in
+
+    return ds_config_in(target)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m ds_core.local_ranks -n 2 -m bert_ref.train ARGS` (or a script path instead of -m M): the
     toolkit's local launcher. Ranks run in this process's group (Ctrl-C reaches them); SIGTERM/SIGUSR1 sent to this
@@ -333,6 +346,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                              local_rank_arg=not a.no_local_rank)
     except ValueError as e:
         ap.error(str(e))
+    ds_json = _ds_json_arg(target)
+    if ds_json:  # the whole DeepSpeed JSON, before any rank is spawned (the ranks would find it after init)
+        from ds_core.config import ConfigError
+        from ds_core.ds_json_check import check_before_spawn
+
+        try:
+            check_before_spawn(ds_json, a.num_ranks)
+        except ConfigError as e:
+            ap.exit(2, f"{ap.prog}: error: {e}\n")
     group = LauncherGroup([c for c, _ in cmds], envs=[e for _, e in cmds], cwd=os.getcwd(), new_session=False,
                           inherit_output=True)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):

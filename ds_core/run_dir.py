@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from ds_core import run_lock
 from ds_core.config import ConfigError, TrainConfig
 
 # Launchers' names for the global rank before torch.distributed exists (deepspeed/torchrun, Open MPI, MPICH/PMIx,
@@ -74,7 +75,11 @@ def move_aside(run_dir: str | os.PathLike) -> Path:
 def prepare_run_dir(cfg: TrainConfig, rank: int | None = None) -> Path | None:
     """Refuse a used run_dir, or move it aside for --overwrite_run_dir (rank 0 only). Returns where the old run went.
 
-    Call before distributed init. `rank` defaults to the launcher's environment (env_rank)."""
+    Call before distributed init. `rank` defaults to the launcher's environment (env_rank). Rank 0 first takes the
+    run_dir lock for the life of this process (ds_core.run_lock): a run_dir in use by a live run is refused, with or
+    without --resume, before anything is written."""
+    rank0 = (env_rank() if rank is None else rank) == 0
+    lock = run_lock.acquire(cfg.run_dir) if rank0 else None
     if cfg.resume:
         return None
     found = previous_run(cfg.run_dir)
@@ -82,8 +87,12 @@ def prepare_run_dir(cfg: TrainConfig, rank: int | None = None) -> Path | None:
         return None
     if not cfg.overwrite_run_dir:
         raise RunDirInUse(in_use_message(cfg.run_dir, found))
-    if (env_rank() if rank is None else rank) != 0:
+    if not rank0:
         return None
     dest = move_aside(cfg.run_dir)
+    # our lock moved with the old contents: take the fresh run_dir's, then drop the moved one
+    lock.moved_to(dest)
+    run_lock.acquire(cfg.run_dir)
+    lock.release()
     print(f"[ds_core] --overwrite_run_dir: moved the earlier run in {cfg.run_dir} to {dest}", flush=True)
     return dest

@@ -194,6 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         child_main(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
+    try:  # no orphans: this guard (hence, by SIGTERM forwarded, its rank) ends when its launcher dies
+        from ds_core.parent_watch import watch_parent
+
+        watch_parent()
+    except ImportError:  # run by path without the repository importable: the rank's own watch still runs
+        pass
     env = dict(os.environ)
     comm = None
     if args.mpi:

@@ -42,6 +42,7 @@ from typing import Callable, Mapping, Sequence
 
 from ds_core.cli import run_cli
 from ds_core.local_ranks import deepspeed_launcher
+from ds_core.venv import torch_extensions_env
 from launch import env as envmod
 from launch import hostfile as hf
 from launch import preflight
@@ -132,26 +133,91 @@ def mpi_flavor_of(mpirun: str) -> str:
     return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
 
 
+# sonames of each flavour's libmpi: Open MPI 1.10+ is libmpi.so.40 (ABI 40), MPICH and its ABI family (Intel MPI,
+# MVAPICH, Cray MPICH) libmpi.so.12. The unversioned libmpi.so link exists only with the -dev package installed.
+LIBMPI_NAMES = {"openmpi": ("libmpi.so.40", "libmpi.so"), "mpich": ("libmpi.so.12", "libmpi.so")}
+# programs beside mpirun that link libmpi (or the libraries installed beside it): ldd names where they come from
+_MPI_PROGRAMS = {"openmpi": ("ompi_info", "orted", "prted", "mpirun"), "mpich": ("mpichversion", "mpivars", "mpirun")}
+
+
+def ldd_libraries(binary: str | os.PathLike) -> dict[str, str]:
+    """soname -> resolved path of the shared libraries `binary` loads, as the dynamic linker resolves them (ldd)."""
+    try:
+        out = subprocess.run(["ldd", str(binary)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found = {}
+    for line in out.splitlines():  # "\tlibmpi.so.40 => /usr/lib/x86_64-linux-gnu/libmpi.so.40 (0x...)"
+        name, arrow, rest = line.strip().partition(" => ")
+        if arrow and rest.startswith("/"):
+            found[name] = rest.split(" (", 1)[0]
+    return found
+
+
+def ldconfig_libraries() -> dict[str, list[str]]:
+    """soname -> paths in the dynamic linker's cache (`ldconfig -p`), in the cache's order."""
+    ldconfig = shutil.which("ldconfig") or ("/sbin/ldconfig" if Path("/sbin/ldconfig").exists() else "ldconfig")
+    try:
+        out = subprocess.run([ldconfig, "-p"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found: dict[str, list[str]] = {}
+    for line in out.splitlines()[1:]:  # "\tlibmpi.so.40 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libmpi.so.40"
+        name, arrow, path = line.strip().partition(" => ")
+        if arrow:
+            found.setdefault(name.split(" (", 1)[0], []).append(path.strip())
+    return found
+
+
 def libmpi_of(flavor: str, mpirun: str) -> str:
     """The MPI library that belongs to `mpirun`, for mpi4py (MPI4PY_LIBMPI): mpi4py otherwise loads the first libmpi
-    it finds, e.g. the pip `mpich` wheel's under Open MPI's mpirun ('unsupported PMI version PMIx')."""
+    it finds, e.g. the pip `mpich` wheel's under Open MPI's mpirun ('unsupported PMI version PMIx').
+
+    Looked for, first found wins: (1) the library directories the MPI itself names (Open MPI: `ompi_info --path
+    libdir`; MPICH: <prefix>/lib, lib64 of mpirun's install prefix); (2) what the dynamic linker resolves for the MPI's
+    own programs beside mpirun (ompi_info links libmpi; orted/mpirun link libopen-rte/libopen-pal, which a
+    distribution installs beside libmpi): libmpi itself, else libmpi in those libraries' directories; (3) the
+    linker cache (`ldconfig -p`) by the flavour's soname. (1) alone missed Debian's Open MPI: with `openmpi-bin`
+    and without libopenmpi-dev, libdir is .../openmpi/lib, which holds no libmpi.so*; libmpi.so.40 lies in the
+    multiarch directory."""
+    names = LIBMPI_NAMES["openmpi" if flavor == "openmpi" else "mpich"]
+    bindir = Path(mpirun).resolve().parent if mpirun else None
+    dirs: list[Path] = []
     if flavor == "openmpi":
-        ompi_info = Path(mpirun).with_name("ompi_info")
+        ompi_info = bindir / "ompi_info" if bindir else None
         try:
-            out = subprocess.run([str(ompi_info) if ompi_info.exists() else "ompi_info", "--parsable", "--path",
-                                  "libdir"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            out = subprocess.run([str(ompi_info) if ompi_info and ompi_info.exists() else "ompi_info", "--parsable",
+                                  "--path", "libdir"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                  timeout=30).stdout
             dirs = [Path(line.split(":", 2)[2]) for line in out.splitlines() if line.startswith("path:libdir:")]
         except (OSError, subprocess.TimeoutExpired):
-            dirs = []
-        names: tuple[str, ...] = ("libmpi.so.40", "libmpi.so")
-    else:
-        prefix = Path(mpirun).resolve().parents[1]
-        dirs, names = [prefix / "lib", prefix / "lib64"], ("libmpi.so.12", "libmpi.so")
+            pass
+    elif bindir is not None:
+        dirs = [bindir.parent / "lib", bindir.parent / "lib64"]
     for d in dirs:
         for n in names:
             if (d / n).exists():
                 return str(d / n)
+    for prog in _MPI_PROGRAMS["openmpi" if flavor == "openmpi" else "mpich"]:
+        path = (bindir / prog) if bindir else None
+        if path is None or not path.exists():
+            continue
+        libs = ldd_libraries(path)
+        for n in names:
+            if n in libs and Path(libs[n]).exists():
+                return libs[n]
+        for lib in libs.values():  # libopen-pal / libopen-rte / libmpich... sit beside libmpi
+            if Path(lib).name.startswith(("libopen-", "libmpi", "libprrte", "libpmix")):
+                for n in names:
+                    if (Path(lib).parent / n).exists():
+                        return str(Path(lib).parent / n)
+    cache = ldconfig_libraries()
+    for n in names[:1]:  # the versioned soname only: an unversioned libmpi.so could be either flavour's
+        for path in cache.get(n, []):
+            if Path(path).exists():
+                return path
     return ""
 
 
@@ -298,13 +364,30 @@ def build_command(s: LaunchSettings, environ: Mapping[str, str] | None = None, c
     return BUILDERS[s.launcher](s, os.environ if environ is None else environ, cwd)
 
 
+def check_ds_json_before_spawn(s: LaunchSettings) -> None:
+    """The whole DeepSpeed JSON (nested keys, by DeepSpeed's own classes) and its batch arithmetic for this world,
+    before any node starts a rank (ds_core.ds_json_check); deepspeed is imported here only when a JSON is given."""
+    from ds_core.config import ConfigError
+    from ds_core.ds_json_check import check_before_spawn, ds_config_in
+
+    path = s.deepspeed_config or ds_config_in(s.module_args)
+    if not path:
+        return
+    try:
+        check_before_spawn(path, sum(h.slots for h in s.used_hosts) if s.launcher != "srun" else None)
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+
+
 def launch(s: LaunchSettings) -> int:
     """Read the hosts, build the command, and print it (dry run) or exec it."""
     s = s.with_hosts()
     cmd, added = build_command(s)
+    added = {**torch_extensions_env({**os.environ, **added}), **added}  # one JIT op cache per venv
     if s.dry_run:
         print(json.dumps({"argv": cmd, "env_added": added}, indent=1))
         return 0
+    check_ds_json_before_spawn(s)
     env = dict(os.environ)
     env.update(added)
     exe = cmd[0] if os.path.sep in cmd[0] else shutil.which(cmd[0])

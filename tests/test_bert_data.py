@@ -273,6 +273,36 @@ def test_mixed_lengths_and_missing_dir(tmp_path):
         build_data(tmp_path, 0, 1, 2)
 
 
+def test_only_held_out_shards_are_refused_by_name(tmp_path):
+    """A directory of `bert_test_*` shards alone (a wrong --input_dir) is never trained on: it used to be taken as
+    the training set (and then evaluated on as well)."""
+    for i in range(2):
+        write_shard(tmp_path / f"bert_test_{i}.hdf5", synthetic_arrays(8, L, P, V, seed=i))
+    with pytest.raises(DataDirError, match=r"only held-out test shards \(bert_test_0.hdf5, bert_test_1.hdf5\)"):
+        build_data(tmp_path, 0, 1, 2)
+    assert len(list_test_shards(tmp_path)) == 2  # eval still finds them
+    write_shard(tmp_path / "bert_0.hdf5", synthetic_arrays(8, L, P, V, seed=3))  # an unnamed training file
+    assert [Path(f).name for f in build_data(tmp_path, 0, 1, 2).files] == ["bert_0.hdf5"]
+
+
+def test_masked_position_in_the_padding_fails_at_block_read(tmp_path):
+    """Row 300 (past the rows inspected at open) masks a padding position: the block read refuses it, naming the
+    file, the dataset and the row, before the first batch is handed out."""
+    a = synthetic_arrays(600, L, P, V, seed=7)
+    row = 300
+    length = int(a["input_mask"][row].sum())
+    assert length < L  # the row has padding
+    n = int((a["masked_lm_positions"][row] > 0).sum())
+    a["masked_lm_positions"][row, n - 1] = length  # the first padding position, still sorted and in range
+    write_raw(tmp_path / "pad_training_0.hdf5", a)
+    data = PretrainingData(tmp_path, 0, 1, 2, prefetch=False)
+    with pytest.raises(ShardError) as e:
+        next(iter(data))
+    msg = str(e.value)
+    assert "pad_training_0.hdf5" in msg and "'masked_lm_positions'" in msg and "first at sample 300" in msg, msg
+    assert f"masked position {length} lies in the padding" in msg
+
+
 def test_nvidia_layout_reads_unchanged(tmp_path):
     """A file written the way NVIDIA's create_pretraining_data.py writes it (h5py, 'i4'/'i1', gzip)."""
     a = synthetic_arrays(20, L, P, V, seed=4)

@@ -59,8 +59,8 @@ def test_prune_keeps_newest_complete_and_the_latest(tmp_path):
 def test_used_run_dir_is_refused_then_moved_aside(tmp_path):
     run = tmp_path / "run"
     cfg = TrainConfig(run_dir=str(run))
-    prepare_run_dir(cfg)  # empty / missing: nothing to say
-    run.mkdir()
+    prepare_run_dir(cfg)  # empty / missing: nothing to say (rank 0 creates it to hold the run_dir lock)
+    assert [p.name for p in run.iterdir()] == [".run.lock"]
     (run / "config.json").write_text("{}")
     prepare_run_dir(cfg)  # config.json alone is not a run
     (run / "metrics.jsonl").write_text('{"type": "step", "step": 1}\n')
@@ -73,7 +73,8 @@ def test_used_run_dir_is_refused_then_moved_aside(tmp_path):
     assert (run / "metrics.jsonl").exists()
     moved = prepare_run_dir(TrainConfig(run_dir=str(run), overwrite_run_dir=True), rank=0)
     assert moved.parent == run.parent and moved.name.startswith("run.old-")
-    assert (moved / "metrics.jsonl").read_text() == '{"type": "step", "step": 1}\n' and not run.exists()
+    assert (moved / "metrics.jsonl").read_text() == '{"type": "step", "step": 1}\n'
+    assert [p.name for p in run.iterdir()] == [".run.lock"] and not (moved / ".run.lock").exists()  # lock moved over
     assert previous_run(run) == []
 
 
