@@ -43,7 +43,8 @@ def corpus() -> dict[str, bytes]:
         "truncated_640x480.jpg": _jpeg(photo, quality=90)[:20_000],
         "huge_6000x4000.jpg": _jpeg(photo.resize((6000, 4000)), quality=80),
         "wide_4000x100.jpg": _jpeg(photo_like(rng, 4000, 100), quality=90),
-        "tall_100x3000.jpg": _jpeg(photo_like(rng, 100, 3000), quality=90),
+        "tall_100x3000.jpg": _jpeg(photo_like(rng, 100, 3000), quality=90),  # both: 0 px after resize -> bad
+        "wide_2000x300.jpg": _jpeg(photo_like(rng, 2000, 300), quality=90),  # extreme but usable: zero-padded
         "small_300x300.jpg": _jpeg(photo_like(rng, 300, 300), quality=90),
     }
 
