@@ -143,7 +143,9 @@ def build(out: Path, python: str, platform: str, base: dict[str, Version | None]
         if name == "torch" and name not in base:
             raise SystemExit("wheelhouse: torch is not in the base list; a wheelhouse never carries torch (the target's "
                              "CUDA / Gaudi build must be kept): add it to --base")
-        if name in base and (base[name] is None or req.specifier.contains(base[name], prereleases=True)):
+        # build requirements always go in: pip's isolated build environment (the editable install) cannot see the
+        # target's installed setuptools
+        if parent != "build-system.requires" and name in base and (base[name] is None or req.specifier.contains(base[name], prereleases=True)):
             skipped[name] = f"in base{'' if base[name] is None else ' ' + str(base[name])} (needed by {parent})"
             continue
         if name in got:
