@@ -28,10 +28,26 @@ def _jpeg(im, **kw) -> bytes:
     return buf.getvalue()
 
 
+def photo_like(rng, w: int = 640, h: int = 480):
+    """A photograph-like image: lit gradient, blurred shapes, fine texture and sensor noise (JPEG-typical content,
+    not flat colour, so both decoders' IDCT and chroma upsampling are exercised)."""
+    from PIL import Image, ImageDraw, ImageFilter
+
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = rng.uniform(40, 200, 3) + (rng.uniform(-0.2, 0.2) * x + rng.uniform(-0.2, 0.2) * y)[..., None]
+    im = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(im)
+    for _ in range(5):
+        x0, y0 = int(rng.integers(0, max(1, w - 20))), int(rng.integers(0, max(1, h - 20)))
+        box = [x0, y0, x0 + int(rng.integers(10, max(11, w // 2))), y0 + int(rng.integers(10, max(11, h // 2)))]
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    arr = np.asarray(im.filter(ImageFilter.GaussianBlur(1.2))).astype(np.float32)
+    arr += 8 * np.sin(x / 3.1 + y / 4.7)[..., None] + rng.normal(0, 4, arr.shape)
+    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
+
+
 def corpus() -> dict[str, bytes]:
     """name -> JPEG bytes, one of each kind the pipeline meets in real data."""
-    from bench.common import photo_like
-
     rng = np.random.default_rng(7)
     photo = photo_like(rng)
     return {
