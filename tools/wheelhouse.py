@@ -56,6 +56,18 @@ def read_base(path: str | None) -> dict[str, Version | None]:
     return base
 
 
+def in_base(req: Requirement, base: dict[str, Version | None]) -> bool:
+    """Whether the target's own copy serves `req`: a pinned base version must satisfy it; a bare name is trusted for
+    a lower bound only (an upper bound such as datasets' fsspec<=X may exclude the image's newer copy, and pip could
+    not downgrade it offline, so the newest allowed wheel goes in)."""
+    name = canonicalize_name(req.name)
+    if name not in base:
+        return False
+    if base[name] is not None:
+        return req.specifier.contains(base[name], prereleases=True)
+    return not any(s.operator in ("<", "<=", "==", "===", "~=") for s in req.specifier)
+
+
 def target_env(python: str, platform: str) -> dict[str, str]:
     """Marker environment of the target (Linux x86_64 / aarch64 CPython `python`)."""
     env = dict(default_environment())
@@ -145,7 +157,7 @@ def build(out: Path, python: str, platform: str, base: dict[str, Version | None]
                              "CUDA / Gaudi build must be kept): add it to --base")
         # build requirements always go in: pip's isolated build environment (the editable install) cannot see the
         # target's installed setuptools
-        if parent != "build-system.requires" and name in base and (base[name] is None or req.specifier.contains(base[name], prereleases=True)):
+        if parent != "build-system.requires" and in_base(req, base):
             skipped[name] = f"in base{'' if base[name] is None else ' ' + str(base[name])} (needed by {parent})"
             continue
         if name in got:
