@@ -261,7 +261,7 @@ def tune_predictions(ctx: Ctx, row: str) -> dict[int, int]:
     rc, out = ctx.run("ds_tune", [
         *ds_tune_command(), "--model", "bert_1p5b", "--accelerator", row, "--accelerators_per_node", "1",
         "--nodes", "1", "--global_batch", "512", "--stages", "1,3", "--activation_checkpointing", "off",
-        "--json", "--all"])
+        "--json", "--all", "--out", str(ctx.work / "ds_config_tuned.json")])  # not into the checkout
     _check(rc, out, "ds-tune")
     feasible = json.loads(out[out.index("\n{") + 1:] if not out.startswith("{") else out)["feasible"]
     return {s: max([o["micro_batch"] for o in feasible if o["stage"] == s], default=0) for s in (1, 3)}
