@@ -10,8 +10,16 @@ STAMP  := $(VENV)/.installed
 # One torch JIT extension cache per venv (DeepSpeed's CPU shm op): torch's default ~/.cache/torch_extensions is shared
 # by every checkout, each of which rebuilds the op (40-50 s) when another built it last. A value you set wins.
 export TORCH_EXTENSIONS_DIR ?= $(or $(realpath $(VENV)),$(abspath $(VENV)))/torch_extensions
+# Offline install (docs/cluster.md "Installing on an air-gapped cluster"): `make setup WHEELHOUSE=dir` installs with
+# pip --no-index from dir (built by `make wheelhouse`); pip is then not upgraded and torch must already be there.
+WHEELHOUSE ?=
+PIP_SRC := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)),)
+PY_VER   ?= 3.12
+PLATFORM ?= manylinux_2_28_x86_64
+BASE     ?= tools/base/cuda_image.txt
+WHEELS   ?= wheelhouse
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench clean wheelhouse gpu-check
 
 setup: $(STAMP)
 
@@ -24,15 +32,16 @@ $(STAMP): pyproject.toml
 	    $(PYTHON) -m venv $(VENV); \
 	  fi; \
 	fi
-	$(PIP) install -q --upgrade pip
+	@if [ -z "$(WHEELHOUSE)" ]; then $(PIP) install -q --upgrade pip; fi
 	@if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
+	  if [ -n "$(WHEELHOUSE)" ]; then echo "[setup] no torch importable and a wheelhouse never carries torch: install the target's torch build first" >&2; exit 1; fi; \
 	  echo "[setup] no torch importable: installing torch==2.13.0"; \
 	  $(PIP) install -q torch==2.13.0; \
 	else \
 	  echo "[setup] keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	fi
-	$(PIP) install -q -e ".[$(EXTRAS)]"
-	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then $(PIP) install -q -e ".[hpu]"; fi
+	$(PIP) install -q $(PIP_SRC) -e ".[$(EXTRAS)]"
+	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then $(PIP) install -q $(PIP_SRC) -e ".[hpu]"; fi
 	$(PY) -c "import ds_core, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
 	@touch $(STAMP)
 
@@ -51,6 +60,19 @@ bench: $(STAMP)
 	$(PY) -m bench.image_pipeline
 	$(PY) -m bench.zero_memory
 	$(PY) -m bench.startup
+
+# every wheel the toolkit needs beyond BASE (the packages the target already has), for Python PY_VER on PLATFORM;
+# DeepSpeed built here from its sdist (needs this machine's venv: pip, packaging, torch for DeepSpeed's setup.py).
+# `make wheelhouse PY=3.12 PLATFORM=manylinux_2_28_x86_64`: on this target PY names the target's Python version.
+wheelhouse:
+	@test -x $(VENV)/bin/python || { echo "make wheelhouse: run 'make setup' first (it needs $(VENV))" >&2; exit 1; }
+	$(VENV)/bin/python tools/wheelhouse.py --out $(WHEELS) --python $(or $(filter 3.%,$(PY)),$(PY_VER)) \
+	  --platform $(PLATFORM) --base $(BASE) --extras $(EXTRAS) --max_mb 60
+
+# the whole CUDA check (bench/gpu_check.py): pytest -m gpu, then the measurements; on a CPU-only machine the same
+# plumbing with debug models (--cpu_smoke). GPU_CHECK_ARGS="--part bert_large" runs one part. Results: gpu_check_out/
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) demo_out runs .pytest_cache

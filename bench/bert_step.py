@@ -85,11 +85,14 @@ def _engine(preset, ds_config: dict, optimizer: str, sparse_mlm: bool = False, f
 
 
 def _slice(model: str = LARGE_SLICE["name"]):
-    """The bench's model: the BERT-Large slice, or bert_ref's tiny `debug` preset (tests of the bench itself)."""
+    """The bench's model: the BERT-Large slice, bert_ref's tiny `debug` preset (tests of the bench itself), or the
+    whole 24-layer BERT-Large (`bert_large`: bench.gpu_check on a GPU, where the full model is the headline)."""
     import dataclasses
 
     from bert_ref.configs import bert_large, debug
 
+    if model == "bert_large":
+        return bert_large(1)
     return debug(1) if model == "debug" else dataclasses.replace(bert_large(1), **LARGE_SLICE)
 
 
@@ -369,7 +372,8 @@ def side_worker(a: argparse.Namespace, side: str, shards: Path, out: Path) -> No
 
 def _run_window(a: argparse.Namespace, side: str, shards: Path, tmp: Path, dtype: str, i: int) -> dict:
     out = tmp / f"window_{i}_{side}.json"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", BENCH_DTYPE=dtype,
+    # the accelerator this bench process runs on (cpu unless DS_ACCELERATOR names another, e.g. cuda: bench.gpu_check)
+    env = dict(os.environ, DS_ACCELERATOR=os.environ["DS_ACCELERATOR"], BENCH_DTYPE=dtype,
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     flags = [f"--{k}={getattr(a, k)}" for k in ("micro_batch", "grad_accum", "steps", "warmup", "threads",
                                                    "model")]
@@ -534,7 +538,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of one window per side (ABBA order); step_ratio is the median over rounds")
     ap.add_argument("--warmup", type=int, default=1, help="optimizer steps excluded from the measurement (>= 1)")
-    ap.add_argument("--model", default=LARGE_SLICE["name"], choices=(LARGE_SLICE["name"], "debug"),
+    ap.add_argument("--model", default=LARGE_SLICE["name"], choices=(LARGE_SLICE["name"], "bert_large", "debug"),
                     help="the BERT-Large slice, or the tiny debug preset (tests of the bench; no meaningful ratio)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (0: torch's default); the peak probe uses the same count")

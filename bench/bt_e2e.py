@@ -57,18 +57,23 @@ def make_manifest(image_dir: Path, out_dir: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- baseline
-def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: int, out: str) -> None:
-    """transformers Trainer + per-sample BridgeTowerImageProcessor (runs in its own process)."""
+def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: int, out: str, preset: str = "debug",
+                 image_size: int = 0, bf16: bool = False, deepspeed: str | None = None) -> None:
+    """transformers Trainer + per-sample BridgeTowerImageProcessor (runs in its own process). The defaults are this
+    bench's CPU case; bench.gpu_check passes the BridgeTower-Large preset, 294 px, bf16 and a DeepSpeed JSON, and then
+    the Trainer runs on the GPU when one is visible."""
     import torch
     from PIL import Image
     from transformers import (BridgeTowerForContrastiveLearning, BridgeTowerImageProcessor, Trainer,
                               TrainerCallback, TrainingArguments)
 
-    from bridgetower_ds.configs import debug
+    from bridgetower_ds.configs import preset as bt_preset
     from bridgetower_ds.tokenizer import debug_tokenizer
 
     rows = [json.loads(line) for line in Path(manifest).read_text().splitlines() if line.strip()]
-    cfg = debug()
+    cfg = bt_preset(preset)
+    if image_size:
+        cfg.vision_config.image_size = image_size
     size = int(cfg.vision_config.image_size)
     processor = BridgeTowerImageProcessor(size={"shortest_edge": size}, crop_size={"shortest_edge": size})
     tokenizer = debug_tokenizer()
@@ -100,7 +105,8 @@ def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: in
     torch.manual_seed(0)
     model = BridgeTowerForContrastiveLearning(cfg)
     args = TrainingArguments(
-        output_dir=str(Path(out).parent / "trainer_out"), use_cpu=True, per_device_train_batch_size=batch,
+        output_dir=str(Path(out).parent / "trainer_out"), use_cpu=not torch.cuda.is_available(),
+        per_device_train_batch_size=batch, bf16=bf16, deepspeed=deepspeed,
         max_steps=warmup + steps, learning_rate=1e-5, weight_decay=0.0, lr_scheduler_type="constant",
         optim="adamw_torch", max_grad_norm=1.0, dataloader_num_workers=workers,
         dataloader_persistent_workers=workers > 0, dataloader_drop_last=True, remove_unused_columns=False,
@@ -189,9 +195,15 @@ def main(argv=None) -> None:
     ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)  # internal: the baseline process
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    # the baseline process only (bench.gpu_check): model preset, image size, bf16, DeepSpeed JSON for the Trainer
+    ap.add_argument("--preset", default="debug", help=argparse.SUPPRESS)
+    ap.add_argument("--image_size", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--deepspeed", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.baseline:
-        run_baseline(a.manifest, a.steps, a.warmup, a.batch, a.workers, a.out)
+        run_baseline(a.manifest, a.steps, a.warmup, a.batch, a.workers, a.out, a.preset, a.image_size, a.bf16,
+                     a.deepspeed)
         return
     print(json.dumps(bench_e2e(a.image_dir, a.steps, a.warmup, a.batch, a.workers, rounds=a.rounds)))
 

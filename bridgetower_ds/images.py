@@ -77,6 +77,16 @@ def resize_target(height: int, width: int, shorter: int, size_divisor: int = SIZ
     return new_h // size_divisor * size_divisor, new_w // size_divisor * size_divisor
 
 
+def check_geometry(height: int, width: int, size: int, name: str) -> None:
+    """BadImage for an aspect ratio so extreme that the processor's resize gives a side of 0 px (e.g. 4000 x 100 at
+    294: the longer-side cap and the floor to 32 leave 0 rows). transformers' processor fails there too, with an
+    interpolate error; here it is a bad image, named, instead of a crash inside a loader worker."""
+    th, tw = resize_target(height, width, size)
+    if th < 1 or tw < 1:
+        raise BadImage(name, f"{width} x {height} px resizes to {tw} x {th} at image size {size} (aspect ratio "
+                             f"{max(height, width) / max(1, min(height, width)):.0f}:1 too extreme)")
+
+
 def crop_or_pad(img: torch.Tensor, size: int) -> torch.Tensor:
     """Center crop a [..., H, W] tensor to size x size, zero-padding like transformers' center_crop when too small."""
     h, w = img.shape[-2:]
@@ -265,6 +275,7 @@ def host_transform(data: bytes, name: str, size: int, draft: bool = True,
                    max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """The host pipeline for one image: bytes -> [3, S, S] uint8 (normalization happens on the accelerator)."""
     arr, orig = decode(data, name, size, draft, max_pixels)
+    check_geometry(*orig, size, name)
     return resize_crop_u8(arr, orig, size)
 
 
@@ -371,6 +382,7 @@ class CudaDecoder(DeviceDecoder):
         if not data.rstrip(b"\x00").endswith(b"\xff\xd9"):  # no end-of-image marker: nvJPEG may not complain
             return None
         w, h = im.size
+        check_geometry(h, w, self.size, name)
         if self.draft and draft_scale(h, w, self.size) >= 2:
             return None
         return h, w

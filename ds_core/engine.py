@@ -193,6 +193,14 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, optimizer=None, lr_
         raise ConfigError("no optimizer: pass one in code or add an \"optimizer\" section to the DeepSpeed config")
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_core.ops_check import apply_ops_fallback
+
+    # a CUDA machine that cannot build DeepSpeed's fused_adam: a named reason and torch's AdamW, not a compiler crash
+    ds_config, note = apply_ops_fallback(ds_config, get_accelerator().device_name())
+    if note:
+        print(f"[ds_core] warning: {note}", flush=True)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, optimizer=optimizer,
                                            lr_scheduler=lr_scheduler, config=ds_config)
     return engine

@@ -1,0 +1,369 @@
+"""`make gpu-check`: everything a lent CUDA machine should answer, in one command, one JSON line at the end.
+
+A GPU is lent only now and then, for half an hour, to a machine without a package registry; so the whole check is one
+command that installs from a wheelhouse (the Makefile's `setup WHEELHOUSE=dir`), then runs four parts, each in its
+own processes, each under 9 minutes, and writes what it found to gpu_check_out/results.json after every part:
+
+  tests        `pytest -m gpu tests`: the CUDA tests (tests/test_gpu_*.py); passed / skipped / failed and the reasons.
+  bert_large   BERT-Large phase 1 (seq 128, bf16, ZeRO-1, NVLAMB) at micro batch 64, or 32 / 16 when 64 does not
+               fit: bench.bert_step with --model bert_large on the GPU: our seq/s, TFLOPs and MFU against
+               ds_core.accelerators' peak, and transformers Trainer + DeepSpeed on the same model, data and
+               optimizer in the same call (step_ratio).
+  bridgetower  BridgeTower-Large architecture (random init, 294 px, bf16, ZeRO-1, batch 48) through
+               `python -m bridgetower_ds.train`: samples/s for dataloader workers 0/1/2 x host/device image pipeline,
+               and transformers Trainer with run_bridgetower.py's per-sample transform as the baseline
+               (bench.bt_e2e's baseline process).
+  bert_1p5b    BERT-1.5B: the largest micro batch that trains with ZeRO-1 and with ZeRO-3 on one GPU (doubling /
+               halving from ds-tune's prediction until the edge is found), next to ds-tune's prediction.
+
+`--part NAME` runs one part (each fits in one 10-minute device command); the others keep their earlier results in
+the results file. `--cpu_smoke` (the default where no CUDA device is visible) runs the same plumbing on the CPU
+with the debug presets and tiny sizes in a couple of minutes, so the check cannot rot between GPU loans; CI runs it
+(tests/test_gpu_check.py). A part that fails records its error and the log's tail and the check goes on; the exit
+status is 1 when any part failed.
+
+    python -m bench.gpu_check [--part all|tests|bert_large|bridgetower|bert_1p5b] [--cpu_smoke] [--out gpu_check_out]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, bench_env, make_images
+
+PARTS = ("tests", "bert_large", "bridgetower", "bert_1p5b")
+PART_BUDGET_S = 9 * 60  # one part fits in one device command (10 min) with start-up to spare
+OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
+
+
+class Ctx:
+    """What every part needs: where to write, smoke or GPU, the environment of its processes, the part's deadline."""
+
+    def __init__(self, out: Path, smoke: bool):
+        self.out, self.smoke = out, smoke
+        self.logs = out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.work = out / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        # smoke: the CPU accelerator, one thread per process (CI's 2 cores); GPU: DeepSpeed finds CUDA
+        self.env = bench_env(threads=1, DS_ACCELERATOR="cpu") if smoke else bench_env(DS_ACCELERATOR="cuda")
+        self.deadline = 0.0
+
+    def run(self, name: str, cmd: list[str], env: dict | None = None) -> tuple[int, str]:
+        """Run cmd in its own session with its output in logs/<name>.log; killed (whole group) at the part's
+        deadline. Returns (exit status, output); 124 on timeout."""
+        log = self.logs / f"{name}.log"
+        left = max(5.0, self.deadline - time.monotonic())
+        with log.open("w") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            p = subprocess.Popen(cmd, cwd=REPO, env=env or self.env, stdout=f, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            try:
+                rc = p.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                rc = 124
+        return rc, log.read_text(errors="replace")
+
+
+class PartFailed(RuntimeError):
+    pass
+
+
+def _check(rc: int, out: str, what: str) -> None:
+    if rc:
+        raise PartFailed(f"{what} failed (exit {rc}{', part deadline reached' if rc == 124 else ''}):\n{out[-3000:]}")
+
+
+def _last_json(out: str) -> dict:
+    for line in reversed(out.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise PartFailed(f"no JSON line in the output:\n{out[-3000:]}")
+
+
+def _summary(run_dir: Path) -> dict:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in recs if r["type"] == "summary")
+
+
+def device_info() -> dict:
+    """The device this check ran on: torch's name for it and ds_core.accelerators' row (None: no peak, no MFU)."""
+    import torch
+
+    from ds_core.accelerators import from_device_name
+
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        info.update(device=name, accelerator_row=from_device_name(name), gpus=torch.cuda.device_count(),
+                    cuda=torch.version.cuda)
+    else:
+        info.update(device="cpu", accelerator_row=None, gpus=0)
+    for mod in ("deepspeed", "transformers", "torchvision"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001 - a missing optional package is a finding, not a crash
+            info[mod] = f"not importable: {type(e).__name__}: {e}"
+    return info
+
+
+# --------------------------------------------------------------------------------------------------------- parts
+def part_tests(ctx: Ctx) -> dict:
+    """`pytest -m gpu tests`; counts from its JUnit XML. On CPU every test skips with its reason (what CI checks)."""
+    import xml.etree.ElementTree as ET
+
+    xml = ctx.work / "junit_gpu.xml"
+    rc, out = ctx.run("tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                                f"--junitxml={xml}", "tests"])
+    if not xml.exists():
+        raise PartFailed(f"pytest wrote no report (exit {rc}):\n{out[-3000:]}")
+    cases = list(ET.parse(xml).getroot().iter("testcase"))
+    res: dict[str, Any] = {"collected": len(cases), "passed": 0, "skipped": 0, "failed": 0, "failures": {},
+                           "skip_reasons": {}}
+    for c in cases:
+        name = f"{c.get('classname')}::{c.get('name')}"
+        bad = c.find("failure") if c.find("failure") is not None else c.find("error")
+        if bad is not None:
+            res["failed"] += 1
+            res["failures"][name] = (bad.get("message") or "")[:500]
+        elif c.find("skipped") is not None:
+            res["skipped"] += 1
+            reason = c.find("skipped").get("message") or ""
+            res["skip_reasons"][reason] = res["skip_reasons"].get(reason, 0) + 1
+        else:
+            res["passed"] += 1
+    res["pytest_exit"] = rc
+    if rc not in (0, 5) or res["failed"] or not cases:  # 5: nothing collected (then `not cases` says so)
+        raise PartFailed(f"pytest -m gpu: {res['failed']} failed, exit {rc}, {len(cases)} collected: "
+                         f"{json.dumps(res['failures'])[:2000]}")
+    return res
+
+
+def part_bert_large(ctx: Ctx) -> dict:
+    """bench.bert_step on the whole BERT-Large (GPU) / the debug preset (smoke): ours and the Trainer, one round."""
+    if ctx.smoke:
+        # fp32: transformers' TrainingArguments refuses bf16 without a GPU (and CI's CPUs may lack native bf16)
+        tries, common = [2], ["--model", "debug", "--steps", "2", "--warmup", "1", "--threads", "1", "--precision",
+                              "fp32"]
+    else:
+        tries, common = [64, 32, 16], ["--model", "bert_large", "--steps", "20", "--warmup", "3", "--threads", "0",
+                                       "--precision", "bf16"]
+    for micro in tries:
+        rc, out = ctx.run(f"bert_large_micro{micro}", [
+            sys.executable, "-m", "bench.bert_step", "--micro_batch", str(micro), "--grad_accum", "1", "--rounds", "1",
+            "--skip_bound", *common])
+        if rc and OOM.search(out) and micro != tries[-1]:
+            continue  # the next smaller micro batch
+        _check(rc, out, f"bench.bert_step micro {micro}")
+        r = _last_json(out)
+        keep = ("precision", "micro_batch", "ours_samples_per_s", "mfu", "peak_tflops", "flops_per_seq",
+                "trainer_samples_per_s", "step_ratio", "both_optimizer", "mlm_head")
+        res = {k: r.get(k) for k in keep}
+        res["ours_tflops"] = res["ours_samples_per_s"] * r["flops_per_seq"] / 1e12
+        res["oom_tried"] = [m for m in tries if m > micro]
+        if res["mfu"] is not None and not 0 < res["mfu"] <= 1:
+            raise PartFailed(f"MFU {res['mfu']} outside (0, 1]: FLOPs count or peak is wrong ({res})")
+        return res
+    raise AssertionError("unreachable")
+
+
+def _tokenizer_dir(ctx: Ctx) -> Path:
+    """bridgetower_ds.train needs a tokenizer directory for a non-debug preset: the debug tokenizer, saved (the
+    Trainer baseline tokenizes with the same one, so both sides see the same ids)."""
+    from bridgetower_ds.tokenizer import debug_tokenizer
+
+    d = ctx.work / "bt_tokenizer"
+    if not (d / "tokenizer.json").exists():
+        debug_tokenizer().save_pretrained(str(d))
+    return d
+
+
+def part_bridgetower(ctx: Ctx) -> dict:
+    from bench.bt_e2e import MAX_SEQ, make_manifest
+
+    if ctx.smoke:
+        n, batch, steps, warmup, grid = 24, 4, 2, 1, [("host", 0), ("device", 1)]
+        model, base_flags = ["--preset", "debug"], []
+    else:
+        n, batch, steps, warmup = 500, 48, 10, 3  # 6 cells + the baseline inside one 9-minute part
+        grid = [(p, w) for p in ("host", "device") for w in (0, 1, 2)]
+        model = ["--preset", "bridgetower_large", "--image_size", "294", "--tokenizer_name_or_path",
+                 str(_tokenizer_dir(ctx)), "--bf16"]
+        base_flags = ["--preset", "bridgetower_large", "--image_size", "294", "--bf16"]
+    ds = json.loads((REPO / "ds_configs" / "bridgetower_zero1_bf16.json").read_text())  # ZeRO-1, bf16, AdamW
+    ds["train_micro_batch_size_per_gpu"] = batch
+    ds_path = ctx.work / "bt_ds.json"
+    ds_path.write_text(json.dumps(ds))
+    make_images(ctx.work / "bt_images", n)
+    manifest = make_manifest(ctx.work / "bt_images", ctx.work / "bt_manifest")
+    table: dict[str, Any] = {}
+    for pipeline, workers in grid:
+        run_dir = ctx.work / f"bt_{pipeline}_w{workers}"
+        rc, out = ctx.run(f"bt_{pipeline}_w{workers}", [
+            sys.executable, "-m", "bridgetower_ds.train", "--do_train", *model, "--dataset_path", str(manifest),
+            "--validation_fraction", "0", "--test_fraction", "0", "--deepspeed_config", str(ds_path),
+            "--run_dir", str(run_dir), "--overwrite_run_dir", "true", "--max_steps", str(steps + warmup),
+            "--throughput_warmup_steps", str(warmup), "--micro_batch_size", str(batch),
+            "--dataloader_num_workers", str(workers), "--max_seq_length", str(MAX_SEQ), "--pad_to_max_length", "true",
+            "--image_pipeline", pipeline, "--save_final_checkpoint", "false", "--progress_bar", "false"])
+        if rc:  # recorded, and the grid goes on: one broken cell should not hide the others' numbers
+            table[f"{pipeline}_w{workers}"] = {"error": f"exit {rc}{' (part deadline)' if rc == 124 else ''}: "
+                                                        f"{out[-1500:]}"}
+            if rc == 124:
+                break
+            continue
+        s = _summary(run_dir)
+        taken = re.search(r"image pipeline: (\S+)", out)
+        table[f"{pipeline}_w{workers}"] = {"samples_per_s": s["samples_per_s"], "mfu": s.get("mfu"),
+                                          "pipeline_taken": taken.group(1) if taken else None}
+    base_out = ctx.work / "bt_baseline.json"
+    rc, out = ctx.run("bt_trainer_baseline", [
+        sys.executable, "-m", "bench.bt_e2e", "--baseline", "--manifest", str(manifest), "--out", str(base_out),
+        f"--steps={steps}", f"--warmup={warmup}", f"--batch={batch}", f"--workers={max(w for _, w in grid)}",
+        *base_flags, *([] if ctx.smoke else ["--deepspeed", str(ds_path)])])
+    base = json.loads(base_out.read_text())["samples_per_s"] if rc == 0 and base_out.exists() else None
+    rates = [v["samples_per_s"] for v in table.values() if "samples_per_s" in v]
+    res = {"batch": batch, "images": n, "steps": steps, "warmup": warmup, "samples_per_s": table,
+           "trainer_baseline_samples_per_s": base,
+           "best_over_baseline": max(rates) / base if rates and base else None}
+    failed = [k for k, v in table.items() if "error" in v]
+    if base is None:
+        failed.append("trainer_baseline")
+        res["trainer_baseline_error"] = f"exit {rc}: {out[-1500:]}"
+    if failed:
+        res["errors"] = failed
+    return res
+
+
+def ds_tune_command() -> list[str]:
+    """How to run `ds-tune` from this checkout: the module its console script names in pyproject.toml (the script
+    may sit in another package after a restructure; the pyproject is the one place that says where)."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    module, func = scripts["ds-tune"].split(":")
+    return [sys.executable, "-c", f"import sys; from {module} import {func} as m; sys.exit(m())"]
+
+
+def tune_predictions(ctx: Ctx, row: str) -> dict[int, int]:
+    """ds-tune's largest micro batch predicted to fit for bert_1p5b on one `row` accelerator, per ZeRO stage (1, 3),
+    without activation checkpointing (the measured runs have none); 0 where nothing fits."""
+    rc, out = ctx.run("ds_tune", [
+        *ds_tune_command(), "--model", "bert_1p5b", "--accelerator", row, "--accelerators_per_node", "1",
+        "--nodes", "1", "--global_batch", "512", "--stages", "1,3", "--activation_checkpointing", "off",
+        "--json", "--all", "--out", str(ctx.work / "ds_config_tuned.json")])  # not into the checkout
+    _check(rc, out, "ds-tune")
+    feasible = json.loads(out[out.index("\n{") + 1:] if not out.startswith("{") else out)["feasible"]
+    return {s: max([o["micro_batch"] for o in feasible if o["stage"] == s], default=0) for s in (1, 3)}
+
+
+def _fits(ctx: Ctx, shards: Path, preset: str, stage: int, micro: int) -> bool:
+    cfg = "bert_debug_zero{}_bf16.json" if preset == "debug" else "bert_1p5b_zero{}_bf16.json"
+    run_dir = ctx.work / f"b15_z{stage}_m{micro}"
+    rc, out = ctx.run(f"bert_1p5b_zero{stage}_micro{micro}", [
+        sys.executable, "-m", "bert_ref.train", "--preset", preset, "--input_dir", str(shards),
+        "--deepspeed_config", f"ds_configs/{cfg.format(stage)}", "--micro_batch_size", str(micro),
+        "--gradient_accumulation_steps", "1", "--max_steps", "2", "--run_dir", str(run_dir),
+        "--overwrite_run_dir", "true", "--save_final_checkpoint", "false", "--no_export_hf",
+        "--progress_bar", "false", "--precision", "bf16"])
+    if rc and OOM.search(out):
+        return False
+    _check(rc, out, f"bert_ref.train {preset} ZeRO-{stage} micro {micro}")
+    return True
+
+
+def part_bert_1p5b(ctx: Ctx) -> dict:
+    """Largest micro batch that trains (2 steps) per ZeRO stage: start at ds-tune's prediction, double while it
+    fits / halve while it does not (at most `limit` runs per stage); the edge is [largest fit, smallest OOM)."""
+    from bert_ref.configs import get_preset as bert_preset
+    from bert_ref.prep.h5io import synthetic_arrays, write_shard
+
+    name, row, limit, cap = ("debug", "h100", 1, 4) if ctx.smoke else ("bert_1p5b", None, 3, 512)
+    if row is None:
+        row = device_info()["accelerator_row"]
+        if row is None:
+            raise PartFailed("this GPU has no row in ds_core.accelerators: no ds-tune prediction to compare")
+    p = bert_preset(name)
+    shards = ctx.work / f"shards_{name}"
+    if not (shards / "part-00000.hdf5").exists():
+        shards.mkdir(parents=True, exist_ok=True)
+        write_shard(shards / "part-00000.hdf5", synthetic_arrays(3 * cap, p.seq_len, p.max_predictions_per_seq,
+                                                                 vocab_size=min(p.vocab_size, 30522), seed=0),
+                    vocab_size=p.vocab_size)
+    res: dict[str, Any] = {"model": name, "ds_tune_accelerator": row}
+    predictions = tune_predictions(ctx, row)
+    for stage in (1, 3):
+        predicted = predictions[stage]
+        micro, fit, oom, runs = max(1, min(predicted, cap)), 0, None, 0
+        while runs < limit and micro <= cap and (oom is None or micro < oom) and micro > fit:
+            runs += 1
+            if _fits(ctx, shards, name, stage, micro):
+                fit = micro
+                micro = micro * 2 if oom is None else (micro + oom) // 2
+            else:
+                oom = micro
+                micro = max(fit, micro // 2) if fit == 0 else (fit + micro) // 2
+                if micro == 0:
+                    break
+        res[f"zero{stage}"] = {"ds_tune_predicted_micro": predicted, "largest_fit_micro": fit,
+                               "smallest_oom_micro": oom, "runs": runs}
+    return res
+
+
+RUNNERS = {"tests": part_tests, "bert_large": part_bert_large, "bridgetower": part_bridgetower,
+           "bert_1p5b": part_bert_1p5b}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--part", default="all", choices=("all", *PARTS), help="one part only (each < 9 min on a GPU)")
+    ap.add_argument("--cpu_smoke", action="store_true",
+                    help="debug presets and tiny sizes on the CPU (the default where no CUDA device is visible)")
+    ap.add_argument("--out", default=str(REPO / "gpu_check_out"), help="results.json and logs/ go here")
+    a = ap.parse_args(argv)
+    import torch
+
+    smoke = a.cpu_smoke or not torch.cuda.is_available()
+    out = Path(a.out)
+    ctx = Ctx(out, smoke)
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    if results.get("mode") != ("cpu_smoke" if smoke else "gpu"):
+        results = {}  # a smoke run's numbers never mix with a GPU run's
+    results.update(mode="cpu_smoke" if smoke else "gpu", device=device_info())
+    results.setdefault("parts", {})
+    t_all = time.monotonic()
+    for part in (PARTS if a.part == "all" else (a.part,)):
+        t0 = time.monotonic()
+        ctx.deadline = t0 + PART_BUDGET_S
+        print(f"[gpu_check] {part} ({results['mode']}) ...", flush=True)
+        try:
+            rec = RUNNERS[part](ctx)
+            rec = {"ok": not rec.get("errors"), **rec}
+        except Exception as e:  # noqa: BLE001 - one part's failure is recorded; the other parts still run
+            rec = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+        rec["seconds"] = round(time.monotonic() - t0, 1)
+        results["parts"][part] = rec
+        results_path.write_text(json.dumps(results, indent=1))  # after every part: a killed call keeps the rest
+        print(f"[gpu_check] {part}: {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s", flush=True)
+    results["seconds"] = round(time.monotonic() - t_all, 1)
+    results["ok"] = all(p["ok"] for p in results["parts"].values())
+    results_path.write_text(json.dumps(results, indent=1))
+    print(json.dumps({"gpu_check": results["mode"], "ok": results["ok"], "results": str(results_path),
+                      "device": results["device"].get("device"), "seconds": results["seconds"],
+                      "parts": results["parts"]}), flush=True)
+    return 0 if results["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

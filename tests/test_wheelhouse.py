@@ -1,0 +1,58 @@
+"""tools/wheelhouse.py without a network: pip downloads from a local --find-links directory of small wheels made here.
+
+The toolkit's requirements are all in the base list except pysbd, which (in this made-up world) needs `fakedep>=1`
+(two versions offered, 0.5 and 1.0) and, only with an extra nobody asks for, `neverwanted`; a pinned base version
+that does not satisfy a requirement (h5py==1.0 against h5py>=3.8) is downloaded anyway. The build requirements
+(setuptools, wheel) always go in, even when the base has them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+from conftest import REPO
+
+
+def fake_wheel(d: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
+    dist = f"{name.replace('-', '_')}-{version}"
+    with zipfile.ZipFile(d / f"{dist}-py3-none-any.whl", "w") as z:
+        meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+        z.writestr(f"{dist}.dist-info/METADATA", "\n".join(meta) + "\n")
+        z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}.dist-info/RECORD", "")
+
+
+def test_wheelhouse_stops_at_the_base_and_follows_markers(tmp_path):
+    links = tmp_path / "links"
+    links.mkdir()
+    fake_wheel(links, "pysbd", "0.3.4", ("fakedep>=1", 'neverwanted; extra == "never"'))
+    fake_wheel(links, "fakedep", "0.5")
+    fake_wheel(links, "fakedep", "1.0")
+    fake_wheel(links, "h5py", "3.9.0")
+    fake_wheel(links, "setuptools", "99.0")
+    fake_wheel(links, "wheel", "0.99")
+    deps = [Requirement(r).name for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]]
+    base = tmp_path / "base.txt"
+    base.write_text("# the target\ntorch==2.11.0\nsetuptools\nwheel\nh5py==1.0\n" +
+                    "".join(f"{n}\n" for n in deps if n not in ("pysbd", "h5py")))
+    out = tmp_path / "wh"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "wheelhouse.py"), "--out", str(out), "--python", "3.12",
+                           "--platform", "manylinux_2_28_x86_64", "--base", str(base), "--pip_arg=--no-index",
+                           f"--pip_arg=--find-links={links}"], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    m = json.loads((out / "MANIFEST.json").read_text())
+    got = {f["wheel"]: f["for"] for f in m["files"]}
+    assert got == {"pysbd-0.3.4-py3-none-any.whl": "ds-scale-toolkit", "fakedep-1.0-py3-none-any.whl": "pysbd",
+                   "h5py-3.9.0-py3-none-any.whl": "ds-scale-toolkit",
+                   "setuptools-99.0-py3-none-any.whl": "build-system.requires",
+                   "wheel-0.99-py3-none-any.whl": "build-system.requires",
+                   "ds_scale_toolkit-0.1.0-py3-none-any.whl": "the toolkit"}, got
+    assert "transformers" in m["from_base"] and "deepspeed" in m["from_base"] and "h5py" not in m["from_base"]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["files"] == 6
+
