@@ -368,7 +368,8 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
         extra["peak_memory_kind"] = "process peak RSS" if dist.accelerator == "cpu" else "allocator peak"
         if stopped:
             extra = dict(extra, stopped=stopped, exit_status=EXIT_STOPPED)
-        extra.update(summary_fields(phases.samples, first_step=start_step + cfg.throughput_warmup_steps))  # [phases]
+        extra.update(summary_fields(phases.samples, first_step=start_step + cfg.throughput_warmup_steps,
+                                    overhead_s=phases.overhead_s))  # [phases]
         summary = metrics.summary(extra)
         if dist.rank == 0 and phases.samples:  # [phases] the console summary line
             print(f"[ds_core] step time ({summary['phase_sampled_steps']} sampled steps): "

@@ -83,6 +83,9 @@ class PhaseTimer:
         self.samples: list[dict] = []     # every read sample's fields (rank-local view + wait), in step order
         self.last: dict | None = None
         self._wrapped = False
+        # host seconds spent in this timer's own code (marks, wrapper, reading, the all_gather): its overhead,
+        # reported in the summary as phase_timing_overhead_s
+        self.overhead_s = 0.0
 
     # -- marks ----------------------------------------------------------------------------------------------------
     def sampled(self, step: int) -> bool:
@@ -106,14 +109,18 @@ class PhaseTimer:
                 return
             self._cur = _Sample(self.next_step)
             self._install_comm_timing()
+        t = time.perf_counter()
         self._open[phase] = self._mark()
         self._phase = phase
+        self.overhead_s += time.perf_counter() - t
 
     def end(self, phase: str) -> None:
         if self._cur is None or phase not in self._open:
             return
+        t = time.perf_counter()
         self._cur.spans[phase].append((self._open.pop(phase), self._mark()))
         self._phase = None
+        self.overhead_s += time.perf_counter() - t
 
     def boundary(self, step: int) -> dict | None:
         """After engine.step() of optimizer step `step`: read the previous sample (all ranks gather), keep this one."""
@@ -158,16 +165,27 @@ class PhaseTimer:
             cur, phase = self._cur, self._phase
             if cur is None or phase not in cur.comm:
                 return fn(*args, **kwargs)
+            t = time.perf_counter()
             t0 = self._mark()
+            t1 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                t2 = time.perf_counter()
                 cur.comm[phase].append((t0, self._mark()))
+                self.overhead_s += (t1 - t) + (time.perf_counter() - t2)
         timed._phase_timed = True  # type: ignore[attr-defined]
         return timed
 
     # -- reading ---------------------------------------------------------------------------------------------------
     def _read(self, s: _Sample) -> None:
+        t_read = time.perf_counter()
+        try:
+            self._read_sample(s)
+        finally:
+            self.overhead_s += time.perf_counter() - t_read
+
+    def _read_sample(self, s: _Sample) -> None:
         if self._event_cls is not None:
             for spans in list(s.spans.values()) + list(s.comm.values()):
                 if spans:
@@ -205,7 +223,7 @@ def record_fields(sample: dict | None) -> dict:
     return out
 
 
-def summary_fields(samples: list[dict], first_step: int = 0) -> dict:
+def summary_fields(samples: list[dict], first_step: int = 0, overhead_s: float | None = None) -> dict:
     """Summary: the mean of each phase over the samples after `first_step` (warm-up excluded when possible), their
     count, and each phase's share of the sampled step time."""
     use = [s for s in samples if s["step"] > first_step] or list(samples)
@@ -215,6 +233,8 @@ def summary_fields(samples: list[dict], first_step: int = 0) -> dict:
     total = sum(mean.values())
     out = {f"phase_{k}": v for k, v in mean.items()}
     out["phase_sampled_steps"] = len(use)
+    if overhead_s is not None:
+        out["phase_timing_overhead_s"] = overhead_s       # this rank's, over the whole run (warm-up included)
     out["phase_frac"] = {k[:-2]: (v / total if total > 0 else None) for k, v in mean.items()}
     return out
 

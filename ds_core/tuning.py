@@ -1,19 +1,18 @@
 """ZeRO memory model and config recommendation: which (ZeRO stage, micro batch, grad accumulation) fits a model.
 
-Per rank, bf16 mixed precision with Adam(W):
+Per rank, with Adam(W), P parameters, N data-parallel ranks: every buffer DeepSpeed 0.19 allocates for the
+configuration (estimate(); each component names its deepspeed/runtime/ file and line), in two kinds:
 
-  model states   ZeRO-2 and ZeRO-3 come from DeepSpeed's own estimators
-                 (``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``,
-                 cpu_offload=False). DeepSpeed has none for ZeRO-0 and ZeRO-1, so those are ADDED here, in the same
-                 bytes-per-parameter terms (P parameters, N data-parallel ranks):
-                   ZeRO-0: 2 bf16 params + 2 bf16 grads + 4 fp32 grads + 4 fp32 master + 8 Adam   = 20 P
-                   ZeRO-1: 2 bf16 params + 2 bf16 grads (not partitioned) + 16 P / N (fp32 grads, master, Adam)
-                 ZeRO-3 ADDS 2 P / N for the rank's bf16 parameter partition, which the estimator leaves out.
-  optimizer step ADDED: non-fused Adam (torch's, used on the CPU accelerator) allocates one fp32 temporary the size
-                 of the tensor it steps: the rank's flat partition (4 P / N) or, at ZeRO-0, the largest parameter;
-                 fused Adam on Gaudi/CUDA does not.
-  buffers        ADDED: gradient reduce bucket (reduce_bucket_size elements of bf16; x2 with overlap_comm), the
-                 ZeRO-0 all-reduce flattening buffer, the ZeRO-3 reduce-scatter staging copy and prefetch bucket.
+  held between steps   what the optimizer wrapper keeps. Which wrapper depends on stage, precision and
+                       data_types.grad_accum_dtype (engine.py:2294): fp32 ZeRO-0 -> the plain optimizer (16 P);
+                       bf16 ZeRO-0 -> FP16_UnfusedOptimizer (14 P); bf16 ZeRO-1 with fp32 accumulation (the shipped
+                       configs) -> BF16_Optimizer, whose fp32 gradient buffer is NOT partitioned (6 P + 12 P / N);
+                       otherwise DeepSpeedZeroOptimizer (ZeRO-1/2: 2-4 P + 12 P / N) or Stage3 (~18 P / N).
+  per phase            forward/backward (activations, gradients, reduce buckets, DeepSpeed's 500M-element
+                       all-reduce flattening at ZeRO-0 and for BF16_Optimizer), and the optimizer step (gradient
+                       partitions flattened and cast to fp32; non-fused Adam's two fp32 temporaries the size of the
+                       stepped tensor on the CPU accelerator). Peak = held + the largest phase.
+  bench/zero_memory.py measures all of this on 2 CPU ranks (ZeRO 0-3 x fp32/bf16 x accumulation 1/2).
   activations    ADDED, per micro batch (Korthikanti et al. 2022, generalised to any FFN width):
                  per layer s*(18h + 4i) + 5*a*s^2 bytes per sample, plus embeddings and the MLM head
                  (bf16 logits + fp32 log-softmax + its gradient, 10*s*V); with activation checkpointing each layer
@@ -49,7 +48,7 @@ USABLE_FRACTION = 0.92
 STAGES = (0, 1, 2, 3)
 # Buckets written into the recommended DeepSpeed JSON (elements); the memory model uses the same numbers.
 DEFAULT_BUCKETS = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
-                   "stage3_prefetch_bucket_size": 50_000_000}
+                   "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000}
 # Tokens per micro batch beyond which a bigger micro batch buys little more accelerator efficiency; used only to
 # rank configurations (see recommend()).
 SATURATING_TOKENS = 4096
@@ -229,55 +228,6 @@ def model_shape(model: str, seq_len: int = 0) -> ModelShape:
 
 # ------------------------------------------------------------------------------------------------ memory model
 
-@dataclass
-class Estimate:
-    stage: int
-    micro_batch: int
-    checkpointing: bool
-    parts: dict = field(default_factory=dict)    # component -> bytes per rank
-    sources: dict = field(default_factory=dict)  # component -> "deepspeed estimator" | "added"
-
-    @property
-    def model_states(self) -> float:
-        return sum(v for k, v in self.parts.items() if k.startswith("states"))
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts.values())
-
-
-def _ds_estimator(stage: int, params: int, largest: int, per_node: int, nodes: int) -> float | None:
-    """DeepSpeed's own number (bytes on the accelerator, no offload) where it has one; None for ZeRO-0/1."""
-    try:
-        if stage in (2, 3):
-            # deepspeed's first import logs (accelerator detection) to stdout; keep stdout for the report
-            with contextlib.redirect_stdout(sys.stderr):
-                import deepspeed.runtime.zero.stage3  # noqa: F401
-        if stage == 2:
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as est2
-            return float(est2(params, per_node, nodes, cpu_offload=False)[1])
-        if stage == 3:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as est3
-            return float(est3(params, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False,
-                              zero_init=True)[1])
-    except ImportError:      # same formulas, copied from deepspeed 0.19 for machines without it
-        n = per_node * nodes
-        return float(2 * params + int(18 * params / n)) if stage == 2 else float(4 * largest + int(18 * params / n))
-    return None
-
-
-def resident_state_bytes(shape: ModelShape, stage: int, ranks: int, buckets: dict | None = None) -> float:
-    """What a rank holds BETWEEN steps (no gradients in flight): bf16 params, fp32 master, Adam, plus the
-    partitioned bf16 gradient accumulators and reduce bucket that ZeRO-2/3 keep allocated. Checked by the bench
-    against the live tensors after a step; the peak estimate() adds gradients, step temporaries and activations."""
-    P, n = shape.params, ranks
-    rb = 2.0 * min(P, {**DEFAULT_BUCKETS, **(buckets or {})}["reduce_bucket_size"])
-    return {0: 14.0 * P,                           # 2 bf16 + 4 master + 8 Adam
-            1: 2.0 * P + 12.0 * P / n,             # bf16 params + partitioned master and Adam
-            2: 2.0 * P + 14.0 * P / n + rb,        # + bf16 gradient partition, contiguous reduce bucket
-            3: 16.0 * P / n + rb}[stage]           # bf16 param + grad partitions, master, Adam; reduce bucket
-
-
 def activation_bytes(shape: ModelShape, micro_batch: int, checkpointing: bool) -> float:
     """bf16 activations kept for backward, per micro batch (see module docstring)."""
     per_sample = 0.0
@@ -298,43 +248,172 @@ def activation_bytes(shape: ModelShape, micro_batch: int, checkpointing: bool) -
     return micro_batch * per_sample
 
 
+
+@dataclass
+class Estimate:
+    """Predicted bytes per rank. `parts`: what the rank holds between steps (model states, persistent buffers);
+    `phases`: what comes on top of that in each phase of a step. Peak = parts + the largest phase."""
+    stage: int
+    micro_batch: int
+    checkpointing: bool
+    optimizer: str = ""                          # the DeepSpeed optimizer class this configuration gets
+    parts: dict = field(default_factory=dict)    # component -> bytes, held between steps
+    phases: dict = field(default_factory=dict)   # phase -> {component -> bytes} on top of `parts`
+    sources: dict = field(default_factory=dict)
+
+    @property
+    def resident(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def model_states(self) -> float:
+        return sum(v for k, v in self.parts.items() if k.startswith("states"))
+
+    @property
+    def activations(self) -> float:
+        return self.phases.get("forward/backward", {}).get("activations", 0.0)
+
+    def phase_totals(self) -> dict:
+        return {k: sum(v.values()) for k, v in self.phases.items()}
+
+    @property
+    def peak_phase(self) -> str:
+        totals = self.phase_totals()
+        return max(totals, key=totals.get)
+
+    @property
+    def total(self) -> float:
+        return self.resident + max(self.phase_totals().values(), default=0.0)
+
+
+# DeepSpeed 0.19 engine.allreduce_gradients -> buffered_allreduce_fallback flattens gradients in buckets of this many
+# elements (runtime/engine.py:151 MEMORY_OPT_ALLREDUCE_SIZE, :3921, flatten at :3796); reduce_bucket_size plays no part
+DS_ALLREDUCE_BUCKET = 500_000_000
+
+
+def deepspeed_optimizer(stage: int, precision: str, grad_accum_dtype: str | None, fused_adam: bool) -> str:
+    """The wrapper DeepSpeed 0.19 puts around the optimizer (runtime/engine.py:2294 _do_optimizer_sanity_check)."""
+    acc = grad_accum_dtype or precision
+    if stage == 0:
+        if precision == "fp32":
+            return "basic"                                           # engine.py:2313: model dtype == accum dtype
+        if acc != precision:
+            raise TuningError(f"ZeRO-0 with {precision} and grad_accum_dtype {acc}: DeepSpeed 0.19 raises "
+                              f"NotImplementedError (engine.py:2323); use ZeRO >= 1")
+        return "FP16_Optimizer" if fused_adam else "FP16_UnfusedOptimizer"          # engine.py:2321, 2555-2609
+    if stage == 1 and precision == "bf16" and acc == "fp32":
+        return "BF16_Optimizer"                                      # engine.py:2305-2310
+    return "DeepSpeedZeroOptimizer" if stage < 3 else "DeepSpeedZeroOptimizer_Stage3"
+
+
 def estimate(shape: ModelShape, stage: int, micro_batch: int, ranks_per_node: int, nodes: int, *,
              checkpointing: bool = False, fused_adam: bool = True, buckets: dict | None = None,
-             overlap_comm: bool = False) -> Estimate:
-    """Predicted peak bytes per rank, as named components."""
+             overlap_comm: bool = False, precision: str = "bf16", grad_accum: int = 1,
+             grad_accum_dtype: str | None = None, contiguous_gradients: bool = True) -> Estimate:
+    """Predicted bytes per rank: every buffer DeepSpeed 0.19 allocates for this configuration (file:line in
+    deepspeed/runtime/), as named components held between steps plus per-phase transients.
+
+    grad_accum_dtype None: DeepSpeed's default, the model's dtype. fused_adam False: torch's single-tensor Adam(W)
+    (the CPU accelerator's), whose update makes two fp32 temporaries the size of the tensor it steps
+    (exp_avg_sq.sqrt() and its quotient): the largest parameter at ZeRO-0, the flat partition at ZeRO >= 1.
+    grad_accum changes no buffer (gradients accumulate in place) but is accepted so callers state it."""
     if stage not in STAGES:
         raise TuningError(f"ZeRO stage {stage}: expected one of {STAGES}")
+    if precision not in ("bf16", "fp32"):
+        raise TuningError(f"precision {precision!r}: expected bf16 or fp32")
+    if grad_accum < 1:
+        raise TuningError(f"gradient accumulation {grad_accum}: expected >= 1")
     b = {**DEFAULT_BUCKETS, **(buckets or {})}
-    P, n = shape.params, ranks_per_node * nodes
-    e = Estimate(stage=stage, micro_batch=micro_batch, checkpointing=checkpointing)
-    ds = _ds_estimator(stage, P, shape.largest_layer_params, ranks_per_node, nodes)
-    if stage == 0:
-        e.parts["states: bf16 params + grads, fp32 grads + master, Adam (20 B/param)"] = 20.0 * P
-        e.sources["states"] = "added (DeepSpeed has no ZeRO-0 estimator)"
-        e.parts["buffer: all-reduce flattening"] = 2.0 * min(P, b["reduce_bucket_size"])
-    elif stage == 1:
-        e.parts["states: bf16 params + bf16 grads (4 B/param)"] = 4.0 * P
-        e.parts["states: fp32 grads + master + Adam partition (16 B/param / N)"] = 16.0 * P / n
-        e.sources["states"] = "added (DeepSpeed has no ZeRO-1 estimator)"
-    elif stage == 2:
-        e.parts["states: DeepSpeed estimate_zero2 (2 P + 18 P / N)"] = ds
-        e.sources["states"] = "deepspeed estimator"
-    else:
-        e.parts["states: DeepSpeed estimate_zero3 (4 x largest layer + 18 P / N)"] = ds
-        e.parts["states: bf16 param partition (2 P / N, added)"] = 2.0 * P / n
-        e.sources["states"] = "deepspeed estimator + bf16 partition added"
-    if stage in (1, 2, 3):
-        e.parts["buffer: gradient reduce bucket"] = 2.0 * min(P, b["reduce_bucket_size"]) * (2 if overlap_comm else 1)
-    if stage == 3:
-        # reduce_scatter_coalesced stages the whole bucket in a flat copy plus this rank's output slice
-        e.parts["buffer: reduce-scatter staging"] = 2.0 * min(P, b["reduce_bucket_size"]) * (1 + 1 / n)
-        e.parts["buffer: parameter prefetch bucket"] = 2.0 * min(P, b["stage3_prefetch_bucket_size"])
-    if not fused_adam:
-        # torch Adam makes one fp32 temporary per tensor it steps: ZeRO-1/2/3 step one flat partition (P / N);
-        # ZeRO-0 with a non-fused optimizer keeps per-parameter fp32 copies (FP16_UnfusedOptimizer): largest tensor
-        e.parts["transient: non-fused Adam temporary"] = 4.0 * (shape.largest_layer_params if stage == 0 else P / n)
-    e.parts["activations"] = activation_bytes(shape, micro_batch, checkpointing)
+    P, n = float(shape.params), ranks_per_node * nodes
+    lp = 2.0 if precision == "bf16" else 4.0                    # bytes of a model parameter / gradient
+    acc = 4.0 if (grad_accum_dtype or precision) == "fp32" else 2.0
+    opt = deepspeed_optimizer(stage, precision, grad_accum_dtype, fused_adam)
+    e = Estimate(stage=stage, micro_batch=micro_batch, checkpointing=checkpointing, optimizer=opt)
+    adam_tmp = 0.0 if fused_adam else 8.0 * (shape.largest_layer_params if stage == 0 else P / n)
+    rb = min(P, b["reduce_bucket_size"])
+    fb = {"activations": activation_bytes(shape, micro_batch, checkpointing)}
+    st: dict = {}       # the optimizer update
+    prep: dict = {}     # ZeRO: the step's gradient preparation, before the update (not at the same time)
+    if opt == "basic":
+        e.parts["states: fp32 params (4 B/param)"] = 4.0 * P
+        e.parts["states: Adam moments (8 B/param)"] = 8.0 * P
+        fb["gradients: fp32 (4 B/param)"] = 4.0 * P
+        fb["all-reduce flattening (engine.py:3796, 500M-element buckets)"] = 4.0 * min(P, DS_ALLREDUCE_BUCKET)
+        st["gradients: fp32 (4 B/param)"] = 4.0 * P
+    elif opt in ("FP16_UnfusedOptimizer", "FP16_Optimizer"):
+        e.parts["states: bf16 params (2 B/param)"] = 2.0 * P
+        e.parts["states: fp32 master copy (4 B/param, unfused_optimizer.py:78)"] = 4.0 * P
+        e.parts["states: Adam moments (8 B/param)"] = 8.0 * P
+        fb["gradients: bf16 (2 B/param)"] = 2.0 * P
+        fb["all-reduce flattening (engine.py:3796, 500M-element buckets)"] = 2.0 * min(P, DS_ALLREDUCE_BUCKET)
+        st["gradients: bf16 (2 B/param)"] = 2.0 * P
+        st["gradients: fp32 copies for the step (unfused_optimizer.py:222)"] = 4.0 * P
+    elif opt == "BF16_Optimizer":
+        e.parts["states: bf16 flat params (2 B/param, bf16_optimizer.py:166)"] = 2.0 * P
+        e.parts["states: fp32 gradient buffer, NOT partitioned (4 B/param, bf16_optimizer.py:191)"] = 4.0 * P
+        e.parts["states: fp32 master partition (4 B/param / N, bf16_optimizer.py:182)"] = 4.0 * P / n
+        e.parts["states: Adam moments partition (8 B/param / N)"] = 8.0 * P / n
+        fb["gradients: bf16 (2 B/param), added into the fp32 buffer at the boundary"] = 2.0 * P
+        # communication_data_type defaults to bf16 (engine.py:1727): the fp32 buffer is cast for the all-reduce
+        fb["all-reduce: bf16 cast of the fp32 buffer (engine.py:3802)"] = 2.0 * min(P, DS_ALLREDUCE_BUCKET)
+        st["gradients: bf16 (2 B/param)"] = 2.0 * P
+    elif opt == "DeepSpeedZeroOptimizer":
+        e.parts[f"states: flat {precision} params ({lp:.0f} B/param, stage_1_and_2.py:560)"] = lp * P
+        e.parts["states: fp32 master partition (4 B/param / N, stage_1_and_2.py:560)"] = 4.0 * P / n
+        e.parts["states: Adam moments partition (8 B/param / N)"] = 8.0 * P / n
+        ipg = rb * lp * (2 if overlap_comm else 1) if contiguous_gradients else 0.0
+        if ipg:
+            fb["reduce bucket (stage_1_and_2.py:3266, x2 with overlap_comm)"] = ipg
+        # step() (stage_1_and_2.py:3013): first the rank's gradient partition is flattened (3116) while the
+        # gradients it came from still live, then cast to fp32 (3118) and the rest freed before the Adam update
+        if stage == 1:
+            fb[f"gradients: {precision} (unpartitioned)"] = lp * P
+            fb["gradient partition being reduced"] = acc * P / n
+            prep[f"gradients: {precision}, this rank's partition"] = lp * P / n
+            prep["gradient partition (averaged_gradients)"] = acc * P / n
+            prep["flattened gradient partition (stage_1_and_2.py:3116)"] = lp * P / n
+        else:
+            # contiguous_gradients: grads_in_partition (stage_1_and_2.py:2192); a parameter's own gradient lives
+            # until it is copied into the bucket, the largest one bounds that
+            fb["gradient partition (grads_in_partition)"] = acc * P / n
+            fb["gradient of the largest parameter before bucketing"] = lp * shape.largest_layer_params
+            if grad_accum > 1 and acc == lp:
+                # measured (bench/zero_memory.py, fp32 ZeRO-2, accumulation 2: +4 B/param / N, none with bf16 and
+                # fp32 accumulation, whose compact fp32 buffer takes the sum in place): a micro-step's reduced
+                # partition is added to the accumulated one from a second buffer (copy_grads_in_partition, 2142)
+                fb["second gradient partition while accumulating"] = acc * P / n
+            prep["gradient partition (grads_in_partition)"] = acc * P / n
+        if acc != 4.0:
+            prep["fp32 copy of the gradient partition (stage_1_and_2.py:3118)"] = 4.0 * P / n
+        st["fp32 gradient partition (stage_1_and_2.py:3126)"] = 4.0 * P / n
+    else:                                                           # ZeRO-3
+        e.parts[f"states: {precision} param partition ({lp:.0f} B/param / N, stage3.py:907)"] = lp * P / n
+        e.parts["states: fp32 master partition (4 B/param / N, stage3.py:1160)"] = 4.0 * P / n
+        e.parts["states: Adam moments partition (8 B/param / N)"] = 8.0 * P / n
+        e.parts["states: gradient partition buffer (stage3.py:791)"] = acc * P / n
+        if contiguous_gradients:
+            e.parts["buffer: reduce bucket (stage3.py:782)"] = rb * lp
+        # parameters gathered in forward/backward stay until stage3_max_live_parameters (zero/config.py:245,
+        # default 1e9 elements) are live: measured whole at this bench's 110 M parameters
+        fb["gathered parameters (stage3_max_live_parameters)"] = lp * min(P, max(
+            b["stage3_max_live_parameters"], b["stage3_prefetch_bucket_size"]))
+        fb["gradient of the largest parameter before bucketing"] = lp * shape.largest_layer_params
+        prep["flattened gradient partition (stage3.py:2686)"] = acc * P / n
+        if acc != 4.0:
+            prep["fp32 copy of the gradient partition (stage3.py:2686)"] = 4.0 * P / n
+        st["fp32 gradient partition (stage3.py:2686)"] = 4.0 * P / n
+    if adam_tmp:
+        st["non-fused Adam temporaries (2 x fp32 of the stepped tensor)"] = adam_tmp
+    e.phases = {"forward/backward": fb, "optimizer step": st}
+    if prep:
+        e.phases["step: gradient partition"] = prep
+    e.sources["states"] = f"DeepSpeed 0.19 allocations ({opt})"
     return e
+
+
+def resident_state_bytes(shape: ModelShape, stage: int, ranks: int, buckets: dict | None = None, **kw) -> float:
+    """What a rank holds BETWEEN steps (estimate(...).resident); the bench checks it against the live tensors."""
+    return estimate(shape, stage, 1, ranks, 1, buckets=buckets, **kw).resident
 
 
 def capacity_bytes(accelerator: str, ranks_per_node: int) -> float:
@@ -359,6 +438,7 @@ class Option:
     checkpointing: bool
     estimate: Estimate
     usable: float
+    precision: str = "bf16"
 
     @property
     def headroom(self) -> float:
@@ -373,8 +453,14 @@ def micro_batches(per_rank_batch: int, limit: int = 1024) -> list:
     return [m for m in range(1, min(per_rank_batch, limit) + 1) if per_rank_batch % m == 0]
 
 
+def grad_accum_dtype_for(stage: int, precision: str) -> str | None:
+    """The accumulation dtype ds-tune's configurations use: fp32 for bf16 at ZeRO >= 1 (as the shipped configs and
+    ds_core.config.settle_grad_accum_dtype), the model's dtype otherwise (ZeRO-0 + bf16 has no fp32 path)."""
+    return "fp32" if precision == "bf16" and stage > 0 else None
+
+
 def search(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, global_batch: int,
-           checkpointing: str = "auto", stages: Sequence[int] = STAGES) -> list:
+           checkpointing: str = "auto", stages: Sequence[int] = STAGES, precision: str = "bf16") -> list:
     """Every (stage, micro batch, grad accumulation, checkpointing) with its estimate; feasible or not."""
     n = ranks_per_node * nodes
     if global_batch <= 0 or global_batch % n:
@@ -387,7 +473,9 @@ def search(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int,
     fused = accelerator != CPU
     per_rank = global_batch // n
     return [Option(st, m, per_rank // m, ck,
-                   estimate(shape, st, m, ranks_per_node, nodes, checkpointing=ck, fused_adam=fused), usable)
+                   estimate(shape, st, m, ranks_per_node, nodes, checkpointing=ck, fused_adam=fused,
+                            precision=precision, grad_accum=per_rank // m,
+                            grad_accum_dtype=grad_accum_dtype_for(st, precision)), usable, precision)
             for ck in ckpts for st in stages for m in micro_batches(per_rank)]
 
 
@@ -411,18 +499,20 @@ def recommend(options: Sequence[Option], seq: int) -> Option | None:
     return min(safe or feasible, key=lambda o: rank_key(o, seq)) if feasible else None
 
 
-def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, checkpointing: str) -> list:
+def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, checkpointing: str,
+                   precision: str = "bf16") -> list:
     """Advice when nothing fits at micro batch 1."""
     usable = capacity_bytes(accelerator, ranks_per_node) * USABLE_FRACTION
     fused = accelerator != CPU
+    z3 = dict(fused_adam=fused, precision=precision, grad_accum_dtype=grad_accum_dtype_for(3, precision))
     tips = []
     if checkpointing == "off":
-        e = estimate(shape, 3, 1, ranks_per_node, nodes, checkpointing=True, fused_adam=fused)
+        e = estimate(shape, 3, 1, ranks_per_node, nodes, checkpointing=True, **z3)
         if e.total <= usable:
             tips.append("turn on activation checkpointing (--activation_checkpointing on): ZeRO-3, micro batch 1 "
                         f"then needs {e.total / GB:.1f} GB of {usable / GB:.1f} GB")
     for more in range(nodes + 1, max(nodes * 64, 1024) + 1):
-        e = estimate(shape, 3, 1, ranks_per_node, more, checkpointing=checkpointing != "off", fused_adam=fused)
+        e = estimate(shape, 3, 1, ranks_per_node, more, checkpointing=checkpointing != "off", **z3)
         if e.total <= usable:
             tips.append(f"use at least {more} nodes with ZeRO-3 (micro batch 1: {e.total / GB:.1f} GB per rank); "
                         "the global batch must stay a multiple of the rank count")
@@ -435,19 +525,24 @@ def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nod
 
 def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4, optimizer: str = "adamw") -> dict:
     """The DeepSpeed JSON for an option (DeepSpeed settings only; validates with ds_core.config.load_ds_config).
-    optimizer="none": no optimizer section, for entry points that build their own (bert_ref.train's LAMB); the
-    memory model holds for any optimizer with two fp32 states per parameter (Adam, AdamW, LAMB)."""
-    zero: dict = {"stage": o.stage, "reduce_bucket_size": DEFAULT_BUCKETS["reduce_bucket_size"]}
-    if o.stage in (1, 2):
-        zero.update(allgather_bucket_size=DEFAULT_BUCKETS["allgather_bucket_size"], overlap_comm=False,
-                    contiguous_gradients=True)
+    It states every field the memory model depends on or that changes the numerics, with the value estimate()
+    assumed, so DeepSpeed's defaults cannot differ: precision, data_types.grad_accum_dtype, the buckets,
+    overlap_comm, contiguous_gradients, reduce_scatter. optimizer="none": no optimizer section, for entry points that
+    build their own (bert_ref.train's LAMB); the model holds for any optimizer with two fp32 states per parameter."""
+    zero: dict = {"stage": o.stage, "reduce_bucket_size": DEFAULT_BUCKETS["reduce_bucket_size"],
+                  "allgather_bucket_size": DEFAULT_BUCKETS["allgather_bucket_size"], "overlap_comm": False,
+                  "contiguous_gradients": True, "reduce_scatter": True}
     if o.stage == 3:
-        zero.update(overlap_comm=False, contiguous_gradients=True,
-                    stage3_prefetch_bucket_size=DEFAULT_BUCKETS["stage3_prefetch_bucket_size"],
+        zero.update(stage3_prefetch_bucket_size=DEFAULT_BUCKETS["stage3_prefetch_bucket_size"],
+                    stage3_max_live_parameters=DEFAULT_BUCKETS["stage3_max_live_parameters"],
                     stage3_param_persistence_threshold=100_000, stage3_gather_16bit_weights_on_model_save=True)
     cfg = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": o.micro_batch,
-           "gradient_accumulation_steps": o.grad_accum, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-           "zero_optimization": zero, "steps_per_print": 1_000_000, "wall_clock_breakdown": False}
+           "gradient_accumulation_steps": o.grad_accum, "gradient_clipping": 1.0,
+           "bf16": {"enabled": o.precision == "bf16"}, "zero_optimization": zero, "steps_per_print": 1_000_000,
+           "wall_clock_breakdown": False}
+    acc = grad_accum_dtype_for(o.stage, o.precision)
+    if acc:
+        cfg["data_types"] = {"grad_accum_dtype": acc}
     if optimizer == "adamw":
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                         "weight_decay": 0.01}}
@@ -468,7 +563,7 @@ def _table(options: Sequence[Option], best: Option | None) -> str:
     for o in options:
         e = o.estimate
         lines.append(f"| {o.stage} | {o.micro_batch} | {o.grad_accum} | {'on' if o.checkpointing else 'off'} | "
-                     f"{e.model_states / GB:.2f} | {e.parts['activations'] / GB:.2f} | {e.total / GB:.2f} | "
+                     f"{e.model_states / GB:.2f} | {e.activations / GB:.2f} | {e.total / GB:.2f} | "
                      f"{o.headroom / GB:.2f} | {'**recommended**' if o is best else ''} |")
     return "\n".join(lines)
 
@@ -489,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sequence (default: the model's preset; BridgeTower: text tokens)")
     p.add_argument(*flag("--activation_checkpointing"), choices=("auto", "on", "off"), default="auto")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider (comma separated)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: mixed precision, gradients accumulated in fp32 at ZeRO >= 1 (data_types."
+                        "grad_accum_dtype, as the shipped configs); fp32: everything fp32")
     p.add_argument("--out", default="ds_config_tuned.json", help="where the recommended DeepSpeed JSON goes")
     p.add_argument("--all", action="store_true", help="also list configurations that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of markdown")
@@ -504,7 +602,7 @@ def _resolve(a: argparse.Namespace) -> tuple[ModelShape, list[Option]]:
     stages = tuple(int(s) for s in a.stages.split(","))
     shape = model_shape(a.model, a.seq_len)
     return shape, search(shape, a.accelerator, a.accelerators_per_node, a.nodes, a.global_batch,
-                         a.activation_checkpointing, stages)
+                         a.activation_checkpointing, stages, a.precision)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -522,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = a.accelerators_per_node * a.nodes
     cap = capacity_bytes(a.accelerator, a.accelerators_per_node)
     tips = [] if best else what_would_fit(shape, a.accelerator, a.accelerators_per_node, a.nodes,
-                                          a.activation_checkpointing)
+                                          a.activation_checkpointing, a.precision)
     if best:
         cfg = ds_config(best, a.global_batch, optimizer=a.optimizer)
         Path(a.out).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
@@ -537,7 +635,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   "grad_accum": best.grad_accum,
                                                   "checkpointing": best.checkpointing,
                                                   "predicted_gb": best.estimate.total / GB,
-                                                  "breakdown_gb": {k: v / GB for k, v in best.estimate.parts.items()},
+                                                  "optimizer": best.estimate.optimizer,
+                                                  "resident_gb": {k: v / GB for k, v in best.estimate.parts.items()},
+                                                  "peak_phase": best.estimate.peak_phase,
+                                                  "peak_phase_gb": {k: v / GB for k, v in
+                                                                    best.estimate.phases[best.estimate.peak_phase].items()},
                                                   "ds_config": a.out},
             "advice": tips}, indent=2))
         return 0 if best else 1
@@ -546,8 +648,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"global batch {a.global_batch}")
     print(f"Memory per rank: {cap / GB:.1f} GB, usable {cap * USABLE_FRACTION / GB:.1f} GB "
           f"({100 * (1 - USABLE_FRACTION):.0f} % kept for fragmentation and runtime).")
-    print("Model states: ZeRO-2/3 from DeepSpeed's estimators; ZeRO-0/1 formulas, the ZeRO-3 bf16 partition, "
-          "buffers and activations added by ds_core.tuning.\n")
+    print(f"Memory: every buffer DeepSpeed 0.19 allocates for the configuration ({a.precision}"
+          f"{', fp32 gradient accumulation at ZeRO >= 1' if a.precision == 'bf16' else ''}; ds_core.tuning.estimate), "
+          f"peak = held between steps + the largest phase; activations by formula.\n")
     if shown:
         print(_table(shown, best))
     else:
@@ -559,8 +662,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{e.total / GB:.2f} GB predicted, {best.headroom / GB:.2f} GB headroom.")
         if best.headroom < SAFETY_MARGIN * best.usable:
             print(f"Warning: less than {100 * SAFETY_MARGIN:.0f} % headroom; nothing else fits with more.")
+        print(f"  DeepSpeed optimizer: {e.optimizer}; held between steps {e.resident / GB:.2f} GB:")
         for k, v in e.parts.items():
-            print(f"  {k}: {v / GB:.2f} GB")
+            print(f"    {k}: {v / GB:.2f} GB")
+        print(f"  peak during {e.peak_phase}, on top: {e.phase_totals()[e.peak_phase] / GB:.2f} GB:")
+        for k, v in e.phases[e.peak_phase].items():
+            print(f"    {k}: {v / GB:.2f} GB")
         print(f"DeepSpeed JSON written to {a.out}")
         if best.checkpointing:
             print("Note: the model must enable activation checkpointing too (HF: model.gradient_checkpointing_enable()).")
