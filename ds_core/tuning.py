@@ -361,9 +361,10 @@ def estimate(shape: ModelShape, stage: int, micro_batch: int, ranks_per_node: in
         e.parts[f"states: flat {precision} params ({lp:.0f} B/param, stage_1_and_2.py:560)"] = lp * P
         e.parts["states: fp32 master partition (4 B/param / N, stage_1_and_2.py:560)"] = 4.0 * P / n
         e.parts["states: Adam moments partition (8 B/param / N)"] = 8.0 * P / n
-        ipg = rb * lp * (2 if overlap_comm else 1) if contiguous_gradients else 0.0
-        if ipg:
-            fb["reduce bucket (stage_1_and_2.py:3266, x2 with overlap_comm)"] = ipg
+        if contiguous_gradients:
+            fb["reduce bucket (stage_1_and_2.py:3266, x2 with overlap_comm)"] = rb * lp * (2 if overlap_comm else 1)
+        else:     # each bucket of gradients is flattened for its collective instead (stage_1_and_2.py:2367)
+            fb["flattened gradient bucket (stage_1_and_2.py:2367)"] = rb * lp
         # step() (stage_1_and_2.py:3013): first the rank's gradient partition is flattened (3116) while the
         # gradients it came from still live, then cast to fp32 (3118) and the rest freed before the Adam update
         if stage == 1:
@@ -393,6 +394,8 @@ def estimate(shape: ModelShape, stage: int, micro_batch: int, ranks_per_node: in
         e.parts["states: gradient partition buffer (stage3.py:791)"] = acc * P / n
         if contiguous_gradients:
             e.parts["buffer: reduce bucket (stage3.py:782)"] = rb * lp
+        else:
+            fb["flattened gradient bucket (stage3.py:2267)"] = rb * lp
         # parameters gathered in forward/backward stay until stage3_max_live_parameters (zero/config.py:245,
         # default 1e9 elements) are live: measured whole at this bench's 110 M parameters
         fb["gathered parameters (stage3_max_live_parameters)"] = lp * min(P, max(
