@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) -m bench.bert_step
 	$(PY) -m bench.image_pipeline
 	$(PY) -m bench.zero_memory
+	$(PY) -m bench.phase_overhead
 	$(PY) -m bench.startup
 
 clean:
