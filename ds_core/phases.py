@@ -1,6 +1,6 @@
 """Where the step time goes: sampled phase timing of optimizer steps, measured in every run.
 
-Every `every`-th optimizer step (and never a warm-up-free guess: the sampled steps are real ones) is split into
+Every `every`-th optimizer step (TrainConfig.phase_timing_every) of a run is split into
 
   data_s      waiting for the data source (next(batch)), summed over the step's micro-steps
   forward_s   the model's step function (forward and loss) minus its exposed collectives (ZeRO-3 all-gathers)
