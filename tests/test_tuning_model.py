@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ds_core import tuning
+from ds_core import zero_memory_model as zmm
 from ds_core.config import load_ds_config
 
 GB = tuning.GB
@@ -40,23 +41,23 @@ def test_model_shapes_are_exact_parameter_counts(tmp_path):
 
 
 def test_memory_rises_with_micro_batch(bert_large):
-    for stage in tuning.STAGES:
+    for stage in zmm.STAGES:
         for ckpt in (False, True):
-            runs = [tuning.estimate(bert_large, stage, m, 8, 2, checkpointing=ckpt) for m in (1, 2, 4, 8, 16)]
+            runs = [zmm.estimate(bert_large, stage, m, 8, 2, checkpointing=ckpt) for m in (1, 2, 4, 8, 16)]
             totals = [e.total for e in runs]
             acts = [e.activations for e in runs]
             # the peak is the larger of the step (no activations) and forward/backward: it never falls
             assert totals == sorted(totals) and totals[-1] > totals[0], (stage, ckpt, totals)
             assert acts == sorted(acts) and len(set(acts)) == 5
-    off = tuning.estimate(bert_large, 1, 16, 8, 2, checkpointing=False).activations
-    on = tuning.estimate(bert_large, 1, 16, 8, 2, checkpointing=True).activations
+    off = zmm.estimate(bert_large, 1, 16, 8, 2, checkpointing=False).activations
+    on = zmm.estimate(bert_large, 1, 16, 8, 2, checkpointing=True).activations
     assert on < off / 2    # the MLM head (logits over the vocabulary) is not checkpointed
 
 
 def test_memory_falls_with_stage_and_with_more_ranks(bert_large):
-    fp32_acc = {s: tuning.grad_accum_dtype_for(s, "bf16") for s in tuning.STAGES}
+    fp32_acc = {s: zmm.grad_accum_dtype_for(s, "bf16") for s in zmm.STAGES}
     for nodes in (1, 2, 8):
-        runs = [tuning.estimate(bert_large, s, 8, 8, nodes, grad_accum_dtype=fp32_acc[s]) for s in tuning.STAGES]
+        runs = [zmm.estimate(bert_large, s, 8, 8, nodes, grad_accum_dtype=fp32_acc[s]) for s in zmm.STAGES]
         states = [e.model_states for e in runs]
         assert states == sorted(states, reverse=True) and len(set(states)) == 4, states
         totals = [e.total for e in runs]
@@ -65,14 +66,14 @@ def test_memory_falls_with_stage_and_with_more_ranks(bert_large):
         assert totals[:3] == sorted(totals[:3], reverse=True), totals
         assert "gathered parameters (stage3_max_live_parameters)" in runs[3].phases["forward/backward"]
     for stage in (1, 2, 3):
-        per_nodes = [tuning.estimate(bert_large, stage, 8, 8, n, grad_accum_dtype="fp32").total for n in (1, 2, 4, 8)]
+        per_nodes = [zmm.estimate(bert_large, stage, 8, 8, n, grad_accum_dtype="fp32").total for n in (1, 2, 4, 8)]
         assert per_nodes == sorted(per_nodes, reverse=True) and len(set(per_nodes)) == 4, (stage, per_nodes)
         # what a rank holds between steps never exceeds the predicted peak, and falls with more ranks too
-        resident = [tuning.resident_state_bytes(bert_large, stage, 8 * n) for n in (1, 2, 4, 8)]
+        resident = [zmm.resident_state_bytes(bert_large, stage, 8 * n) for n in (1, 2, 4, 8)]
         assert resident == sorted(resident, reverse=True)
-        assert all(r < tuning.estimate(bert_large, stage, 1, 8, n).total for r, n in zip(resident, (1, 2, 4, 8)))
+        assert all(r < zmm.estimate(bert_large, stage, 1, 8, n).total for r, n in zip(resident, (1, 2, 4, 8)))
     # ZeRO-0 replicates everything: more ranks change nothing
-    assert len({tuning.estimate(bert_large, 0, 8, 8, n).total for n in (1, 2, 4)}) == 1
+    assert len({zmm.estimate(bert_large, 0, 8, 8, n).total for n in (1, 2, 4)}) == 1
 
 
 def test_the_optimizer_deepspeed_picks_and_its_buffers():
@@ -80,24 +81,24 @@ def test_the_optimizer_deepspeed_picks_and_its_buffers():
     P, GBy = big.params, 1e9
     # the shipped bert_1p5b_zero1_bf16.json: bf16, grad_accum_dtype fp32, ZeRO-1, 64 ranks -> BF16_Optimizer, whose
     # fp32 gradient buffer is not partitioned: 2 (bf16 params) + 4 (fp32 grads) + 12 / N bytes per parameter held
-    e = tuning.estimate(big, 1, 32, 8, 8, grad_accum=2, grad_accum_dtype="fp32")
+    e = zmm.estimate(big, 1, 32, 8, 8, grad_accum=2, grad_accum_dtype="fp32")
     assert e.optimizer == "BF16_Optimizer"
     assert e.model_states == pytest.approx(6 * P + 12 * P / 64) and 9.3 * GBy < e.model_states < 9.6 * GBy
     assert any("NOT partitioned" in k for k in e.parts)
     # + the bf16 gradients of forward/backward: the ~12.6 GB of the issue, before activations
     assert e.total - e.activations == pytest.approx(8 * P + 12 * P / 64 + 2 * min(P, 5e8), rel=0.02)
     # bf16 accumulation (DeepSpeed's default) keeps DeepSpeedZeroOptimizer: gradients in bf16, 4 B/param less
-    e_bf16 = tuning.estimate(big, 1, 32, 8, 8, grad_accum=2, grad_accum_dtype="bf16")
+    e_bf16 = zmm.estimate(big, 1, 32, 8, 8, grad_accum=2, grad_accum_dtype="bf16")
     assert e_bf16.optimizer == "DeepSpeedZeroOptimizer" and e_bf16.model_states < e.model_states - 3.9 * P
-    assert tuning.estimate(big, 0, 1, 8, 1, precision="fp32").optimizer == "basic"
-    assert tuning.estimate(big, 0, 1, 8, 1, fused_adam=False).optimizer == "FP16_UnfusedOptimizer"
-    with pytest.raises(tuning.TuningError, match="NotImplementedError"):
-        tuning.estimate(big, 0, 1, 8, 1, grad_accum_dtype="fp32")
+    assert zmm.estimate(big, 0, 1, 8, 1, precision="fp32").optimizer == "basic"
+    assert zmm.estimate(big, 0, 1, 8, 1, fused_adam=False).optimizer == "FP16_UnfusedOptimizer"
+    with pytest.raises(zmm.TuningError, match="NotImplementedError"):
+        zmm.estimate(big, 0, 1, 8, 1, grad_accum_dtype="fp32")
     # overlap_comm doubles the reduce bucket; the CPU's non-fused Adam adds two fp32 copies of the partition
-    small = tuning.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32")
-    both = tuning.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32", overlap_comm=True)
+    small = zmm.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32")
+    both = zmm.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32", overlap_comm=True)
     assert both.phases["forward/backward"] != small.phases["forward/backward"]
-    unfused = tuning.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32", fused_adam=False)
+    unfused = zmm.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32", fused_adam=False)
     assert unfused.phase_totals()["optimizer step"] - small.phase_totals()["optimizer step"] == pytest.approx(8 * P / 64)
 
 
@@ -139,7 +140,7 @@ def test_bert_1p5b_on_8_nodes_of_first_gen_gaudi(tmp_path, capsys):
     assert {"reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
             "reduce_scatter"} <= set(zero)
     # ... so the memory of the configuration the JSON describes is the predicted one, with the promised headroom
-    again = tuning.estimate(tuning.model_shape("bert-1.5b"), zero["stage"], cfg["train_micro_batch_size_per_gpu"], 8,
+    again = zmm.estimate(tuning.model_shape("bert-1.5b"), zero["stage"], cfg["train_micro_batch_size_per_gpu"], 8,
                             8, precision="bf16", grad_accum=cfg["gradient_accumulation_steps"],
                             grad_accum_dtype=cfg["data_types"]["grad_accum_dtype"], overlap_comm=zero["overlap_comm"],
                             contiguous_gradients=zero["contiguous_gradients"],
