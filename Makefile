@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) -m bench.bert_step
 	$(PY) -m bench.image_pipeline
 	$(PY) -m bench.zero_memory
+	$(PY) -m bench.phase_overhead
 	$(PY) -m bench.startup
 
 # every wheel the toolkit needs beyond BASE (the packages the target already has), for Python PY_VER on PLATFORM;

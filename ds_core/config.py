@@ -70,6 +70,9 @@ class TrainConfig:
     eval_every: int = arg("Run the eval hook every N optimizer steps; 0 runs it once at the end.", default=0)
     throughput_warmup_steps: int = arg("Optimizer steps excluded from throughput (compilation, caches).",
                                          default=3)
+    phase_timing_every: int = arg("Time the phases of every N-th optimizer step (data, forward, backward, exposed "
+                                  "communication, optimizer step, wait for the slowest rank: ds_core.phases); 0 "
+                                  "turns it off.", default=10)
     seed: int = arg("Seed for python, numpy and torch.", default=42)
     micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
                                   default=0, aliases=["--per_device_train_batch_size"])

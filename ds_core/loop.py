@@ -22,6 +22,7 @@ from ds_core import checkpoint as ckpt
 from ds_core.config import ConfigError, TrainConfig, atomic_write_text, precision_of
 from ds_core.engine import DistInfo, set_seed, shutdown_distributed
 from ds_core.metrics import Metrics, accelerator_kind, peak_memory_bytes, peak_probe_for, peak_tflops_for
+from ds_core.phases import PhaseTimer, console_line, record_fields, summary_fields
 from ds_core.precision import resolve_precision
 from ds_core.run_dir import RunDirInUse, in_use_message, previous_run
 
@@ -265,6 +266,11 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                       sync=accel.synchronize, start_step=step, clock=clock or time.perf_counter,
                       peak_probe=peak_probe_for(kind, precision) if dist.rank == 0 else None, precision_note=note)
 
+    # [phases] sampled phase timing (ds_core.phases): marks around the four calls of a micro-step below
+    phases = PhaseTimer(cfg.phase_timing_every, rank=dist.rank, world_size=dist.world_size, device=dist.device,
+                        accelerator=accel)
+    phases.next_step = step + 1
+
     def save() -> None:
         with metrics.timed("checkpoint"):  # outside the throughput window; reported as checkpoint_s
             ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict(), "phase_start": phase_start},
@@ -291,13 +297,19 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
             batch_iter = iter(data)
             while True:
                 t_wait = metrics.clock()
+                phases.begin("data")
                 batch = next(batch_iter, _END)
+                phases.end("data")
                 metrics.data_wait(metrics.clock() - t_wait)
                 if batch is _END:
                     break
                 batches += 1
+                phases.begin("forward")
                 out = step_fn(engine, batch)
+                phases.end("forward")
+                phases.begin("backward")
                 engine.backward(out.loss)
+                phases.end("backward")
                 acc.add(out)
                 boundary = engine.is_gradient_accumulation_boundary()  # read before step() advances the counter
                 if boundary:
@@ -312,12 +324,15 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                     lrs = engine.get_lr()
                     lr = lrs[0] if lrs else None  # the LR this update uses
                     grad_norm = _fp32_grad_norm(engine)
+                phases.begin("step")
                 engine.step()
+                phases.end("step")
                 if not boundary:
                     continue
                 step += 1
                 if grad_norm is None:
                     grad_norm = engine.get_global_grad_norm()
+                logs = dict(logs, **record_fields(phases.boundary(step)))  # [phases] every rank calls boundary()
                 metrics.step(step, samples, tokens, loss=loss, lr=lr, logs=logs, grad_norm=grad_norm)
                 acc.reset()
                 if cfg.num_steps_per_checkpoint and step % cfg.num_steps_per_checkpoint == 0:
@@ -342,6 +357,7 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
             if epoch < max_epochs:
                 data.set_epoch(epoch)
         metrics.end_training()  # the throughput window closes here: the final save and eval are timed apart
+        phases.finish()  # [phases] a sample still pending (read one step late on CUDA/HPU); every rank
         if (cfg.save_final_checkpoint or stopped) and step > 0:
             save()  # a stopped run always saves: --resume continues from exactly this step
         if eval_fn is not None and not stopped and not (cfg.eval_every and step % cfg.eval_every == 0):
@@ -352,7 +368,12 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
         extra["peak_memory_kind"] = "process peak RSS" if dist.accelerator == "cpu" else "allocator peak"
         if stopped:
             extra = dict(extra, stopped=stopped, exit_status=EXIT_STOPPED)
+        extra.update(summary_fields(phases.samples, first_step=start_step + cfg.throughput_warmup_steps,
+                                    overhead_s=phases.overhead_s))  # [phases]
         summary = metrics.summary(extra)
+        if dist.rank == 0 and phases.samples:  # [phases] the console summary line
+            print(f"[ds_core] step time ({summary['phase_sampled_steps']} sampled steps): "
+                  f"{console_line(summary)}", flush=True)
     finally:
         metrics.close()
         if not stopped:

@@ -1,25 +1,10 @@
 """ZeRO memory model and config recommendation: which (ZeRO stage, micro batch, grad accumulation) fits a model.
 
-Per rank, bf16 mixed precision with Adam(W):
-
-  model states   ZeRO-2 and ZeRO-3 come from DeepSpeed's own estimators
-                 (``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``,
-                 cpu_offload=False). DeepSpeed has none for ZeRO-0 and ZeRO-1, so those are ADDED here, in the same
-                 bytes-per-parameter terms (P parameters, N data-parallel ranks):
-                   ZeRO-0: 2 bf16 params + 2 bf16 grads + 4 fp32 grads + 4 fp32 master + 8 Adam   = 20 P
-                   ZeRO-1: 2 bf16 params + 2 bf16 grads (not partitioned) + 16 P / N (fp32 grads, master, Adam)
-                 ZeRO-3 ADDS 2 P / N for the rank's bf16 parameter partition, which the estimator leaves out.
-  optimizer step ADDED: non-fused Adam (torch's, used on the CPU accelerator) allocates one fp32 temporary the size
-                 of the tensor it steps: the rank's flat partition (4 P / N) or, at ZeRO-0, the largest parameter;
-                 fused Adam on Gaudi/CUDA does not.
-  buffers        ADDED: gradient reduce bucket (reduce_bucket_size elements of bf16; x2 with overlap_comm), the
-                 ZeRO-0 all-reduce flattening buffer, the ZeRO-3 reduce-scatter staging copy and prefetch bucket.
-  activations    ADDED, per micro batch (Korthikanti et al. 2022, generalised to any FFN width):
-                 per layer s*(18h + 4i) + 5*a*s^2 bytes per sample, plus embeddings and the MLM head
-                 (bf16 logits + fp32 log-softmax + its gradient, 10*s*V); with activation checkpointing each layer
-                 keeps only its 2*s*h input and one layer is live again during its recomputation.
-  usable memory  capacity (ds_core.accelerators' table; cpu: the node's RAM over its ranks) minus 8 % for allocator
-                 fragmentation and runtime context.
+Per rank, with Adam(W): every buffer DeepSpeed 0.19 allocates for the configuration, held between steps plus the
+largest phase of a step (ds_core.zero_memory_model.estimate; each component names its deepspeed/runtime/ file and
+line; bench/zero_memory.py measures it), and activations per micro batch (zero_memory_model.activation_bytes).
+Usable memory: the capacity (ds_core.accelerators' table; cpu: the node's RAM over its ranks) minus 8 % for allocator
+fragmentation and runtime context.
 
 Models: the presets' descriptions in ds_configs/models/ (written by the model packages, see MODEL_DIR) or any HF
 config.json.
@@ -29,10 +14,9 @@ config.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
@@ -41,15 +25,13 @@ from ds_core import accelerators
 from ds_core.config import DS_CONFIG_DIR
 from ds_core.cli import ArgumentParser, flag
 from ds_core.cli import error as cli_error
+from ds_core.zero_memory_model import (DEFAULT_BUCKETS, STAGES, Estimate, ModelShape, Tower, TuningError,
+                                      estimate, grad_accum_dtype_for)
 
 GB = 1e9
 # cpu is not in ds_core.accelerators (no vendor figure): its "memory" is the machine's RAM shared by the node's ranks.
 CPU = "cpu"
 USABLE_FRACTION = 0.92
-STAGES = (0, 1, 2, 3)
-# Buckets written into the recommended DeepSpeed JSON (elements); the memory model uses the same numbers.
-DEFAULT_BUCKETS = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
-                   "stage3_prefetch_bucket_size": 50_000_000}
 # Tokens per micro batch beyond which a bigger micro batch buys little more accelerator efficiency; used only to
 # rank configurations (see recommend()).
 SATURATING_TOKENS = 4096
@@ -71,34 +53,7 @@ def shipped_models() -> list[str]:
     return sorted(p.stem for p in MODEL_DIR.glob("*.json"))
 
 
-class TuningError(ValueError):
-    """Bad model spec, accelerator or batch; the message names the value and what was expected."""
-
-
 # ----------------------------------------------------------------------------------------------- model shapes
-
-@dataclass
-class Tower:
-    """A stack of identical transformer layers seen by the activation model."""
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    intermediate: int
-    seq: int
-    cross_seq: int = 0          # >0: each layer also cross-attends to a sequence this long (BridgeTower)
-
-
-@dataclass
-class ModelShape:
-    name: str
-    params: int
-    largest_layer_params: int   # largest parameter count held directly by one module (ZeRO-3 gathers it whole)
-    towers: list
-    vocab: int                  # MLM head width (0: no token-level head)
-    head_seq: int
-    exact: bool                 # params counted on a meta-device model, not by formula
-
 
 def write_spec_main(argv: Sequence[str] | None, *, prog: str, presets: Sequence[str],
                     make_spec: Callable[[argparse.Namespace], dict],
@@ -227,116 +182,6 @@ def model_shape(model: str, seq_len: int = 0) -> ModelShape:
     return _shape_cached(model, int(seq_len or 0))
 
 
-# ------------------------------------------------------------------------------------------------ memory model
-
-@dataclass
-class Estimate:
-    stage: int
-    micro_batch: int
-    checkpointing: bool
-    parts: dict = field(default_factory=dict)    # component -> bytes per rank
-    sources: dict = field(default_factory=dict)  # component -> "deepspeed estimator" | "added"
-
-    @property
-    def model_states(self) -> float:
-        return sum(v for k, v in self.parts.items() if k.startswith("states"))
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts.values())
-
-
-def _ds_estimator(stage: int, params: int, largest: int, per_node: int, nodes: int) -> float | None:
-    """DeepSpeed's own number (bytes on the accelerator, no offload) where it has one; None for ZeRO-0/1."""
-    try:
-        if stage in (2, 3):
-            # deepspeed's first import logs (accelerator detection) to stdout; keep stdout for the report
-            with contextlib.redirect_stdout(sys.stderr):
-                import deepspeed.runtime.zero.stage3  # noqa: F401
-        if stage == 2:
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as est2
-            return float(est2(params, per_node, nodes, cpu_offload=False)[1])
-        if stage == 3:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as est3
-            return float(est3(params, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False,
-                              zero_init=True)[1])
-    except ImportError:      # same formulas, copied from deepspeed 0.19 for machines without it
-        n = per_node * nodes
-        return float(2 * params + int(18 * params / n)) if stage == 2 else float(4 * largest + int(18 * params / n))
-    return None
-
-
-def resident_state_bytes(shape: ModelShape, stage: int, ranks: int, buckets: dict | None = None) -> float:
-    """What a rank holds BETWEEN steps (no gradients in flight): bf16 params, fp32 master, Adam, plus the
-    partitioned bf16 gradient accumulators and reduce bucket that ZeRO-2/3 keep allocated. Checked by the bench
-    against the live tensors after a step; the peak estimate() adds gradients, step temporaries and activations."""
-    P, n = shape.params, ranks
-    rb = 2.0 * min(P, {**DEFAULT_BUCKETS, **(buckets or {})}["reduce_bucket_size"])
-    return {0: 14.0 * P,                           # 2 bf16 + 4 master + 8 Adam
-            1: 2.0 * P + 12.0 * P / n,             # bf16 params + partitioned master and Adam
-            2: 2.0 * P + 14.0 * P / n + rb,        # + bf16 gradient partition, contiguous reduce bucket
-            3: 16.0 * P / n + rb}[stage]           # bf16 param + grad partitions, master, Adam; reduce bucket
-
-
-def activation_bytes(shape: ModelShape, micro_batch: int, checkpointing: bool) -> float:
-    """bf16 activations kept for backward, per micro batch (see module docstring)."""
-    per_sample = 0.0
-    live_layer = 0.0
-    for t in shape.towers:
-        s, h = t.seq, t.hidden
-        layer = s * (18 * h + 4 * t.intermediate) + 5 * t.heads * s * s
-        if t.cross_seq:
-            layer += 13 * s * h + 5 * t.heads * s * t.cross_seq
-        per_sample += 7 * s * h                                    # embeddings sum, layernorm, dropout
-        per_sample += t.layers * (2 * s * h if checkpointing else layer)
-        live_layer = max(live_layer, layer)
-    if checkpointing:
-        per_sample += live_layer                                   # one layer recomputed at a time
-    if shape.vocab:
-        h = shape.towers[0].hidden
-        per_sample += shape.head_seq * (6 * h + 10 * shape.vocab)  # transform + logits/log-softmax/grad
-    return micro_batch * per_sample
-
-
-def estimate(shape: ModelShape, stage: int, micro_batch: int, ranks_per_node: int, nodes: int, *,
-             checkpointing: bool = False, fused_adam: bool = True, buckets: dict | None = None,
-             overlap_comm: bool = False) -> Estimate:
-    """Predicted peak bytes per rank, as named components."""
-    if stage not in STAGES:
-        raise TuningError(f"ZeRO stage {stage}: expected one of {STAGES}")
-    b = {**DEFAULT_BUCKETS, **(buckets or {})}
-    P, n = shape.params, ranks_per_node * nodes
-    e = Estimate(stage=stage, micro_batch=micro_batch, checkpointing=checkpointing)
-    ds = _ds_estimator(stage, P, shape.largest_layer_params, ranks_per_node, nodes)
-    if stage == 0:
-        e.parts["states: bf16 params + grads, fp32 grads + master, Adam (20 B/param)"] = 20.0 * P
-        e.sources["states"] = "added (DeepSpeed has no ZeRO-0 estimator)"
-        e.parts["buffer: all-reduce flattening"] = 2.0 * min(P, b["reduce_bucket_size"])
-    elif stage == 1:
-        e.parts["states: bf16 params + bf16 grads (4 B/param)"] = 4.0 * P
-        e.parts["states: fp32 grads + master + Adam partition (16 B/param / N)"] = 16.0 * P / n
-        e.sources["states"] = "added (DeepSpeed has no ZeRO-1 estimator)"
-    elif stage == 2:
-        e.parts["states: DeepSpeed estimate_zero2 (2 P + 18 P / N)"] = ds
-        e.sources["states"] = "deepspeed estimator"
-    else:
-        e.parts["states: DeepSpeed estimate_zero3 (4 x largest layer + 18 P / N)"] = ds
-        e.parts["states: bf16 param partition (2 P / N, added)"] = 2.0 * P / n
-        e.sources["states"] = "deepspeed estimator + bf16 partition added"
-    if stage in (1, 2, 3):
-        e.parts["buffer: gradient reduce bucket"] = 2.0 * min(P, b["reduce_bucket_size"]) * (2 if overlap_comm else 1)
-    if stage == 3:
-        # reduce_scatter_coalesced stages the whole bucket in a flat copy plus this rank's output slice
-        e.parts["buffer: reduce-scatter staging"] = 2.0 * min(P, b["reduce_bucket_size"]) * (1 + 1 / n)
-        e.parts["buffer: parameter prefetch bucket"] = 2.0 * min(P, b["stage3_prefetch_bucket_size"])
-    if not fused_adam:
-        # torch Adam makes one fp32 temporary per tensor it steps: ZeRO-1/2/3 step one flat partition (P / N);
-        # ZeRO-0 with a non-fused optimizer keeps per-parameter fp32 copies (FP16_UnfusedOptimizer): largest tensor
-        e.parts["transient: non-fused Adam temporary"] = 4.0 * (shape.largest_layer_params if stage == 0 else P / n)
-    e.parts["activations"] = activation_bytes(shape, micro_batch, checkpointing)
-    return e
-
-
 def capacity_bytes(accelerator: str, ranks_per_node: int) -> float:
     """Memory of one rank: the ds_core.accelerators row's capacity, or on cpu the node's RAM over its ranks."""
     if accelerator == CPU:
@@ -359,6 +204,7 @@ class Option:
     checkpointing: bool
     estimate: Estimate
     usable: float
+    precision: str = "bf16"
 
     @property
     def headroom(self) -> float:
@@ -374,7 +220,7 @@ def micro_batches(per_rank_batch: int, limit: int = 1024) -> list:
 
 
 def search(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, global_batch: int,
-           checkpointing: str = "auto", stages: Sequence[int] = STAGES) -> list:
+           checkpointing: str = "auto", stages: Sequence[int] = STAGES, precision: str = "bf16") -> list:
     """Every (stage, micro batch, grad accumulation, checkpointing) with its estimate; feasible or not."""
     n = ranks_per_node * nodes
     if global_batch <= 0 or global_batch % n:
@@ -387,7 +233,9 @@ def search(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int,
     fused = accelerator != CPU
     per_rank = global_batch // n
     return [Option(st, m, per_rank // m, ck,
-                   estimate(shape, st, m, ranks_per_node, nodes, checkpointing=ck, fused_adam=fused), usable)
+                   estimate(shape, st, m, ranks_per_node, nodes, checkpointing=ck, fused_adam=fused,
+                            precision=precision, grad_accum=per_rank // m,
+                            grad_accum_dtype=grad_accum_dtype_for(st, precision)), usable, precision)
             for ck in ckpts for st in stages for m in micro_batches(per_rank)]
 
 
@@ -411,18 +259,20 @@ def recommend(options: Sequence[Option], seq: int) -> Option | None:
     return min(safe or feasible, key=lambda o: rank_key(o, seq)) if feasible else None
 
 
-def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, checkpointing: str) -> list:
+def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, checkpointing: str,
+                   precision: str = "bf16") -> list:
     """Advice when nothing fits at micro batch 1."""
     usable = capacity_bytes(accelerator, ranks_per_node) * USABLE_FRACTION
     fused = accelerator != CPU
+    z3 = dict(fused_adam=fused, precision=precision, grad_accum_dtype=grad_accum_dtype_for(3, precision))
     tips = []
     if checkpointing == "off":
-        e = estimate(shape, 3, 1, ranks_per_node, nodes, checkpointing=True, fused_adam=fused)
+        e = estimate(shape, 3, 1, ranks_per_node, nodes, checkpointing=True, **z3)
         if e.total <= usable:
             tips.append("turn on activation checkpointing (--activation_checkpointing on): ZeRO-3, micro batch 1 "
                         f"then needs {e.total / GB:.1f} GB of {usable / GB:.1f} GB")
     for more in range(nodes + 1, max(nodes * 64, 1024) + 1):
-        e = estimate(shape, 3, 1, ranks_per_node, more, checkpointing=checkpointing != "off", fused_adam=fused)
+        e = estimate(shape, 3, 1, ranks_per_node, more, checkpointing=checkpointing != "off", **z3)
         if e.total <= usable:
             tips.append(f"use at least {more} nodes with ZeRO-3 (micro batch 1: {e.total / GB:.1f} GB per rank); "
                         "the global batch must stay a multiple of the rank count")
@@ -435,19 +285,24 @@ def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nod
 
 def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4, optimizer: str = "adamw") -> dict:
     """The DeepSpeed JSON for an option (DeepSpeed settings only; validates with ds_core.config.load_ds_config).
-    optimizer="none": no optimizer section, for entry points that build their own (bert_ref.train's LAMB); the
-    memory model holds for any optimizer with two fp32 states per parameter (Adam, AdamW, LAMB)."""
-    zero: dict = {"stage": o.stage, "reduce_bucket_size": DEFAULT_BUCKETS["reduce_bucket_size"]}
-    if o.stage in (1, 2):
-        zero.update(allgather_bucket_size=DEFAULT_BUCKETS["allgather_bucket_size"], overlap_comm=False,
-                    contiguous_gradients=True)
+    It states every field the memory model depends on or that changes the numerics, with the value estimate()
+    assumed, so DeepSpeed's defaults cannot differ: precision, data_types.grad_accum_dtype, the buckets,
+    overlap_comm, contiguous_gradients, reduce_scatter. optimizer="none": no optimizer section, for entry points that
+    build their own (bert_ref.train's LAMB); the model holds for any optimizer with two fp32 states per parameter."""
+    zero: dict = {"stage": o.stage, "reduce_bucket_size": DEFAULT_BUCKETS["reduce_bucket_size"],
+                  "allgather_bucket_size": DEFAULT_BUCKETS["allgather_bucket_size"], "overlap_comm": False,
+                  "contiguous_gradients": True, "reduce_scatter": True}
     if o.stage == 3:
-        zero.update(overlap_comm=False, contiguous_gradients=True,
-                    stage3_prefetch_bucket_size=DEFAULT_BUCKETS["stage3_prefetch_bucket_size"],
+        zero.update(stage3_prefetch_bucket_size=DEFAULT_BUCKETS["stage3_prefetch_bucket_size"],
+                    stage3_max_live_parameters=DEFAULT_BUCKETS["stage3_max_live_parameters"],
                     stage3_param_persistence_threshold=100_000, stage3_gather_16bit_weights_on_model_save=True)
     cfg = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": o.micro_batch,
-           "gradient_accumulation_steps": o.grad_accum, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-           "zero_optimization": zero, "steps_per_print": 1_000_000, "wall_clock_breakdown": False}
+           "gradient_accumulation_steps": o.grad_accum, "gradient_clipping": 1.0,
+           "bf16": {"enabled": o.precision == "bf16"}, "zero_optimization": zero, "steps_per_print": 1_000_000,
+           "wall_clock_breakdown": False}
+    acc = grad_accum_dtype_for(o.stage, o.precision)
+    if acc:
+        cfg["data_types"] = {"grad_accum_dtype": acc}
     if optimizer == "adamw":
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                         "weight_decay": 0.01}}
@@ -468,7 +323,7 @@ def _table(options: Sequence[Option], best: Option | None) -> str:
     for o in options:
         e = o.estimate
         lines.append(f"| {o.stage} | {o.micro_batch} | {o.grad_accum} | {'on' if o.checkpointing else 'off'} | "
-                     f"{e.model_states / GB:.2f} | {e.parts['activations'] / GB:.2f} | {e.total / GB:.2f} | "
+                     f"{e.model_states / GB:.2f} | {e.activations / GB:.2f} | {e.total / GB:.2f} | "
                      f"{o.headroom / GB:.2f} | {'**recommended**' if o is best else ''} |")
     return "\n".join(lines)
 
@@ -489,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sequence (default: the model's preset; BridgeTower: text tokens)")
     p.add_argument(*flag("--activation_checkpointing"), choices=("auto", "on", "off"), default="auto")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider (comma separated)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: mixed precision, gradients accumulated in fp32 at ZeRO >= 1 (data_types."
+                        "grad_accum_dtype, as the shipped configs); fp32: everything fp32")
     p.add_argument("--out", default="ds_config_tuned.json", help="where the recommended DeepSpeed JSON goes")
     p.add_argument("--all", action="store_true", help="also list configurations that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of markdown")
@@ -504,7 +362,7 @@ def _resolve(a: argparse.Namespace) -> tuple[ModelShape, list[Option]]:
     stages = tuple(int(s) for s in a.stages.split(","))
     shape = model_shape(a.model, a.seq_len)
     return shape, search(shape, a.accelerator, a.accelerators_per_node, a.nodes, a.global_batch,
-                         a.activation_checkpointing, stages)
+                         a.activation_checkpointing, stages, a.precision)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -522,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = a.accelerators_per_node * a.nodes
     cap = capacity_bytes(a.accelerator, a.accelerators_per_node)
     tips = [] if best else what_would_fit(shape, a.accelerator, a.accelerators_per_node, a.nodes,
-                                          a.activation_checkpointing)
+                                          a.activation_checkpointing, a.precision)
     if best:
         cfg = ds_config(best, a.global_batch, optimizer=a.optimizer)
         Path(a.out).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
@@ -537,7 +395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   "grad_accum": best.grad_accum,
                                                   "checkpointing": best.checkpointing,
                                                   "predicted_gb": best.estimate.total / GB,
-                                                  "breakdown_gb": {k: v / GB for k, v in best.estimate.parts.items()},
+                                                  "optimizer": best.estimate.optimizer,
+                                                  "resident_gb": {k: v / GB for k, v in best.estimate.parts.items()},
+                                                  "peak_phase": best.estimate.peak_phase,
+                                                  "peak_phase_gb": {k: v / GB for k, v in
+                                                                    best.estimate.phases[best.estimate.peak_phase].items()},
                                                   "ds_config": a.out},
             "advice": tips}, indent=2))
         return 0 if best else 1
@@ -546,8 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"global batch {a.global_batch}")
     print(f"Memory per rank: {cap / GB:.1f} GB, usable {cap * USABLE_FRACTION / GB:.1f} GB "
           f"({100 * (1 - USABLE_FRACTION):.0f} % kept for fragmentation and runtime).")
-    print("Model states: ZeRO-2/3 from DeepSpeed's estimators; ZeRO-0/1 formulas, the ZeRO-3 bf16 partition, "
-          "buffers and activations added by ds_core.tuning.\n")
+    print(f"Memory: every buffer DeepSpeed 0.19 allocates for the configuration ({a.precision}"
+          f"{', fp32 gradient accumulation at ZeRO >= 1' if a.precision == 'bf16' else ''}; ds_core.tuning.estimate), "
+          f"peak = held between steps + the largest phase; activations by formula.\n")
     if shown:
         print(_table(shown, best))
     else:
@@ -559,8 +422,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{e.total / GB:.2f} GB predicted, {best.headroom / GB:.2f} GB headroom.")
         if best.headroom < SAFETY_MARGIN * best.usable:
             print(f"Warning: less than {100 * SAFETY_MARGIN:.0f} % headroom; nothing else fits with more.")
+        print(f"  DeepSpeed optimizer: {e.optimizer}; held between steps {e.resident / GB:.2f} GB:")
         for k, v in e.parts.items():
-            print(f"  {k}: {v / GB:.2f} GB")
+            print(f"    {k}: {v / GB:.2f} GB")
+        print(f"  peak during {e.peak_phase}, on top: {e.phase_totals()[e.peak_phase] / GB:.2f} GB:")
+        for k, v in e.phases[e.peak_phase].items():
+            print(f"    {k}: {v / GB:.2f} GB")
         print(f"DeepSpeed JSON written to {a.out}")
         if best.checkpointing:
             print("Note: the model must enable activation checkpointing too (HF: model.gradient_checkpointing_enable()).")

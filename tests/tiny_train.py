@@ -12,12 +12,14 @@ TINY_DISK_FULL_AT=k makes every rank's checkpoint writer fail with ENOSPC at ste
 TINY_SAMPLE_LOG=DIR appends each rank's trained sample indices to DIR/samples_rank{r}.txt; TINY_DUMP_OPT=FILE saves
 the full fp32 master weights and Adam moments after training (rank 0), TINY_DUMP_OPT_ON_RESUME=FILE right after a
 resume loaded the checkpoint; TINY_NO_RESIZE=1 uses a data source without
-load_state_dicts.
+load_state_dicts. TINY_SLOW_RANK=r (with TINY_SLOW_S=seconds, default 0.2) makes rank r sleep that long in each
+forward: a straggler the other ranks wait for (ds_core.phases' wait_s).
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,6 +152,9 @@ def step_fn(engine, batch) -> StepOutput:
     nan_at = int(os.environ.get("TINY_NAN_AT_STEP", "0"))
     if nan_at and engine.global_steps + 1 == nan_at:
         loss = loss * float("nan")
+    slow = os.environ.get("TINY_SLOW_RANK")
+    if slow is not None and int(slow) == int(os.environ.get("RANK", "0")):
+        time.sleep(float(os.environ.get("TINY_SLOW_S", "0.2")))
     n = batch["input_ids"].shape[0]
     if FAKE_CLOCK is not None:
         FAKE_CLOCK.t += 1.0
