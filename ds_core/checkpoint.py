@@ -6,6 +6,8 @@ Layout under run_dir/checkpoints/:
   global_step{N}/COMPLETE    written by rank 0 after every rank finished (barrier); JSON with the fingerprint and
                              the batch numbers (train_batch_size, micro batch, accumulation, data-parallel size)
   global_step{N}/hf_model.json   the module's transformers class and config (rank 0), for `ds-ckpt export-hf`
+  global_step{N}/MANIFEST.json   every file's size and XXH3 checksum, written before COMPLETE and verified on resume
+                             (ds_core.ckpt_manifest); a checkpoint that fails is moved aside as global_step{N}.corrupt
   global_step{N}_universal/  the same step converted by DeepSpeed's ds_to_universal, made on a resume onto another
                              data-parallel size (ds_core.ckpt_resize); COMPLETE once the conversion finished
   latest                     tag of the newest COMPLETE checkpoint, replaced atomically
@@ -21,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_core import ckpt_manifest
 from ds_core.config import ConfigError, atomic_write_text
 
 COMPLETE = "COMPLETE"
@@ -51,6 +55,10 @@ def _barrier() -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rng_state() -> dict:
@@ -137,6 +145,48 @@ def latest_tag(ckpt_root: str | os.PathLike) -> str | None:
     return next((t for t in step_tags(root) if is_complete(root, t)), None)
 
 
+def select_resume_tag(ckpt_root: str | os.PathLike, strict: bool = False) -> str | None:
+    """Collective: the checkpoint a --resume loads, the same on every rank, chosen before anything is loaded, printed
+    or trimmed. The newest complete checkpoint whose files match its manifest on every rank (each rank checks its own
+    files, ds_core.ckpt_manifest.verify, and prints what is wrong: path, expected vs found). A newer one that fails is
+    moved aside as global_step{N}.corrupt once an older one verifies, `latest` then names the one loaded, and rank 0
+    says so loudly; strict (--resume_strict) refuses instead. None: no complete checkpoint."""
+    root = Path(ckpt_root)
+    first = latest_tag(root) if root.is_dir() else None
+    if first is None:
+        return None
+    rank, world = _rank(), _world()
+    tags = [first] + [t for t in step_tags(root) if t != first and is_complete(root, t)]
+    failed: list[str] = []
+    for tag in tags:
+        problems = ckpt_manifest.verify(root / tag, rank, world)
+        for p in problems or []:
+            print(f"[ds_core] rank {rank}: checkpoint {tag} failed verification: {p}", file=sys.stderr, flush=True)
+        if _any_rank(bool(problems)):
+            if strict:
+                raise CheckpointError(f"--resume_strict: checkpoint {root / tag} failed verification (each rank "
+                                      f"printed its files above: path, expected vs found); nothing was loaded. "
+                                      f"Without --resume_strict, --resume falls back to the newest checkpoint that "
+                                      f"verifies")
+            failed.append(tag)
+            continue
+        if rank == 0 and problems is None:
+            print(f"[ds_core] checkpoint {root / tag} has no manifest (written before manifests existed): its files "
+                  f"are not verified", flush=True)
+        _barrier()  # every rank has finished reading the failed ones before they move
+        if failed and rank == 0:
+            moved = [ckpt_manifest.quarantine(root / t).name for t in failed]
+            atomic_write_text(root / LATEST, tag + "\n")
+            print(f"[ds_core] WARNING: --resume falls back to {root / tag}: the newer checkpoint(s) "
+                  f"{', '.join(failed)} failed verification (problems printed above) and were moved aside as "
+                  f"{', '.join(moved)} (not deleted); training repeats the steps after {tag}. Pass --resume_strict to "
+                  f"refuse instead", file=sys.stderr, flush=True)
+        _barrier()
+        return tag
+    raise CheckpointError(f"--resume: no checkpoint under {root} verifies ({', '.join(failed)} failed; each rank "
+                          f"printed its files above: path, expected vs found); nothing was loaded or moved")
+
+
 def _free_bytes(path: Path) -> str:
     for p in (path, *path.parents):
         if p.exists():
@@ -163,9 +213,10 @@ def hf_model_info(module) -> dict | None:
 
 
 def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fingerprint: dict,
-         keep: int = 0) -> Path:
+         keep: int = 0, before_complete=None) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory. keep > 0: afterwards only the newest `keep`
-    complete checkpoints stay (see prune)."""
+    complete checkpoints stay (see prune). before_complete: called on rank 0 after every file and the manifest are
+    written and before COMPLETE (what must be on disk whenever this checkpoint counts as saved)."""
     root = Path(ckpt_root)
     tag = tag_for(step)
     path = root / tag
@@ -191,6 +242,7 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
         tmp = path / f".client_rank{_rank()}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, path / f"client_rank{_rank()}.pt")
+        ckpt_manifest.write_part(path, _rank())  # this rank's files, hashed in parallel with the other ranks'
     except (OSError, RuntimeError) as e:
         error = e
     # Every rank has finished writing its part, and the verdict is the same on all ranks. Saves are rare, so this
@@ -203,8 +255,11 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
             info = hf_model_info(engine.module)
             if info is not None:
                 atomic_write_text(path / HF_MODEL, json.dumps(info, default=str) + "\n")
+            ckpt_manifest.merge_parts(path, _world())
+            if before_complete is not None:
+                before_complete()  # e.g. the step's metrics record: durable before the step counts as saved
             atomic_write_text(path / COMPLETE, json.dumps({"step": step, "fingerprint": fingerprint,
-                                                           "batch": batch_layout(engine)}) + "\n")
+                                                           "batch": batch_layout(engine), "manifest": True}) + "\n")
             atomic_write_text(root / LATEST, tag + "\n")
         except OSError as e:
             raise CheckpointError(_write_failed(path, latest_tag(root), f"rank 0: {e}")) from e
@@ -301,7 +356,7 @@ def read_client_states(ckpt_root: str | os.PathLike, tag: str, world: int) -> li
     return states
 
 
-def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0) -> dict | None:
+def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0, tag: str | None = None) -> dict | None:
     """Load the latest complete checkpoint into `engine`; returns this rank's client state (RNG restored), or None.
     Collective.
 
@@ -311,11 +366,11 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0)
     engine must have been built with checkpoint.load_universal (ds_core.ckpt_resize.plan_resize sets it). RNG on a
     resize: a rank that existed in the saved run gets its own streams back; a new rank r gets
     ds_core.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at step 0.
-    "data" of a new rank is None."""
+    "data" of a new rank is None. tag: the checkpoint select_resume_tag chose (default: latest_tag)."""
     from ds_core.engine import set_seed
 
     root = Path(ckpt_root)
-    tag = latest_tag(root)
+    tag = tag or latest_tag(root)
     if tag is None:
         return None
     saved = json.loads((root / tag / COMPLETE).read_text())["fingerprint"]

@@ -55,6 +55,8 @@ class TrainConfig:
                                           default=0, aliases=["--save_steps"])
     save_final_checkpoint: bool = arg("Save a checkpoint when training ends.", default=True)
     resume: bool = arg("Resume from the latest complete checkpoint in run_dir/checkpoints.", default=False)
+    resume_strict: bool = arg("With --resume: refuse a checkpoint that fails verification (its manifest's sizes and "
+                              "checksums) instead of falling back to the newest one that verifies.", default=False)
     overwrite_run_dir: bool = arg("Start afresh in a run_dir that holds checkpoints or metrics: its contents are moved "
                                   "aside to a dated sibling folder (never deleted).", default=False,
                                   aliases=["--overwrite_output_dir"])
@@ -66,6 +68,10 @@ class TrainConfig:
                          default="keep_batch")
     max_steps_this_run: int = arg("Stop this process after N optimizer steps: save a checkpoint and exit with status "
                                   "75 (resume with --resume); 0 runs to max_steps.", default=0)
+    max_skipped_steps: int = arg("Stop the run (non-zero exit, `latest` kept) after more than N consecutive optimizer "
+                                 "steps skipped for a non-finite gradient norm.", default=5)
+    loss_spike_factor: float = arg("Stop the run when a step's loss exceeds this factor times the median loss of the "
+                                   "last 20 steps (0: off).", default=10.0)
     log_every: int = arg("Write a metrics record every N optimizer steps.", default=1, aliases=["--logging_steps"])
     eval_every: int = arg("Run the eval hook every N optimizer steps; 0 runs it once at the end.", default=0)
     throughput_warmup_steps: int = arg("Optimizer steps excluded from throughput (compilation, caches).",
@@ -91,6 +97,8 @@ class TrainConfig:
             ("max_epochs", self.max_epochs >= 1 or self.max_steps > 0, ">= 1 when max_steps is 0"),
             ("num_steps_per_checkpoint", self.num_steps_per_checkpoint >= 0, ">= 0"),
             ("log_every", self.log_every >= 1, ">= 1"),
+            ("max_skipped_steps", self.max_skipped_steps >= 0, ">= 0"),
+            ("loss_spike_factor", self.loss_spike_factor == 0 or self.loss_spike_factor > 1, "0 (off) or > 1"),
             ("eval_every", self.eval_every >= 0, ">= 0"),
             ("throughput_warmup_steps", self.throughput_warmup_steps >= 0, ">= 0"),
             ("micro_batch_size", self.micro_batch_size >= 0, ">= 0"),

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from ds_core import checkpoint as ckpt
+from ds_core.divergence import DivergenceGuard
 from ds_core.config import ConfigError, TrainConfig, atomic_write_text, precision_of
 from ds_core.engine import DistInfo, set_seed, shutdown_distributed
 from ds_core.metrics import Metrics, accelerator_kind, peak_memory_bytes, peak_probe_for, peak_tflops_for
@@ -208,8 +209,10 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
 
     step, epoch = 0, 0
     phase_start = 0  # step this phase started from: 0, or the step of the init_from checkpoint
-    resize = check_resize(engine, data, cfg, ckpt_root) if cfg.resume else None  # refusals before any loading
-    state = ckpt.load(engine, ckpt_root, fp, seed=cfg.seed) if cfg.resume else None
+    # verified and agreed on by every rank before anything is loaded, printed or trimmed
+    tag = ckpt.select_resume_tag(ckpt_root, strict=cfg.resume_strict) if cfg.resume else None
+    resize = check_resize(engine, data, cfg, ckpt_root) if tag else None  # refusals before any loading
+    state = ckpt.load(engine, ckpt_root, fp, seed=cfg.seed, tag=tag) if tag else None
     if state is not None:
         step, epoch = state["step"], state["epoch"]
         phase_start = state.get("phase_start", 0)
@@ -246,6 +249,12 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
     # Like HF Trainer: max_steps, when given, wins over epochs (the data source is cycled as often as needed).
     max_steps = phase_start + cfg.max_steps if cfg.max_steps else math.inf
     max_epochs = math.inf if cfg.max_steps else cfg.max_epochs
+    if state is not None and (step >= max_steps or epoch >= max_epochs):
+        # resumed from the final checkpoint: nothing to train, and no second eval or summary in metrics.jsonl
+        if dist.rank == 0:
+            print(f"[ds_core] --resume: {ckpt_root / ckpt.tag_for(step)} is this run's end (step {step}, epoch "
+                  f"{epoch}); nothing to train, no record added", flush=True)
+        return _last_summary(run_dir / "metrics.jsonl")
     kind = accelerator_kind(dist.accelerator, dist.device)
     from deepspeed.accelerator import get_accelerator
 
@@ -273,8 +282,9 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
 
     def save() -> None:
         with metrics.timed("checkpoint"):  # outside the throughput window; reported as checkpoint_s
+            # the step's record is written (and fsync'ed) before COMPLETE: a kill after it never loses the record
             ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict(), "phase_start": phase_start},
-                      fp, keep=cfg.save_total_limit)
+                      fp, keep=cfg.save_total_limit, before_complete=metrics.persist)
 
     def run_eval() -> None:
         with metrics.timed("eval"):
@@ -284,6 +294,7 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                 metrics.eval(step, logs)
 
     acc = _Accumulator(dist.device)
+    guard = DivergenceGuard(cfg.max_skipped_steps, cfg.loss_spike_factor)
     resumed_in_epoch = state is not None  # a resumed epoch may legitimately be empty (checkpoint at its very end)
     stop_request = _StopRequest()
     stop_request.install()
@@ -324,6 +335,7 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                     lrs = engine.get_lr()
                     lr = lrs[0] if lrs else None  # the LR this update uses
                     grad_norm = _fp32_grad_norm(engine)
+                    skipped_before = engine.skipped_steps
                 phases.begin("step")
                 engine.step()
                 phases.end("step")
@@ -333,7 +345,22 @@ def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: Dis
                 if grad_norm is None:
                     grad_norm = engine.get_global_grad_norm()
                 logs = dict(logs, **record_fields(phases.boundary(step)))  # [phases] every rank calls boundary()
+                grad_norm = float(grad_norm) if grad_norm is not None else None
+                skipped = engine.skipped_steps > skipped_before
+                if skipped:
+                    _keep_schedule_on_step(engine)
+                verdict = guard.observe(step, loss, skipped, grad_norm)
+                logs = dict(logs, skipped=skipped, skipped_steps=guard.total)
                 metrics.step(step, samples, tokens, loss=loss, lr=lr, logs=logs, grad_norm=grad_norm)
+                if skipped and dist.rank == 0:
+                    print(f"[ds_core] optimizer step {step} skipped by DeepSpeed (gradient norm {grad_norm}): the "
+                          f"update was not applied; the LR schedule advanced as for an applied step "
+                          f"({guard.consecutive} in a row, stop after {cfg.max_skipped_steps})", flush=True)
+                if verdict is not None:
+                    metrics.persist()
+                    raise TrainingDiverged(f"training diverged: {verdict}. Stopped without saving; the latest "
+                                           f"checkpoint is still {ckpt.latest_tag(ckpt_root) or 'none'} in "
+                                           f"{ckpt_root} (resume from it with a lower learning rate)")
                 acc.reset()
                 if cfg.num_steps_per_checkpoint and step % cfg.num_steps_per_checkpoint == 0:
                     save()
@@ -411,6 +438,27 @@ def check_resize(engine, data: Any, cfg: TrainConfig, ckpt_root: Path):
                           f"ds_core.ckpt_resize.plan_resize on its DeepSpeed config before build_engine")
     factor = new.train_batch_size / old.train_batch_size if cfg.on_resize == "scale_lr" else 1.0
     return ResizePlan(tag, cfg.on_resize, old, new, factor)
+
+
+def _last_summary(path: Path) -> dict:
+    """The last summary record of metrics.jsonl ({} if none): what a run that had already finished returns."""
+    last: dict = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("type") == "summary":
+                last = rec
+    return last
+
+
+def _keep_schedule_on_step(engine) -> None:
+    """DeepSpeed does not step the LR scheduler on a skipped update (engine._take_model_step); step it here so that
+    optimizer step k always uses schedule(k) and the schedule ends on the loop's last step (ds_core.divergence)."""
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.step()
 
 
 def apply_lr_factor(engine, factor: float) -> None:

@@ -142,6 +142,7 @@ class Metrics:
         self._unlogged: tuple | None = None  # the last step's arguments when it was not logged (see end_training)
         self._pending: dict | None = None  # a step record waiting for the saves/evals of its step
         self._pending_evals: list[dict] = []
+        self._section: list | None = None  # the timed() section in progress
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
         self._bar = None
@@ -165,18 +166,34 @@ class Metrics:
         throughput window. The accelerator is synchronised on both sides so queued step work is not billed here."""
         self.sync()
         t0 = self.clock()
+        self._section = [kind, t0]  # [kind, start of the part not yet written into a record] (see persist)
         try:
             yield
         finally:
             self.sync()
-            dt = self.clock() - t0
+            now = self.clock()
+            dt = now - t0
             self.excluded += dt
             key = f"{kind}_s"
             self.section_totals[key] = self.section_totals.get(key, 0.0) + dt
-            if self._pending is not None:
-                self._pending[key] = self._pending.get(key, 0.0) + dt
-            else:
-                self._since_log[key] = self._since_log.get(key, 0.0) + dt
+            part = now - self._section[1]
+            self._section = None
+            target = self._pending if self._pending is not None else self._since_log
+            target[key] = target.get(key, 0.0) + part
+
+    def persist(self) -> None:
+        """Write the pending step record now and fsync the file (rank 0; a no-op elsewhere). A checkpoint calls it
+        before its COMPLETE marker, so a step that counts as saved always has its record; the time of the open
+        section so far goes into that record, the rest of the section into the next one."""
+        if self._pending is not None and self._section is not None:
+            now = self.clock()
+            key = f"{self._section[0]}_s"
+            self._pending[key] = self._pending.get(key, 0.0) + now - self._section[1]
+            self._section[1] = now
+        self._flush()
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def data_wait(self, seconds: float) -> None:
         """The loop reports time spent waiting for the data source (next(batch))."""

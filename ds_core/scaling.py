@@ -60,8 +60,10 @@ class Group:
 # ---------------------------------------------------------------------------------------------------- reading
 
 def _summary_of(path: Path) -> dict:
-    """The last summary record of a metrics.jsonl; a run without one (crashed, still running) is an error."""
-    summary = None
+    """The last summary record of a metrics.jsonl that measured a throughput; a run without one (crashed, still
+    running) is an error. A summary without samples_per_s is passed over when an earlier one has it: a resume from
+    the final checkpoint used to append such a record (one with no step measured)."""
+    summary = measured = None
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -74,6 +76,9 @@ def _summary_of(path: Path) -> dict:
             raise ScalingError(f"{path}:{lineno}: not JSON ({e.msg})") from None
         if isinstance(rec, dict) and rec.get("type") == "summary":
             summary = rec
+            if rec.get("samples_per_s") is not None:
+                measured = rec
+    summary = measured or summary
     if summary is None:
         raise ScalingError(f"{path}: no {{\"type\": \"summary\"}} record (run unfinished or crashed?)")
     return summary

@@ -14,6 +14,8 @@ the full fp32 master weights and Adam moments after training (rank 0), TINY_DUMP
 resume loaded the checkpoint; TINY_NO_RESIZE=1 uses a data source without
 load_state_dicts. TINY_SLOW_RANK=r (with TINY_SLOW_S=seconds, default 0.2) makes rank r sleep that long in each
 forward: a straggler the other ranks wait for (ds_core.phases' wait_s).
+TINY_NAN_GRAD_STEPS="3,7-" makes the gradients (not the loss) NaN at optimizer step 3 and from step 7 on;
+TINY_KILL_AFTER_COMPLETE=k makes rank 0 kill -9 itself right after the checkpoint of step k is complete.
 """
 from __future__ import annotations
 
@@ -141,6 +143,13 @@ class FakeClock:
 FAKE_CLOCK = FakeClock() if os.environ.get("TINY_FAKE_CLOCK") else None
 
 
+def _nan_grad_at(step: int) -> bool:
+    for part in filter(None, os.environ.get("TINY_NAN_GRAD_STEPS", "").split(",")):
+        if part.endswith("-") and step >= int(part[:-1]) or part == str(step):
+            return True
+    return False
+
+
 def step_fn(engine, batch) -> StepOutput:
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     out = engine(input_ids=batch["input_ids"], labels=batch["labels"])
@@ -149,6 +158,8 @@ def step_fn(engine, batch) -> StepOutput:
     if (signal_at and engine.global_steps + 1 == signal_at
             and int(os.environ.get("TINY_SIGNAL_RANK", "0")) == int(os.environ.get("RANK", "0"))):
         os.kill(os.getpid(), getattr(signal, os.environ.get("TINY_SIGNAL", "SIGTERM")))
+    if _nan_grad_at(engine.global_steps + 1):
+        out.logits.register_hook(lambda g: g * float("nan"))  # finite loss, NaN gradients
     nan_at = int(os.environ.get("TINY_NAN_AT_STEP", "0"))
     if nan_at and engine.global_steps + 1 == nan_at:
         loss = loss * float("nan")
@@ -206,6 +217,17 @@ def main(argv=None) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         engine.save_checkpoint = save_then_die
+    after_complete = int(os.environ.get("TINY_KILL_AFTER_COMPLETE", "0"))
+    if after_complete and dist.rank == 0:
+        real_ckpt_save = ckpt.save  # the loop calls ds_core.checkpoint.save through the module
+
+        def save_complete_then_die(*a, **kw):
+            path = real_ckpt_save(*a, **kw)
+            if path.name == ckpt.tag_for(after_complete):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return path
+
+        ckpt.save = save_complete_then_die
     full_step = int(os.environ.get("TINY_DISK_FULL_AT", "0"))
     if full_step:
         import errno
