@@ -78,6 +78,7 @@ def test_zero1_two_ranks_host_pipeline_global_negatives_train_eval_predict(capti
                           "--dataset_path", str(caption_set), "--run_dir", str(run),
                           "--deepspeed_config", str(ds_json(tmp_path, "bridgetower_zero1_bf16.json")),
                           "--dataloader_num_workers", "1", "--eval_every", "8", "--global_negatives", "true",
+                          "--missing_splits", "fractions",
                           *COMMON])
     recs = records(run)
     assert_loss_falls(recs)
