@@ -421,8 +421,8 @@ class CaptionData:
                                         pad_to_max=self.pad_to_max,
                                         min_rows=min(MIN_CONTRASTIVE_ROWS, micro_batch) if shuffle else 1,
                                         fill_in=shuffle, bad=self.bad, first_valid=self._first_valid_batch)
-        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft, args.max_image_pixels,
-                             args.max_seq_length, self.pad_to_max, args.image_transform)
+        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft,
+                                 args.max_image_pixels, args.max_seq_length, self.pad_to_max, args.image_transform)
         self._decoder = None
         self._hpu = None
         if pipeline == "device-hpu":
