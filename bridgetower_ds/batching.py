@@ -191,7 +191,7 @@ def tokenize(tokenizer, captions: Sequence[str], max_len: int, pad_to_max: bool)
 class BadImageLog:
     """Counts distinct bad images (or raises on the first, `--bad_image error`) and keeps the first few for the
     summary. Distinct: an image that is bad in every epoch (or every evaluation) counts once, so the count is that
-    of one epoch, whatever the number of epochs; ranks see disjoint rows, so the ranks' counts add up."""
+    of one epoch, whatever the number of epochs (CaptionData.distinct_bad_images takes the union over ranks)."""
 
     def __init__(self, mode: str, rank: int = 0):
         self.mode, self.rank = mode, rank

@@ -386,8 +386,10 @@ class CaptionData:
     rank runs the same number of steps. In evaluation such batches are skipped (evaluate keeps ranks in step).
     """
 
-    # the same on every rank (counted on the whole split before it is dealt): taken from rank 0, not summed
-    shared_summary_stats = ("bad_captions",)
+    # the same on every rank: taken from rank 0, not summed. bad_captions is counted on the whole split before it is
+    # dealt; bad_images is the union of the ranks' bad images (summary_stats gathers it: in training an image meets
+    # another rank in each epoch, so summing per-rank counts would count it once per rank that met it)
+    shared_summary_stats = ("bad_captions", "bad_images")
 
     def __init__(self, args: DataArgs, table: CaptionTable, tokenizer, image_size: int, rank: int, world_size: int,
                  micro_batch: int, seed: int, device, shuffle: bool = True, pipeline: str | None = None,
@@ -485,8 +487,20 @@ class CaptionData:
             self.batches_done = -(-int(state["offset"]) // self.micro_batch)
         self.bad.restore(state.get("bad_image_names"), int(state.get("bad_images", self.bad.count)))
 
+    def distinct_bad_images(self) -> int:
+        """Distinct bad images of the split over all ranks. Every rank calls it (a collective when distributed)."""
+        import torch.distributed as tdist  # noqa: PLC0415
+
+        mine = (sorted(self.bad.seen), self.bad.count - len(self.bad.seen))
+        gathered = [mine]
+        if self.world_size > 1 and tdist.is_available() and tdist.is_initialized():
+            gathered = [None] * self.world_size
+            tdist.all_gather_object(gathered, mine)
+        return len({n for names, _ in gathered for n in names}) + sum(unnamed for _, unnamed in gathered)
+
     def summary_stats(self) -> dict:
-        out = {"bad_images": self.bad.count, "bad_captions": len(self.bad_captions),
+        """Counts for the run summary; every rank calls it (the loop does, then reduces over ranks)."""
+        out = {"bad_images": self.distinct_bad_images(), "bad_captions": len(self.bad_captions),
                "bad_image_examples": list(self.bad.examples)}
         if self.assembler.filler_batches:
             out["filler_batches"] = self.assembler.filler_batches
@@ -497,13 +511,9 @@ class CaptionData:
         return self.bad.count
 
     def result_counts(self, prefix: str) -> dict:
-        """{prefix}_bad_images (distinct, summed over ranks) and {prefix}_bad_captions for a results file, e.g.
+        """{prefix}_bad_images (distinct over all ranks) and {prefix}_bad_captions for a results file, e.g.
         eval_bad_images. Every rank calls it (a collective)."""
-        from ds_core.loop import reduce_summary_stats  # noqa: PLC0415 - data stays importable without DeepSpeed
-
-        stats = reduce_summary_stats({"bad_images": self.bad.count, "bad_captions": len(self.bad_captions)},
-                                     self.world_size, frozenset(self.shared_summary_stats))
-        return {f"{prefix}_{k}": v for k, v in stats.items()}
+        return {f"{prefix}_bad_images": self.distinct_bad_images(), f"{prefix}_bad_captions": len(self.bad_captions)}
 
     def __len__(self) -> int:
         """Batches in a full epoch on this rank."""

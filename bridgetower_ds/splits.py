@@ -62,7 +62,7 @@ def drop_bad_captions(table: CaptionTable) -> tuple[CaptionTable, list[str]]:
     bad = [i for i, c in enumerate(table.captions) if not c.strip()]
     if not bad:
         return table, []
-    names = [f"{table.source}[row {i}] ({table.name(i)})" for i in bad]
+    names = [table.name(i) if table.path(i) is None else f"{table.source}[row {i}] ({table.name(i)})" for i in bad]
     skip = set(bad)
     return take_rows(table, [i for i in range(len(table)) if i not in skip], table.source), names
 

@@ -142,3 +142,47 @@ def test_carving_sizes_follow_datasets_rounding():
     assert set(D.run_bridgetower_splits(96, False, seed=42)) == {"train", "test"}
     with pytest.raises(ValueError, match="run_bridgetower.py"):
         D.run_bridgetower_splits(1, True, seed=0)
+
+
+def _two_rank_counts(rank: int, world: int, port: int, path, q) -> None:
+    import torch.distributed as dist
+
+    from ds_core.loop import reduce_summary_stats
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        args = args_for(path)
+        data = D.build_data(D.open_dataset(args), "train", tiny_tokenizer(), S, rank, world, 2, 5, "cpu")
+        for epoch in range(4):  # each epoch deals the rows anew: a bad image meets both ranks
+            data.set_epoch(epoch)
+            collect(data)
+        stats = reduce_summary_stats(data.summary_stats(), world, frozenset(data.shared_summary_stats))  # the loop's
+        q.put((rank, stats["bad_images"], stats["bad_captions"], data.result_counts("train"), sorted(data.bad.seen)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two gloo processes (tens of seconds on a loaded 2-core machine)
+def test_bad_image_counts_are_distinct_over_ranks_and_epochs(tmp_path):
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    path = make_manifest(tmp_path, n=10, bad=["missing1.jpg", "missing2.jpg"])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[3]["caption"] = ""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ctx, port = mp.get_context("spawn"), free_port()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_two_rank_counts, args=(r, 2, port, path, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+    per_rank = [set(g[4]) for g in got]
+    assert per_rank[0] & per_rank[1], "the test needs an image met by both ranks"
+    for _, bad_images, bad_captions, counts, _ in got:
+        assert (bad_images, bad_captions) == (2, 1)
+        assert counts == {"train_bad_images": 2, "train_bad_captions": 1}
