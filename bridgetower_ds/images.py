@@ -465,9 +465,12 @@ class CudaDecoder(DeviceDecoder):
                     continue
                 th, tw, top, left = geometry(img.shape[-2], img.shape[-1], self.size, self.transform)
                 x = img.unsqueeze(0)
-                if x.shape[-2:] != (th, tw):
-                    x = resize_float(x.float(), (th, tw))
-                out[i] = crop_at(x, top, left, self.size, self.transform)[0]
+                try:
+                    if x.shape[-2:] != (th, tw):
+                        x = resize_float(x.float(), (th, tw))
+                    out[i] = crop_at(x, top, left, self.size, self.transform)[0]
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory on one huge image: named, not a crash
+                    bad.append(BadImage(names[i], f"resize/crop on {self.device} failed: {type(e).__name__}: {e}"))
         if cpu_rows:
             cpu_rows.sort()
             arrs, keep, cbad = self.cpu.decode_u8([items[i] for i in cpu_rows], [names[i] for i in cpu_rows])
