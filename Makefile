@@ -47,6 +47,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m bert_ref.demo --out demo_out
+	$(PY) -m bridgetower_ds.demo --out demo_out/bridgetower
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 tests

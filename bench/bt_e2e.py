@@ -130,7 +130,8 @@ def run_ours(manifest: str, steps: int, warmup: int, batch: int, workers: int, w
     (work / "ds_zero0_fp32.json").write_text(json.dumps(ds))
     run_dir = work / "ours_run"
     cmd = [sys.executable, "-m", "bridgetower_ds.train", "--do_train", "--preset", "debug",
-           "--dataset_path", manifest, "--validation_fraction", "0", "--test_fraction", "0",
+           "--dataset_path", manifest, "--missing_splits", "fractions", "--validation_fraction", "0",
+           "--test_fraction", "0", "--image_transform", "processor",  # the baseline's BridgeTowerImageProcessor
            "--deepspeed_config", str(work / "ds_zero0_fp32.json"), "--run_dir", str(run_dir),
            "--max_steps", str(warmup + steps), "--throughput_warmup_steps", str(warmup),
            "--dataloader_num_workers", str(workers), "--max_seq_length", str(MAX_SEQ), "--pad_to_max_length", "true",

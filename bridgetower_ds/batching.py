@@ -189,18 +189,32 @@ def tokenize(tokenizer, captions: Sequence[str], max_len: int, pad_to_max: bool)
 
 # ---------------------------------------------------------------------------------------------------- bad images
 class BadImageLog:
-    """Counts bad images (or raises on the first, `--bad_image error`) and keeps the first few for the summary."""
+    """Counts distinct bad images (or raises on the first, `--bad_image error`) and keeps the first few for the
+    summary. Distinct: an image that is bad in every epoch (or every evaluation) counts once, so the count is that
+    of one epoch, whatever the number of epochs (CaptionData.distinct_bad_images takes the union over ranks)."""
 
     def __init__(self, mode: str, rank: int = 0):
         self.mode, self.rank = mode, rank
-        self.count = 0
+        self.seen: set[str] = set()
+        self._unnamed = 0  # restored from a checkpoint saved before names were kept
         self.examples: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return self._unnamed + len(self.seen)
+
+    def restore(self, names: Sequence[str] | None, count: int = 0) -> None:
+        """The state saved in a checkpoint: the bad images' names (and the count, for states without names)."""
+        self.seen = set(names or ())
+        self._unnamed = max(0, int(count or 0) - len(self.seen))
 
     def record(self, bad: Sequence[tuple[str, str]]) -> None:
         for name, reason in bad:
             if self.mode == "error":
                 raise BadImage(name, reason + " (--bad_image error; use --bad_image skip to drop such images)")
-            self.count += 1
+            if name in self.seen:
+                continue
+            self.seen.add(name)
             entry = f"{name}: {reason}"
             if len(self.examples) < MAX_BAD_EXAMPLES and entry not in self.examples:
                 self.examples.append(entry)

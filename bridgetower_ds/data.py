@@ -3,7 +3,13 @@
 Sources (`--dataset_format auto` detects them): a `save_to_disk` directory (Dataset or DatasetDict), an imagefolder
 directory (images + metadata.jsonl/csv, split sub-folders optional), or a manifest file (.jsonl, .json, .csv) whose
 rows hold an image path (relative to the manifest's folder) and a caption. Missing validation/test splits are carved
-out of train deterministically (`split_seed`), so every rank and every rerun sees the same split.
+out of train deterministically, so every rank and every rerun sees the same split: as run_bridgetower.py does it
+(`--missing_splits run_bridgetower`: no test split -> datasets' train_test_split(test_size=0.4, shuffle=True,
+seed=<training seed>), and without a validation split that 40 % is halved, unshuffled, into validation and test), or
+by fractions (`--missing_splits fractions`: --validation_fraction, --test_fraction, --split_seed; the behaviour before).
+Rows whose caption is empty, null or missing are skipped and counted (`bad_captions`; an empty caption would train
+as "<s></s>"); bad images are counted once per distinct image. Both counts are summed over ranks and reported in the
+train, eval and predict results.
 
 Order, rank share and resume position come from batching.BatchPlan (pure); every pipeline turns decoded rows into a
 batch with batching.BatchAssembler. The position saved in checkpoints is a point in the epoch's global sample order;
@@ -35,10 +41,13 @@ from ds_core.sample_log import SampleLog
 from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length,
                        resume_window)
 from .fetch import FetchBatch, PlanSampler, identity
-from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, BadImage, host_transform, make_device_decoder,  # noqa: F401
-                     normalize, read_bytes, resolve_pipeline)
+from .splits import (carve_splits, check_dataset, drop_bad_captions, limit_rows, run_bridgetower_splits,  # noqa: F401
+                     take_rows)
+from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, TRANSFORMS, BadImage, host_transform,  # noqa: F401
+                     make_device_decoder, normalize, read_bytes, resolve_pipeline)
 
 FORMATS = ("auto", "hf", "imagefolder", "json", "jsonl", "csv")
+SPLIT_POLICIES = ("run_bridgetower", "fractions")
 ROLES = ("train", "validation", "test")
 
 
@@ -67,6 +76,13 @@ class DataArgs:
     test_fraction: float = field(default=0.1, metadata={
         "help": "Share of train carved out as test when the data has no test split."})
     split_seed: int = field(default=42, metadata={"help": "Seed of the deterministic carve-out of missing splits."})
+    missing_splits: str = field(default="run_bridgetower", metadata={
+        "help": "run_bridgetower: no test split -> 40 % of train held out with the training seed, halved into "
+                "validation and test when there is no validation split either (run_bridgetower.py's "
+                "train_test_split calls); fractions: --validation_fraction / --test_fraction with --split_seed."})
+    image_transform: str = field(default="run_bridgetower", metadata={
+        "help": "run_bridgetower: torchvision Resize([S], bicubic) + CenterCrop(S) as run_bridgetower.py trains; "
+                "processor: BridgeTowerImageProcessor's geometry (size divisor 32, long-side cap, zero padding)."})
     image_pipeline: str = field(default="host", metadata={
         "help": "host: decode/resize/crop in DataLoader workers, normalize on the accelerator; device: decode on "
                 "the accelerator (HPU media pipe, CUDA nvJPEG, or a CPU thread pool); auto: best available."})
@@ -95,6 +111,10 @@ class DataArgs:
             raise ConfigError(f"--dataset_format must be one of {FORMATS}, got {self.dataset_format!r}")
         if self.image_pipeline not in ("host", "device", "auto"):
             raise ConfigError(f"--image_pipeline must be host, device or auto, got {self.image_pipeline!r}")
+        if self.missing_splits not in SPLIT_POLICIES:
+            raise ConfigError(f"--missing_splits must be one of {SPLIT_POLICIES}, got {self.missing_splits!r}")
+        if self.image_transform not in TRANSFORMS:
+            raise ConfigError(f"--image_transform must be one of {TRANSFORMS}, got {self.image_transform!r}")
         if self.bad_image not in ("skip", "error"):
             raise ConfigError(f"--bad_image must be skip or error, got {self.bad_image!r}")
         for name in ("validation_fraction", "test_fraction"):
@@ -290,25 +310,13 @@ def load_tables(args: DataArgs) -> dict[str, CaptionTable]:
                             base, f"{path}:{k}") for k, v in out.items()}
 
 
-def carve_splits(n: int, need_val: bool, need_test: bool, val_fraction: float, test_fraction: float,
-                 seed: int) -> dict[str, np.ndarray]:
-    """Deterministic rows of train/validation/test out of n training rows (only the missing ones are carved)."""
-    perm = np.random.default_rng(seed).permutation(n)
-    n_test = int(round(n * test_fraction)) if need_test else 0
-    n_val = int(round(n * val_fraction)) if need_val else 0
-    if need_test and n_test == 0 and test_fraction > 0 and n >= 3:  # tiny data: still one row per asked-for split
-        n_test = 1
-    if need_val and n_val == 0 and val_fraction > 0 and n >= 3:
-        n_val = 1
-    return {"test": perm[:n_test], "validation": perm[n_test:n_test + n_val], "train": perm[n_test + n_val:]}
-
-
 class Splits:
     """The dataset of one run, opened once; train/validation/test tables, missing ones carved out of train once
-    (deterministically, `split_seed`). Every evaluation of the run reuses the same tables."""
+    (deterministically: `--missing_splits`, with the training `seed` or `split_seed`). Every evaluation of the run
+    reuses the same tables."""
 
-    def __init__(self, args: DataArgs, tables: dict[str, CaptionTable] | None = None):
-        self.args = args
+    def __init__(self, args: DataArgs, tables: dict[str, CaptionTable] | None = None, seed: int = 42):
+        self.args, self.seed = args, seed
         self.tables = tables if tables is not None else load_tables(args)
         self.names = {"train": args.train_split, "validation": args.validation_split, "test": args.test_split}
         self._carved: dict[str, np.ndarray] | None = None
@@ -337,6 +345,17 @@ class Splits:
                            f"it from (splits: {sorted(tables)})")
         train = tables[names["train"]]
         need_val, need_test = names["validation"] not in tables, names["test"] not in tables
+        if args.missing_splits == "run_bridgetower":
+            if not need_test:  # run_bridgetower.py carves only when there is no test split
+                if role == "validation":
+                    raise KeyError(f"{args.dataset_path or args.dataset_name}: no split {names['validation']!r} "
+                                   f"(splits: {sorted(tables)}); run_bridgetower.py carves one only when there is "
+                                   "no test split either. Pass --missing_splits fractions to carve "
+                                   "--validation_fraction of train")
+                return train
+            if self._carved is None:
+                self._carved = run_bridgetower_splits(len(train), need_val, self.seed)
+            return take_rows(train, self._carved[role], f"{train.source}->{role}(run_bridgetower, seed {self.seed})")
         if role == "train" and not (need_val or need_test):
             return train
         if self._carved is None:
@@ -345,25 +364,16 @@ class Splits:
         return train.subset(self._carved[role], f"{train.source}->{role}(seed {args.split_seed})")
 
 
-def open_dataset(args: DataArgs) -> Splits:
-    """Open the run's dataset once (the splits are carved on first use and kept)."""
-    return Splits(args)
+def open_dataset(args: DataArgs, seed: int = 42) -> Splits:
+    """Open the run's dataset once (the splits are carved on first use and kept); `seed`: the training seed, which
+    carves missing splits under --missing_splits run_bridgetower."""
+    return Splits(args, seed=seed)
 
 
-def select_split(args: DataArgs, split: str, tables: dict[str, CaptionTable] | None = None) -> CaptionTable:
+def select_split(args: DataArgs, split: str, tables: dict[str, CaptionTable] | None = None,
+                 seed: int = 42) -> CaptionTable:
     """One table without keeping the Splits (tests, tools); a run uses open_dataset once."""
-    return Splits(args, tables).get(split)
-
-
-def limit_rows(args: DataArgs, split: str, table: CaptionTable) -> CaptionTable:
-    """The first --max_{train,eval,predict}_samples rows of a split (transformers' scripts: select(range(N)))."""
-    names = {"train": args.train_split, "validation": args.validation_split, "test": args.test_split}
-    role = split if split in names else next((r for r, n in names.items() if n == split), split)
-    limit = {"train": args.max_train_samples, "validation": args.max_eval_samples,
-             "test": args.max_predict_samples}.get(role, 0)
-    if not limit or limit >= len(table):
-        return table
-    return table.subset(np.arange(limit), f"{table.source}[:{limit}]")
+    return Splits(args, tables, seed).get(split)
 
 
 # ---------------------------------------------------------------------------------------------------- data source
@@ -376,12 +386,19 @@ class CaptionData:
     rank runs the same number of steps. In evaluation such batches are skipped (evaluate keeps ranks in step).
     """
 
+    # the same on every rank: taken from rank 0, not summed. bad_captions is counted on the whole split before it is
+    # dealt; bad_images is the union of the ranks' bad images (summary_stats gathers it: in training an image meets
+    # another rank in each epoch, so summing per-rank counts would count it once per rank that met it)
+    shared_summary_stats = ("bad_captions", "bad_images")
+
     def __init__(self, args: DataArgs, table: CaptionTable, tokenizer, image_size: int, rank: int, world_size: int,
                  micro_batch: int, seed: int, device, shuffle: bool = True, pipeline: str | None = None,
-                 media_pipe_iterator=None):
+                 media_pipe_iterator=None, bad_captions: Sequence[str] = ()):
         """media_pipe_iterator: with pipeline "device-hpu", what builds the pipe's output iterator (default: the
-        Habana media pipe; tests pass a stand-in decoder, see hpu_media.HpuMediaLoader)."""
+        Habana media pipe; tests pass a stand-in decoder, see hpu_media.HpuMediaLoader). bad_captions: names of the
+        split's rows dropped for their caption (drop_bad_captions), counted in the results."""
         self.args, self.table, self.tokenizer = args, table, tokenizer
+        self.bad_captions = list(bad_captions)
         self.size = int(args.image_size or image_size)
         if self.size < 1:
             raise ConfigError("image size unknown: pass image_size (the model's vision image size) or --image_size")
@@ -406,8 +423,8 @@ class CaptionData:
                                         pad_to_max=self.pad_to_max,
                                         min_rows=min(MIN_CONTRASTIVE_ROWS, micro_batch) if shuffle else 1,
                                         fill_in=shuffle, bad=self.bad, first_valid=self._first_valid_batch)
-        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft, args.max_image_pixels,
-                             args.max_seq_length, self.pad_to_max)
+        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft,
+                                 args.max_image_pixels, args.max_seq_length, self.pad_to_max, args.image_transform)
         self._decoder = None
         self._hpu = None
         if pipeline == "device-hpu":
@@ -416,7 +433,7 @@ class CaptionData:
             self._hpu = HpuMediaLoader(self, media_pipe_iterator)
         elif pipeline != "host":
             self._decoder = make_device_decoder(pipeline, self.size, self.device, args.jpeg_draft,
-                                                args.max_image_pixels, args.decode_threads)
+                                                args.max_image_pixels, args.decode_threads, args.image_transform)
         self._loader = None
 
     # -- the plan, as every pipeline reads it
@@ -436,7 +453,7 @@ class CaptionData:
                                                                               self.window),
                 "window": list(self.window) if self.window else None,
                 "seed": self.seed, "world_size": self.world_size, "micro_batch": self.micro_batch,
-                "rows": len(self.table), "bad_images": self.bad.count}
+                "rows": len(self.table), "bad_images": self.bad.count, "bad_image_names": sorted(self.bad.seen)}
 
     def load_state_dicts(self, states: list[dict]) -> None:
         """Resume from the saved states of ALL ranks of a checkpoint (rank order). Same world size and micro batch:
@@ -450,7 +467,9 @@ class CaptionData:
             self.set_epoch(*resume_window(states, len(self.table), self.seed))
         except ValueError as e:
             raise ValueError(f"{self.table.source}: {e}") from None
-        self.bad.count = sum(int(st.get("bad_images", 0)) for st in states[self.rank::self.world_size])
+        mine = states[self.rank::self.world_size]  # the saved ranks' distinct bad images, dealt to keep the total
+        self.bad.restore([n for st in mine for n in st.get("bad_image_names") or ()],
+                         sum(int(st.get("bad_images", 0)) for st in mine))
 
     def load_state_dict(self, state: dict) -> None:
         saved = {k: state.get(k, now) for k, now in (("world_size", self.world_size), ("rows", len(self.table)),
@@ -466,10 +485,23 @@ class CaptionData:
             self.batches_done = self.plan.batches_done(self.epoch, int(state["sample_offset"]), self.window)
         else:  # positions saved before the global offset: rows into this rank's list
             self.batches_done = -(-int(state["offset"]) // self.micro_batch)
-        self.bad.count = int(state.get("bad_images", self.bad.count))
+        self.bad.restore(state.get("bad_image_names"), int(state.get("bad_images", self.bad.count)))
+
+    def distinct_bad_images(self) -> int:
+        """Distinct bad images of the split over all ranks. Every rank calls it (a collective when distributed)."""
+        import torch.distributed as tdist  # noqa: PLC0415
+
+        mine = (sorted(self.bad.seen), self.bad.count - len(self.bad.seen))
+        gathered = [mine]
+        if self.world_size > 1 and tdist.is_available() and tdist.is_initialized():
+            gathered = [None] * self.world_size
+            tdist.all_gather_object(gathered, mine)
+        return len({n for names, _ in gathered for n in names}) + sum(unnamed for _, unnamed in gathered)
 
     def summary_stats(self) -> dict:
-        out = {"bad_images": self.bad.count, "bad_image_examples": list(self.bad.examples)}
+        """Counts for the run summary; every rank calls it (the loop does, then reduces over ranks)."""
+        out = {"bad_images": self.distinct_bad_images(), "bad_captions": len(self.bad_captions),
+               "bad_image_examples": list(self.bad.examples)}
         if self.assembler.filler_batches:
             out["filler_batches"] = self.assembler.filler_batches
         return out
@@ -477,6 +509,11 @@ class CaptionData:
     @property
     def bad_images(self) -> int:
         return self.bad.count
+
+    def result_counts(self, prefix: str) -> dict:
+        """{prefix}_bad_images (distinct over all ranks) and {prefix}_bad_captions for a results file, e.g.
+        eval_bad_images. Every rank calls it (a collective)."""
+        return {f"{prefix}_bad_images": self.distinct_bad_images(), f"{prefix}_bad_captions": len(self.bad_captions)}
 
     def __len__(self) -> int:
         """Batches in a full epoch on this rank."""
@@ -541,7 +578,7 @@ class CaptionData:
         """The epoch's first rows of this rank that decode (host path, bad images not counted twice), enough for a
         contrastive batch: the fill-in before any good batch was seen."""
         host = FetchBatch(self.table, self.tokenizer, self.size, True, self.args.jpeg_draft, self.args.max_image_pixels,
-                      self.args.max_seq_length, self.pad_to_max)
+                          self.args.max_seq_length, self.pad_to_max, self.args.image_transform)
         need = self.assembler.min_rows
         order = np.concatenate(self._batches) if self._batches else self.plan.order(self.epoch)
         rows: list[int] = []
@@ -567,8 +604,13 @@ def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int
                micro_batch: int, seed: int, device, shuffle: bool = True) -> CaptionData:
     """The per-rank DataSource for `split` (train|validation|test or the configured split names) of the run's
     dataset (open it once with open_dataset)."""
-    table = limit_rows(splits.args, split, splits.get(split))
+    table, bad_captions = drop_bad_captions(limit_rows(splits.args, split, splits.get(split)))
+    where = splits.args.dataset_path or splits.args.dataset_name
+    if bad_captions and rank == 0:
+        print(f"[bridgetower_ds] {where} split {split!r}: skipping {len(bad_captions)} rows with an empty, null or "
+              f"missing caption (first: {', '.join(bad_captions[:3])})", flush=True)
     if len(table) == 0:
-        raise ValueError(f"{splits.args.dataset_path or splits.args.dataset_name}: split {split!r} is empty")
+        raise ValueError(f"{where}: split {split!r} is empty" +
+                         (f" ({len(bad_captions)} rows without a caption)" if bad_captions else ""))
     return CaptionData(splits.args, table, tokenizer, image_size, rank, world_size, micro_batch, seed, device,
-                       shuffle)
+                       shuffle, bad_captions=bad_captions)

@@ -33,9 +33,10 @@ class FetchBatch(torch.utils.data.Dataset):
     their tokens; rows whose image is already known bad are dropped here and reported."""
 
     def __init__(self, table: "CaptionTable", tokenizer, size: int, host: bool, draft: bool, max_pixels: int,
-                 max_len: int, pad_to_max: bool):
+                 max_len: int, pad_to_max: bool, transform: str = "processor"):
         self.table, self.tokenizer, self.size, self.host = table, tokenizer, size, host
         self.draft, self.max_pixels, self.max_len, self.pad_to_max = draft, max_pixels, max_len, pad_to_max
+        self.transform = transform
 
     def __len__(self) -> int:
         return len(self.table)
@@ -47,9 +48,11 @@ class FetchBatch(torch.utils.data.Dataset):
             data, name = self.table.load(int(r))
             if self.host and not isinstance(data, BadImage):
                 try:
-                    data = host_transform(data, name, self.size, self.draft, self.max_pixels)
+                    data = host_transform(data, name, self.size, self.draft, self.max_pixels, self.transform)
                 except BadImage as e:
                     data = e
+                except Exception as e:  # noqa: BLE001 - an error escaping a worker would name no image
+                    data = BadImage(name, f"{type(e).__name__}: {e}")
             if isinstance(data, BadImage):  # dropped here; device decoders report their own failures
                 bad.append((data.name, data.reason))
                 continue

@@ -8,7 +8,11 @@ and habana_frameworks.mediapipe.plugins.iterator_pytorch.HPUGenericPytorchIterat
 
 Differences from the host pipeline, stated rather than hidden: the decoder's CENTER_CROP takes the largest centered
 square and resizes it to S x S, which equals "shorter side to S, then center crop" except for the reference's
-size_divisor flooring and its 1333/800 long-side cap (aspect > 1.67 pads in the reference). The HPU decoder reads
+size_divisor flooring and its 1333/800 long-side cap (aspect > 1.67 pads in the reference). So the pipe has one
+geometry whatever `--image_transform` says: the region run_bridgetower.py's Resize([S]) + CenterCrop(S) keeps (up to
+a pixel of crop offset), resampled by the media decoder's bicubic, which is not torchvision's antialias filter: pixel
+equality with the host pipeline is not claimed on HPU (it is, and tested, for the CPU and CUDA decoders). The HPU
+decoder reads
 JPEG files only (images stored as bytes in a dataset are written to files once: `--image_cache_dir`), at a
 fixed batch size: rows that are not plain RGB/grayscale JPEG files (missing, empty, truncated
 without an EOI marker, PNG content, CMYK) are replaced by a known-good file and dropped after decoding, and count as

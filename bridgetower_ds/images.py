@@ -1,9 +1,19 @@
 """Image decode / resize / crop / normalize for BridgeTower, host side and on the accelerator.
 
-Geometry mirrors transformers' BridgeTowerImageProcessor exactly: the shorter side goes to S, the longer side is capped
-at int(1333/800*S), both are floored to a multiple of `size_divisor` (32), then an S x S center crop that zero-pads
-when the resized image is smaller than S (very wide or tall images). Zero padding happens in uint8 space, before
-normalization, as in the reference.
+Two geometries (`--image_transform`, both on the host and on the device pipelines, equal to each other):
+- "run_bridgetower" (the default: what optimum-habana's examples/contrastive-image-text/run_bridgetower.py trains
+  with): torchvision `Resize([S], bicubic)` (shorter side to S, longer side int(S * long / short), antialias as
+  torchvision does for tensors), `CenterCrop(S)` (offsets int(round((side - S) / 2))), float, CLIP `Normalize`.
+  The resize is torchvision's uint8-tensor path (float32 interpolate, clamp, round): exact against torchvision for
+  images read as uint8 tensors; for images the script turns into float tensors first (`to_tensor`, datasets with
+  image bytes) the only difference is that rounding to a grey level (<= 0.5 level, plus overshoot clamped).
+  Alpha is dropped as PIL's convert("RGB") does.
+- "processor": transformers' BridgeTowerImageProcessor exactly: the shorter side goes to S, the longer side is capped
+  at int(1333/800*S), both are floored to a multiple of `size_divisor` (32), then an S x S center crop that zero-pads
+  when the resized image is smaller than S (very wide or tall images). Zero padding happens in uint8 space, before
+  normalization, as in the reference. Where the reference's flooring would leave a side of 0 pixels (aspect ratio
+  past ~(1333/800 * S) / 31, e.g. 2000 x 60 at S = 64; the reference fails on such an image) the side keeps its
+  unfloored size (>= 1), so every aspect ratio decodes.
 
 Speed: JPEGs are decoded at a reduced DCT scale (1/2, 1/4, 1/8) when that still leaves at least the
 resize target (`--jpeg_draft`, PIL's `Image.draft` semantics), and pixels stay uint8 until the accelerator normalizes
@@ -50,6 +60,7 @@ SIZE_DIVISOR = 32
 # --max_image_pixels; PIL itself still refuses non-JPEG images above 2x its limit (also reported as bad images).
 DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 JPEG_MAGIC = b"\xff\xd8\xff"
+TRANSFORMS = ("run_bridgetower", "processor")
 
 
 class BadImage(Exception):
@@ -73,18 +84,37 @@ def resize_target(height: int, width: int, shorter: int, size_divisor: int = SIZ
     if max(new_h, new_w) > longer:
         scale = longer / max(new_h, new_w)
         new_h, new_w = scale * new_h, scale * new_w
-    new_h, new_w = int(new_h + 0.5), int(new_w + 0.5)
-    return new_h // size_divisor * size_divisor, new_w // size_divisor * size_divisor
+    new_h, new_w = max(1, int(new_h + 0.5)), max(1, int(new_w + 0.5))
+    # The reference floors to the divisor; a side shorter than the divisor would become 0 (and fail): keep it.
+    return new_h // size_divisor * size_divisor or new_h, new_w // size_divisor * size_divisor or new_w
 
 
-def check_geometry(height: int, width: int, size: int, name: str) -> None:
-    """BadImage for an aspect ratio so extreme that the processor's resize gives a side of 0 px (e.g. 4000 x 100 at
-    294: the longer-side cap and the floor to 32 leave 0 rows). transformers' processor fails there too, with an
-    interpolate error; here it is a bad image, named, instead of a crash inside a loader worker."""
-    th, tw = resize_target(height, width, size)
-    if th < 1 or tw < 1:
-        raise BadImage(name, f"{width} x {height} px resizes to {tw} x {th} at image size {size} (aspect ratio "
-                             f"{max(height, width) / max(1, min(height, width)):.0f}:1 too extreme)")
+def tv_resize_target(height: int, width: int, size: int) -> tuple[int, int]:
+    """(new_h, new_w) of torchvision's Resize([size]): shorter side to size, longer int(size * long / short)
+    (torchvision.transforms.functional._compute_resized_output_size, no max_size). Never 0: long >= short."""
+    short, long = (width, height) if width <= height else (height, width)
+    new_long = int(size * long / short)
+    return (new_long, size) if width <= height else (size, new_long)
+
+
+def geometry(height: int, width: int, size: int, transform: str = "processor") -> tuple[int, int, int, int]:
+    """(resize_h, resize_w, crop_top, crop_left) of one image under `transform` (see the module docstring).
+    Offsets are negative where the processor pads (crop_or_pad)."""
+    if transform == "processor":
+        th, tw = resize_target(height, width, size)
+        return th, tw, (th - size) // 2, (tw - size) // 2
+    if transform == "run_bridgetower":
+        th, tw = tv_resize_target(height, width, size)
+        # torchvision's center_crop: int(round(...)), Python's round (half to even), as written there
+        return th, tw, int(round((th - size) / 2.0)), int(round((tw - size) / 2.0))
+    raise ConfigError(f"--image_transform must be one of {', '.join(TRANSFORMS)}, got {transform!r}")
+
+
+def crop_at(img: torch.Tensor, top: int, left: int, size: int, transform: str = "processor") -> torch.Tensor:
+    """The S x S crop of a resized [..., H, W] tensor at the offsets `geometry` gave (the processor zero-pads)."""
+    if transform == "processor":
+        return crop_or_pad(img, size)
+    return img[..., top:top + size, left:left + size]
 
 
 def crop_or_pad(img: torch.Tensor, size: int) -> torch.Tensor:
@@ -157,25 +187,26 @@ def to_8bit(im: Image.Image, name: str) -> Image.Image:
     return Image.fromarray(((arr + 128) // 257).astype(np.uint8), "L")
 
 
-def to_rgb(im: Image.Image) -> Image.Image:
-    """RGB, compositing transparency onto white exactly as transformers' convert_to_rgb does; CMYK/L/P converted."""
+def to_rgb(im: Image.Image, composite_alpha: bool = True) -> Image.Image:
+    """RGB, compositing transparency onto white exactly as transformers' convert_to_rgb does (composite_alpha), or
+    dropping it as PIL's convert("RGB") does (run_bridgetower.py); CMYK/L/P converted."""
     if im.mode == "RGB":
         return im
-    if "A" in im.getbands() or im.info.get("transparency") is not None:
+    if composite_alpha and ("A" in im.getbands() or im.info.get("transparency") is not None):
         im = im.convert("RGBA")
         bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
         return Image.alpha_composite(bg, im).convert("RGB")
     return im.convert("RGB")
 
 
-def draft_scale(height: int, width: int, size: int) -> int:
+def draft_scale(height: int, width: int, size: int, transform: str = "processor") -> int:
     """The DCT reduction (1, 2, 4, 8) PIL's draft would pick: the largest that keeps >= the resize target."""
-    th, tw = resize_target(height, width, size)
+    th, tw = geometry(height, width, size, transform)[:2]
     scale = max(1, min(width // max(tw, 1), height // max(th, 1)))  # 0 when upsampling
     return next(s for s in (8, 4, 2, 1) if scale >= s)
 
 
-def _decode_turbo(data: bytes, name: str, size: int, draft: bool, max_pixels: int):
+def _decode_turbo(data: bytes, name: str, size: int, draft: bool, max_pixels: int, transform: str):
     """simplejpeg fast path for plain JPEGs; None -> let PIL handle it (CMYK, odd files, real errors)."""
     try:
         h, w, colorspace, _ = simplejpeg.decode_jpeg_header(data)
@@ -185,7 +216,7 @@ def _decode_turbo(data: bytes, name: str, size: int, draft: bool, max_pixels: in
         return None
     if w * h > max_pixels:
         raise BadImage(name, f"{w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (decompression bomb guard)")
-    s = draft_scale(h, w, size) if draft else 1
+    s = draft_scale(h, w, size, transform) if draft else 1
     try:
         arr = simplejpeg.decode_jpeg(data, "RGB", min_height=-(-h // s), min_width=-(-w // s))
     except ValueError:  # truncated / corrupt: PIL decides and words the error
@@ -193,22 +224,22 @@ def _decode_turbo(data: bytes, name: str, size: int, draft: bool, max_pixels: in
     return arr, (h, w)
 
 
-def decode(data: bytes, name: str, size: int, draft: bool = True,
-           max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, tuple[int, int]]:
+def decode(data: bytes, name: str, size: int, draft: bool = True, max_pixels: int = DEFAULT_MAX_PIXELS,
+           transform: str = "processor") -> tuple[np.ndarray, tuple[int, int]]:
     """Decode to RGB uint8 HWC. Returns (pixels, (orig_h, orig_w)); pixels may be DCT-reduced when `draft`."""
     if simplejpeg is not None and data[:3] == JPEG_MAGIC:
-        out = _decode_turbo(data, name, size, draft, max_pixels)
+        out = _decode_turbo(data, name, size, draft, max_pixels, transform)
         if out is not None:
             return out
     im = open_image(data, name, max_pixels)
     w, h = im.size
     try:
         if draft and im.format == "JPEG":
-            th, tw = resize_target(h, w, size)
+            th, tw = geometry(h, w, size, transform)[:2]
             # draft picks the largest 1/2, 1/4, 1/8 scale that still leaves >= the resize target: no upsampling.
             im.draft("RGB", (max(tw, 1), max(th, 1)))
         im.load()
-        im = to_rgb(to_8bit(im, name))
+        im = to_rgb(to_8bit(im, name), composite_alpha=transform == "processor")
         arr = np.array(im)  # writable (torch.from_numpy warns on PIL's read-only view); the fast path is simplejpeg
     except BadImage:
         raise
@@ -253,30 +284,41 @@ def crop_window(n_in: int, n_out: int, start: int, size: int, max_den: int = 16)
     return int(lo * r), int(hi * r), lo, hi
 
 
-def resize_crop_u8(arr: np.ndarray, orig_hw: tuple[int, int], size: int) -> np.ndarray:
-    """HWC uint8 (possibly draft-reduced) -> [3, S, S] uint8 (CHW) with the reference geometry, on the CPU."""
-    th, tw = resize_target(orig_hw[0], orig_hw[1], size)
+def resize_crop_u8(arr: np.ndarray, orig_hw: tuple[int, int], size: int, transform: str = "processor") -> np.ndarray:
+    """HWC uint8 (possibly draft-reduced) -> [3, S, S] uint8 (CHW) with the `transform` geometry, on the CPU.
+
+    processor: torch's uint8 antialias kernel (PIL's filter, within 2 grey levels of it). run_bridgetower: the float32
+    kernel, clamped and rounded, which is exactly what torchvision's Resize does to a uint8 tensor."""
+    th, tw, top, left = geometry(orig_hw[0], orig_hw[1], size, transform)
     t = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1).unsqueeze(0)  # channels-last view, no copy
     h, w = t.shape[-2:]
+    resize = _resize_u8_cpu if transform == "processor" else (lambda x, hw: resize_float(x.float(), hw).to(torch.uint8))
     if (h, w) != (th, tw):
-        top, left = (th - size) // 2, (tw - size) // 2
-        win_y = crop_window(h, th, top, size) if top >= 0 and left >= 0 else None
-        win_x = crop_window(w, tw, left, size) if top >= 0 and left >= 0 else None
+        # windowed resize for the processor only: the float kernel's sums round differently on a window (1 grey
+        # level on a few pixels), and run_bridgetower's pixels are meant to equal torchvision's exactly
+        windowed = top >= 0 and left >= 0 and transform == "processor"
+        win_y = crop_window(h, th, top, size) if windowed else None
+        win_x = crop_window(w, tw, left, size) if windowed else None
         y0, y1, oy0, oy1 = win_y or (0, h, 0, th)
         x0, x1, ox0, ox1 = win_x or (0, w, 0, tw)
-        t = _resize_u8_cpu(t[..., y0:y1, x0:x1], (oy1 - oy0, ox1 - ox0))
+        t = resize(t[..., y0:y1, x0:x1], (oy1 - oy0, ox1 - ox0))
         if win_y or win_x:
             t = t[..., top - oy0:top - oy0 + size, left - ox0:left - ox0 + size]
+            top = left = 0  # t is the S x S crop already
     # The one copy of the crop, into CHW: the accelerator then converts contiguous memory (no strided gather).
-    return crop_or_pad(t, size)[0].contiguous().numpy()
+    return crop_at(t, top, left, size, transform)[0].contiguous().numpy()
 
 
 def host_transform(data: bytes, name: str, size: int, draft: bool = True,
-                   max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """The host pipeline for one image: bytes -> [3, S, S] uint8 (normalization happens on the accelerator)."""
-    arr, orig = decode(data, name, size, draft, max_pixels)
-    check_geometry(*orig, size, name)
-    return resize_crop_u8(arr, orig, size)
+                   max_pixels: int = DEFAULT_MAX_PIXELS, transform: str = "processor") -> np.ndarray:
+    """The host pipeline for one image: bytes -> [3, S, S] uint8 (normalization happens on the accelerator).
+    Any failure, also past decoding (an extreme aspect ratio, memory), is a BadImage naming the image."""
+    arr, orig = decode(data, name, size, draft, max_pixels, transform)
+    try:
+        return resize_crop_u8(arr, orig, size, transform)
+    except Exception as e:  # noqa: BLE001 - a worker must never die on one image without naming it
+        raise BadImage(name, f"resize/crop of {orig[1]}x{orig[0]} to {size} px failed: {type(e).__name__}: {e}") \
+            from None
 
 
 def normalize(u8: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
@@ -301,8 +343,11 @@ class DeviceDecoder:
 
     name = "device"
 
-    def __init__(self, size: int, device: torch.device, draft: bool = True, max_pixels: int = DEFAULT_MAX_PIXELS):
+    def __init__(self, size: int, device: torch.device, draft: bool = True, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 transform: str = "processor"):
         self.size, self.device, self.draft, self.max_pixels = size, torch.device(device), draft, max_pixels
+        geometry(1, 1, size, transform)  # an unknown transform fails here, not in a worker
+        self.transform = transform
 
     def __call__(self, items: Sequence, names: Sequence[str]):
         raise NotImplementedError
@@ -319,8 +364,9 @@ class ThreadDecoder(DeviceDecoder):
 
     name = "device-cpu"
 
-    def __init__(self, size, device, draft=True, max_pixels=DEFAULT_MAX_PIXELS, threads: int = 0):
-        super().__init__(size, device, draft, max_pixels)
+    def __init__(self, size, device, draft=True, max_pixels=DEFAULT_MAX_PIXELS, threads: int = 0,
+                 transform: str = "processor"):
+        super().__init__(size, device, draft, max_pixels, transform)
         self.threads = threads or max(1, min(8, os.cpu_count() or 1))
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="bt-decode")
 
@@ -328,9 +374,11 @@ class ThreadDecoder(DeviceDecoder):
         if isinstance(item, BadImage):
             return item
         try:
-            return host_transform(item, name, self.size, self.draft, self.max_pixels)
+            return host_transform(item, name, self.size, self.draft, self.max_pixels, self.transform)
         except BadImage as e:
             return e
+        except Exception as e:  # noqa: BLE001 - named, never a dead pool thread
+            return BadImage(name, f"{type(e).__name__}: {e}")
 
     def decode_u8(self, items, names) -> tuple[list[np.ndarray], list[int], list[BadImage]]:
         results = list(self._pool.map(self._one, items, names))
@@ -369,10 +417,11 @@ class CudaDecoder(DeviceDecoder):
 
     name = "device-cuda"
 
-    def __init__(self, size, device, draft=True, max_pixels=DEFAULT_MAX_PIXELS, threads: int = 0):
-        super().__init__(size, device, draft, max_pixels)
+    def __init__(self, size, device, draft=True, max_pixels=DEFAULT_MAX_PIXELS, threads: int = 0,
+                 transform: str = "processor"):
+        super().__init__(size, device, draft, max_pixels, transform)
         self.tvio = _torchvision_io()
-        self.cpu = ThreadDecoder(size, "cpu", draft, max_pixels, threads)
+        self.cpu = ThreadDecoder(size, "cpu", draft, max_pixels, threads, transform)
 
     def _gpu_eligible(self, data: bytes, name: str) -> tuple[int, int] | None:
         """(h, w) when nvJPEG should decode it; None -> CPU fallback. Raises BadImage on header problems."""
@@ -382,8 +431,7 @@ class CudaDecoder(DeviceDecoder):
         if not data.rstrip(b"\x00").endswith(b"\xff\xd9"):  # no end-of-image marker: nvJPEG may not complain
             return None
         w, h = im.size
-        check_geometry(h, w, self.size, name)
-        if self.draft and draft_scale(h, w, self.size) >= 2:
+        if self.draft and draft_scale(h, w, self.size, self.transform) >= 2:
             return None
         return h, w
 
@@ -415,11 +463,14 @@ class CudaDecoder(DeviceDecoder):
             for i, img in zip(gpu_rows, decoded):
                 if img is None:
                     continue
-                th, tw = resize_target(img.shape[-2], img.shape[-1], self.size)
+                th, tw, top, left = geometry(img.shape[-2], img.shape[-1], self.size, self.transform)
                 x = img.unsqueeze(0)
-                if x.shape[-2:] != (th, tw):
-                    x = resize_float(x.float(), (th, tw))
-                out[i] = crop_or_pad(x, self.size)[0]
+                try:
+                    if x.shape[-2:] != (th, tw):
+                        x = resize_float(x.float(), (th, tw))
+                    out[i] = crop_at(x, top, left, self.size, self.transform)[0]
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory on one huge image: named, not a crash
+                    bad.append(BadImage(names[i], f"resize/crop on {self.device} failed: {type(e).__name__}: {e}"))
         if cpu_rows:
             cpu_rows.sort()
             arrs, keep, cbad = self.cpu.decode_u8([items[i] for i in cpu_rows], [names[i] for i in cpu_rows])
@@ -498,9 +549,10 @@ def resolve_pipeline(requested: str, device: torch.device | str) -> tuple[str, s
 
 
 def make_device_decoder(pipeline: str, size: int, device, draft: bool = True,
-                        max_pixels: int = DEFAULT_MAX_PIXELS, threads: int = 0) -> DeviceDecoder:
+                        max_pixels: int = DEFAULT_MAX_PIXELS, threads: int = 0,
+                        transform: str = "processor") -> DeviceDecoder:
     if pipeline == "device-cpu":
-        return ThreadDecoder(size, device, draft, max_pixels, threads)
+        return ThreadDecoder(size, device, draft, max_pixels, threads, transform)
     if pipeline == "device-cuda":
-        return CudaDecoder(size, device, draft, max_pixels, threads)
+        return CudaDecoder(size, device, draft, max_pixels, threads, transform)
     raise ValueError(f"no per-batch device decoder for pipeline {pipeline!r}")

@@ -18,7 +18,7 @@ from ds_core.run_dir import prepare_run_dir
 
 from bridgetower_ds import compat
 from bridgetower_ds.configs import CompatArgs, ModelArgs, OptimArgs, RunArgs
-from bridgetower_ds.data import DataArgs, build_data, open_dataset
+from bridgetower_ds.data import DataArgs, build_data, check_dataset, open_dataset
 from bridgetower_ds.eval import evaluate
 from bridgetower_ds.hub import resolve_pretrained
 from bridgetower_ds.model import build_model, flops_per_sample, model_summary
@@ -44,6 +44,7 @@ def main(argv=None) -> dict:
                                                            "--tokenizer_name_or_path")
     train_cfg.deepspeed_config = train_cfg.deepspeed_config or DEFAULT_DS_CONFIG
     check_ds_json(train_cfg.deepspeed_config, optimizer_in_code=None)  # values checked before distributed init
+    check_dataset(data_args)  # a dataset missing from the offline cache stops here, before any rank builds a model
     if run_args.do_train:
         prepare_run_dir(train_cfg)  # a used run_dir is refused (or moved aside) before any rank starts
     dist = init_distributed(train_cfg.dist_timeout_s)
@@ -67,7 +68,7 @@ def main(argv=None) -> dict:
         print(f"[bridgetower] {model_summary(model)}; images {image_size}px, captions <= "
               f"{data_args.max_seq_length} tokens; lr {lr}, weight decay {wd}", flush=True)
 
-    splits = open_dataset(data_args)  # opened and split once; every evaluation reuses it
+    splits = open_dataset(data_args, train_cfg.seed)  # opened and split once; every evaluation reuses it
 
     def data(split: str, micro: int, shuffle: bool):
         return build_data(splits, split, tokenizer, image_size, dist.rank, dist.world_size, micro_batch=micro,
@@ -90,7 +91,7 @@ def main(argv=None) -> dict:
             eval_sources[split] = data(split, eval_micro, shuffle=False)
         source = eval_sources[split]
         source.set_epoch(0)
-        res = evaluate(engine, iter(source), prefix=prefix)
+        res = {**evaluate(engine, iter(source), prefix=prefix), **source.result_counts(prefix)}
         results["predict" if prefix == "test" else "eval"] = res
         return res
 

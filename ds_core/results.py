@@ -36,6 +36,7 @@ _TRAIN_KEYS = {
     "global_batch": "train_global_batch",
     "world_size": "train_world_size",
     "bad_images": "train_bad_images",
+    "bad_captions": "train_bad_captions",
 }
 
 

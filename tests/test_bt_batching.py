@@ -110,8 +110,13 @@ def test_bad_image_log_counts_keeps_examples_or_raises():
     from bridgetower_ds.images import BadImage
 
     log = B.BadImageLog("skip")
-    log.record([("a.jpg", "empty file (0 bytes)")] * 3)
-    assert log.count == 3 and log.examples == ["a.jpg: empty file (0 bytes)"]
+    log.record([("a.jpg", "empty file (0 bytes)")] * 3)  # one image met 3 times (e.g. 3 epochs): counted once
+    log.record([("b.jpg", "file not found")])
+    assert log.count == 2 and log.examples == ["a.jpg: empty file (0 bytes)", "b.jpg: file not found"]
+    log.restore(["x.jpg"], count=5)  # a checkpoint saved before names were kept: its count is kept
+    assert log.count == 5
+    log.record([("x.jpg", "file not found")])
+    assert log.count == 5
     with pytest.raises(BadImage, match="a.jpg.*--bad_image error"):
         B.BadImageLog("error").record([("a.jpg", "file not found")])
 
@@ -160,7 +165,8 @@ def _stand_in_pipe(loader):
     reader = hpu_media._Reader({"priv_params": {"loader": loader}}, SimpleNamespace(batch_size=loader.data.micro_batch))
     assert len(reader) == len(loader.data.pending_batches())
     for files, ids, mask, rowid in reader:
-        images = np.stack([host_transform(read_bytes(str(f)), str(f), loader.data.size) for f in files])
+        images = np.stack([host_transform(read_bytes(str(f)), str(f), loader.data.size,
+                                          transform=loader.data.args.image_transform) for f in files])
         yield (normalize(torch.from_numpy(images)), torch.from_numpy(ids.astype(np.int64)),
                torch.from_numpy(mask.astype(np.int64)), torch.from_numpy(rowid.astype(np.int64)))
 

@@ -60,7 +60,8 @@ def make_manifest(root, n=12, bad=None, fmt="jsonl", extra_fields=None):
 
 
 def args_for(path, **kw):
-    base = dict(dataset_path=str(path), dataloader_num_workers=0, validation_fraction=0.0, test_fraction=0.0)
+    base = dict(dataset_path=str(path), dataloader_num_workers=0, validation_fraction=0.0, test_fraction=0.0,
+                missing_splits="fractions")
     base.update(kw)
     return D.DataArgs(**base)
 

@@ -78,6 +78,7 @@ def test_zero1_two_ranks_host_pipeline_global_negatives_train_eval_predict(capti
                           "--dataset_path", str(caption_set), "--run_dir", str(run),
                           "--deepspeed_config", str(ds_json(tmp_path, "bridgetower_zero1_bf16.json")),
                           "--dataloader_num_workers", "1", "--eval_every", "8", "--global_negatives", "true",
+                          "--missing_splits", "fractions",
                           *COMMON])
     recs = records(run)
     assert_loss_falls(recs)
@@ -104,6 +105,7 @@ def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(capti
     proc = run_deepspeed(["--module", "bridgetower_ds.train", "--do_train", "--do_eval",
                           "--dataset_path", str(caption_set),
                           "--run_dir", str(run), "--image_pipeline", "device", "--dataloader_num_workers", "1",
+                          "--missing_splits", "fractions",
                           "--deepspeed_config", str(ds_json(tmp_path, "bridgetower_zero3_bf16.json")),
                           "--export_dir", str(export), *COMMON])
     recs = records(run)
@@ -119,7 +121,8 @@ def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(capti
     # one process, `python -m`, from the exported directory (weights + tokenizer), evaluation only
     run_eval = tmp_path / "eval"
     out = subprocess.run([sys.executable, "-m", "bridgetower_ds.train", "--do_eval", "--model_name_or_path",
-                          str(export), "--dataset_path", str(caption_set), "--run_dir", str(run_eval),
+                          str(export), "--dataset_path", str(caption_set), "--missing_splits", "fractions",
+                          "--run_dir", str(run_eval),
                           "--deepspeed_config", "bridgetower_zero1_bf16.json", "--micro_batch_size", "8",
                           "--dataloader_num_workers", "0", "--max_seq_length", "16"],
                          cwd=REPO, env=dist_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

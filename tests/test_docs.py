@@ -198,7 +198,7 @@ def _run_parse(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
                     return real(*a, **k)
 
             m.setattr(mod, "parse_args", parse_then_validate)
-            for name in ("prepare_run_dir", "init_distributed"):
+            for name in ("check_dataset", "prepare_run_dir", "init_distributed"):  # the first touches the data
                 if hasattr(mod, name):
                     m.setattr(mod, name, stop)
             if hasattr(mod, "resolve_pretrained"):  # resolves hub ids in the local cache: not argument parsing

@@ -104,6 +104,7 @@ def bt_config(tmp_path: Path) -> str:
 def test_bridgetower_debug_two_ranks_to_one(tmp_path):
     data = make_caption_set(tmp_path / "captions")
     args = ["--module", "bridgetower_ds.train", "--do_train", "--dataset_path", str(data),
+            "--missing_splits", "fractions",  # the 10 %/10 % carve-out whose train size these steps assume
             "--deepspeed_config", bt_config(tmp_path), "--max_epochs", "1",
             "--micro_batch_size", "8", "--max_seq_length", "16", "--progress_bar", "false",
             "--lr_scheduler_type", "constant", "--dataloader_num_workers", "0"]
