@@ -102,26 +102,28 @@ def _trust_keys(opt) -> int:
 
 
 def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dict:
-    """Our whole training step through ds_core.train: block loader, forward, backward, ZeRO-1 reduce, clip, LAMB."""
+    """Our whole training step through ds_core.trainer: block loader, forward, backward, ZeRO-1 reduce, clip, LAMB."""
     from bert_ref.data import build_data
     from bert_ref.model import flops_per_sequence
     from bert_ref.step import make_step_fn
     from ds_core.config import TrainConfig
     from ds_core.engine import set_seed
-    from ds_core.loop import train
+    from ds_core.setup import Run
+    from ds_core.trainer import Trainer
 
     preset = _slice(a.model)
     set_seed(0)
     data = build_data(str(shards), 0, 1, a.micro_batch)
-    engine = _engine(preset, _ds_config(a.micro_batch, a.grad_accum, 1, dtype), "lamb", not a.dense_mlm,
-                     not a.torch_dropout)
+    ds_config = _ds_config(a.micro_batch, a.grad_accum, 1, dtype)
+    engine = _engine(preset, ds_config, "lamb", not a.dense_mlm, not a.torch_dropout)
     preds = 0 if a.dense_mlm else preset.max_predictions_per_seq
     flops = flops_per_sequence(preset, mlm_positions=preds)
     cpu = _cpu_clock_at_step_end(engine)
     cfg = TrainConfig(run_dir=str(tmp / "ours_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
                       save_final_checkpoint=False, progress_bar=False, precision=dtype)
-    s = train(engine, make_step_fn(preds), data, cfg, _DIST, model_name=preset.name, flops_per_sample=flops,
-              seq_len=preset.seq_len)
+    run = Run((cfg,), _DIST, json.dumps(ds_config)).with_data(data)  # the settings start_run would resolve
+    s = Trainer(run, engine, make_step_fn(preds), model_name=preset.name, flops_per_sample=flops,
+                seq_len=preset.seq_len).fit()
     data.close()
     head = "dense" if a.dense_mlm else f"sparse ({preds}/seq)"
     opt = engine.optimizer.optimizer

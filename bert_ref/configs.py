@@ -124,7 +124,7 @@ def tuning_spec(preset: BertPreset) -> dict[str, Any]:
             "type_vocab_size": preset.type_vocab_size, "seq_len": preset.seq_len}
 
 
-@dataclass
+@dataclass(frozen=True)
 class BertArgs:
     """Model and data settings of bert_ref.train (optimizer settings: bert_ref.optim.OptimArgs)."""
 

@@ -46,7 +46,7 @@ PUBLISHED["debug"] = PUBLISHED["bert_large"]  # the debug presets follow the mod
 PUBLISHED["debug_pre_ln"] = PUBLISHED["bert_1p5b"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimArgs:
     """Optimizer and learning-rate schedule of bert_ref.train (DeepSpeed JSON has no optimizer section for BERT)."""
 

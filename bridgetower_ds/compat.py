@@ -7,6 +7,7 @@ The flags that ARE settings of this toolkit are aliases on those settings (`--ou
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,8 @@ TRAINER_DEFAULT_LR = 5e-5  # transformers.TrainingArguments.learning_rate
 TRAINER_DEFAULT_WD = 0.0
 
 
-def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> list[str]:
-    """Refuse what cannot be honoured, map save_strategy onto TrainConfig, and return the notices (one line each)."""
+def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
+    """Refuse what cannot be honoured; return TrainConfig with save_strategy mapped onto it (a new instance)."""
     if compat.push_to_hub:
         raise ConfigError("--push_to_hub: refused; this toolkit never uploads (training hosts often have no internet "
                           "and a credential on every node is a risk). The model is saved in --output_dir in "
@@ -33,10 +34,15 @@ def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> list[str]:
     if compat.save_strategy == "no":
         if train_cfg.num_steps_per_checkpoint:
             raise ConfigError(f"--save_strategy no with --save_steps {train_cfg.num_steps_per_checkpoint}: pick one")
-        train_cfg.save_final_checkpoint = False
-    elif compat.save_strategy != "steps":
+        return dataclasses.replace(train_cfg, save_final_checkpoint=False)
+    if compat.save_strategy != "steps":
         raise ConfigError(f"--save_strategy {compat.save_strategy!r}: expected steps (checkpoints every --save_steps) "
                           "or no; per-epoch checkpoints are not implemented")
+    return train_cfg
+
+
+def flag_notices(compat: CompatArgs) -> list[str]:
+    """One line per accepted flag that does nothing here (HPU-only flags, --hub_model_id)."""
     notices = [f"--{name}: {text}" for name, text in HPU_NOTICES.items() if getattr(compat, name)]
     if compat.hub_model_id:
         notices.append(f"--hub_model_id {compat.hub_model_id}: unused (nothing is pushed to the hub)")

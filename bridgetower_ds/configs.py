@@ -110,7 +110,7 @@ def tuning_spec(name: str, seq_len: int = TUNING_SEQ_LEN) -> dict:
             "vision_config": {k: getattr(cfg.vision_config, k) for k in _TUNING_VISION}}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelArgs:
     """Which BridgeTower to build and what to train of it."""
 
@@ -129,7 +129,7 @@ class ModelArgs:
         "help": "contrastive negatives from every rank's micro batch (all-gather) instead of this rank's only"})
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunArgs:
     """What the run does (Trainer-style switches)."""
 
@@ -146,7 +146,7 @@ class RunArgs:
                 "save_pretrained format; empty -> no export"})
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimArgs:
     """Learning rate, weight decay and schedule under transformers' TrainingArguments names (ds_core.schedule).
 
@@ -196,7 +196,7 @@ HPU_NOTICES = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompatArgs:
     """transformers / optimum-habana TrainingArguments flags that have no setting of their own here: accepted with
     their meaning mapped (report_to, save_strategy, remove_unused_columns), with a one-line notice (HPU-only), or

@@ -42,7 +42,7 @@ FORMATS = ("auto", "hf", "imagefolder", "json", "jsonl", "csv")
 ROLES = ("train", "validation", "test")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataArgs:
     dataset_path: str = field(default="", metadata={
         "help": "Image-caption data: a save_to_disk directory, an imagefolder directory, or a .json/.jsonl/.csv "

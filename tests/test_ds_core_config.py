@@ -68,8 +68,22 @@ def test_config_json_then_flags_override(tmp_path):
     (cfg,) = parse_args([TrainConfig], ["--config", str(p), "--seed", "5", "--local_rank=1"])
     assert cfg.max_steps == 7 and cfg.seed == 5
     out = save_run_config(tmp_path / "r", cfg)
+    assert out.name == "run_config.json"
     (again,) = parse_args([TrainConfig], ["--config", str(out)])
     assert again == cfg
+    (from_dir,) = parse_args([TrainConfig], ["--config", str(tmp_path / "r")])  # a run directory: its run_config.json
+    assert from_dir == cfg
+
+
+def test_config_reads_an_older_bert_run_directory_and_names_an_empty_one(tmp_path):
+    old = tmp_path / "old_run"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({"TrainConfig": {"max_steps": 9}}))  # before run_config.json
+    (cfg,) = parse_args([TrainConfig], ["--config", str(old)])
+    assert cfg.max_steps == 9
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"--config .*empty: a directory without run_config.json"):
+        parse_args([TrainConfig], ["--config", str(tmp_path / "empty")])
 
 
 def test_unknown_key_in_our_config_is_named(tmp_path):
