@@ -72,13 +72,14 @@ def _shards(tmp: Path, n: int, seq: int, preds: int, vocab: int) -> Path:
 def _engine(preset, ds_config: dict, optimizer: str, sparse_mlm: bool = False, fast_dropout: bool = False):
     from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import build_model
-    from bert_ref.optim import OptimArgs, build_optimizer, schedule_for
+    from bert_ref.optim import bert_defaults, build_optimizer
+    from ds_core.settings import OptimArgs, schedule_for
     from ds_core.engine import build_engine
 
     model = build_model(preset, sparse_mlm=sparse_mlm, fast_dropout=fast_dropout)
-    args = OptimArgs(optimizer=optimizer, learning_rate=LR, warmup_proportion=0.0)
+    args = OptimArgs(optimizer=optimizer, learning_rate=LR, warmup_ratio=0.0)
     opt = build_optimizer(model, args)
-    engine = build_engine(model, ds_config, optimizer=opt, lr_scheduler=schedule_for(args, 10**6))
+    engine = build_engine(model, ds_config, optimizer=opt, lr_scheduler=schedule_for(bert_defaults(args), 10**6))
     attach_zero_layout(engine, opt)  # per-tensor LAMB / LANS trust ratios under ZeRO, as bert_ref.train
     return engine
 
@@ -214,7 +215,8 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
 
     from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import hf_config
-    from bert_ref.optim import OptimArgs, build_optimizer
+    from bert_ref.optim import build_optimizer
+    from ds_core.settings import OptimArgs
     from ds_core.engine import set_seed
 
     preset = _slice(a.model)
@@ -237,7 +239,7 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
         def create_optimizer(self, model=None):
             if self.optimizer is None:
                 self.optimizer = build_optimizer(model or self.model, OptimArgs(optimizer="lamb", learning_rate=LR,
-                                                                                  warmup_proportion=0.0))
+                                                                                  warmup_ratio=0.0))
             return self.optimizer
 
     class Clock(TrainerCallback):
@@ -287,7 +289,8 @@ def bound_part(a: argparse.Namespace, peak: float, dtype: str) -> dict:
     import torch
 
     from bert_ref.model import flops_per_sequence, hf_config
-    from bert_ref.optim import OptimArgs, build_optimizer, param_groups
+    from bert_ref.optim import build_optimizer, param_groups
+    from ds_core.settings import OptimArgs
 
     preset = _slice(a.model)
     h, inter, B = preset.hidden_size, preset.intermediate_size, a.micro_batch
@@ -324,7 +327,7 @@ def bound_part(a: argparse.Namespace, peak: float, dtype: str) -> dict:
     model = torch.nn.Module()
     model.weight = torch.nn.Parameter(torch.zeros(sizes[0]))
     model.bias = torch.nn.Parameter(torch.zeros(sizes[1]))
-    opt = build_optimizer(model, OptimArgs(optimizer="lamb", learning_rate=1e-4, warmup_proportion=0.0))
+    opt = build_optimizer(model, OptimArgs(optimizer="lamb", learning_rate=1e-4, warmup_ratio=0.0))
     for prm in (model.weight, model.bias):
         prm.grad = torch.randn(prm.shape, generator=g)
 

@@ -15,11 +15,12 @@ from bert_ref.data import build_data  # noqa: E402
 from bert_ref.eval import held_out_evaluation  # noqa: E402
 from bert_ref.layerwise import attach_zero_layout  # noqa: E402
 from bert_ref.model import build_model, flops_per_sequence  # noqa: E402
-from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E402
+from bert_ref.optim import build_optimizer, for_preset  # noqa: E402
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
 from ds_core.config import TrainConfig  # noqa: E402
 from ds_core.engine import build_engine, shutdown_distributed  # noqa: E402
+from ds_core.settings import OptimArgs, schedule_for  # noqa: E402
 from ds_core.setup import RunSpec, start_run  # noqa: E402
 from ds_core.trainer import Trainer  # noqa: E402
 
@@ -29,10 +30,11 @@ DEFAULT_DS_CONFIG = "bert_large_zero1_bf16.json"
 
 
 def resolve(sections: tuple) -> tuple[tuple, list[str]]:
-    """Before any rank starts: the optimizer settings '' / 0 become the preset's published recipe."""
+    """Before any rank starts: the optimizer settings left to the model become BERT's defaults and the preset's
+    published recipe."""
     train_cfg, args, opt_args = sections
     preset = args.model_preset()
-    return (train_cfg, args, opt_args.for_preset(preset.name, preset.phase)), []
+    return (train_cfg, args, for_preset(opt_args, preset.name, preset.phase)), []
 
 
 SPEC = RunSpec(types=(TrainConfig, BertArgs, OptimArgs), default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=True,

@@ -14,15 +14,27 @@ from typing import Any
 import torch
 
 from ds_core.config import ConfigError, TrainConfig
-from ds_core.schedule import lr_schedule, param_groups, warmup_steps_for
+from ds_core.schedule import param_groups
+from ds_core.settings import OptimArgs, schedule_for
 
-from .configs import HPU_NOTICES, CompatArgs, OptimArgs
+from .configs import HPU_NOTICES, CompatArgs
 from .images import CLIP_MEAN, CLIP_STD, SIZE_DIVISOR
 
 # --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.metrics reports).
 MONITORS = {"tensorboard": "tensorboard", "csv": "csv_monitor", "wandb": "wandb", "comet": "comet"}
 TRAINER_DEFAULT_LR = 5e-5  # transformers.TrainingArguments.learning_rate
 TRAINER_DEFAULT_WD = 0.0
+# BridgeTower's values for the OptimArgs settings left to the model: transformers' Trainer defaults (adamw_torch)
+TRAINER_DEFAULTS = dict(lr_scheduler_type="linear", eps=1e-8, warmup_ratio=0.0)
+
+
+def trainer_defaults(optim: OptimArgs) -> OptimArgs:
+    """optim with Trainer's defaults where the model's are asked for (optimizer '' stays: AdamW built in code, or the
+    DeepSpeed JSON's section); lamb / lans are refused."""
+    if optim.optimizer not in ("", "adamw"):
+        raise ConfigError(f"--optimizer {optim.optimizer}: BridgeTower trains with AdamW (or the DeepSpeed JSON's "
+                          "\"optimizer\" section); lamb and lans are bert_ref's")
+    return dataclasses.replace(optim, **{k: v for k, v in TRAINER_DEFAULTS.items() if getattr(optim, k) in (None, "")})
 
 
 def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
@@ -100,11 +112,10 @@ def engine_kwargs(model: torch.nn.Module, optim: OptimArgs, ds_config: dict, lr:
         raise ConfigError("the DeepSpeed config has a \"scheduler\" section: remove it, the schedule is "
                           "--lr_scheduler_type with --warmup_steps / --warmup_ratio")
     groups = param_groups(model, wd, lr)
-    warmup = warmup_steps_for(total_steps, optim.warmup_steps, optim.warmup_ratio)
-    kw: dict[str, Any] = dict(model_parameters=groups,
-                              lr_scheduler=lr_schedule(optim.lr_scheduler_type, total_steps, warmup))
-    if "optimizer" not in ds_config:
-        kw["optimizer"] = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)  # Trainer's adamw_torch
+    kw: dict[str, Any] = dict(model_parameters=groups, lr_scheduler=schedule_for(trainer_defaults(optim), total_steps))
+    if "optimizer" not in ds_config:  # Trainer's adamw_torch
+        kw["optimizer"] = torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2),
+                                            eps=trainer_defaults(optim).eps)
     return kw
 
 

@@ -12,11 +12,12 @@ from pathlib import Path
 from ds_core.config import ConfigError, TrainConfig, read_ds_json, resolve_ds_path
 from ds_core.engine import build_engine, shutdown_distributed
 from ds_core.results import keep_frozen_fp32, save_metrics, save_model, train_metrics
+from ds_core.settings import OptimArgs
 from ds_core.setup import Run, RunSpec, start_run
 from ds_core.trainer import Trainer
 
 from bridgetower_ds import compat
-from bridgetower_ds.configs import CompatArgs, ModelArgs, OptimArgs, RunArgs
+from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
 from bridgetower_ds.data import DataArgs, build_data, open_dataset
 from bridgetower_ds.eval import evaluation_for
 from bridgetower_ds.hub import resolve_pretrained
@@ -41,7 +42,7 @@ def resolve(sections: tuple) -> tuple[tuple, list[str]]:
         tokenizer_name_or_path=resolve_pretrained(model_args.tokenizer_name_or_path, "--tokenizer_name_or_path"))
     lr, wd, notes = compat.resolve_optimizer(optim, read_ds_json(train_cfg.deepspeed_config),
                                              f"DeepSpeed config {train_cfg.deepspeed_config}")
-    optim = dataclasses.replace(optim, learning_rate=lr, weight_decay=wd)
+    optim = dataclasses.replace(compat.trainer_defaults(optim), learning_rate=lr, weight_decay=wd)
     notices = compat.flag_notices(compat_args) + notes
     return (train_cfg, model_args, data_args, run_args, optim, compat_args), notices
 

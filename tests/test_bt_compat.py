@@ -18,7 +18,8 @@ from conftest import REPO
 
 from ds_core.config import ConfigError, TrainConfig, parse_args
 from bridgetower_ds import compat
-from bridgetower_ds.configs import CompatArgs, ModelArgs, OptimArgs, RunArgs
+from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
+from ds_core.settings import OptimArgs
 from bridgetower_ds.data import DataArgs
 
 TYPES = [TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs]
