@@ -113,12 +113,16 @@ class TrainConfig:
 def _flatten_json(data: dict, types: Sequence[type], source: str) -> dict:
     """Accept flat keys or sections named after the dataclasses ({"TrainConfig": {...}}, as save_run_config writes)."""
     names = {t.__name__ for t in types}
+    # a field's other spellings (arg(aliases=...)) name it in a JSON file too, e.g. an older run's
+    # "warmup_proportion" for OptimArgs.warmup_ratio
+    alias_of = {a.lstrip("-"): f.name for t in types for f in dataclasses.fields(t)
+                for a in f.metadata.get("aliases", ())}
     flat: dict = {}
     for key, value in data.items():
         if key in names and isinstance(value, dict):
-            flat.update(value)
+            flat.update({alias_of.get(k, k): v for k, v in value.items()})
         else:
-            flat[key] = value
+            flat[alias_of.get(key, key)] = value
     known = {f.name for t in types for f in dataclasses.fields(t)}
     unknown = sorted(set(flat) - known)
     if unknown:
