@@ -73,13 +73,14 @@ def _shards(tmp: Path, n: int, seq: int, preds: int, vocab: int) -> Path:
 def _engine(preset, ds_config: dict, optimizer: str, sparse_mlm: bool = False, fast_dropout: bool = False):
     from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import build_model
-    from bert_ref.optim import OptimArgs, build_optimizer, schedule_for
+    from bert_ref.optim import bert_defaults, build_optimizer
+    from ds_core.settings import OptimArgs, schedule_for
     from ds_core.engine import build_engine
 
     model = build_model(preset, sparse_mlm=sparse_mlm, fast_dropout=fast_dropout)
-    args = OptimArgs(optimizer=optimizer, learning_rate=LR, warmup_proportion=0.0)
+    args = OptimArgs(optimizer=optimizer, learning_rate=LR, warmup_ratio=0.0)
     opt = build_optimizer(model, args)
-    engine = build_engine(model, ds_config, optimizer=opt, lr_scheduler=schedule_for(args, 10**6))
+    engine = build_engine(model, ds_config, optimizer=opt, lr_scheduler=schedule_for(bert_defaults(args), 10**6))
     attach_zero_layout(engine, opt)  # per-tensor LAMB / LANS trust ratios under ZeRO, as bert_ref.train
     return engine
 
@@ -106,26 +107,28 @@ def _trust_keys(opt) -> int:
 
 
 def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dict:
-    """Our whole training step through ds_core.train: block loader, forward, backward, ZeRO-1 reduce, clip, LAMB."""
+    """Our whole training step through ds_core.trainer: block loader, forward, backward, ZeRO-1 reduce, clip, LAMB."""
     from bert_ref.data import build_data
     from bert_ref.model import flops_per_sequence
     from bert_ref.step import make_step_fn
     from ds_core.config import TrainConfig
     from ds_core.engine import set_seed
-    from ds_core.loop import train
+    from ds_core.setup import Run
+    from ds_core.trainer import Trainer
 
     preset = _slice(a.model)
     set_seed(0)
     data = build_data(str(shards), 0, 1, a.micro_batch)
-    engine = _engine(preset, _ds_config(a.micro_batch, a.grad_accum, 1, dtype), "lamb", not a.dense_mlm,
-                     not a.torch_dropout)
+    ds_config = _ds_config(a.micro_batch, a.grad_accum, 1, dtype)
+    engine = _engine(preset, ds_config, "lamb", not a.dense_mlm, not a.torch_dropout)
     preds = 0 if a.dense_mlm else preset.max_predictions_per_seq
     flops = flops_per_sequence(preset, mlm_positions=preds)
     cpu = _cpu_clock_at_step_end(engine)
     cfg = TrainConfig(run_dir=str(tmp / "ours_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
                       save_final_checkpoint=False, progress_bar=False, precision=dtype)
-    s = train(engine, make_step_fn(preds), data, cfg, _DIST, model_name=preset.name, flops_per_sample=flops,
-              seq_len=preset.seq_len)
+    run = Run((cfg,), _DIST, json.dumps(ds_config)).with_data(data)  # the settings start_run would resolve
+    s = Trainer(run, engine, make_step_fn(preds), model_name=preset.name, flops_per_sample=flops,
+                seq_len=preset.seq_len).fit()
     data.close()
     head = "dense" if a.dense_mlm else f"sparse ({preds}/seq)"
     opt = engine.optimizer.optimizer
@@ -216,7 +219,8 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
 
     from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import hf_config
-    from bert_ref.optim import OptimArgs, build_optimizer
+    from bert_ref.optim import build_optimizer
+    from ds_core.settings import OptimArgs
     from ds_core.engine import set_seed
 
     preset = _slice(a.model)
@@ -239,7 +243,7 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
         def create_optimizer(self, model=None):
             if self.optimizer is None:
                 self.optimizer = build_optimizer(model or self.model, OptimArgs(optimizer="lamb", learning_rate=LR,
-                                                                                  warmup_proportion=0.0))
+                                                                                  warmup_ratio=0.0))
             return self.optimizer
 
     class Clock(TrainerCallback):
@@ -289,7 +293,8 @@ def bound_part(a: argparse.Namespace, peak: float, dtype: str) -> dict:
     import torch
 
     from bert_ref.model import flops_per_sequence, hf_config
-    from bert_ref.optim import OptimArgs, build_optimizer, param_groups
+    from bert_ref.optim import build_optimizer, param_groups
+    from ds_core.settings import OptimArgs
 
     preset = _slice(a.model)
     h, inter, B = preset.hidden_size, preset.intermediate_size, a.micro_batch
@@ -326,7 +331,7 @@ def bound_part(a: argparse.Namespace, peak: float, dtype: str) -> dict:
     model = torch.nn.Module()
     model.weight = torch.nn.Parameter(torch.zeros(sizes[0]))
     model.bias = torch.nn.Parameter(torch.zeros(sizes[1]))
-    opt = build_optimizer(model, OptimArgs(optimizer="lamb", learning_rate=1e-4, warmup_proportion=0.0))
+    opt = build_optimizer(model, OptimArgs(optimizer="lamb", learning_rate=1e-4, warmup_ratio=0.0))
     for prm in (model.weight, model.bias):
         prm.grad = torch.randn(prm.shape, generator=g)
 

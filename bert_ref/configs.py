@@ -1,8 +1,8 @@
 """BERT presets (functions deriving from each other) and the run arguments of bert_ref.train.
 
 A preset fixes the architecture (incl. Post-LN / Pre-LN) and the phase's sequence shape; it never fixes DeepSpeed
-settings (those live in ds_configs/*.json) or optimizer settings (bert_ref.optim.OptimArgs, whose defaults follow the
-preset's published recipe: bert_ref.optim.PUBLISHED).
+settings (those live in ds_configs/*.json) or optimizer settings (ds_core.settings.OptimArgs, whose BERT defaults
+follow the preset's published recipe: bert_ref.optim.PUBLISHED).
 
 Phases follow the published two-phase recipe (NVIDIA / Habana BERT pretraining): phase 1 trains on sequences of 128
 tokens with at most 20 masked positions, phase 2 continues from phase 1's weights on 512 tokens with at most 80.
@@ -138,9 +138,9 @@ def tuning_spec(preset: BertPreset) -> dict[str, Any]:
             "type_vocab_size": preset.type_vocab_size, "seq_len": preset.seq_len}
 
 
-@dataclass
+@dataclass(frozen=True)
 class BertArgs:
-    """Model and data settings of bert_ref.train (optimizer settings: bert_ref.optim.OptimArgs)."""
+    """Model and data settings of bert_ref.train (optimizer settings: ds_core.settings.OptimArgs)."""
 
     preset: str = arg(f"Model preset: one of {', '.join(PRESETS)}.", default="bert_large")
     phase: int = arg("1: seq 128 / 20 masked positions; 2: seq 512 / 80 (usually with --init_checkpoint).",

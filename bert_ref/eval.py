@@ -21,8 +21,12 @@ import torch.nn.functional as F
 
 from bert_ref.data import DEFAULT_BLOCK_SAMPLES, IGNORE_INDEX, Segment, inspect_shards, load_block, \
     make_batch
+from bert_ref.configs import BertPreset, check_data_matches
 from bert_ref.step import forward
+from ds_core.components import EvalTask, Evaluation
+from ds_core.config import ConfigError
 from ds_core.loop import EvalFn
+from ds_core.setup import Run
 
 
 def eval_ranges(sizes: list[int], rank: int, world_size: int) -> list[tuple[int, int, int]]:
@@ -126,8 +130,26 @@ def evaluate(engine: Any, data: EvalData, sparse_predictions: int = 0) -> dict:
             "samples": int(samples), "mlm_tokens": int(tokens)}
 
 
+def held_out_evaluation(run: Run, input_dir: str, preset: BertPreset, sparse_predictions: int = 0) -> Evaluation:
+    """The Trainer's evaluation of a BERT run: the held-out *_test_* shards of input_dir, every --eval_every steps and
+    at the end (none without test shards; --eval_every without them is refused)."""
+    from bert_ref.data import list_test_shards
+
+    train, dist = run.train, run.dist
+    tests = list_test_shards(input_dir)
+    if train.eval_every and not tests:
+        raise ConfigError(f"--eval_every {train.eval_every}: {input_dir} has no held-out *_test_* shards "
+                          "(bert-prep shards --num_test_shards K writes them)")
+    if not tests:
+        return Evaluation()
+    data = EvalData(tests, dist.rank, dist.world_size, run.ds_config["train_micro_batch_size_per_gpu"],
+                    vocab_size=preset.vocab_size)
+    check_data_matches(preset, data, input_dir)
+    return Evaluation(during=EvalTask("eval", make_eval_fn(data, sparse_predictions)), every=train.eval_every)
+
+
 def make_eval_fn(data: EvalData, sparse_predictions: int = 0) -> EvalFn:
-    """ds_core.loop's eval hook: eval_fn(engine, step) -> the record's values."""
+    """The evaluation task's function: eval_fn(engine, step) -> the record's values."""
 
     def eval_fn(engine: Any, step: int) -> dict:
         return evaluate(engine, data, sparse_predictions)

@@ -1,5 +1,7 @@
-"""Optimizers (NVLAMB, LANS, AdamW) with the published recipes' defaults per preset, weight-decay groups, LR scaling
-with the global batch, and the warm-up / constant / polynomial-decay LR schedule.
+"""Optimizers (NVLAMB, LANS, AdamW) with the published recipes' defaults per preset, weight-decay groups and LR scaling
+with the global batch. The settings are ds_core.settings.OptimArgs (shared with BridgeTower); BERT's defaults and the
+recipes fill it here (for_preset). The warm-up / constant / polynomial-decay LR schedule is ds_core.schedule's
+poly_warmup kind.
 
 `lamb` is NVIDIA's FusedLAMB update and `lans` Habana's LANS (bert_ref.layerwise: per-tensor trust ratios, also
 under ZeRO once attach_zero_layout(engine, optimizer) has run). Without --optimizer / --learning_rate a preset runs
@@ -8,17 +10,13 @@ the recipe it is named after (PUBLISHED).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
-
 import torch
 
-from ds_core.config import ConfigError, arg
-from ds_core.schedule import LRSchedule, poly_warmup_factor
-from ds_core.schedules_ref import BERT_KINDS, bert_schedule_factor
+from ds_core.config import ConfigError
+from ds_core.schedule import poly_warmup_factor
+from ds_core.settings import OPTIMIZERS, OptimArgs
 
 from .layerwise import LANS, NVLAMB
-
-OPTIMIZERS = ("lamb", "lans", "adamw")
 
 
 @dataclass(frozen=True)
@@ -49,69 +47,35 @@ PUBLISHED["debug_pre_ln"] = PUBLISHED["bert_1p5b"]
 PUBLISHED["bert_1p5b_habana"] = PUBLISHED["debug_habana"] = PUBLISHED["bert_1p5b"]  # same model, Habana's forward
 
 
-@dataclass
-class OptimArgs:
-    """Optimizer and learning-rate schedule of bert_ref.train (DeepSpeed JSON has no optimizer section for BERT)."""
+# BERT's values for the OptimArgs settings left to the model (None / ''): NVIDIA's and Habana's recipes.
+BERT_DEFAULTS = dict(weight_decay=0.01, eps=1e-6)  # the schedule kind comes from the recipe (Recipe.schedule)
+BERT_WARMUP_RATIO = 0.05  # when neither --warmup_steps nor --warmup_ratio (--warmup_proportion) is given
 
-    optimizer: str = arg("lamb (NVIDIA's FusedLAMB update), lans (Habana's LANS) or adamw; '' = the preset's "
-                         "published recipe (bert_large: lamb, bert_1p5b: lans).", default="")
-    learning_rate: float = arg("Peak learning rate at --base_global_batch; 0 = the preset's published LR (bert_large "
-                               "phase 1: 6e-3, phase 2: 4e-3; bert_1p5b: 0.0015).", default=0.0)
-    weight_decay: float = arg("Weight decay for all weights except biases and LayerNorm.", default=0.01)
-    beta1: float = arg("Adam beta1.", default=0.9)
-    beta2: float = arg("Adam beta2.", default=0.999)
-    eps: float = arg("Adam epsilon (FusedLAMB's and Habana's LANS's 1e-6).", default=1e-6)
-    max_grad_norm: float = arg("lamb only: FusedLAMB's global gradient-norm pre-normalization threshold (NVIDIA: 1.0; "
-                               "0 = off). Under ZeRO / bf16 the DeepSpeed JSON's gradient_clipping must equal it.",
-                               default=1.0)
-    bias_correction_lag: bool = arg("lamb / lans: bias-correct with step t-1 from step 2 on, as Habana's "
-                                    "run_pretraining.py does whenever ZeRO is on (adjust_step=True).", default=False)
-    lr_schedule: str = arg("nvidia_poly (NVIDIA's PolyWarmUpScheduler), habana_poly (Habana's, with a constant "
-                           "phase) or poly_warmup (this project's earlier Habana-like one); '' = the preset's "
-                           "(bert_large: nvidia_poly, bert_1p5b: habana_poly). ds_core.schedules_ref.", default="")
-    warmup_proportion: float = arg("Fraction of max_steps with linear warm-up from 0 to the peak LR.", default=0.05)
-    constant_proportion: float = arg("Fraction of max_steps held at the peak LR after warm-up.", default=0.0)
-    poly_degree: float = arg("Degree of the polynomial decay to 0 over the remaining steps (1 = linear).",
-                             default=1.0)
-    scale_lr_with_global_batch: bool = arg("Peak LR = learning_rate * train_batch_size / base_global_batch (linear "
-                                           "scaling: the published 1.5B runs, 0.0015 at 8 x 8 x 384 = 24576 "
-                                           "sequences, 0.003 at twice that).", default=False)
-    base_global_batch: int = arg("Global batch that learning_rate was tuned for; 0 = the preset's published one "
-                                 "(bert_large phase 1: 65536, phase 2: 32768; bert_1p5b: 24576).", default=0)
 
-    def validate(self) -> None:
-        if self.lr_schedule not in BERT_KINDS + ("",):
-            raise ConfigError(f"--lr_schedule {self.lr_schedule!r}: expected one of {', '.join(BERT_KINDS)}")
-        if self.optimizer not in OPTIMIZERS + ("",):
-            raise ConfigError(f"--optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
-        checks = [("learning_rate", self.learning_rate >= 0, ">= 0 (0 = the preset's)"),
-                  ("weight_decay", self.weight_decay >= 0, ">= 0"), ("max_grad_norm", self.max_grad_norm >= 0, ">= 0"),
-                  ("warmup_proportion", 0 <= self.warmup_proportion <= 1, "in [0, 1]"),
-                  ("constant_proportion", 0 <= self.constant_proportion <= 1, "in [0, 1]"),
-                  ("poly_degree", self.poly_degree > 0, "> 0"),
-                  ("base_global_batch", self.base_global_batch >= 0, ">= 0 (0 = the preset's)")]
-        for name, ok, expected in checks:
-            if not ok:
-                raise ConfigError(f"OptimArgs.{name} = {getattr(self, name)!r}: expected {expected}")
-        if self.warmup_proportion + self.constant_proportion > 1:
-            raise ConfigError(f"warmup_proportion {self.warmup_proportion} + constant_proportion "
-                              f"{self.constant_proportion} > 1")
+def bert_defaults(args: OptimArgs) -> OptimArgs:
+    """args with BERT's defaults where the model's are asked for (None / '')."""
+    fill = {k: v for k, v in BERT_DEFAULTS.items() if getattr(args, k) in (None, "")}
+    if args.warmup_ratio is None:
+        fill["warmup_ratio"] = 0.0 if args.warmup_steps else BERT_WARMUP_RATIO
+    return replace(args, **fill)
 
-    def for_preset(self, preset_name: str, phase: int = 1) -> "OptimArgs":
-        """These args with '' / 0 fields filled from the preset's published recipe (PUBLISHED); a preset without
-        one needs --optimizer and --learning_rate."""
-        recipe = PUBLISHED.get(preset_name, {}).get(phase)
-        missing = [f"--{k}" for k, v in (("optimizer", self.optimizer), ("learning_rate", self.learning_rate),
-                                         ("base_global_batch", self.base_global_batch or
-                                          not self.scale_lr_with_global_batch)) if not v]
-        if recipe is None and missing:
-            raise ConfigError(f"preset {preset_name!r} phase {phase} has no published recipe: set {', '.join(missing)}")
-        if recipe is None:
-            return replace(self)
-        return replace(self, optimizer=self.optimizer or recipe.optimizer,
-                       lr_schedule=self.lr_schedule or recipe.schedule,
-                       learning_rate=self.learning_rate or recipe.learning_rate,
-                       base_global_batch=self.base_global_batch or recipe.global_batch)
+
+def for_preset(args: OptimArgs, preset_name: str, phase: int = 1) -> OptimArgs:
+    """args with BERT's defaults and the '' / None / 0 fields filled from the preset's published recipe (PUBLISHED);
+    a preset without one needs --optimizer and --learning_rate. bert_ref.train resolves its settings with it."""
+    args = bert_defaults(args)
+    recipe = PUBLISHED.get(preset_name, {}).get(phase)
+    missing = [f"--{k}" for k, v in (("optimizer", args.optimizer), ("learning_rate", args.learning_rate),
+                                     ("base_global_batch", args.base_global_batch or
+                                      not args.scale_lr_with_global_batch)) if not v]
+    if recipe is None and missing:
+        raise ConfigError(f"preset {preset_name!r} phase {phase} has no published recipe: set {', '.join(missing)}")
+    if recipe is None:
+        return replace(args, lr_scheduler_type=args.lr_scheduler_type or "nvidia_poly")
+    return replace(args, optimizer=args.optimizer or recipe.optimizer,
+                   lr_scheduler_type=args.lr_scheduler_type or recipe.schedule,
+                   learning_rate=args.learning_rate or recipe.learning_rate,
+                   base_global_batch=args.base_global_batch or recipe.global_batch)
 
 
 def peak_lr(args: OptimArgs, global_batch: int) -> float:
@@ -147,7 +111,8 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, global_batch: int =
     after deepspeed.initialize."""
     if not args.optimizer or not args.learning_rate:
         raise ConfigError("build_optimizer: optimizer and learning_rate unset; resolve the args with "
-                          "OptimArgs.for_preset(preset) first")
+                          "bert_ref.optim.for_preset(args, preset) first")
+    args = bert_defaults(args)
     lr = peak_lr(args, global_batch)
     groups = param_groups(model, args.weight_decay)
     betas = (args.beta1, args.beta2)
@@ -161,22 +126,11 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, global_batch: int =
     raise ConfigError(f"--optimizer {args.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
 
 
-# poly_warmup, this project's earlier schedule, kept under its old name for callers of lr_factor. Step is 0-based.
+# The schedules (nvidia_poly, habana_poly: ds_core.schedules_ref; poly_warmup, this project's earlier Habana-like one)
+# are kinds of ds_core.schedule, shared with BridgeTower; ds_core.settings.schedule_for builds them from OptimArgs.
+# poly_warmup is kept under its old name for callers of lr_factor. Step is 0-based.
 lr_factor = poly_warmup_factor
 
 
-def schedule_for(args: OptimArgs, total_steps: int):
-    """callable(optimizer) -> ds_core.schedule.LRSchedule, the form DeepSpeed's `lr_scheduler=` argument accepts.
-    args.lr_schedule '' (args not resolved by for_preset: tests, benchmarks) runs poly_warmup."""
-    kind = args.lr_schedule or "poly_warmup"
-    factor = bert_schedule_factor(kind, total_steps, args.warmup_proportion, args.constant_proportion,
-                                  args.poly_degree)  # validate before any rank builds
-
-    def make(optimizer: Any) -> LRSchedule:
-        return LRSchedule(optimizer, factor, f"{kind}, warm-up {args.warmup_proportion}, constant "
-                          f"{args.constant_proportion}, degree {args.poly_degree} of {total_steps} steps")
-    return make
-
-
-__all__ = ["OptimArgs", "Recipe", "PUBLISHED", "NVLAMB", "LANS", "build_optimizer", "param_groups", "no_decay",
-           "peak_lr", "lr_factor", "schedule_for", "OPTIMIZERS"]
+__all__ = ["Recipe", "PUBLISHED", "NVLAMB", "LANS", "build_optimizer", "param_groups", "no_decay", "peak_lr",
+           "lr_factor", "bert_defaults", "for_preset", "BERT_DEFAULTS"]

@@ -7,25 +7,38 @@ The flags that ARE settings of this toolkit are aliases on those settings (`--ou
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ds_core.config import ConfigError, TrainConfig
-from ds_core.schedule import lr_schedule, param_groups, warmup_steps_for
+from ds_core.schedule import param_groups
+from ds_core.settings import OptimArgs, schedule_for
 
-from .configs import HPU_NOTICES, CompatArgs, OptimArgs
+from .configs import HPU_NOTICES, CompatArgs
 from .images import CLIP_MEAN, CLIP_STD, SIZE_DIVISOR
 
 # --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.metrics reports).
 MONITORS = {"tensorboard": "tensorboard", "csv": "csv_monitor", "wandb": "wandb", "comet": "comet"}
 TRAINER_DEFAULT_LR = 5e-5  # transformers.TrainingArguments.learning_rate
 TRAINER_DEFAULT_WD = 0.0
+# BridgeTower's values for the OptimArgs settings left to the model: transformers' Trainer defaults (adamw_torch)
+TRAINER_DEFAULTS = dict(lr_scheduler_type="linear", eps=1e-8, warmup_ratio=0.0)
 
 
-def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> list[str]:
-    """Refuse what cannot be honoured, map save_strategy onto TrainConfig, and return the notices (one line each)."""
+def trainer_defaults(optim: OptimArgs) -> OptimArgs:
+    """optim with Trainer's defaults where the model's are asked for (optimizer '' stays: AdamW built in code, or the
+    DeepSpeed JSON's section); lamb / lans are refused."""
+    if optim.optimizer not in ("", "adamw"):
+        raise ConfigError(f"--optimizer {optim.optimizer}: BridgeTower trains with AdamW (or the DeepSpeed JSON's "
+                          "\"optimizer\" section); lamb and lans are bert_ref's")
+    return dataclasses.replace(optim, **{k: v for k, v in TRAINER_DEFAULTS.items() if getattr(optim, k) in (None, "")})
+
+
+def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
+    """Refuse what cannot be honoured; return TrainConfig with save_strategy mapped onto it (a new instance)."""
     if compat.push_to_hub:
         raise ConfigError("--push_to_hub: refused; this toolkit never uploads (training hosts often have no internet "
                           "and a credential on every node is a risk). The model is saved in --output_dir in "
@@ -33,10 +46,15 @@ def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> list[str]:
     if compat.save_strategy == "no":
         if train_cfg.num_steps_per_checkpoint:
             raise ConfigError(f"--save_strategy no with --save_steps {train_cfg.num_steps_per_checkpoint}: pick one")
-        train_cfg.save_final_checkpoint = False
-    elif compat.save_strategy != "steps":
+        return dataclasses.replace(train_cfg, save_final_checkpoint=False)
+    if compat.save_strategy != "steps":
         raise ConfigError(f"--save_strategy {compat.save_strategy!r}: expected steps (checkpoints every --save_steps) "
                           "or no; per-epoch checkpoints are not implemented")
+    return train_cfg
+
+
+def flag_notices(compat: CompatArgs) -> list[str]:
+    """One line per accepted flag that does nothing here (HPU-only flags, --hub_model_id)."""
     notices = [f"--{name}: {text}" for name, text in HPU_NOTICES.items() if getattr(compat, name)]
     if compat.hub_model_id:
         notices.append(f"--hub_model_id {compat.hub_model_id}: unused (nothing is pushed to the hub)")
@@ -94,11 +112,10 @@ def engine_kwargs(model: torch.nn.Module, optim: OptimArgs, ds_config: dict, lr:
         raise ConfigError("the DeepSpeed config has a \"scheduler\" section: remove it, the schedule is "
                           "--lr_scheduler_type with --warmup_steps / --warmup_ratio")
     groups = param_groups(model, wd, lr)
-    warmup = warmup_steps_for(total_steps, optim.warmup_steps, optim.warmup_ratio)
-    kw: dict[str, Any] = dict(model_parameters=groups,
-                              lr_scheduler=lr_schedule(optim.lr_scheduler_type, total_steps, warmup))
-    if "optimizer" not in ds_config:
-        kw["optimizer"] = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)  # Trainer's adamw_torch
+    kw: dict[str, Any] = dict(model_parameters=groups, lr_scheduler=schedule_for(trainer_defaults(optim), total_steps))
+    if "optimizer" not in ds_config:  # Trainer's adamw_torch
+        kw["optimizer"] = torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2),
+                                            eps=trainer_defaults(optim).eps)
     return kw
 
 

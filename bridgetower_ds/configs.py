@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 from transformers import BridgeTowerConfig
 
@@ -110,7 +110,7 @@ def tuning_spec(name: str, seq_len: int = TUNING_SEQ_LEN) -> dict:
             "vision_config": {k: getattr(cfg.vision_config, k) for k in _TUNING_VISION}}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelArgs:
     """Which BridgeTower to build and what to train of it."""
 
@@ -129,7 +129,7 @@ class ModelArgs:
         "help": "contrastive negatives from every rank's micro batch (all-gather) instead of this rank's only"})
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunArgs:
     """What the run does (Trainer-style switches)."""
 
@@ -146,44 +146,6 @@ class RunArgs:
                 "save_pretrained format; empty -> no export"})
 
 
-@dataclass
-class OptimArgs:
-    """Learning rate, weight decay and schedule under transformers' TrainingArguments names (ds_core.schedule).
-
-    The rule with a DeepSpeed JSON that has an "optimizer" section: it keeps the optimizer type, betas and eps; its
-    params.lr / params.weight_decay are used when --learning_rate / --weight_decay are not given, and replaced by
-    them when they are (rank 0 says so when the values differ). Without an optimizer section, AdamW with Trainer's
-    defaults (betas 0.9/0.999, eps 1e-8) is built in code. Either way the optimizer gets Trainer's two groups:
-    biases and LayerNorm weights without weight decay."""
-
-    learning_rate: Optional[float] = field(default=None, metadata={
-        "help": "peak learning rate; default: the DeepSpeed JSON's optimizer.params.lr, else 5e-5 (Trainer's)"})
-    weight_decay: Optional[float] = field(default=None, metadata={
-        "help": "AdamW weight decay (not on biases and LayerNorm weights); default: the DeepSpeed JSON's "
-                "optimizer.params.weight_decay, else 0.0 (Trainer's)"})
-    lr_scheduler_type: str = field(default="linear", metadata={
-        "help": "linear | cosine | cosine_with_restarts | polynomial | constant | constant_with_warmup | "
-                "inverse_sqrt (transformers' schedules) | poly_warmup (a Habana-like BERT schedule)"})
-    warmup_steps: float = field(default=0, metadata={
-        "help": "linear warm-up: >= 1 a number of optimizer steps, < 1 a share of all steps (transformers 5)"})
-    warmup_ratio: float = field(default=0.0, metadata={
-        "help": "warm-up as a share of all optimizer steps (transformers 4 / optimum-habana); give this or "
-                "--warmup_steps"})
-
-    def validate(self) -> None:
-        from ds_core.schedule import KINDS
-
-        if self.lr_scheduler_type not in KINDS:
-            raise ConfigError(f"--lr_scheduler_type {self.lr_scheduler_type!r}: expected one of {', '.join(KINDS)}")
-        if self.learning_rate is not None and not self.learning_rate > 0:
-            raise ConfigError(f"--learning_rate {self.learning_rate}: expected > 0")
-        if self.weight_decay is not None and self.weight_decay < 0:
-            raise ConfigError(f"--weight_decay {self.weight_decay}: expected >= 0")
-        if self.warmup_steps < 0 or not 0 <= self.warmup_ratio <= 1 or (self.warmup_steps and self.warmup_ratio):
-            raise ConfigError(f"--warmup_steps {self.warmup_steps} / --warmup_ratio {self.warmup_ratio}: expected "
-                              "one of them, warmup_steps >= 0, warmup_ratio in [0, 1]")
-
-
 # Where optimum-habana's HPU-only flags point a user of this toolkit instead (one line each, printed on rank 0).
 HPU_NOTICES = {
     "use_habana": "the accelerator is detected (HPU, CUDA or CPU) by DeepSpeed; nothing to switch on",
@@ -196,7 +158,7 @@ HPU_NOTICES = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompatArgs:
     """transformers / optimum-habana TrainingArguments flags that have no setting of their own here: accepted with
     their meaning mapped (report_to, save_strategy, remove_unused_columns), with a one-line notice (HPU-only), or

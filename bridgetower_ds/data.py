@@ -51,7 +51,7 @@ SPLIT_POLICIES = ("run_bridgetower", "fractions")
 ROLES = ("train", "validation", "test")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataArgs:
     dataset_path: str = field(default="", metadata={
         "help": "Image-caption data: a save_to_disk directory, an imagefolder directory, or a .json/.jsonl/.csv "

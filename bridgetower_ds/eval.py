@@ -10,12 +10,15 @@ embeddings are gathered from every rank and de-duplicated by row id before ranki
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as torch_dist
 
+from ds_core.components import EvalTask, Evaluation
+
 from .batching import MIN_CONTRASTIVE_ROWS
+from .configs import RunArgs
 
 KS = (1, 5, 10)
 
@@ -142,3 +145,28 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
         for k, v in recall_at_k(image @ text.t()).items():
             result[f"{prefix}_{k}"] = v
     return result
+
+
+def evaluation_for(run_args: RunArgs, eval_every: int, make_source: Callable[[str], Any]) -> Evaluation:
+    """The Trainer's evaluation of a BridgeTower run, as run_bridgetower.py does it: --do_eval evaluates the
+    validation split (every --eval_every steps and at the end of training, or once without training), --do_predict
+    the test split after training; results go to Trainer's eval_results.json / predict_results.json. Each split's
+    data source is built on first use by make_source(split) and reused by every later evaluation."""
+    sources: dict[str, Any] = {}
+
+    def task(name: str, split: str, prefix: str) -> EvalTask:
+        def fn(engine: Any, step: int) -> dict:
+            if split not in sources:
+                sources[split] = make_source(split)
+            sources[split].set_epoch(0)
+            # bad images (distinct over ranks) and bad captions of the split go into its results file too
+            return {**evaluate(engine, iter(sources[split]), prefix=prefix), **sources[split].result_counts(prefix)}
+        return EvalTask(name, fn)
+
+    def close() -> None:
+        for source in sources.values():
+            source.close()
+
+    return Evaluation(during=task("eval", "validation", "eval") if run_args.do_eval else None,
+                      after=[task("predict", "test", "test")] if run_args.do_predict else [], every=eval_every,
+                      save_results=True, close=close)

@@ -7,7 +7,8 @@ from ds_core.loop import StepOutput
 
 
 def step_fn(engine, batch: dict) -> StepOutput:
-    """StepFn for ds_core.loop.train: forward with return_loss=True (fp32 ITC loss, see model.BridgeTowerContrastive).
+    """StepFn for ds_core.trainer.Trainer: forward with return_loss=True (fp32 ITC loss, see
+    model.BridgeTowerContrastive).
 
     Negatives are the other samples of this rank's micro batch (or every rank's, with global negatives on).
     Samples and tokens count real rows only: a fill-in batch (index -1, data.CaptionData on several ranks) repeats

@@ -5,132 +5,125 @@ optimum-habana's run_bridgetower.py command line is accepted as written (bridget
 and the final model land in --output_dir (= --run_dir) as transformers' Trainer writes them."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from ds_core.ckpt_resize import plan_resize
-from ds_core.config import ConfigError, TrainConfig, check_ds_json, ds_config_for, parse_args, save_run_config
-from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
-from ds_core.loop import train
+from ds_core.config import ConfigError, TrainConfig, read_ds_json, resolve_ds_path
+from ds_core.engine import build_engine, shutdown_distributed
 from ds_core.results import keep_frozen_fp32, save_metrics, save_model, train_metrics
-from ds_core.schedule import total_optimizer_steps
-from ds_core.run_dir import prepare_run_dir
+from ds_core.settings import OptimArgs
+from ds_core.setup import Run, RunSpec, start_run
+from ds_core.trainer import Trainer
 
 from bridgetower_ds import compat
-from bridgetower_ds.configs import CompatArgs, ModelArgs, OptimArgs, RunArgs
+from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
 from bridgetower_ds.data import DataArgs, build_data, check_dataset, open_dataset
-from bridgetower_ds.eval import evaluate
+from bridgetower_ds.eval import evaluation_for
 from bridgetower_ds.hub import resolve_pretrained
-from bridgetower_ds.model import build_model, flops_per_sample, model_summary
+from bridgetower_ds.model import build_model, flops_per_sample, load_config, model_summary
 from bridgetower_ds.step import step_fn
 from bridgetower_ds.tokenizer import expected_padded_length, load_tokenizer
 
 # bridgetower_ds's one default DeepSpeed JSON. The optimizer is its "optimizer" section (AdamW) or, without one,
 # AdamW built in code; learning rate and weight decay follow OptimArgs' rule either way (bridgetower_ds/compat.py).
 DEFAULT_DS_CONFIG = "bridgetower_zero1_bf16.json"
-# The run's settings file: run_dir also receives the final model, whose own config.json is the model's.
-RUN_CONFIG = "run_config.json"
+
+
+def resolve(sections: tuple) -> tuple[tuple, list[str]]:
+    """Before any rank starts: flags mapped or refused, hub ids looked up in the local cache, and the learning rate
+    and weight decay resolved against the DeepSpeed JSON (OptimArgs' rule, bridgetower_ds/compat.py)."""
+    train_cfg, model_args, data_args, run_args, optim, compat_args = sections
+    if not (run_args.do_train or run_args.do_eval or run_args.do_predict):
+        raise ConfigError("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
+    train_cfg = compat.check_flags(compat_args, train_cfg)
+    check_dataset(data_args)  # a dataset missing from the offline cache stops here, before any rank builds a model
+    model_args = dataclasses.replace(
+        model_args, model_name_or_path=resolve_pretrained(model_args.model_name_or_path),
+        tokenizer_name_or_path=resolve_pretrained(model_args.tokenizer_name_or_path, "--tokenizer_name_or_path"))
+    lr, wd, notes = compat.resolve_optimizer(optim, read_ds_json(train_cfg.deepspeed_config),
+                                             f"DeepSpeed config {train_cfg.deepspeed_config}")
+    optim = dataclasses.replace(compat.trainer_defaults(optim), learning_rate=lr, weight_decay=wd)
+    notices = compat.flag_notices(compat_args) + notes
+    return (train_cfg, model_args, data_args, run_args, optim, compat_args), notices
+
+
+def adjust_ds_config(sections: tuple, ds_config: dict) -> list[str]:
+    """The resolved learning rate / weight decay and the --report_to monitors, written into the DeepSpeed config."""
+    train_cfg, _, _, _, optim, compat_args = sections
+    compat.resolve_optimizer(optim, ds_config, f"DeepSpeed config {resolve_ds_path(train_cfg.deepspeed_config)}")
+    return compat.apply_report_to(compat_args.report_to, ds_config, train_cfg.run_dir)
+
+
+SPEC = RunSpec(types=(TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs),
+               default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=None,
+               description="BridgeTower contrastive fine-tuning", resolve=resolve,
+               trains=lambda sections: sections[3].do_train,  # RunArgs: an eval-only run writes no run
+               adjust_ds_config=adjust_ds_config)
 
 
 def main(argv=None) -> dict:
-    train_cfg, model_args, data_args, run_args, optim, compat_args = parse_args(
-        [TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs], argv,
-        description="BridgeTower contrastive fine-tuning")
-    if not (run_args.do_train or run_args.do_eval or run_args.do_predict):
-        raise ConfigError("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
-    notices = compat.check_flags(compat_args, train_cfg)
-    model_args.model_name_or_path = resolve_pretrained(model_args.model_name_or_path)
-    model_args.tokenizer_name_or_path = resolve_pretrained(model_args.tokenizer_name_or_path,
-                                                           "--tokenizer_name_or_path")
-    train_cfg.deepspeed_config = train_cfg.deepspeed_config or DEFAULT_DS_CONFIG
-    check_ds_json(train_cfg.deepspeed_config, optimizer_in_code=None)  # values checked before distributed init
-    check_dataset(data_args)  # a dataset missing from the offline cache stops here, before any rank builds a model
-    if run_args.do_train:
-        prepare_run_dir(train_cfg)  # a used run_dir is refused (or moved aside) before any rank starts
-    dist = init_distributed(train_cfg.dist_timeout_s)
-    set_seed(train_cfg.seed)
-    ds_config = ds_config_for(train_cfg, dist.world_size)
-    plan_resize(train_cfg, ds_config, dist.world_size)  # --resume onto another world size: batch, universal load
-    lr, wd, notes = compat.resolve_optimizer(optim, ds_config, f"DeepSpeed config {train_cfg.deepspeed_config}")
-    notices += notes + compat.apply_report_to(compat_args.report_to, ds_config, train_cfg.run_dir)
-    save_run_config(train_cfg.run_dir, train_cfg, model_args, data_args, run_args, optim, compat_args,
-                    rank=dist.rank, name=RUN_CONFIG)
-
+    run = start_run(SPEC, argv)
+    train_cfg, model_args, data_args, run_args, optim, _ = run.settings
+    dist, ds_config, micro = run.dist, run.ds_config, run.ds_config["train_micro_batch_size_per_gpu"]
     tokenizer = load_tokenizer(model_args, data_args.max_seq_length)
-    model = build_model(model_args)
-    image_size = int(model.config.vision_config.image_size)
+    image_size = int(load_config(model_args).vision_config.image_size)
     if data_args.image_size and data_args.image_size != image_size:
         raise ConfigError(f"--image_size {data_args.image_size} != the model's vision image_size {image_size}")
-    processor = compat.image_processor(model_args.model_name_or_path, image_size)
-    if dist.rank == 0:
-        for line in notices:
-            print(f"[bridgetower] {line}", flush=True)
-        print(f"[bridgetower] {model_summary(model)}; images {image_size}px, captions <= "
-              f"{data_args.max_seq_length} tokens; lr {lr}, weight decay {wd}", flush=True)
-
     splits = open_dataset(data_args, train_cfg.seed)  # opened and split once; every evaluation reuses it
 
     def data(split: str, micro: int, shuffle: bool):
         return build_data(splits, split, tokenizer, image_size, dist.rank, dist.world_size, micro_batch=micro,
                           seed=train_cfg.seed, device=dist.device, shuffle=shuffle)
 
-    micro = ds_config["train_micro_batch_size_per_gpu"]
-    train_data = data("train", micro, shuffle=True) if run_args.do_train else None
-    total = total_optimizer_steps(train_cfg.max_steps, train_cfg.max_epochs, len(train_data),
-                                  ds_config["gradient_accumulation_steps"]) if train_data is not None else 1
+    if run_args.do_train:
+        run = run.with_data(data("train", micro, shuffle=True))  # total optimizer steps, decided once
+    model = build_model(model_args)
+    _announce(run, model, image_size)
     model.logit_scale_as_1d()  # DeepSpeed cannot broadcast 0-dim parameters
     frozen = keep_frozen_fp32(model, keep=dist.rank == 0)
-    engine = build_engine(model, ds_config, **compat.engine_kwargs(model, optim, ds_config, lr, wd, total))
+    engine = build_engine(model, ds_config, **compat.engine_kwargs(model, optim, ds_config, optim.learning_rate,
+                                                                   optim.weight_decay, run.total_steps or 1))
+    evaluation = evaluation_for(run_args, train_cfg.eval_every,
+                                lambda split: data(split, run_args.eval_micro_batch_size or micro, shuffle=False))
+    seq_len = expected_padded_length(tokenizer, run.data.table.captions, micro, data_args.max_seq_length,
+                                     run.data.pad_to_max) if run.data is not None else 0  # the data's padding
+    name = Path(model_args.model_name_or_path).name if model_args.model_name_or_path else model_args.preset
+    trainer = Trainer(run, engine, step_fn, model_name=f"bridgetower:{name}", seq_len=seq_len, evaluation=evaluation,
+                      flops_per_sample=flops_per_sample(model.config, seq_len,
+                                                        freeze_vision=model_args.freeze_vision_model,
+                                                        freeze_text=model_args.freeze_text_model))
+    summary = trainer.fit()
+    if run.data is not None:
+        save_metrics(train_cfg.run_dir, "train", train_metrics(summary, train_samples=len(run.data.table)), dist.rank)
+        run.data.close()
+    _export(run, engine, frozen, tokenizer, compat.image_processor(model_args.model_name_or_path, image_size))
+    results = {**evaluation.results.get("eval", {}), **evaluation.results.get("predict", {})}
+    if dist.rank == 0 and results:
+        print("[bridgetower] " + json.dumps(results), flush=True)
+    shutdown_distributed()
+    return {**summary, **results}
 
-    eval_micro = run_args.eval_micro_batch_size or micro
-    results: dict = {"eval": {}, "predict": {}}
-    eval_sources: dict = {}
 
-    def run_split(split: str, prefix: str) -> dict:
-        if split not in eval_sources:  # built once, reused by every evaluation of the run
-            eval_sources[split] = data(split, eval_micro, shuffle=False)
-        source = eval_sources[split]
-        source.set_epoch(0)
-        res = {**evaluate(engine, iter(source), prefix=prefix), **source.result_counts(prefix)}
-        results["predict" if prefix == "test" else "eval"] = res
-        return res
+def _announce(run: Run, model, image_size: int) -> None:
+    if run.dist.rank == 0:
+        optim, data_args = run.section(OptimArgs), run.section(DataArgs)
+        for line in run.notices:
+            print(f"[bridgetower] {line}", flush=True)
+        print(f"[bridgetower] {model_summary(model)}; images {image_size}px, captions <= {data_args.max_seq_length} "
+              f"tokens; lr {optim.learning_rate}, weight decay {optim.weight_decay}", flush=True)
 
-    summary: dict = {}
-    if train_data is not None:
-        seq_len = expected_padded_length(tokenizer, train_data.table.captions, micro, data_args.max_seq_length,
-                                         train_data.pad_to_max)  # the data's one padding policy
-        eval_fn = (lambda eng, step: run_split("validation", "eval")) if run_args.do_eval else None
-        name = Path(model_args.model_name_or_path).name if model_args.model_name_or_path else model_args.preset
-        summary = train(engine, step_fn, train_data, train_cfg, dist, model_name=f"bridgetower:{name}",
-                        seq_len=seq_len, eval_fn=eval_fn,
-                        flops_per_sample=flops_per_sample(model.config, seq_len,
-                                                          freeze_vision=model_args.freeze_vision_model,
-                                                          freeze_text=model_args.freeze_text_model))
-        save_metrics(train_cfg.run_dir, "train", train_metrics(summary, train_samples=len(train_data.table)),
-                     dist.rank)
-        train_data.close()
-    elif run_args.do_eval:
-        run_split("validation", "eval")
-    if run_args.do_predict:
-        run_split("test", "test")
-    for source in eval_sources.values():
-        source.close()
-    for split in ("eval", "predict"):
-        if results[split]:
-            save_metrics(train_cfg.run_dir, split, results[split], dist.rank)
 
-    def extras(d: Path) -> None:  # what run_bridgetower.py saves beside the model
+def _export(run: Run, engine, frozen: dict, tokenizer, processor) -> None:
+    """Trainer.save_model into --output_dir after training; --export_dir as well (also without training), each with
+    what run_bridgetower.py saves beside the model (tokenizer, image-processor config)."""
+    def extras(d: Path) -> None:
         tokenizer.save_pretrained(str(d))
         processor.save_pretrained(str(d))
 
-    # Trainer.save_model into --output_dir after training; --export_dir as well (also without training)
-    outs = [train_cfg.run_dir] if train_data is not None else []
-    for out in outs + ([run_args.export_dir] if run_args.export_dir else []):
+    export_dir = run.section(RunArgs).export_dir
+    for out in ([run.train.run_dir] if run.data is not None else []) + ([export_dir] if export_dir else []):
         save_model(engine, out, frozen=frozen, extras=extras)
-    if dist.rank == 0 and (results["eval"] or results["predict"]):
-        print("[bridgetower] " + json.dumps({**results["eval"], **results["predict"]}), flush=True)
-    shutdown_distributed()
-    return {**summary, **results["eval"], **results["predict"]}
 
 
 if __name__ == "__main__":

@@ -363,7 +363,7 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
     The returned state also holds "data_states": the data states of ALL saved ranks in rank order (for a data source's
     load_state_dicts), and "saved_world_size". On another data-parallel size (a resize) a ZeRO >= 1 checkpoint is
     converted once to DeepSpeed's universal format (ds_core.ckpt_resize.ensure_universal) and loaded from it: the
-    engine must have been built with checkpoint.load_universal (ds_core.ckpt_resize.plan_resize sets it). RNG on a
+    engine must have been built with checkpoint.load_universal (ds_core.setup.start_run's resize plan sets it). RNG on a
     resize: a rank that existed in the saved run gets its own streams back; a new rank r gets
     ds_core.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at step 0.
     "data" of a new rank is None. tag: the checkpoint select_resume_tag chose (default: latest_tag)."""
@@ -390,7 +390,7 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
             if not engine.load_universal_checkpoint():
                 raise ConfigError(f"checkpoint {root / tag}: saved by {saved_world} ranks, this run has {world}, and "
                                   f"the engine was built without checkpoint.load_universal: the entry point must call "
-                                  f"ds_core.ckpt_resize.plan_resize on its DeepSpeed config before build_engine")
+                                  f"build_engine with run.ds_config of ds_core.setup.start_run")
             from ds_core.ckpt_resize import ensure_universal
 
             load_tag = ensure_universal(root, tag).name

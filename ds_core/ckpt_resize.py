@@ -31,7 +31,7 @@ UNIVERSAL_SUFFIX = "_universal"
 TAG_RE = re.compile(r"global_step(\d+)$")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layout:
     """The batch numbers of a checkpoint's run, or of this run."""
 
@@ -41,7 +41,7 @@ class Layout:
     grad_accum: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResizePlan:
     tag: str
     on_resize: str
@@ -62,6 +62,17 @@ class ResizePlan:
                 f"{o.train_batch_size} -> {n.train_batch_size}, LR x {self.lr_factor:g}")
         return (f"resize {self.tag}: data-parallel size {o.dp_world_size} -> {n.dp_world_size} "
                 f"(--on_resize {self.on_resize}): {what}")
+
+    def ds_config(self, ds_config: dict) -> dict:
+        """A copy of `ds_config` with this plan's batch numbers (gradient accumulation recomputed under keep_batch,
+        its bf16 accumulation dtype following) and, for ZeRO >= 1, checkpoint.load_universal."""
+        out = json.loads(json.dumps(ds_config))
+        out.update(gradient_accumulation_steps=self.new.grad_accum, train_batch_size=self.new.train_batch_size)
+        if self.on_resize == "keep_batch":
+            settle_grad_accum_dtype(out)  # bf16 accumulation dtype follows the new accumulation
+        if (out.get("zero_optimization") or {}).get("stage", 0) > 0:
+            out.setdefault("checkpoint", {})["load_universal"] = True
+        return out
 
 
 def _complete_meta(ckpt_root: Path, tag: str) -> dict:
@@ -94,9 +105,9 @@ def saved_layout(ckpt_root: str | os.PathLike, tag: str) -> Layout:
 
 
 def plan_resize(cfg: TrainConfig, ds_config: dict, world_size: int) -> ResizePlan | None:
-    """Before deepspeed.initialize (every rank): when --resume finds a checkpoint of another data-parallel size,
-    adjust `ds_config` in place (gradient accumulation under keep_batch; checkpoint.load_universal for ZeRO >= 1)
-    and return the plan; None when nothing changes. Refuses, naming the numbers, what cannot be kept."""
+    """Before deepspeed.initialize (every rank, once: ds_core.setup.start_run): when --resume finds a checkpoint of
+    another data-parallel size, the plan (ResizePlan.ds_config gives the DeepSpeed config it needs); None when
+    nothing changes. Refuses, naming the numbers, what cannot be kept. `ds_config` is not modified."""
     from ds_core.checkpoint import latest_tag
 
     if not cfg.resume:
@@ -116,16 +127,11 @@ def plan_resize(cfg: TrainConfig, ds_config: dict, world_size: int) -> ResizePla
                 f"--on_resize keep_batch: global batch {old.train_batch_size} is not divisible by micro batch {mb} x "
                 f"{world_size} ranks = {mb * world_size}; choose a micro batch (--micro_batch_size) that divides it, "
                 f"or --on_resize scale_lr")
-        ga = old.train_batch_size // (mb * world_size)
-        ds_config.update(gradient_accumulation_steps=ga, train_batch_size=old.train_batch_size)
-        settle_grad_accum_dtype(ds_config)  # bf16 accumulation dtype follows the new accumulation
+        new = Layout(world_size, old.train_batch_size, mb, old.train_batch_size // (mb * world_size))
         factor = 1.0
     else:
-        ga = ds_config["gradient_accumulation_steps"]
+        new = Layout(world_size, ds_config["train_batch_size"], mb, ds_config["gradient_accumulation_steps"])
         factor = ds_config["train_batch_size"] / old.train_batch_size
-    new = Layout(world_size, ds_config["train_batch_size"], mb, ga)
-    if (ds_config.get("zero_optimization") or {}).get("stage", 0) > 0:
-        ds_config.setdefault("checkpoint", {})["load_universal"] = True
     return ResizePlan(tag, cfg.on_resize, old, new, factor)
 
 

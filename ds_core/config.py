@@ -38,14 +38,14 @@ def arg(text: str, *, aliases: Sequence[str] = (), **kw: Any) -> Any:
     return field(metadata=metadata, **kw)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Settings of the training loop shared by every model (DeepSpeed's own settings stay in the DeepSpeed JSON)."""
 
     # transformers' `--bf16` is `--precision bf16` (a class attribute, not a field: parse_args reads it)
     FLAG_CONSTS = {"--bf16": ("precision", "bf16")}
 
-    run_dir: str = arg("Output directory: config.json, ds_config.json, metrics.jsonl, checkpoints/.",
+    run_dir: str = arg("Output directory: run_config.json, ds_config.json, metrics.jsonl, checkpoints/.",
                          default="runs/default", aliases=["--output_dir"])
     deepspeed_config: str = arg("DeepSpeed JSON (path, or a file name inside ds_configs/).", default="")
     max_steps: int = arg("Optimizer steps to run; 0 runs max_epochs.", default=0)
@@ -124,12 +124,16 @@ class TrainConfig:
 def _flatten_json(data: dict, types: Sequence[type], source: str) -> dict:
     """Accept flat keys or sections named after the dataclasses ({"TrainConfig": {...}}, as save_run_config writes)."""
     names = {t.__name__ for t in types}
+    # a field's other spellings (arg(aliases=...)) name it in a JSON file too, e.g. an older run's
+    # "warmup_proportion" for OptimArgs.warmup_ratio
+    alias_of = {a.lstrip("-"): f.name for t in types for f in dataclasses.fields(t)
+                for a in f.metadata.get("aliases", ())}
     flat: dict = {}
     for key, value in data.items():
         if key in names and isinstance(value, dict):
-            flat.update(value)
+            flat.update({alias_of.get(k, k): v for k, v in value.items()})
         else:
-            flat[key] = value
+            flat[alias_of.get(key, key)] = value
     known = {f.name for t in types for f in dataclasses.fields(t)}
     unknown = sorted(set(flat) - known)
     if unknown:
@@ -148,15 +152,16 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser(list(types), description=description)
-    parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name); "
-                                                       "flags given on the command line override it.")
+    parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name), "
+                                                       "or a run directory (its run_config.json); flags given on the "
+                                                       "command line override it.")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="Set by launchers; ignored.")
     for t in types:  # flags that set a field to a fixed value (FLAG_CONSTS), writing the field's own dest
         for flag, (name, value) in getattr(t, "FLAG_CONSTS", {}).items():
             parser.add_argument(flag, dest=name, action="store_const", const=value, help=f"same as --{name} {value}")
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
-        path = Path(pre.config)
+        path = config_file(pre.config)
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -166,10 +171,7 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object of settings, got {type(data).__name__}")
         parser.set_defaults(**_flatten_json(data, types, str(path)))
-    try:
-        ns, unknown = parser.parse_known_args(argv)
-    except SystemExit:
-        raise
+    ns, unknown = parser.parse_known_args(argv)
     if unknown:
         known = [a for act in parser._actions for a in act.option_strings if "-" not in a.lstrip("-")]
         raise ConfigError(f"unknown command-line argument(s): {', '.join(_flag_hint(u, known) for u in unknown)}")
@@ -204,12 +206,28 @@ def _flag_hint(given: str, known: Sequence[str]) -> str:
     return repr(given)
 
 
-def save_run_config(run_dir: str | os.PathLike, *instances: Any, rank: int = 0, name: str = "config.json") -> Path:
-    """Write run_dir/<name> (config.json), sectioned by dataclass name (rank 0 only); it reads back with --config.
+# The file a run writes its resolved settings to. Not config.json: BridgeTower's run_dir also receives the saved model,
+# whose own config.json is the model's. OLD_RUN_CONFIG is what bert_ref runs wrote before; --config still reads it.
+RUN_CONFIG = "run_config.json"
+OLD_RUN_CONFIG = "config.json"
 
-    A model whose run_dir also receives a save_pretrained model (whose own config.json is the model's) passes
-    another name."""
-    path = Path(run_dir) / name
+
+def config_file(given: str | os.PathLike) -> Path:
+    """--config's file: the path itself, or for a run directory its run_config.json (config.json in a run directory
+    written before the rename)."""
+    path = Path(given)
+    if not path.is_dir():
+        return path
+    for name in (RUN_CONFIG, OLD_RUN_CONFIG):
+        if (path / name).is_file():
+            return path / name
+    raise ConfigError(f"--config {path}: a directory without {RUN_CONFIG} (or {OLD_RUN_CONFIG} of an older run); "
+                      f"expected a settings JSON file or a run directory")
+
+
+def save_run_config(run_dir: str | os.PathLike, *instances: Any, rank: int = 0) -> Path:
+    """Write run_dir/run_config.json, sectioned by dataclass name (rank 0 only); it reads back with --config."""
+    path = Path(run_dir) / RUN_CONFIG
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {type(i).__name__: dataclasses.asdict(i) for i in instances}
@@ -367,7 +385,7 @@ def ds_config_for(cfg: TrainConfig, world_size: int, accelerator: str | None = N
     the dtype TrainConfig.precision resolves to on `accelerator` (default: the one DeepSpeed finds)."""
     ds = load_ds_config(cfg.deepspeed_config, world_size, micro_batch=cfg.micro_batch_size,
                         grad_accum=cfg.gradient_accumulation_steps, zero_stage=cfg.zero_stage)
-    return resolve_ds_precision(ds, getattr(cfg, "precision", "auto"), accelerator,
+    return resolve_ds_precision(ds, cfg.precision, accelerator,
                                 source=f"DeepSpeed config {resolve_ds_path(cfg.deepspeed_config)}")
 
 

@@ -1,31 +1,23 @@
-"""THE training loop, shared by every model: micro-steps through the DeepSpeed engine, gradient accumulation, eval hook,
-periodic checkpoints with exact resume, NaN/inf guard, and metrics through ds_core.metrics.
+"""The step of THE training loop, shared by every model: micro-steps through the DeepSpeed engine, gradient
+accumulation with one all-reduce per optimizer step, the NaN/inf guard and stop requests (signals). The loop around it
+(epochs, checkpoints, evaluation, metrics) is ds_core.trainer.Trainer.
 
 A model package supplies a step function (batch -> StepOutput) and a DataSource; behaviour that differs between
-models goes into those or into a hook here, never into a second loop.
+models goes into those or into a Trainer component, never into a second loop.
 """
 from __future__ import annotations
 
-import json
 import math
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as tdist
 
-from ds_core import checkpoint as ckpt
-from ds_core.divergence import DivergenceGuard
-from ds_core.config import ConfigError, TrainConfig, atomic_write_text, precision_of
-from ds_core.engine import DistInfo, set_seed, shutdown_distributed
-from ds_core.metrics import Metrics, accelerator_kind, peak_memory_bytes, peak_probe_for, peak_tflops_for
-from ds_core.phases import PhaseTimer, console_line, record_fields, summary_fields
-from ds_core.precision import resolve_precision
-from ds_core.run_dir import RunDirInUse, in_use_message, previous_run
+from ds_core.config import ConfigError
+from ds_core.phases import PhaseTimer
 
 
 class TrainingDiverged(RuntimeError):
@@ -39,7 +31,7 @@ EXIT_STOPPED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class _StopRequest:
+class StopRequest:
     """Remembers a SIGTERM / SIGUSR1 (Slurm preemption, spot/Batch termination) instead of dying mid-step.
 
     The handler only sets a flag; the loop folds it into the step's one all-reduce, so every rank stops after the
@@ -98,8 +90,6 @@ class DataSource(Protocol):
     # concatenated), and shared_summary_stats, the keys of it that are the same on every rank (taken from rank 0).
 
 
-_END = object()  # end-of-epoch sentinel of the timed next(batch)
-
 StepFn = Callable[[Any, Any], StepOutput]
 EvalFn = Callable[[Any, int], dict]
 
@@ -108,7 +98,7 @@ def _scalar(v: Any, device: torch.device) -> torch.Tensor:
     return v.detach().float().reshape(()) if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=device)
 
 
-class _Accumulator:
+class Accumulator:
     """Sums of one optimizer step's micro-steps, reduced across ranks in ONE all-reduce at the boundary."""
 
     def __init__(self, device: torch.device):
@@ -145,7 +135,7 @@ class _Accumulator:
         return vals[0] / micro, int(vals[2]), int(vals[3]), {k: vals[4 + i] / micro for i, k in enumerate(keys)}
 
 
-def _fp32_grad_norm(engine) -> float | None:
+def fp32_grad_norm(engine) -> float | None:
     """Global gradient norm where DeepSpeed keeps none: ZeRO-0 without bf16/fp16 (its basic-optimizer path clips
     in place and drops the norm). Called at the boundary before engine.step(), when .grad holds the all-reduced
     gradients; every other configuration gets the norm from engine.get_global_grad_norm()."""
@@ -176,289 +166,71 @@ def reduce_summary_stats(stats: dict, world_size: int, shared: frozenset | set =
     return out
 
 
-def train(engine, step_fn: StepFn, data: DataSource, cfg: TrainConfig, dist: DistInfo, *, model_name: str,
-          flops_per_sample: float, seq_len: int = 0, eval_fn: EvalFn | None = None,
-          fingerprint: dict | None = None, clock: Callable[[], float] | None = None, init_from: str | None = None,
-          reset_optimizer: bool = False) -> dict:
-    """Run training to cfg.max_steps (or cfg.max_epochs); returns the final metrics summary record.
-    `clock` replaces the metrics clock (tests drive time with it; time.perf_counter by default).
+@dataclass
+class StepResult:
+    """One optimizer step, reduced over ranks: the same on every rank."""
 
-    init_from: a run directory whose latest checkpoint this run starts from when it has none of its own to resume
-    (ckpt.init_from: weights and optimizer state; a new phase with its own schedule and data). Step numbers continue
-    from that checkpoint's step, and cfg.max_steps counts the steps of this phase.
-
-    Stopped early (SIGTERM / SIGUSR1 on any rank, or cfg.max_steps_this_run): every rank finishes the optimizer step,
-    saves a checkpoint, writes the summary and the process exits with EXIT_STOPPED (SystemExit), to go on with
-    --resume."""
-    run_dir = Path(cfg.run_dir)
-    ckpt_root = run_dir / "checkpoints"
-    # Backstop for an entry point that did not call ds_core.run_dir.prepare_run_dir before distributed init. Every
-    # rank looks before any rank writes (the barrier), so they all decide alike.
-    used = [] if cfg.resume else previous_run(run_dir)
-    if tdist.is_initialized():
-        tdist.barrier()
-    if used:
-        raise RunDirInUse(in_use_message(run_dir, used) + " (--overwrite_run_dir takes effect only where the entry "
-                          "point calls ds_core.run_dir.prepare_run_dir before distributed init)")
-    ds_config = engine.config if isinstance(engine.config, dict) else {}
-    stage = engine.zero_optimization_stage()
-    if dist.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "ds_config.json", json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
-    fp = dict(ckpt.model_fingerprint(engine, stage), **(fingerprint or {}))
-
-    step, epoch = 0, 0
-    phase_start = 0  # step this phase started from: 0, or the step of the init_from checkpoint
-    # verified and agreed on by every rank before anything is loaded, printed or trimmed
-    tag = ckpt.select_resume_tag(ckpt_root, strict=cfg.resume_strict) if cfg.resume else None
-    resize = check_resize(engine, data, cfg, ckpt_root) if tag else None  # refusals before any loading
-    state = ckpt.load(engine, ckpt_root, fp, seed=cfg.seed, tag=tag) if tag else None
-    if state is not None:
-        step, epoch = state["step"], state["epoch"]
-        phase_start = state.get("phase_start", 0)
-        if hasattr(data, "load_state_dicts"):
-            data.load_state_dicts(state["data_states"])
-        else:
-            data.load_state_dict(state["data"])
-        if resize is not None:
-            apply_lr_factor(engine, resize.lr_factor)
-        if dist.rank == 0:
-            print(f"[ds_core] resumed from {ckpt_root / ckpt.tag_for(step)} at step {step}, epoch {epoch}", flush=True)
-            if resize is not None:
-                print(f"[ds_core] {resize.describe()}", flush=True)
-    else:
-        if cfg.resume and dist.rank == 0:
-            print(f"[ds_core] --resume: no complete checkpoint in {ckpt_root}; starting from step 0", flush=True)
-        if init_from:
-            phase_start = step = ckpt.init_from(engine, Path(init_from) / "checkpoints", fp, reset_optimizer)
-            if dist.rank == 0:
-                print(f"[ds_core] starting from {init_from} at step {step} (optimizer state "
-                      f"{'reset' if reset_optimizer else 'carried, step counters reset'})", flush=True)
-        data.set_epoch(0)
-        set_seed(cfg.seed, dist.rank)  # per-rank model randomness (dropout); a resume restored each rank's own
-    if cfg.resume and dist.rank == 0:
-        # The steps between the checkpoint and the interruption run again: keep one record per step.
-        dropped = ckpt.trim_metrics(run_dir / "metrics.jsonl", step)
-        if dropped:
-            print(f"[ds_core] --resume: dropped {dropped} metrics record(s) after step {step} from "
-                  f"{run_dir / 'metrics.jsonl'}", flush=True)
-        if resize is not None:  # before ds_core.metrics opens the file (append): the record precedes the steps
-            with open(run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(resize.record(step)) + "\n")
-
-    # Like HF Trainer: max_steps, when given, wins over epochs (the data source is cycled as often as needed).
-    max_steps = phase_start + cfg.max_steps if cfg.max_steps else math.inf
-    max_epochs = math.inf if cfg.max_steps else cfg.max_epochs
-    if state is not None and (step >= max_steps or epoch >= max_epochs):
-        # resumed from the final checkpoint: nothing to train, and no second eval or summary in metrics.jsonl
-        if dist.rank == 0:
-            print(f"[ds_core] --resume: {ckpt_root / ckpt.tag_for(step)} is this run's end (step {step}, epoch "
-                  f"{epoch}); nothing to train, no record added", flush=True)
-        return _last_summary(run_dir / "metrics.jsonl")
-    kind = accelerator_kind(dist.accelerator, dist.device)
-    from deepspeed.accelerator import get_accelerator
-
-    accel = get_accelerator()
-    precision = precision_of(ds_config)
-    note = None
-    if dist.rank == 0 and cfg.precision == "auto" and dist.accelerator == "cpu" and precision == "fp32":
-        note = resolve_precision("auto", "cpu")[1]  # why fp32 (cached speeds), written into the summary
-    metrics = Metrics(run_dir, rank=dist.rank, world_size=dist.world_size, nodes=dist.nodes,
-                      accelerators_per_node=dist.local_world_size, accelerator=kind, model_name=model_name,
-                      micro_batch=engine.train_micro_batch_size_per_gpu(),
-                      grad_accum=engine.gradient_accumulation_steps(), zero_stage=stage,
-                      precision=precision, flops_per_sample=flops_per_sample, seq_len=seq_len,
-                      warmup_steps=cfg.throughput_warmup_steps, log_every=cfg.log_every,
-                      total_steps=phase_start + cfg.max_steps if cfg.max_steps else None,
-                      peak_tflops=peak_tflops_for(kind, precision) if dist.rank == 0 else None,
-                      monitor=getattr(engine, "monitor", None), progress_bar=cfg.progress_bar,
-                      sync=accel.synchronize, start_step=step, clock=clock or time.perf_counter,
-                      peak_probe=peak_probe_for(kind, precision) if dist.rank == 0 else None, precision_note=note)
-
-    # [phases] sampled phase timing (ds_core.phases): marks around the four calls of a micro-step below
-    phases = PhaseTimer(cfg.phase_timing_every, rank=dist.rank, world_size=dist.world_size, device=dist.device,
-                        accelerator=accel)
-    phases.next_step = step + 1
-
-    def save() -> None:
-        with metrics.timed("checkpoint"):  # outside the throughput window; reported as checkpoint_s
-            # the step's record is written (and fsync'ed) before COMPLETE: a kill after it never loses the record
-            ckpt.save(engine, ckpt_root, step, {"epoch": epoch, "data": data.state_dict(), "phase_start": phase_start},
-                      fp, keep=cfg.save_total_limit, before_complete=metrics.persist)
-
-    def run_eval() -> None:
-        with metrics.timed("eval"):
-            logs = eval_fn(engine, step)
-            engine.train()
-            if logs:
-                metrics.eval(step, logs)
-
-    acc = _Accumulator(dist.device)
-    guard = DivergenceGuard(cfg.max_skipped_steps, cfg.loss_spike_factor)
-    resumed_in_epoch = state is not None  # a resumed epoch may legitimately be empty (checkpoint at its very end)
-    stop_request = _StopRequest()
-    stop_request.install()
-    stopped = None  # why this process stops before max_steps: "SIGTERM", "SIGUSR1" or "max_steps_this_run"
-    start_step = step
-    try:
-        engine.train()
-        metrics.begin()
-        while step < max_steps and epoch < max_epochs:
-            batches = 0
-            batch_iter = iter(data)
-            while True:
-                t_wait = metrics.clock()
-                phases.begin("data")
-                batch = next(batch_iter, _END)
-                phases.end("data")
-                metrics.data_wait(metrics.clock() - t_wait)
-                if batch is _END:
-                    break
-                batches += 1
-                phases.begin("forward")
-                out = step_fn(engine, batch)
-                phases.end("forward")
-                phases.begin("backward")
-                engine.backward(out.loss)
-                phases.end("backward")
-                acc.add(out)
-                boundary = engine.is_gradient_accumulation_boundary()  # read before step() advances the counter
-                if boundary:
-                    acc.stop = stop_request.signum is not None
-                    loss, samples, tokens, logs = acc.reduce(dist.world_size)
-                    stop_signal = acc.stop_any
-                    if not math.isfinite(loss):
-                        raise TrainingDiverged(
-                            f"loss is {loss} at optimizer step {step + 1} (epoch {epoch}); the update was not "
-                            f"applied and the latest checkpoint is still "
-                            f"{ckpt.latest_tag(ckpt_root) or 'none'} in {ckpt_root}")
-                    lrs = engine.get_lr()
-                    lr = lrs[0] if lrs else None  # the LR this update uses
-                    grad_norm = _fp32_grad_norm(engine)
-                    skipped_before = engine.skipped_steps
-                phases.begin("step")
-                engine.step()
-                phases.end("step")
-                if not boundary:
-                    continue
-                step += 1
-                if grad_norm is None:
-                    grad_norm = engine.get_global_grad_norm()
-                logs = dict(logs, **record_fields(phases.boundary(step)))  # [phases] every rank calls boundary()
-                grad_norm = float(grad_norm) if grad_norm is not None else None
-                skipped = engine.skipped_steps > skipped_before
-                if skipped:
-                    _keep_schedule_on_step(engine)
-                verdict = guard.observe(step, loss, skipped, grad_norm)
-                logs = dict(logs, skipped=skipped, skipped_steps=guard.total)
-                metrics.step(step, samples, tokens, loss=loss, lr=lr, logs=logs, grad_norm=grad_norm)
-                if skipped and dist.rank == 0:
-                    print(f"[ds_core] optimizer step {step} skipped by DeepSpeed (gradient norm {grad_norm}): the "
-                          f"update was not applied; the LR schedule advanced as for an applied step "
-                          f"({guard.consecutive} in a row, stop after {cfg.max_skipped_steps})", flush=True)
-                if verdict is not None:
-                    metrics.persist()
-                    raise TrainingDiverged(f"training diverged: {verdict}. Stopped without saving; the latest "
-                                           f"checkpoint is still {ckpt.latest_tag(ckpt_root) or 'none'} in "
-                                           f"{ckpt_root} (resume from it with a lower learning rate)")
-                acc.reset()
-                if cfg.num_steps_per_checkpoint and step % cfg.num_steps_per_checkpoint == 0:
-                    save()
-                if eval_fn is not None and cfg.eval_every and step % cfg.eval_every == 0:
-                    run_eval()
-                if step >= max_steps:
-                    break
-                if stop_signal:  # every rank got the same verdict from the all-reduce
-                    stopped = signal.Signals(stop_request.signum).name if stop_request.signum else "signal"
-                elif cfg.max_steps_this_run and step - start_step >= cfg.max_steps_this_run:
-                    stopped = "max_steps_this_run"
-                if stopped:
-                    break
-            if step >= max_steps or stopped:
-                break
-            if batches == 0 and not resumed_in_epoch:
-                raise RuntimeError(f"the data source yielded no batch in epoch {epoch} on rank {dist.rank}: "
-                                   f"too little data for micro batch {engine.train_micro_batch_size_per_gpu()}")
-            resumed_in_epoch = False
-            epoch += 1
-            if epoch < max_epochs:
-                data.set_epoch(epoch)
-        metrics.end_training()  # the throughput window closes here: the final save and eval are timed apart
-        phases.finish()  # [phases] a sample still pending (read one step late on CUDA/HPU); every rank
-        if (cfg.save_final_checkpoint or stopped) and step > 0:
-            save()  # a stopped run always saves: --resume continues from exactly this step
-        if eval_fn is not None and not stopped and not (cfg.eval_every and step % cfg.eval_every == 0):
-            run_eval()
-        stats = data.summary_stats() if hasattr(data, "summary_stats") else {}
-        extra = reduce_summary_stats(dict(stats, peak_memory_gb_per_rank=[peak_memory_bytes(dist.accelerator) / 2**30]),
-                                     dist.world_size, frozenset(getattr(data, "shared_summary_stats", ())))
-        extra["peak_memory_kind"] = "process peak RSS" if dist.accelerator == "cpu" else "allocator peak"
-        if stopped:
-            extra = dict(extra, stopped=stopped, exit_status=EXIT_STOPPED)
-        extra.update(summary_fields(phases.samples, first_step=start_step + cfg.throughput_warmup_steps,
-                                    overhead_s=phases.overhead_s))  # [phases]
-        summary = metrics.summary(extra)
-        if dist.rank == 0 and phases.samples:  # [phases] the console summary line
-            print(f"[ds_core] step time ({summary['phase_sampled_steps']} sampled steps): "
-                  f"{console_line(summary)}", flush=True)
-    finally:
-        metrics.close()
-        if not stopped:
-            stop_request.restore()
-    if dist.rank == 0:
-        print(f"[ds_core] metrics: {metrics.path.resolve()}", flush=True)
-    if stopped:
-        _exit_stopped(stopped, step, ckpt_root, data, dist)
-    return summary
+    loss: float
+    samples: int
+    tokens: int
+    logs: dict
+    lr: float | None  # the LR this update used
+    grad_norm: float | None
+    stop: bool  # some rank was asked to stop (signal): every rank stops after this step
+    skipped: bool = False  # DeepSpeed skipped the update (non-finite gradient norm): see ds_core.divergence
 
 
-def check_resize(engine, data: Any, cfg: TrainConfig, ckpt_root: Path):
-    """On --resume: the ds_core.ckpt_resize.ResizePlan when the latest checkpoint has another data-parallel size
-    (None otherwise), after refusing what cannot be resized: a data source without load_state_dicts, an engine whose
-    batch numbers are not those plan_resize chose (an entry point that did not call it)."""
-    from ds_core.ckpt_resize import Layout, ResizePlan, saved_layout
+class Step:
+    """The step component: one micro batch through the engine (forward by the model's step function, backward,
+    engine.step), with the micro-steps of an optimizer step summed and reduced in ONE all-reduce at the boundary.
 
-    tag = ckpt.latest_tag(ckpt_root) if ckpt_root.is_dir() else None
-    if tag is None:
-        return None
-    old = saved_layout(ckpt_root, tag)
-    new = Layout(engine.dp_world_size, engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
-                 engine.gradient_accumulation_steps())
-    if old.dp_world_size == new.dp_world_size:
-        return None
-    where = f"--resume from {ckpt_root / tag} (saved by {old.dp_world_size} data-parallel ranks) on {new.dp_world_size}"
-    if not hasattr(data, "load_state_dicts"):
-        raise ConfigError(f"{where}: the data source {type(data).__module__}.{type(data).__name__} has no "
-                          f"load_state_dicts, so it cannot deal the epoch's remaining samples to another number of "
-                          f"ranks; resume on {old.dp_world_size} ranks")
-    if cfg.on_resize == "keep_batch" and new.train_batch_size != old.train_batch_size:
-        raise ConfigError(f"{where}, --on_resize keep_batch: this engine's global batch is {new.train_batch_size} "
-                          f"(micro {new.micro_batch} x accumulation {new.grad_accum} x {new.dp_world_size}), the "
-                          f"checkpoint's {old.train_batch_size}: the entry point must call "
-                          f"ds_core.ckpt_resize.plan_resize on its DeepSpeed config before build_engine")
-    factor = new.train_batch_size / old.train_batch_size if cfg.on_resize == "scale_lr" else 1.0
-    return ResizePlan(tag, cfg.on_resize, old, new, factor)
+    The loss is checked at the boundary BEFORE engine.step(): a NaN/inf raises TrainingDiverged and no update is
+    applied (the message comes from `diverged(loss)`, which names the checkpoint that is still good)."""
 
+    def __init__(self, engine: Any, step_fn: StepFn, world_size: int, stop: StopRequest | None = None,
+                 phases: Any = None):
+        self.engine, self.step_fn, self.world_size = engine, step_fn, world_size
+        self.stop = stop
+        self.phases = phases or PhaseTimer(0)  # ds_core.phases: marks around forward, backward and engine.step
+        self.acc = Accumulator(engine.device)
 
-def _last_summary(path: Path) -> dict:
-    """The last summary record of metrics.jsonl ({} if none): what a run that had already finished returns."""
-    last: dict = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("type") == "summary":
-                last = rec
-    return last
-
-
-def _keep_schedule_on_step(engine) -> None:
-    """DeepSpeed does not step the LR scheduler on a skipped update (engine._take_model_step); step it here so that
-    optimizer step k always uses schedule(k) and the schedule ends on the loop's last step (ds_core.divergence)."""
-    if engine.lr_scheduler is not None:
-        engine.lr_scheduler.step()
+    def __call__(self, batch: Any, diverged: Callable[[float], str]) -> StepResult | None:
+        """Run one micro batch; the reduced StepResult at an accumulation boundary, else None."""
+        engine, phases = self.engine, self.phases
+        phases.begin("forward")
+        out = self.step_fn(engine, batch)
+        phases.end("forward")
+        phases.begin("backward")
+        engine.backward(out.loss)
+        phases.end("backward")
+        self.acc.add(out)
+        if not engine.is_gradient_accumulation_boundary():  # read before step() advances the counter
+            phases.begin("step")
+            engine.step()
+            phases.end("step")
+            return None
+        self.acc.stop = self.stop is not None and self.stop.signum is not None
+        loss, samples, tokens, logs = self.acc.reduce(self.world_size)
+        if not math.isfinite(loss):
+            raise TrainingDiverged(diverged(loss))
+        lrs = engine.get_lr()
+        lr = lrs[0] if lrs else None
+        grad_norm = fp32_grad_norm(engine)
+        skipped_before = engine.skipped_steps
+        phases.begin("step")
+        engine.step()
+        phases.end("step")
+        if grad_norm is None:
+            grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        skipped = engine.skipped_steps > skipped_before
+        if skipped and engine.lr_scheduler is not None:
+            # DeepSpeed does not step the LR scheduler on a skipped update (engine._take_model_step): step it here
+            # so that optimizer step k always uses schedule(k) and the schedule ends on the loop's last step
+            engine.lr_scheduler.step()
+        result = StepResult(loss, samples, tokens, logs, lr, grad_norm, self.acc.stop_any, skipped)
+        self.acc.reset()
+        return result
 
 
 def apply_lr_factor(engine, factor: float) -> None:
@@ -479,14 +251,3 @@ def apply_lr_factor(engine, factor: float) -> None:
         g["lr"] *= factor
 
 
-def _exit_stopped(reason: str, step: int, ckpt_root: Path, data: Any, dist: DistInfo) -> None:
-    """End the process after an early stop: the checkpoint is saved and every rank is here (same verdict)."""
-    if dist.rank == 0:
-        # the last line of ours: DeepSpeed's launcher then logs "[ERROR] ... exits with return code = 75" (its words)
-        print(f"[ds_core] stopped after optimizer step {step} ({reason}); checkpoint {ckpt_root / ckpt.tag_for(step)} "
-              f"saved; exit status {EXIT_STOPPED} is a planned stop, not a failure (DeepSpeed's launcher reports it as "
-              f"'[ERROR] ... return code = {EXIT_STOPPED}'): run again with --resume to continue", flush=True)
-    if hasattr(data, "close"):
-        data.close()  # prefetch threads would otherwise keep the interpreter alive
-    shutdown_distributed()  # as every entry point does at a normal end (gloo's exit-time abort otherwise)
-    raise SystemExit(EXIT_STOPPED)

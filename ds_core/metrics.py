@@ -11,6 +11,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -88,6 +89,28 @@ def _num(x: Any) -> Any:
     return x
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """What a run's metrics records say about the run (the static part of every record and the summary)."""
+
+    model: str
+    world_size: int
+    nodes: int
+    accelerators_per_node: int
+    accelerator: str  # a row of ds_core.accelerators, or "cpu" / "cuda" / "hpu"
+    micro_batch: int
+    grad_accum: int
+    zero_stage: int
+    precision: str
+    flops_per_sample: float
+    seq_len: int = 0
+    warmup_steps: int = 3  # optimizer steps excluded from throughput
+    log_every: int = 1
+    total_steps: int | None = None  # the progress bar's end
+    peak_tflops: float | None = None
+    precision_note: str | None = None
+
+
 class Metrics:
     """Counts optimizer steps and their samples; turns them into rates over the post-warm-up window.
 
@@ -99,23 +122,21 @@ class Metrics:
     keeps the same counts (the loop passes global counts).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, rank: int, world_size: int, nodes: int,
-                 accelerators_per_node: int, accelerator: str, model_name: str, micro_batch: int, grad_accum: int,
-                 zero_stage: int, precision: str, flops_per_sample: float, seq_len: int = 0,
-                 warmup_steps: int = 3, log_every: int = 1, total_steps: int | None = None,
-                 peak_tflops: float | None = None, monitor: Any = None, progress_bar: bool = True,
+    def __init__(self, run_dir: str | os.PathLike, info: RunInfo, *, rank: int, start_step: int = 0,
                  clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] | None = None,
-                 start_step: int = 0, peak_probe: Callable[[], float] | None = None, console: bool = True,
-                 precision_note: str | None = None):
+                 monitor: Any = None, progress_bar: bool = True, peak_probe: Callable[[], float] | None = None,
+                 console: bool = True):
+        world_size, warmup_steps, peak_tflops = info.world_size, info.warmup_steps, info.peak_tflops
+        flops_per_sample, log_every = info.flops_per_sample, info.log_every
         self.rank, self.world_size = rank, world_size
-        self.static = dict(model=model_name, world_size=world_size, nodes=nodes,
-                           accelerators_per_node=accelerators_per_node, accelerator=accelerator,
-                           micro_batch=micro_batch, grad_accum=grad_accum,
-                           global_batch=micro_batch * grad_accum * world_size, zero_stage=zero_stage,
-                           precision=precision, seq_len=seq_len, warmup_steps_excluded=warmup_steps,
+        self.static = dict(model=info.model, world_size=world_size, nodes=info.nodes,
+                           accelerators_per_node=info.accelerators_per_node, accelerator=info.accelerator,
+                           micro_batch=info.micro_batch, grad_accum=info.grad_accum,
+                           global_batch=info.micro_batch * info.grad_accum * world_size, zero_stage=info.zero_stage,
+                           precision=info.precision, seq_len=info.seq_len, warmup_steps_excluded=warmup_steps,
                            flops_per_sample=flops_per_sample, peak_tflops_per_accelerator=peak_tflops)
-        if precision_note:
-            self.static["precision_note"] = precision_note
+        if info.precision_note:
+            self.static["precision_note"] = info.precision_note
         self.flops_per_sample = flops_per_sample
         self.peak = peak_tflops
         # A measured peak (CPU) is probed again at the end and the better probe kept: a probe that landed in a busy
@@ -152,7 +173,7 @@ class Metrics:
             if progress_bar:
                 from tqdm.auto import tqdm
 
-                self._bar = tqdm(total=total_steps, initial=start_step, desc=model_name, unit="step",
+                self._bar = tqdm(total=info.total_steps, initial=start_step, desc=info.model, unit="step",
                                  dynamic_ncols=True)
 
     # -- clock ---------------------------------------------------------------------------------------------------

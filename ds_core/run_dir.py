@@ -7,7 +7,7 @@ aside, never deleted.
 
 Called by each entry point right after parsing, before distributed init: every rank of a job reads the same directory
 and refuses alike, and only global rank 0 (known from the launcher's environment) moves it, which is safe because no
-rank can pass distributed init before rank 0 joins it. `ds_core.loop.train` repeats the check as a backstop.
+rank can pass distributed init before rank 0 joins it. ds_core.setup.start_run calls it for every entry point.
 """
 from __future__ import annotations
 

@@ -21,11 +21,13 @@ from typing import Any, Callable
 import torch
 
 from ds_core.config import ConfigError
+from ds_core.schedules_ref import REF_KINDS, ref_schedule_factor
 
 # transformers' LambdaLR-based kinds (reduce_lr_on_plateau and greedy react to metrics; wsd needs its own knobs).
 HF_KINDS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
             "inverse_sqrt")
-KINDS = HF_KINDS + ("poly_warmup",)
+# + this project's earlier BERT schedule, and NVIDIA's and Habana's own (ds_core.schedules_ref)
+KINDS = HF_KINDS + ("poly_warmup",) + REF_KINDS
 
 # transformers' Trainer.get_decay_parameter_names: parameters of nn.LayerNorm modules and names matching these
 # patterns (lower-cased) get no weight decay.
@@ -94,8 +96,14 @@ def hf_factor(kind: str, total_steps: int, warmup_steps: int, base_lr: float = 1
 
 
 def schedule_factor(kind: str, total_steps: int, warmup_steps: int = 0, *, base_lr: float = 1.0,
-                    constant_proportion: float = 0.0, degree: float = 1.0) -> Callable[[int], float]:
-    """step -> LR multiplier for any kind in KINDS (poly_warmup takes warmup_steps as a step count too)."""
+                    constant_proportion: float = 0.0, degree: float = 1.0,
+                    warmup_proportion: float | None = None) -> Callable[[int], float]:
+    """step -> LR multiplier for any kind in KINDS (poly_warmup takes warmup_steps as a step count too; nvidia_poly
+    and habana_poly take warmup_proportion, a share of the steps, as their references do)."""
+    if kind in REF_KINDS:
+        share = warmup_proportion if warmup_proportion is not None else (
+            warmup_steps / total_steps if total_steps > 0 else 0.0)
+        return ref_schedule_factor(kind, total_steps, share, constant_proportion, degree)
     if kind == "poly_warmup":
         if total_steps <= 0:
             raise ConfigError(f"lr_scheduler_type poly_warmup: total_steps = {total_steps}: expected > 0")

@@ -30,14 +30,15 @@ from __future__ import annotations
 from typing import Callable
 
 from ds_core.config import ConfigError
-from ds_core.schedule import poly_warmup_factor
 
-BERT_KINDS = ("nvidia_poly", "habana_poly", "poly_warmup")
+# The kinds defined here; ds_core.schedule adds them to its one vocabulary (KINDS). This module imports no schedule
+# code, so ds_core.schedule can import it without a circle.
+REF_KINDS = ("nvidia_poly", "habana_poly")
 
 
 def _check(kind: str, total_steps: int, warmup: float, constant: float, degree: float) -> None:
-    if kind not in BERT_KINDS:
-        raise ConfigError(f"--lr_schedule {kind!r}: expected one of {', '.join(BERT_KINDS)}")
+    if kind not in REF_KINDS:
+        raise ConfigError(f"--lr_scheduler_type {kind!r}: expected one of {', '.join(REF_KINDS)}")
     if total_steps <= 0:
         raise ConfigError(f"LR schedule {kind}: total_steps = {total_steps}: expected > 0 (set --max_steps)")
     if not (0 <= warmup <= 1 and 0 <= constant <= 1 and warmup + constant <= 1) or degree <= 0:
@@ -75,15 +76,14 @@ def habana_poly_factor(step: int, total_steps: int, warmup: float, constant: flo
     return ((1.0 - progress) / (1.0 - warmup - constant)) ** degree
 
 
-def bert_schedule_factor(kind: str, total_steps: int, warmup_proportion: float, constant_proportion: float = 0.0,
-                         degree: float = 1.0) -> Callable[[int], float]:
-    """0-based step -> LR multiplier for a kind in BERT_KINDS; bad settings fail here, before any rank builds."""
+def ref_schedule_factor(kind: str, total_steps: int, warmup_proportion: float, constant_proportion: float = 0.0,
+                        degree: float = 1.0) -> Callable[[int], float]:
+    """0-based step -> LR multiplier for a kind in REF_KINDS; bad settings fail here, before any rank builds. The
+    warm-up is a proportion of the steps, as both references take it (not rounded to a step count)."""
     _check(kind, total_steps, warmup_proportion, constant_proportion, degree)
     if kind == "nvidia_poly":
         return lambda step: nvidia_poly_factor(step, total_steps, warmup_proportion, degree)
-    if kind == "habana_poly":
-        return lambda step: habana_poly_factor(step, total_steps, warmup_proportion, constant_proportion, degree)
-    return lambda step: poly_warmup_factor(step, total_steps, warmup_proportion, constant_proportion, degree)
+    return lambda step: habana_poly_factor(step, total_steps, warmup_proportion, constant_proportion, degree)
 
 
-__all__ = ["BERT_KINDS", "nvidia_poly_factor", "habana_poly_factor", "bert_schedule_factor"]
+__all__ = ["REF_KINDS", "nvidia_poly_factor", "habana_poly_factor", "ref_schedule_factor"]

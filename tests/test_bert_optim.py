@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from bert_ref.layerwise import LANS, NVLAMB, FlatLayout, _partition_segments
-from bert_ref.optim import PUBLISHED, OptimArgs, build_optimizer, lr_factor, no_decay, schedule_for, \
-    param_groups, peak_lr
+from bert_ref.optim import PUBLISHED, bert_defaults, build_optimizer, for_preset, lr_factor, no_decay, param_groups, \
+    peak_lr
 from ds_core.config import ConfigError
+from ds_core.settings import OptimArgs, schedule_for
 
 X0, G = [3.0, 4.0], [0.5, -1.0]  # ||x0|| = 5, ||g|| = 1.118 (> FusedLAMB's max_grad_norm 1: pre-normalized)
 LR, B1, B2, EPS, WD = 0.1, 0.9, 0.999, 1e-6, 0.01
@@ -191,30 +192,30 @@ def test_flat_tensor_with_layout_steps_like_separate_tensors(opt_cls):
 
 
 def test_presets_default_to_their_published_optimizer_and_lr():
-    big = OptimArgs().for_preset("bert_1p5b")
+    big = for_preset(OptimArgs(), "bert_1p5b")
     assert (big.optimizer, big.learning_rate, big.base_global_batch) == ("lans", 0.0015, 8 * 8 * 384)
-    large = OptimArgs().for_preset("bert_large")
+    large = for_preset(OptimArgs(), "bert_large")
     assert (large.optimizer, large.learning_rate, large.base_global_batch) == ("lamb", 6e-3, 65536)
-    assert OptimArgs().for_preset("bert_large", 2).learning_rate == 4e-3
-    mine = OptimArgs(optimizer="adamw", learning_rate=1e-4).for_preset("bert_1p5b")
+    assert for_preset(OptimArgs(), "bert_large", 2).learning_rate == 4e-3
+    mine = for_preset(OptimArgs(optimizer="adamw", learning_rate=1e-4), "bert_1p5b")
     assert (mine.optimizer, mine.learning_rate) == ("adamw", 1e-4)  # explicit flags win
     assert set(PUBLISHED) >= {"bert_large", "bert_1p5b"}
     model = torch.nn.Linear(2, 2)
-    assert isinstance(build_optimizer(model, OptimArgs().for_preset("bert_1p5b")), LANS)
-    assert isinstance(build_optimizer(model, OptimArgs().for_preset("bert_large")), NVLAMB)
+    assert isinstance(build_optimizer(model, for_preset(OptimArgs(), "bert_1p5b")), LANS)
+    assert isinstance(build_optimizer(model, for_preset(OptimArgs(), "bert_large")), NVLAMB)
     with pytest.raises(ConfigError, match="for_preset"):
         build_optimizer(model, OptimArgs())
     with pytest.raises(ConfigError, match="no published recipe"):
-        OptimArgs().for_preset("my_model")
+        for_preset(OptimArgs(), "my_model")
 
 
 def test_lr_scales_with_global_batch_not_nodes():
-    args = OptimArgs(scale_lr_with_global_batch=True).for_preset("bert_1p5b")
+    args = for_preset(OptimArgs(scale_lr_with_global_batch=True), "bert_1p5b")
     assert peak_lr(args, 8 * 8 * 384) == pytest.approx(0.0015)  # the published base
     assert peak_lr(args, 16 * 8 * 384) == pytest.approx(0.003)  # 16 nodes, as published
     assert peak_lr(args, 16 * 4 * 384) == pytest.approx(0.0015)  # 16 nodes x 4 GPUs: the base batch, the base LR
     assert peak_lr(args, 8 * 8 * 96) == pytest.approx(0.000375)
-    assert peak_lr(OptimArgs().for_preset("bert_1p5b"), 16 * 8 * 384) == 0.0015  # off by default
+    assert peak_lr(for_preset(OptimArgs(), "bert_1p5b"), 16 * 8 * 384) == 0.0015  # off by default
     opt = build_optimizer(torch.nn.Linear(2, 2), args, global_batch=2 * 24576)
     assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.003)] * 2
     assert not hasattr(OptimArgs(), "scale_lr_with_nodes")  # the node-count rule is gone
@@ -260,14 +261,16 @@ def test_lr_schedule_warmup_constant_poly():
     with pytest.raises(ConfigError):
         lr_factor(0, 0, 0.1)
     with pytest.raises(ConfigError):
-        OptimArgs(warmup_proportion=0.8, constant_proportion=0.5).validate()
+        OptimArgs(warmup_ratio=0.8, constant_proportion=0.5).validate()
     with pytest.raises(ConfigError):
         OptimArgs(optimizer="sgd").validate()
 
 
 def test_scheduler_drives_param_groups_and_round_trips():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    args = OptimArgs(warmup_proportion=0.2, constant_proportion=0.0, poly_degree=1.0)
+    args = bert_defaults(OptimArgs(lr_scheduler_type="poly_warmup", warmup_ratio=0.2, constant_proportion=0.0,
+                                   poly_degree=1.0))
+    assert for_preset(OptimArgs(), "bert_large").lr_scheduler_type == "nvidia_poly"  # the recipe's kind
     sch = schedule_for(args, 10)(opt)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5)
     sch.step()

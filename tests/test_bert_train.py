@@ -211,4 +211,29 @@ def test_zero3_lans_activation_checkpointing_overfits_and_exports(shards, tmp_pa
 
     model = build_model(debug(2), init_checkpoint=str(run_dir / "hf_model"))
     assert model.bert.embeddings.word_embeddings.weight.shape == (1024, 64)
-    assert json.loads((run_dir / "config.json").read_text())["BertArgs"]["preset"] == "debug"
+    assert json.loads((run_dir / "run_config.json").read_text())["BertArgs"]["preset"] == "debug"
+
+
+@pytest.mark.slow
+def test_run_by_epochs_ends_its_lr_schedule_on_the_last_step(tmp_path):
+    """10 micro batches per epoch, accumulation 4, 3 epochs: 30 micro batches make 7 optimizer steps (a partial
+    accumulation carries over the epoch ends). The LR schedule is built for the same 7 steps (ds_core.setup decides
+    them once): linear decay without warm-up, so step k (1-based) uses lr x (1 - (k-1)/7) and the last step's LR is
+    not 0 (before, bert_ref.train counted (10 // 4) x 3 = 6 steps and the 7th update ran at LR 0)."""
+    from bert_ref.prep.h5io import synthetic_arrays, write_shard
+
+    shards = tmp_path / "ten"
+    shards.mkdir()
+    write_shard(shards / "part-00000.hdf5", synthetic_arrays(10, 128, 20, vocab_size=1024, seed=5))
+    run_dir = tmp_path / "run"
+    lr = 0.01
+    run_deepspeed(["--module", "bert_ref.train", "--preset", "debug", "--deepspeed_config",
+                   "ds_configs/bert_debug_zero1_bf16.json", "--input_dir", str(shards), "--run_dir", str(run_dir),
+                   "--max_epochs", "3", "--micro_batch_size", "1", "--gradient_accumulation_steps", "4",
+                   "--precision", "fp32", "--optimizer", "adamw", "--learning_rate", str(lr), "--warmup_proportion",
+                   "0", "--export_hf", "false", "--save_final_checkpoint", "false", "--progress_bar", "false"],
+                  num_ranks=1)
+    recs = _records(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, 8))
+    assert [r["lr"] for r in recs] == pytest.approx([lr * (1 - k / 7) for k in range(7)])
+    assert recs[-1]["lr"] > 0

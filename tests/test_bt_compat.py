@@ -18,7 +18,8 @@ from conftest import REPO
 
 from ds_core.config import ConfigError, TrainConfig, parse_args
 from bridgetower_ds import compat
-from bridgetower_ds.configs import CompatArgs, ModelArgs, OptimArgs, RunArgs
+from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
+from ds_core.settings import OptimArgs
 from bridgetower_ds.data import DataArgs
 
 TYPES = [TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs]
@@ -64,7 +65,8 @@ def test_published_command_parses_into_the_toolkits_settings():
     assert ra.do_train and ra.do_eval and ra.do_predict
     assert (oa.learning_rate, oa.weight_decay, oa.warmup_ratio, oa.lr_scheduler_type) == (1e-5, 0.01, 0.1, "cosine")
     assert ca.remove_unused_columns is False and ca.report_to == "tensorboard" and ca.save_strategy == "no"
-    notices = compat.check_flags(ca, tc)
+    tc = compat.check_flags(ca, tc)
+    notices = compat.flag_notices(ca)
     assert tc.save_final_checkpoint is False  # --save_strategy no: no checkpoints at all
     assert [n.split(":")[0] for n in notices] == ["--use_habana", "--use_lazy_mode", "--use_hpu_graphs_for_inference",
                                                   "--gaudi_config_name", "--distribution_strategy", "--sdp_on_bf16"]

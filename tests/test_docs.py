@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+import ds_core.setup
+
 REPO = Path(__file__).resolve().parents[1]
 OUR_PACKAGES = ("bert_ref", "bridgetower_ds", "ds_core", "launch", "bench", "studies")
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
@@ -187,22 +189,26 @@ def _run_parse(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
         # bench/bert_step.py re-executes itself once to set malloc tunables; that branch is not argument parsing
         m.setenv("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES", "glibc.malloc.arena_max=2"))
         m.setattr(sys, "argv", [module, *argv])
-        if hasattr(mod, "parse_args") and getattr(mod.parse_args, "__module__", "") == "ds_core.config":
-            real = mod.parse_args
+        # an entry point parses in its own module or through ds_core.setup.start_run: patch whichever it uses
+        for where in (mod, ds_core.setup) if hasattr(mod, "start_run") else (mod,):
+            if hasattr(where, "parse_args") and getattr(where.parse_args, "__module__", "") == "ds_core.config":
+                real = where.parse_args
 
-            def parse_then_validate(*a, **k):
-                # paths in docs are examples: validate() answers "exists" for them, everything else is checked
-                with monkeypatch.context() as fs:
-                    for attr in ("exists", "is_dir", "is_file"):
-                        fs.setattr(Path, attr, lambda self: True)
-                    return real(*a, **k)
+                def parse_then_validate(*a, _real=real, **k):
+                    # paths in docs are examples: validate() answers "exists" for them, everything else is checked
+                    with monkeypatch.context() as fs:
+                        for attr in ("exists", "is_dir", "is_file"):
+                            fs.setattr(Path, attr, lambda self: True)
+                        return _real(*a, **k)
 
-            m.setattr(mod, "parse_args", parse_then_validate)
-            for name in ("check_dataset", "prepare_run_dir", "init_distributed"):  # the first touches the data
-                if hasattr(mod, name):
-                    m.setattr(mod, name, stop)
-            if hasattr(mod, "resolve_pretrained"):  # resolves hub ids in the local cache: not argument parsing
-                m.setattr(mod, "resolve_pretrained", lambda value, *a, **k: value)
+                m.setattr(where, "parse_args", parse_then_validate)
+                for name in ("prepare_run_dir", "init_distributed"):
+                    if hasattr(where, name):
+                        m.setattr(where, name, stop)
+        if hasattr(mod, "check_dataset"):  # opens the dataset from the offline cache: not argument parsing
+            m.setattr(mod, "check_dataset", lambda *a, **k: None)
+        if hasattr(mod, "resolve_pretrained"):  # resolves hub ids in the local cache: not argument parsing
+            m.setattr(mod, "resolve_pretrained", lambda value, *a, **k: value)
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

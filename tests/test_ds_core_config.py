@@ -5,6 +5,7 @@ import pytest
 
 from ds_core.config import (DS_CONFIG_DIR, ConfigError, TrainConfig, check_batch_arithmetic, load_ds_config,
                             parse_args, save_run_config)
+from ds_core.settings import OptimArgs
 
 
 def test_missing_batch_number_is_derived_like_deepspeed():
@@ -68,8 +69,24 @@ def test_config_json_then_flags_override(tmp_path):
     (cfg,) = parse_args([TrainConfig], ["--config", str(p), "--seed", "5", "--local_rank=1"])
     assert cfg.max_steps == 7 and cfg.seed == 5
     out = save_run_config(tmp_path / "r", cfg)
+    assert out.name == "run_config.json"
     (again,) = parse_args([TrainConfig], ["--config", str(out)])
     assert again == cfg
+    (from_dir,) = parse_args([TrainConfig], ["--config", str(tmp_path / "r")])  # a run directory: its run_config.json
+    assert from_dir == cfg
+
+
+def test_config_reads_an_older_bert_run_directory_and_names_an_empty_one(tmp_path):
+    old = tmp_path / "old_run"
+    old.mkdir()
+    # before run_config.json; BERT's optimizer section then named the warm-up share warmup_proportion
+    (old / "config.json").write_text(json.dumps({"TrainConfig": {"max_steps": 9},
+                                                 "OptimArgs": {"warmup_proportion": 0.2, "optimizer": "lamb"}}))
+    cfg, optim = parse_args([TrainConfig, OptimArgs], ["--config", str(old)])
+    assert cfg.max_steps == 9 and optim.warmup_ratio == 0.2 and optim.optimizer == "lamb"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"--config .*empty: a directory without run_config.json"):
+        parse_args([TrainConfig], ["--config", str(tmp_path / "empty")])
 
 
 def test_unknown_key_in_our_config_is_named(tmp_path):

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ds_core.metrics import Metrics, cpu_peak_tflops
+from ds_core.metrics import Metrics, RunInfo, cpu_peak_tflops
 
 SUMMARY_FIELDS = ["model", "world_size", "nodes", "accelerators_per_node", "accelerator", "micro_batch", "grad_accum",
                   "zero_stage", "precision", "warmup_steps_excluded", "samples_per_s", "seqs_per_s_per_accelerator",
@@ -18,11 +18,11 @@ class Clock:
         return self.t
 
 
-def make(tmp_path, clock, warmup=2, world=4, rank=0, **kw):
-    return Metrics(tmp_path, rank=rank, world_size=world, nodes=2, accelerators_per_node=2, accelerator="gaudi2",
-                   model_name="m", micro_batch=8, grad_accum=2, zero_stage=1, precision="bf16",
-                   flops_per_sample=1e12, seq_len=128, warmup_steps=warmup, peak_tflops=10.0, progress_bar=False,
-                   clock=clock, **kw)
+def make(tmp_path, clock, warmup=2, world=4, rank=0, log_every=1, **kw):
+    info = RunInfo(model="m", world_size=world, nodes=2, accelerators_per_node=2, accelerator="gaudi2", micro_batch=8,
+                   grad_accum=2, zero_stage=1, precision="bf16", flops_per_sample=1e12, seq_len=128,
+                   warmup_steps=warmup, log_every=log_every, peak_tflops=10.0)
+    return Metrics(tmp_path, info, rank=rank, progress_bar=False, clock=clock, **kw)
 
 
 def test_warmup_steps_are_excluded_and_rates_are_per_accelerator(tmp_path):

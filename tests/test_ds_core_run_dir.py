@@ -61,7 +61,7 @@ def test_used_run_dir_is_refused_then_moved_aside(tmp_path):
     cfg = TrainConfig(run_dir=str(run))
     prepare_run_dir(cfg)  # empty / missing: nothing to say (rank 0 creates it to hold the run_dir lock)
     assert [p.name for p in run.iterdir()] == [".run.lock"]
-    (run / "config.json").write_text("{}")
+    (run / "run_config.json").write_text("{}")
     prepare_run_dir(cfg)  # config.json alone is not a run
     (run / "metrics.jsonl").write_text('{"type": "step", "step": 1}\n')
     with pytest.raises(RunDirInUse) as e:
@@ -171,13 +171,13 @@ def test_used_run_dir_and_resume_metrics_and_save_total_limit(tmp_path):
     # checkpoint_s), which the kill interrupted
     assert max(step_counts(run)) == 5
     before = (run / "metrics.jsonl").read_bytes()
-    config_written = (run / "config.json").stat().st_mtime_ns  # rewritten right after distributed init
+    config_written = (run / "run_config.json").stat().st_mtime_ns  # rewritten right after distributed init
 
     proc = run_deepspeed([SCRIPT, *common], check=False)
     assert proc.returncode != 0
     assert f"run_dir {run} already holds an earlier run" in proc.stdout and "--overwrite_run_dir" in proc.stdout
     assert (run / "metrics.jsonl").read_bytes() == before
-    assert (run / "config.json").stat().st_mtime_ns == config_written  # refused before any rank got that far
+    assert (run / "run_config.json").stat().st_mtime_ns == config_written  # refused before any rank got that far
 
     run_deepspeed([SCRIPT, *common, "--resume", "true"])
     assert step_counts(run) == {s: 1 for s in range(1, 9)}

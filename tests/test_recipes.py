@@ -22,24 +22,25 @@ from pathlib import Path
 import pytest
 
 from bert_ref.configs import BertArgs
-from bert_ref.optim import OptimArgs
+from bert_ref.optim import for_preset
+from ds_core.settings import OptimArgs
 from bert_ref.recipes import RECIPES, check_recipe_batch, expand_recipe
 from ds_core.config import ConfigError, TrainConfig, ds_config_for, parse_args
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bert_pretraining.md"
 
 _LAMB = dict(optimizer="lamb", beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0,
-             bias_correction_lag=False, lr_schedule="nvidia_poly", constant_proportion=0.0, poly_degree=0.5,
+             bias_correction_lag=False, lr_scheduler_type="nvidia_poly", constant_proportion=0.0, poly_degree=0.5,
              scale_lr_with_global_batch=False)
 _LANS = dict(optimizer="lans", beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, bias_correction_lag=True,
-             lr_schedule="habana_poly", warmup_proportion=0.05, constant_proportion=0.25, poly_degree=1.0,
+             lr_scheduler_type="habana_poly", warmup_ratio=0.05, constant_proportion=0.25, poly_degree=1.0,
              learning_rate=0.0015, scale_lr_with_global_batch=False)
 PUBLISHED = {
     "nvidia_large_p1": dict(_LAMB, preset="bert_large", phase=1, world=8, train_batch_size=8192 * 8, accum=128,
-                            micro=8192 // 128, learning_rate=6e-3, warmup_proportion=0.2843, max_steps=7038,
+                            micro=8192 // 128, learning_rate=6e-3, warmup_ratio=0.2843, max_steps=7038,
                             seed=12439, zero_stage=None, gradient_clipping=None),
     "nvidia_large_p2": dict(_LAMB, preset="bert_large", phase=2, world=8, train_batch_size=4096 * 8, accum=512,
-                            micro=4096 // 512, learning_rate=4e-3, warmup_proportion=0.128, max_steps=1563,
+                            micro=4096 // 512, learning_rate=4e-3, warmup_ratio=0.128, max_steps=1563,
                             seed=12439, zero_stage=None, gradient_clipping=None),
     "habana_1p5b_8n": dict(_LANS, preset="bert_1p5b", phase=1, world=64, train_batch_size=12288,
                            accum=12288 // (32 * 64), micro=32, max_steps=155000, seed=12439, zero_stage=1,
@@ -83,13 +84,13 @@ def test_documented_command_resolves_to_the_published_settings(name, tmp_path):
     train_cfg, args, opt = parse_args([TrainConfig, BertArgs, OptimArgs], expanded)
     ds = ds_config_for(train_cfg, world)
     check_recipe_batch(recipe, ds)
-    opt = opt.for_preset(args.preset, args.phase)
+    opt = for_preset(opt, args.preset, args.phase)
     assert (args.preset, args.phase) == (pub["preset"], pub["phase"])
     assert ds["train_batch_size"] == pub["train_batch_size"]
     assert ds["train_micro_batch_size_per_gpu"] == pub["micro"] and ds["gradient_accumulation_steps"] == pub["accum"]
     assert (train_cfg.max_steps, train_cfg.seed, train_cfg.num_steps_per_checkpoint) == (pub["max_steps"], 12439, 200)
     for key in ("optimizer", "learning_rate", "beta1", "beta2", "eps", "weight_decay", "bias_correction_lag",
-                "lr_schedule", "warmup_proportion", "constant_proportion", "poly_degree", "scale_lr_with_global_batch"):
+                "lr_scheduler_type", "warmup_ratio", "constant_proportion", "poly_degree", "scale_lr_with_global_batch"):
         assert getattr(opt, key) == pub[key], key
     if opt.optimizer == "lamb":
         assert opt.max_grad_norm == pub["max_grad_norm"]

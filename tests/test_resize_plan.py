@@ -30,12 +30,14 @@ def test_keep_batch_recomputes_accumulation_and_asks_for_universal_loading(tmp_p
     cfg = TrainConfig(run_dir=str(tmp_path), resume=True)
     d = ds(4)  # the JSON's accumulation 2 on 4 ranks would make 64
     plan = plan_resize(cfg, d, 4)
+    assert d["gradient_accumulation_steps"] == 2 and "checkpoint" not in d  # the plan does not edit its input
+    d = plan.ds_config(d)
     assert d["gradient_accumulation_steps"] == 1 and d["train_batch_size"] == 32
     assert d["checkpoint"] == {"load_universal": True}
     assert plan.new.grad_accum == 1 and plan.lr_factor == 1.0
     assert "data-parallel size 2 -> 4" in plan.describe() and "accumulation 2 -> 1" in plan.describe()
-    d1 = ds(1)
-    assert plan_resize(cfg, d1, 1).new.grad_accum == 4 and d1["train_batch_size"] == 32
+    plan1 = plan_resize(cfg, ds(1), 1)
+    assert plan1.new.grad_accum == 4 and plan1.ds_config(ds(1))["train_batch_size"] == 32
 
 
 def test_keep_batch_refuses_what_does_not_divide_naming_the_numbers(tmp_path):
@@ -48,6 +50,7 @@ def test_scale_lr_keeps_micro_and_accumulation(tmp_path):
     fake_checkpoint(tmp_path)
     d = ds(4)
     plan = plan_resize(TrainConfig(run_dir=str(tmp_path), resume=True, on_resize="scale_lr"), d, 4)
+    d = plan.ds_config(d)
     assert d["gradient_accumulation_steps"] == 2 and d["train_batch_size"] == 64 and plan.lr_factor == 2.0
     assert plan.record(4)["new"]["train_batch_size"] == 64
 

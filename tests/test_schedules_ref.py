@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from bert_ref.optim import OptimArgs, schedule_for
+from bert_ref.optim import for_preset
+from ds_core.settings import OptimArgs, schedule_for
 from ds_core.config import ConfigError
 
 REF = Path(__file__).parent / "data" / "lr_reference.npz"
 
 # name in the npz -> (peak LR, OptimArgs of the same run)
-RUNS = {"nvidia_large_p1": (6e-3, OptimArgs(lr_schedule="nvidia_poly", warmup_proportion=0.2843, poly_degree=0.5)),
-        "nvidia_large_p2": (4e-3, OptimArgs(lr_schedule="nvidia_poly", warmup_proportion=0.128, poly_degree=0.5)),
-        "habana_1p5b": (0.0015, OptimArgs(lr_schedule="habana_poly", warmup_proportion=0.05,
+RUNS = {"nvidia_large_p1": (6e-3, OptimArgs(lr_scheduler_type="nvidia_poly", warmup_ratio=0.2843, poly_degree=0.5)),
+        "nvidia_large_p2": (4e-3, OptimArgs(lr_scheduler_type="nvidia_poly", warmup_ratio=0.128, poly_degree=0.5)),
+        "habana_1p5b": (0.0015, OptimArgs(lr_scheduler_type="habana_poly", warmup_ratio=0.05,
                                           constant_proportion=0.25, poly_degree=1.0))}
 
 
@@ -39,7 +40,7 @@ def test_the_schedules_differ_where_the_issue_says():
     """The project's earlier poly_warmup is not NVIDIA's: at step 2000 of phase 1 it is still at the peak."""
     p1 = np.load(REF)["nvidia_large_p1"]
     assert p1[2000] == pytest.approx(5.076e-3, rel=1e-3)  # already decaying on overall progress
-    old = OptimArgs(lr_schedule="poly_warmup", warmup_proportion=0.2843, poly_degree=0.5)
+    old = OptimArgs(lr_scheduler_type="poly_warmup", warmup_ratio=0.2843, poly_degree=0.5)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=6e-3)
     sched = schedule_for(old, 7038)(opt)
     for _ in range(2000):
@@ -49,11 +50,15 @@ def test_the_schedules_differ_where_the_issue_says():
 
 def test_bad_settings_name_the_schedule():
     with pytest.raises(ConfigError, match="nvidia_poly .*constant phase"):
-        schedule_for(OptimArgs(lr_schedule="nvidia_poly", constant_proportion=0.25), 100)
-    with pytest.raises(ConfigError, match="--lr_schedule 'nvidia'"):
-        OptimArgs(lr_schedule="nvidia").validate()
+        schedule_for(OptimArgs(lr_scheduler_type="nvidia_poly", constant_proportion=0.25), 100)
+    with pytest.raises(ConfigError, match="--lr_scheduler_type 'nvidia'"):
+        OptimArgs(lr_scheduler_type="nvidia").validate()
     with pytest.raises(ConfigError, match="total_steps = 0"):
-        schedule_for(OptimArgs(lr_schedule="habana_poly"), 0)
+        schedule_for(OptimArgs(lr_scheduler_type="habana_poly"), 0)
     # the presets' published recipes pick the kind of their source
-    assert OptimArgs().for_preset("bert_large", 2).lr_schedule == "nvidia_poly"
-    assert OptimArgs().for_preset("bert_1p5b").lr_schedule == "habana_poly"
+    assert for_preset(OptimArgs(), "bert_large", 2).lr_scheduler_type == "nvidia_poly"
+    assert for_preset(OptimArgs(), "bert_1p5b").lr_scheduler_type == "habana_poly"
+    # --lr_schedule is the same setting as --lr_scheduler_type
+    from ds_core.config import parse_args
+    (opt,) = parse_args([OptimArgs], ["--lr_schedule", "habana_poly"])
+    assert opt.lr_scheduler_type == "habana_poly"

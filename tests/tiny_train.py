@@ -28,14 +28,15 @@ import numpy as np
 import torch
 
 from ds_core import checkpoint as ckpt
-from ds_core.ckpt_resize import plan_resize
-from ds_core.config import TrainConfig, check_ds_json, ds_config_for, parse_args, save_run_config
-from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
-from ds_core.loop import StepOutput, train
-from ds_core.run_dir import prepare_run_dir
+from ds_core.components import EvalTask, Evaluation
+from ds_core.config import TrainConfig
+from ds_core.engine import build_engine, shutdown_distributed
+from ds_core.loop import StepOutput
+from ds_core.setup import Run, RunSpec, start_run
+from ds_core.trainer import Trainer
 
 
-@dataclass
+@dataclass(frozen=True)
 class TinyArgs:
     num_samples: int = field(default=512, metadata={"help": "Synthetic samples."})
     vocab: int = field(default=64, metadata={"help": "Vocabulary of the tiny BERT."})
@@ -65,6 +66,10 @@ class SyntheticData:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.offset, self.dealt = epoch, 0, None
+
+    def __len__(self) -> int:
+        """Micro batches of a full epoch on this rank (ds_core.setup counts the run's optimizer steps with it)."""
+        return len(range(self.rank, len(self.ids), self.world)) // self.mb
 
     def __iter__(self):
         order = self._order()
@@ -175,22 +180,25 @@ def step_fn(engine, batch) -> StepOutput:
 DEFAULT_DS_CONFIG = "zero1_bf16.json"  # has an optimizer section: the tiny model builds none in code
 
 
+def build_data(run: Run) -> SyntheticData:
+    args, dist = run.section(TinyArgs), run.dist
+    cls = SyntheticData if os.environ.get("TINY_NO_RESIZE") else ResizableData
+    return cls(args, dist.rank, dist.world_size, run.ds_config["train_micro_batch_size_per_gpu"], run.train.seed)
+
+
+SPEC = RunSpec(types=(TrainConfig, TinyArgs), default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=False)
+
+
 def main(argv=None) -> dict:
     from transformers import BertConfig, BertForSequenceClassification
 
-    cfg, args = parse_args([TrainConfig, TinyArgs], argv)
-    cfg.deepspeed_config = cfg.deepspeed_config or DEFAULT_DS_CONFIG  # this "model package"'s own default
-    check_ds_json(cfg.deepspeed_config, optimizer_in_code=False)  # as the model entry points: before init
-    prepare_run_dir(cfg)
-    dist = init_distributed(cfg.dist_timeout_s)
-    set_seed(cfg.seed)
-    save_run_config(cfg.run_dir, cfg, args, rank=dist.rank)
-    ds_config = ds_config_for(cfg, dist.world_size)
-    plan_resize(cfg, ds_config, dist.world_size)
+    run = start_run(SPEC, argv)
+    run = run.with_data(build_data(run))
+    args, dist, data = run.section(TinyArgs), run.dist, run.data
     model = BertForSequenceClassification(BertConfig(vocab_size=args.vocab, hidden_size=32, num_hidden_layers=2,
                                                      num_attention_heads=2, intermediate_size=64,
                                                      max_position_embeddings=args.seq_len, num_labels=2))
-    engine = build_engine(model, ds_config)
+    engine = build_engine(model, run.ds_config)
     if dist.rank == 0:
         print(f"tiny: parameter dtype {next(engine.module.parameters()).dtype}", flush=True)
     if FAKE_CLOCK is not None:
@@ -201,12 +209,14 @@ def main(argv=None) -> dict:
             return real_ds_save(*a, **kw)
 
         engine.save_checkpoint = slow_save
-    eval_fn = None
+    evaluation = None
     if os.environ.get("TINY_EVAL"):
         def eval_fn(engine, step):
             if FAKE_CLOCK is not None:
                 FAKE_CLOCK.t += 50.0
             return {"eval_marker": float(step)}
+
+        evaluation = Evaluation(during=EvalTask("eval", eval_fn), every=run.train.eval_every)
     kill_step = int(os.environ.get("TINY_KILL_IN_SAVE", "0"))
     if kill_step and dist.rank == 0:
         real_save = engine.save_checkpoint
@@ -249,7 +259,6 @@ def main(argv=None) -> dict:
                 torch.save(mask.cpu(), os.path.join(dump, f"mask_rank{dist.rank}.pt"))
 
         engine.module.bert.embeddings.dropout.register_forward_hook(keep_first_mask)
-    data = (SyntheticData if os.environ.get("TINY_NO_RESIZE") else ResizableData)(args, dist.rank, dist.world_size, ds_config["train_micro_batch_size_per_gpu"], cfg.seed)
     if os.environ.get("TINY_DUMP_OPT_ON_RESUME"):  # the optimizer state as the checkpoint load left it
         real_load = data.load_state_dicts
 
@@ -259,8 +268,8 @@ def main(argv=None) -> dict:
 
         data.load_state_dicts = dump_then_load
     per_sample = 6 * sum(p.numel() for p in model.parameters()) * args.seq_len  # ~6 N T training FLOPs
-    summary = train(engine, step_fn, data, cfg, dist, model_name="tiny-bert", flops_per_sample=per_sample,
-                    seq_len=args.seq_len, eval_fn=eval_fn, clock=FAKE_CLOCK)
+    summary = Trainer(run, engine, step_fn, model_name="tiny-bert", flops_per_sample=per_sample, seq_len=args.seq_len,
+                      evaluation=evaluation, clock=FAKE_CLOCK).fit()
     if args.export_dir:
         ckpt.export_hf(engine, args.export_dir)
     if os.environ.get("TINY_DUMP_OPT"):  # full fp32 master weights and Adam moments per parameter (collective)

@@ -5,7 +5,7 @@
 `--study_target M` (anywhere in the arguments, so every launcher's own argument order works) names the module; it is
 run with runpy as `python -m M` would run it (a path ending in .py: as `python PATH`). Afterwards each rank writes `R/cell_stats/rank<RANK>.json`:
 DeepSpeed's communication-logger records (`comms_logger` in the DeepSpeed JSON; deepspeed.comm.comms_logger) up to the
-end of ds_core.loop.train (the whole run where the module never calls it), and the process's peak memory. Done here rather than in ds_core.loop so that the loop stays the same for study and non-study
+end of ds_core.trainer.Trainer.fit (the whole run where the module never calls it), and the process's peak memory. Done here rather than in ds_core.trainer so that the trainer stays the same for study and non-study
 runs, and because the logger's records are complete only once the module has finished.
 """
 from __future__ import annotations
@@ -67,20 +67,21 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("ds_core.study.cell: --study_target MODULE is required")
     run_dir, _ = _take(rest, "--run_dir")
     sys.argv = [target, *rest]
-    # The comms counts a study reports are per optimizer step, so they are taken when ds_core.loop.train returns,
-    # before what an entry point does after training (BridgeTower's fp32 save_model gathers every parameter with one
-    # all-reduce each under ZeRO-1: ~200 on the debug model, which once read as 66 "gradient collectives per step").
-    import ds_core.loop as loop
+    # The comms counts a study reports are per optimizer step, so they are taken when ds_core.trainer.Trainer.fit
+    # returns, before what an entry point does after training (BridgeTower's fp32 save_model gathers every parameter
+    # with one all-reduce each under ZeRO-1: ~200 on the debug model, which once read as 66 "gradient collectives per
+    # step").
+    from ds_core.trainer import Trainer
 
     taken: dict = {}
-    real_train = loop.train
+    real_fit = Trainer.fit
 
-    def train_then_take_comms(*args, **kwargs):
-        summary = real_train(*args, **kwargs)
+    def fit_then_take_comms(self, *args, **kwargs):
+        summary = real_fit(self, *args, **kwargs)
         taken["comms"] = comms_records()
         return summary
 
-    loop.train = train_then_take_comms  # the module under study imports it from ds_core.loop after this line
+    Trainer.fit = fit_then_take_comms  # every entry point trains through Trainer.fit
     try:
         if target.endswith(".py"):  # a script path, as `deepspeed script.py` would run it
             runpy.run_path(target, run_name="__main__")

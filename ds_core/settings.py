@@ -1,0 +1,112 @@
+"""The settings sections shared by every model, defined once: the training loop and checkpoints
+(ds_core.config.TrainConfig) and the optimizer + LR schedule (OptimArgs, here). A model package adds its own sections
+and fills the values left to it (None / '') with its defaults in its RunSpec.resolve, before any rank starts: BERT
+its published recipes (bert_ref.optim.for_preset), BridgeTower transformers' Trainer defaults and the DeepSpeed JSON's
+optimizer section (bridgetower_ds.compat).
+
+One schedule vocabulary for both models: --lr_scheduler_type names a kind of ds_core.schedule.KINDS (transformers'
+kinds, NVIDIA's nvidia_poly, Habana's habana_poly and the earlier poly_warmup; a kind added there is
+accepted here), warm-up is --warmup_steps (>= 1 a count, < 1 a
+share of all steps) or --warmup_ratio (a share; BERT's --warmup_proportion is the same setting).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ds_core.config import ConfigError, arg
+from ds_core.schedule import KINDS, LRSchedule, lr_schedule, warmup_steps_for
+from ds_core.schedules_ref import REF_KINDS
+
+# Optimizers a model may build from OptimArgs.optimizer (bert_ref.optim builds all three; BridgeTower AdamW only).
+OPTIMIZERS = ("lamb", "lans", "adamw")
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    """Optimizer and learning-rate schedule (transformers' TrainingArguments names where they exist). None / '':
+    the model's default (its RunSpec.resolve fills it)."""
+
+    optimizer: str = arg("lamb (NVIDIA's FusedLAMB update), lans (Habana's LANS) or adamw; '' = the model's (BERT: "
+                         "the preset's published recipe; BridgeTower: AdamW, or the DeepSpeed JSON's optimizer).",
+                         default="")
+    learning_rate: Optional[float] = arg("Peak learning rate; default: the model's (BERT: the preset's published LR at "
+                                         "--base_global_batch; BridgeTower: the DeepSpeed JSON's optimizer.params.lr, "
+                                         "else 5e-5, Trainer's).", default=None)
+    weight_decay: Optional[float] = arg("Weight decay, not on biases and LayerNorm weights; default: the model's (BERT "
+                                        "0.01; BridgeTower: the DeepSpeed JSON's, else 0.0, Trainer's).", default=None)
+    beta1: float = arg("Adam beta1.", default=0.9)
+    beta2: float = arg("Adam beta2.", default=0.999)
+    eps: Optional[float] = arg("Adam epsilon; default: the model's (BERT 1e-6, FusedLAMB's and Habana's LANS's; "
+                               "BridgeTower 1e-8, Trainer's).", default=None)
+    max_grad_norm: float = arg("lamb only: FusedLAMB's global gradient-norm pre-normalization threshold (NVIDIA: 1.0; "
+                               "0 = off). Under ZeRO / bf16 the DeepSpeed JSON's gradient_clipping must equal it.",
+                               default=1.0)
+    bias_correction_lag: bool = arg("lamb / lans: bias-correct with step t-1 from step 2 on, as Habana's "
+                                    "run_pretraining.py does whenever ZeRO is on (adjust_step=True).", default=False)
+    lr_scheduler_type: str = arg(f"LR schedule, one of {' | '.join(KINDS)} (transformers' kinds; nvidia_poly: NVIDIA's "
+                                 "BERT PolyWarmUpScheduler, habana_poly: Habana's, with a constant phase; poly_warmup: "
+                                 "this project's earlier Habana-like one); '' = the model's (BERT: the preset's recipe, "
+                                 "bert_large nvidia_poly, bert_1p5b habana_poly; BridgeTower linear).", default="",
+                                 aliases=["--lr_schedule"])
+    warmup_steps: float = arg("Linear warm-up: >= 1 a number of optimizer steps, < 1 a share of all steps "
+                              "(transformers 5).", default=0)
+    warmup_ratio: Optional[float] = arg("Warm-up as a share of all optimizer steps (transformers 4, optimum-habana; "
+                                        "BERT's --warmup_proportion); give this or --warmup_steps; default: the "
+                                        "model's (BERT 0.05, BridgeTower 0).", default=None,
+                                        aliases=["--warmup_proportion"])
+    constant_proportion: float = arg("poly_warmup / habana_poly: share of all steps held at the peak LR after warm-up.",
+                                     default=0.0)
+    poly_degree: float = arg("poly_warmup / nvidia_poly / habana_poly: degree of the polynomial decay to 0 over the remaining steps (1 = linear).",
+                             default=1.0)
+    scale_lr_with_global_batch: bool = arg("Peak LR = learning_rate * train_batch_size / base_global_batch (linear "
+                                           "scaling: the published 1.5B runs, 0.0015 at 8 x 8 x 384 = 24576 "
+                                           "sequences, 0.003 at twice that).", default=False)
+    base_global_batch: int = arg("Global batch that learning_rate was tuned for; 0 = the model's (BERT: the preset's "
+                                 "published one).", default=0)
+
+    def validate(self) -> None:
+        if self.optimizer not in OPTIMIZERS + ("",):
+            raise ConfigError(f"--optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+        if self.lr_scheduler_type not in KINDS + ("",):
+            raise ConfigError(f"--lr_scheduler_type {self.lr_scheduler_type!r}: expected one of {', '.join(KINDS)}")
+        ratio = self.warmup_ratio or 0.0
+        checks = [("learning_rate", self.learning_rate is None or self.learning_rate > 0, "> 0"),
+                  ("weight_decay", self.weight_decay is None or self.weight_decay >= 0, ">= 0"),
+                  ("eps", self.eps is None or self.eps > 0, "> 0"),
+                  ("max_grad_norm", self.max_grad_norm >= 0, ">= 0"),
+                  ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+                  ("warmup_ratio", 0 <= ratio <= 1, "in [0, 1]"),
+                  ("constant_proportion", 0 <= self.constant_proportion <= 1, "in [0, 1]"),
+                  ("poly_degree", self.poly_degree > 0, "> 0"),
+                  ("base_global_batch", self.base_global_batch >= 0, ">= 0")]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"OptimArgs.{name} = {getattr(self, name)!r} (--{name}): expected {expected}")
+        if self.warmup_steps and ratio:
+            raise ConfigError(f"--warmup_steps {self.warmup_steps} / --warmup_ratio {ratio}: expected one of them")
+        if ratio + self.constant_proportion > 1:
+            raise ConfigError(f"warmup_ratio {ratio} + constant_proportion {self.constant_proportion} > 1")
+
+
+def warmup_for(args: OptimArgs, total_steps: int) -> int:
+    """Warm-up length in optimizer steps. poly_warmup rounds a share to the nearest step, as NVIDIA's
+    PolyWarmUpScheduler does; transformers' kinds round it up, as Trainer does (ds_core.schedule.warmup_steps_for)."""
+    ratio = args.warmup_ratio or 0.0
+    if args.lr_scheduler_type in ("poly_warmup",) + REF_KINDS and args.warmup_steps < 1:
+        return int(round((args.warmup_steps or ratio) * total_steps))
+    return warmup_steps_for(total_steps, args.warmup_steps, ratio)
+
+
+def schedule_for(args: OptimArgs, total_steps: int) -> Callable[[Any], LRSchedule]:
+    """callable(optimizer) -> ds_core.schedule.LRSchedule over total_steps (the run's, ds_core.setup), the form
+    DeepSpeed's `lr_scheduler=` argument accepts. args.lr_scheduler_type must be resolved (not '')."""
+    if not args.lr_scheduler_type:
+        raise ConfigError("schedule_for: lr_scheduler_type unset; the model's RunSpec.resolve fills it")
+    kw: dict = dict(constant_proportion=args.constant_proportion, degree=args.poly_degree)
+    if args.lr_scheduler_type in REF_KINDS and args.warmup_steps < 1:  # the references take the share itself
+        kw["warmup_proportion"] = args.warmup_steps or args.warmup_ratio or 0.0
+    return lr_schedule(args.lr_scheduler_type, total_steps, warmup_for(args, total_steps), **kw)
+
+
+__all__ = ["OptimArgs", "OPTIMIZERS", "schedule_for", "warmup_for"]

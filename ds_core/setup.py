@@ -1,0 +1,121 @@
+"""One run set-up for every entry point: start_run parses, validates, prepares the run directory, starts the process
+group, seeds, resolves the DeepSpeed config and plans a resize, and returns ONE frozen Run. The total optimizer steps
+depend on the training data, which the model package builds with the run's numbers: `run.with_data(data)` decides them,
+once (a second call is refused), before the engine and its LR schedule are built. Nothing edits the settings after
+start_run returns; the LR schedule and ds_core.trainer.Trainer read the same `run.total_steps`.
+
+A model package describes itself with a RunSpec: its settings sections, its default DeepSpeed JSON, and two hooks
+(resolve its sections before any rank starts; add its own values to the resolved DeepSpeed config).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TypeVar
+
+from ds_core.checkpoint import select_resume_tag
+from ds_core.ckpt_resize import ResizePlan, plan_resize
+from ds_core.config import ConfigError, TrainConfig, check_ds_json, ds_config_for, parse_args, save_run_config
+from ds_core.engine import DistInfo, init_distributed, set_seed
+from ds_core.run_dir import prepare_run_dir
+from ds_core.schedule import total_optimizer_steps
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a model package tells start_run. `types` are its settings sections; TrainConfig must be among them."""
+
+    types: Sequence[type]
+    default_ds_config: str  # a file name in ds_configs/ used when --deepspeed_config is not given
+    optimizer_in_code: bool | None  # ds_core.config.check_ds_json: True, False, or None (either)
+    description: str | None = None
+    # sections -> (sections, notices), before any rank starts (presets resolved, paths looked up, flags mapped):
+    # new instances (dataclasses.replace), the parsed ones are frozen; notices are one-line messages for rank 0
+    resolve: Callable[[tuple], tuple[tuple, list[str]]] | None = None
+    # sections -> whether this run trains (an eval-only run leaves run_dir as it is: nothing of a run is written)
+    trains: Callable[[tuple], bool] = lambda sections: True
+    # (sections, ds_config) -> notices: the model's own values written into the resolved DeepSpeed config (a copy)
+    adjust_ds_config: Callable[[tuple, dict], list[str]] | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything decided before the model is built. Frozen: settings sections are frozen dataclasses and the
+    DeepSpeed config is kept as JSON text (`ds_config` hands out a fresh copy)."""
+
+    settings: tuple
+    dist: DistInfo
+    ds_config_json: str
+    resize: ResizePlan | None = None
+    resume_tag: str | None = None  # the checkpoint --resume loads (ds_core.checkpoint.select_resume_tag), or None
+    total_steps: int = 0  # optimizer steps of this run (its LR schedule and the trainer's end): with_data decides
+    data: Any = None  # the training data source (None when the run does not train): with_data sets it
+    notices: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def train(self) -> TrainConfig:
+        return self.section(TrainConfig)
+
+    @property
+    def ds_config(self) -> dict:
+        return json.loads(self.ds_config_json)
+
+    def with_data(self, data: Any) -> "Run":
+        """The run with its training data and the total optimizer steps decided from it (len(data): micro batches
+        per epoch on this rank), the one decision the LR schedule and the trainer share. Called once."""
+        if self.data is not None:
+            raise RuntimeError("Run.with_data: this run already has its data and total steps")
+        ds = self.ds_config
+        total = decide_total_steps(self.train, len(data), ds["gradient_accumulation_steps"], self.dist.rank)
+        return dataclasses.replace(self, data=data, total_steps=total)
+
+    def section(self, cls: type[T]) -> T:
+        for s in self.settings:
+            if isinstance(s, cls):
+                return s
+        raise KeyError(f"run settings have no {cls.__name__} section")
+
+
+def decide_total_steps(train: TrainConfig, micro_batches_per_epoch: int, grad_accum: int, rank: int = 0) -> int:
+    """The one decision of how many optimizer steps a run takes (ds_core.schedule.total_optimizer_steps), refused
+    when the data makes none."""
+    total = total_optimizer_steps(train.max_steps, train.max_epochs, micro_batches_per_epoch, grad_accum)
+    if total < 1:
+        raise ConfigError(f"{micro_batches_per_epoch} micro batches per epoch on rank {rank} x {train.max_epochs} "
+                          f"epoch(s) make no optimizer step of {grad_accum} accumulated micro batches")
+    return total
+
+
+def start_run(spec: RunSpec, argv: Sequence[str] | None = None) -> Run:
+    """Parse and resolve the settings, then start this rank: see the module docstring. Every rank calls it."""
+    sections = parse_args(spec.types, argv, description=spec.description)  # each section validated
+    sections = tuple(dataclasses.replace(s, deepspeed_config=s.deepspeed_config or spec.default_ds_config)
+                     if isinstance(s, TrainConfig) else s for s in sections)
+    notices: list[str] = []
+    if spec.resolve is not None:
+        sections, notices = spec.resolve(sections)
+        sections, notices = tuple(sections), list(notices)
+    train = next(s for s in sections if isinstance(s, TrainConfig))
+    check_ds_json(train.deepspeed_config, optimizer_in_code=spec.optimizer_in_code)  # before distributed init
+    trains = spec.trains(sections)
+    if trains:
+        prepare_run_dir(train)  # a used run_dir is refused (or moved aside) before any rank starts
+    dist = init_distributed(train.dist_timeout_s)
+    set_seed(train.seed)
+    # --resume: the newest checkpoint whose files verify on every rank, agreed before anything is loaded or printed
+    resume_tag = select_resume_tag(Path(train.run_dir) / "checkpoints", train.resume_strict) if train.resume else None
+    ds_config = ds_config_for(train, dist.world_size)
+    resize = plan_resize(train, ds_config, dist.world_size)  # --resume onto another world size
+    if resize is not None:
+        ds_config = resize.ds_config(ds_config)
+    if spec.adjust_ds_config is not None:
+        notices += spec.adjust_ds_config(sections, ds_config)
+    save_run_config(train.run_dir, *sections, rank=dist.rank)
+    return Run(tuple(sections), dist, json.dumps(ds_config), resize, resume_tag, 0, None, tuple(notices))
+
+
+__all__ = ["RunSpec", "Run", "start_run", "decide_total_steps"]
