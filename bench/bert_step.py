@@ -215,6 +215,8 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     """transformers' Trainer, DeepSpeed ZeRO-1 (the same config dict), the same model shape, LAMB and batch numbers."""
     import time
 
+    import torch
+
     from transformers import BertForPreTraining, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
     from bert_ref.layerwise import attach_zero_layout
@@ -261,7 +263,9 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
         gradient_accumulation_steps=a.grad_accum, max_steps=a.steps + a.warmup, learning_rate=LR,
         lr_scheduler_type="constant", max_grad_norm=1.0, bf16=dtype == "bf16", deepspeed=_ds_config(
             a.micro_batch, a.grad_accum, 1, dtype), save_strategy="no", report_to=[], logging_strategy="no",
-        dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0)
+        dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0,
+        # transformers refuses bf16 off a GPU unless told it runs on the CPU (a CPU with native bf16 picks bf16)
+        use_cpu=dtype == "bf16" and not torch.cuda.is_available())
     trainer = LambTrainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator,
                           callbacks=[Clock()])
     trainer.train()

@@ -123,6 +123,19 @@ def universal(run_dir: str, tag: str | None = None) -> Path:
     return convert_to_universal(root, _tag(root, tag))
 
 
+def _fp32_from_universal(root: Path, tag: str) -> dict:
+    """{parameter name: fp32 tensor} from the universal conversion of `tag` (ds_core.ckpt_resize.convert_to_universal:
+    <tag>_universal/zero/<name>/fp32.pt, each {"param": tensor})."""
+    import torch
+    from deepspeed.checkpoint.constants import PARAM
+
+    from ds_core.ckpt_resize import convert_to_universal
+
+    zero = convert_to_universal(root, tag) / "zero"
+    return {d.name: torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)[PARAM].float()
+            for d in sorted(zero.iterdir()) if (d / "fp32.pt").is_file()}
+
+
 def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
     """fp32 weights of a checkpoint as a transformers model directory (pytorch_model.bin + config.json).
 
@@ -146,7 +159,15 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
     config = cls.config_class.from_dict(meta["config"])
     config.architectures = [meta["class"]]
     config.dtype = "float32"  # the file holds fp32 master weights, whatever the run trained in
-    state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    try:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    except ValueError as e:
+        # zero_to_fp32 reads ZeRO optimizer files only; bf16 with fp32 gradient accumulation (the shipped configs on
+        # a bf16 machine) saves BF16_Optimizer's bf16_zero_pp_rank_* files, which DeepSpeed's ds_to_universal does
+        # convert: read the fp32 master weights from that conversion (made once, kept beside the checkpoint)
+        if "is not a zero checkpoint" not in str(e) or not list((root / tag).glob("bf16_zero_pp_rank_*")):
+            raise
+        state = _fp32_from_universal(root, tag)
     with torch.device("meta"):
         expected = {k: v.shape for k, v in cls(config).state_dict().items()}
     missing = [k for k in expected if k not in state]
