@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	fi
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then $(PIP) install -q -e ".[hpu]"; fi
-	$(PY) -c "import ds_core, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
+	$(PY) -c "import ds_core, ds_tools, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -8,7 +8,7 @@ BertForPreTraining (hidden 768, 12 layers) for a few steps and measures on every
   tensors   sum of the unique storages of all live torch tensors after the last step (params, fp32 master,
             optimizer state, persistent buffers): what the rank holds between steps.
 
-The prediction is ds_core.tuning.estimate() (the ds-tune memory model) for the same model, stage, micro batch and
+The prediction is ds_tools.tuning.estimate() (the ds-tune memory model) for the same model, stage, micro batch and
 buckets. Activations are kept small (micro batch 1, 64 tokens) so the comparison is about model-state memory.
 Large allocations are forced to mmap (MALLOC_MMAP_THRESHOLD_) so freed memory leaves the RSS and a peak is a peak.
 
@@ -160,7 +160,7 @@ def main() -> None:
     if a.worker:
         return worker(a.stage, a.out)
 
-    from ds_core.tuning import GB, estimate, model_shape, resident_state_bytes
+    from ds_tools.tuning import GB, estimate, model_shape, resident_state_bytes
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -189,8 +189,8 @@ def main() -> None:
         print(f"| {st} | {rk} | {opt} | {tot / GB:.3f} | {peak / GB:.3f} | {100 * err:+.1f} % | {res / GB:.3f} "
               f"| {tens / GB:.3f} | {100 * err_res:+.1f} % |")
     print("predicted peak = model states (20 B/param at ZeRO-0; DeepSpeed estimators for ZeRO-3) + non-fused Adam "
-          "temporary + buckets + activations (ds_core.tuning.estimate); resident = what a rank holds between steps "
-          "(ds_core.tuning.resident_state_bytes). max_rel_error covers both comparisons.")
+          "temporary + buckets + activations (ds_tools.tuning.estimate); resident = what a rank holds between steps "
+          "(ds_tools.tuning.resident_state_bytes). max_rel_error covers both comparisons.")
     print(json.dumps({"bench": "zero_memory", "params": shape.params, "stages": sorted({r[0] for r in rows}),
                       "max_rel_error": round(max(errs), 4), "target": 0.15,
                       "max_rel_error_peak": round(max(abs(r[5]) for r in rows), 4),

@@ -202,7 +202,7 @@ def check_data_matches(preset: BertPreset, data: Any, input_dir: str = "") -> No
 def main(argv: list[str] | None = None) -> int:
     """`python -m bert_ref.configs --preset bert_1p5b [--phase 2] --write_config PATH`: the preset's model
     description for `ds-tune --model PATH`."""
-    from ds_core.tuning import write_spec_main
+    from ds_core.cli import write_spec_main
 
     return write_spec_main(argv, prog="python -m bert_ref.configs", presets=list(PRESETS),
                            make_spec=lambda a: tuning_spec(get_preset(a.preset, a.phase)),

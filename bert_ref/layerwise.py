@@ -190,7 +190,7 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
             import deepspeed.comm as dist
 
             # named for DeepSpeed's comms_logger: an optimizer-step norm exchange, not gradient traffic (the study
-            # report counts gradient collectives per step by op name: ds_core.study.report.REDUCTION_OPS)
+            # report counts gradient collectives per step by op name: ds_tools.study.report.REDUCTION_OPS)
             dist.all_reduce(out, group=self._group, log_name="layerwise_norms_all_reduce")
         return out
 

@@ -18,7 +18,7 @@ from bert_ref.layerwise import attach_zero_layout  # noqa: E402
 from bert_ref.optim import OptimArgs, build_optimizer, schedule_for  # noqa: E402
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
-from ds_core.ckpt_resize import plan_resize  # noqa: E402
+from ds_core.checkpoint.resize import plan_resize  # noqa: E402
 from ds_core.config import (ConfigError, TrainConfig, check_ds_json, ds_config_for, parse_args,  # noqa: E402
                             save_run_config)
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed  # noqa: E402

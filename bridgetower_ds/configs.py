@@ -227,7 +227,7 @@ class CompatArgs:
 def main(argv: list[str] | None = None) -> int:
     """`python -m bridgetower_ds.configs --preset bridgetower_large [--seq_len N] --write_config PATH`: the preset's
     model description for `ds-tune --model PATH`."""
-    from ds_core.tuning import write_spec_main
+    from ds_core.cli import write_spec_main
 
     return write_spec_main(argv, prog="python -m bridgetower_ds.configs", presets=list(PRESETS),
                            make_spec=lambda a: tuning_spec(a.preset, a.seq_len),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ds_core.ckpt_resize import plan_resize
+from ds_core.checkpoint.resize import plan_resize
 from ds_core.config import ConfigError, TrainConfig, check_ds_json, ds_config_for, parse_args, save_run_config
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import train

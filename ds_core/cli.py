@@ -15,8 +15,10 @@ Kept free of torch and deepspeed imports: the launch wrappers use it on a login 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 USAGE_ERROR = 2  # argparse's status for a bad command line; ours for bad input found after parsing
 
@@ -59,3 +61,26 @@ def run_cli(prog: str, body: Callable[[], int | None], errors: tuple[type[BaseEx
     except errors as e:
         return error(prog, e)
     return 0 if status is None else status
+
+
+# Here rather than in ds_tools.tuning: the model packages run it (`python -m bert_ref.configs --write_config`) and
+# never import the tools.
+def write_spec_main(argv: Sequence[str] | None, *, prog: str, presets: Sequence[str],
+                    make_spec: Callable[[argparse.Namespace], dict],
+                    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None) -> int:
+    """The `--preset NAME --write_config PATH` command each model package runs (`python -m bert_ref.configs`,
+    `python -m bridgetower_ds.configs`): make_spec(args) turns the parsed flags into the model description that
+    ds_tools.tuning.load_spec reads; one writer, so the files in ds_configs/models/ all have one format."""
+    ap = ArgumentParser(prog=prog, description="Write a model preset as ds-tune's --model description.")
+    ap.add_argument("--preset", required=True, help=f"one of {', '.join(presets)}")
+    add_arguments(ap)
+    ap.add_argument("--write_config", required=True, help="where the JSON goes (then: ds-tune --model PATH)")
+    a = ap.parse_args(argv)
+    try:
+        spec = make_spec(a)
+    except ValueError as e:            # ConfigError / TuningError: a bad preset or flag value
+        return error(prog, e)
+    if "model_type" not in spec:
+        raise ValueError(f"{prog}: the description of {a.preset} has no model_type")   # a bug in make_spec
+    Path(a.write_config).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
+    return 0

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ds_core.config import ConfigError
-from ds_core.local_ranks import free_port, rank_variables
+from ds_core.rendezvous import free_port, rank_variables
 
 # Per-launcher names of "how many ranks share this node". DeepSpeed's launcher also sets CROSS_SIZE (= nodes).
 _LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",

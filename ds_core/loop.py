@@ -368,7 +368,7 @@ def check_resize(engine, data: Any, cfg: TrainConfig, ckpt_root: Path):
     """On --resume: the ds_core.ckpt_resize.ResizePlan when the latest checkpoint has another data-parallel size
     (None otherwise), after refusing what cannot be resized: a data source without load_state_dicts, an engine whose
     batch numbers are not those plan_resize chose (an entry point that did not call it)."""
-    from ds_core.ckpt_resize import Layout, ResizePlan, saved_layout
+    from ds_core.checkpoint.resize import Layout, ResizePlan, saved_layout
 
     tag = ckpt.latest_tag(ckpt_root) if ckpt_root.is_dir() else None
     if tag is None:

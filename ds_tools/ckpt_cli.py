@@ -1,4 +1,4 @@
-"""`ds-ckpt` (also `python -m ds_core.ckpt_cli`): look at and convert a run's checkpoints without starting a run.
+"""`ds-ckpt` (also `python -m ds_tools.ckpt_cli`): look at and convert a run's checkpoints without starting a run.
 
   ds-ckpt info RUN_DIR                 steps, latest, ZeRO stage, world size, batch, data position per rank, bytes,
                                        complete / incomplete (and universal conversions)
@@ -84,7 +84,7 @@ def info(run_dir: str) -> dict:
 
 
 def ckpt_universal(root: Path, tag: str) -> dict | None:
-    from ds_core.ckpt_resize import universal_dir
+    from ds_core.checkpoint.resize import universal_dir
 
     u = universal_dir(root, tag)
     if not u.is_dir():
@@ -117,7 +117,7 @@ def print_info(d: dict) -> None:
 
 
 def universal(run_dir: str, tag: str | None = None) -> Path:
-    from ds_core.ckpt_resize import convert_to_universal
+    from ds_core.checkpoint.resize import convert_to_universal
 
     root = _root(run_dir)
     return convert_to_universal(root, _tag(root, tag))

@@ -7,7 +7,7 @@ accelerator type, micro batch, sequence length, precision, ZeRO stage); groups a
 every group after the first says how it differs.
 
     ds-scaling-report runs/n1 runs/n2 --format md --plot scaling.png
-    python -m ds_core.scaling --from_table published.csv --format json
+    python -m ds_tools.scaling --from_table published.csv --format json
 """
 from __future__ import annotations
 

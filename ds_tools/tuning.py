@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ds_core import accelerators
 from ds_core.config import DS_CONFIG_DIR
@@ -98,28 +98,6 @@ class ModelShape:
     vocab: int                  # MLM head width (0: no token-level head)
     head_seq: int
     exact: bool                 # params counted on a meta-device model, not by formula
-
-
-def write_spec_main(argv: Sequence[str] | None, *, prog: str, presets: Sequence[str],
-                    make_spec: Callable[[argparse.Namespace], dict],
-                    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None) -> int:
-    """The `--preset NAME --write_config PATH` command each model package runs (`python -m bert_ref.configs`,
-    `python -m bridgetower_ds.configs`): make_spec(args) turns the parsed flags into the model description that
-    load_spec reads; one writer, so the files in ds_configs/models/ all have one format."""
-    ap = argparse.ArgumentParser(prog=prog, description="Write a model preset as ds-tune's --model description.")
-    ap.add_argument("--preset", required=True, help=f"one of {', '.join(presets)}")
-    add_arguments(ap)
-    ap.add_argument("--write_config", required=True, help="where the JSON goes (then: ds-tune --model PATH)")
-    a = ap.parse_args(argv)
-    try:
-        spec = make_spec(a)
-    except ValueError as e:            # ConfigError / TuningError: a bad preset or flag value
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    if "model_type" not in spec:
-        raise TuningError(f"{prog}: the description of {a.preset} has no model_type")   # a bug in make_spec
-    Path(a.write_config).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
-    return 0
 
 
 def load_spec(model: str) -> tuple:
@@ -547,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Memory per rank: {cap / GB:.1f} GB, usable {cap * USABLE_FRACTION / GB:.1f} GB "
           f"({100 * (1 - USABLE_FRACTION):.0f} % kept for fragmentation and runtime).")
     print("Model states: ZeRO-2/3 from DeepSpeed's estimators; ZeRO-0/1 formulas, the ZeRO-3 bf16 partition, "
-          "buffers and activations added by ds_core.tuning.\n")
+          "buffers and activations added by ds_tools.tuning.\n")
     if shown:
         print(_table(shown, best))
     else:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ds_core.cli import run_cli
-from ds_core.local_ranks import deepspeed_launcher
+from launch.local_ranks import deepspeed_launcher
 from launch import env as envmod
 from launch import hostfile as hf
 from launch import preflight

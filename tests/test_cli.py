@@ -15,8 +15,8 @@ from ds_core.cli import USAGE_ERROR, flag
 # every console script and `python -m` command line of ours that parses with argparse (the training entry points
 # parse with HfArgumentParser from dataclass field names: underscores by construction)
 CLI_MODULES = ["launch.run", "launch.aws_batch", "launch.slurm", "launch.preflight", "launch.env", "launch.hostfile",
-               "launch.guard", "bert_ref.prep.__main__", "ds_core.scaling", "ds_core.tuning", "ds_core.study.__main__",
-               "ds_core.ckpt_cli", "bench.h5_loader"]
+               "launch.guard", "bert_ref.prep.__main__", "ds_tools.scaling", "ds_tools.tuning", "ds_tools.study.__main__",
+               "ds_tools.ckpt_cli", "bench.h5_loader"]
 
 
 def _parsers(parser: argparse.ArgumentParser):
@@ -79,14 +79,14 @@ RENAMED = [
         ("--short_seq_prob", ["0.3"]), ("--dupe_factor", ["2"]), ("--whole_word_mask", []),
         ("--num_test_shards", ["1"]), ("--no_compression", [])]],
     ("bert_ref.prep.__main__", ["check", "dir"], "--no_progress", []),
-    ("ds_core.scaling", ["run0"], "--from_table", ["published.csv"]),
-    ("ds_core.scaling", ["run0"], "--baseline_nodes", ["2"]),
-    *[("ds_core.tuning", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64"], f, v)
+    ("ds_tools.scaling", ["run0"], "--from_table", ["published.csv"]),
+    ("ds_tools.scaling", ["run0"], "--baseline_nodes", ["2"]),
+    *[("ds_tools.tuning", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64"], f, v)
       for f, v in [("--accelerators_per_node", ["4"]), ("--seq_len", ["512"]),
                    ("--activation_checkpointing", ["on"])]],
-    ("ds_core.tuning", ["--model", "bert-large", "--accelerator", "gaudi2"], "--global_batch", ["64"]),
-    ("ds_core.study.__main__", ["report"], "--from_table", ["cells.csv"]),
-    ("ds_core.study.__main__", ["run", "study.toml"], "--no_report", []),
+    ("ds_tools.tuning", ["--model", "bert-large", "--accelerator", "gaudi2"], "--global_batch", ["64"]),
+    ("ds_tools.study.__main__", ["report"], "--from_table", ["cells.csv"]),
+    ("ds_tools.study.__main__", ["run", "study.toml"], "--no_report", []),
     *[("bench.h5_loader", [], f, v) for f, v in [
         ("--seq_len", ["512"]), ("--micro_batch", ["8"]), ("--ref_samples", ["10"]), ("--seek_offsets", ["1", "2"]),
         ("--no_compression", [])]],
@@ -111,7 +111,7 @@ def test_renamed_flags_accept_both_spellings(module, base, name, values):
 
 def test_an_abbreviation_of_one_flag_is_not_ambiguous():
     """argparse takes unique prefixes; both spellings of one flag must not make a prefix ambiguous."""
-    assert _parse("ds_core.scaling", ["--baseline", "2"])["baseline_nodes"] == 2
+    assert _parse("ds_tools.scaling", ["--baseline", "2"])["baseline_nodes"] == 2
     assert _parse("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o", "--dupe",
                                              "3"])["dupe_factor"] == 3
     with pytest.raises(SystemExit):  # two different flags still are
@@ -135,11 +135,11 @@ BAD_INPUT = [
     ("launch.hostfile", "python -m launch.hostfile", ["validate", "{tmp}/hostfile"],
      "{tmp}/hostfile line 2: duplicate host node0"),
     ("bert_ref.prep.__main__", "bert-prep check", ["check", "{tmp}/missing"], "directory not found: {tmp}/missing"),
-    ("ds_core.scaling", "ds-scaling-report", ["{tmp}/missing"], "{tmp}/missing: no such run directory"),
-    ("ds_core.tuning", "ds-tune", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64",
+    ("ds_tools.scaling", "ds-scaling-report", ["{tmp}/missing"], "{tmp}/missing: no such run directory"),
+    ("ds_tools.tuning", "ds-tune", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64",
                                    "--accelerators_per_node", "0"], "--accelerators_per_node and --nodes must"),
-    ("ds_core.study.__main__", "ds-study", ["report", "{tmp}"], "{tmp}: no study.toml"),
-    ("ds_core.ckpt_cli", "ds-ckpt info", ["info", "{tmp}"], "no checkpoints/ directory"),
+    ("ds_tools.study.__main__", "ds-study", ["report", "{tmp}"], "{tmp}: no study.toml"),
+    ("ds_tools.ckpt_cli", "ds-ckpt info", ["info", "{tmp}"], "no checkpoints/ directory"),
 ]
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OUR_PACKAGES = ("bert_ref", "bridgetower_ds", "ds_core", "launch", "bench", "studies")
+OUR_PACKAGES = ("bert_ref", "bridgetower_ds", "ds_core", "ds_tools", "launch", "bench", "studies")
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
 # Messages that mean an argument the entry point does not take or a value it refuses, as opposed to one missing.
 UNKNOWN_OR_BAD = ("unrecognized arguments", "unknown command-line argument", "invalid choice", "invalid ",

@@ -1,4 +1,6 @@
 """The layering of ../shared/STYLE.md: model packages import ds_core, never each other; ds_core imports neither.
+The offline tools (ds_tools) may import ds_core, launch and the model packages; nothing but tests and bench imports
+them, so no training process (ds_core, a model package, launch) pulls them in.
 bench/ may import any package but no test code, and nothing imports bench to reuse its code (a test needing bench code
 means that code belongs in the library or in the test helpers). Tests of bench's own command lines (tests/test_cli.py,
 tests/test_docs.py) load its modules by name through importlib to parse their flags; that is testing bench, not
@@ -10,10 +12,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 _NO_BENCH = {"bench", "tests"}
-FORBIDDEN = {"ds_core": {"bert_ref", "bridgetower_ds", "launch", *_NO_BENCH},
-             "bert_ref": {"bridgetower_ds", "launch", *_NO_BENCH},
-             "bridgetower_ds": {"bert_ref", "launch", *_NO_BENCH},
-             "launch": {"bert_ref", "bridgetower_ds", *_NO_BENCH},
+FORBIDDEN = {"ds_core": {"bert_ref", "bridgetower_ds", "launch", "ds_tools", *_NO_BENCH},
+             "bert_ref": {"bridgetower_ds", "launch", "ds_tools", *_NO_BENCH},
+             "bridgetower_ds": {"bert_ref", "launch", "ds_tools", *_NO_BENCH},
+             "launch": {"bert_ref", "bridgetower_ds", "ds_tools", *_NO_BENCH},
+             "ds_tools": _NO_BENCH,
              "studies": _NO_BENCH, "tests": {"bench"}, "bench": {"tests", "conftest"}}
 
 

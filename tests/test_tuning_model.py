@@ -1,10 +1,10 @@
-"""ds_core.tuning: the memory model is consistent (rises with micro batch, falls with ZeRO stage and with more
+"""ds_tools.tuning: the memory model is consistent (rises with micro batch, falls with ZeRO stage and with more
 ranks), uses DeepSpeed's estimators where they exist, and ds-tune's DeepSpeed JSON validates with ds_core.config."""
 import json
 
 import pytest
 
-from ds_core import tuning
+from ds_tools import tuning
 from ds_core.config import load_ds_config
 
 GB = tuning.GB

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ds_core import checkpoint as ckpt
-from ds_core.ckpt_resize import plan_resize
+from ds_core.checkpoint.resize import plan_resize
 from ds_core.config import TrainConfig, check_ds_json, ds_config_for, parse_args, save_run_config
 from ds_core.engine import build_engine, init_distributed, set_seed, shutdown_distributed
 from ds_core.loop import StepOutput, train

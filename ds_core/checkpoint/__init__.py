@@ -7,7 +7,7 @@ Layout under run_dir/checkpoints/:
                              the batch numbers (train_batch_size, micro batch, accumulation, data-parallel size)
   global_step{N}/hf_model.json   the module's transformers class and config (rank 0), for `ds-ckpt export-hf`
   global_step{N}_universal/  the same step converted by DeepSpeed's ds_to_universal, made on a resume onto another
-                             data-parallel size (ds_core.ckpt_resize); COMPLETE once the conversion finished
+                             data-parallel size (ds_core.checkpoint.resize); COMPLETE once the conversion finished
   latest                     tag of the newest COMPLETE checkpoint, replaced atomically
 
 DeepSpeed's own client_state is saved by data-parallel rank 0 only, but the data position and RNG streams differ per
@@ -80,7 +80,7 @@ def _base_optimizer(engine):
 
 def model_fingerprint(engine, zero_stage: int) -> dict:
     """What must match for a checkpoint to load: parameter names and full shapes, ZeRO stage, optimizer class.
-    dp_world_size is recorded but may differ (a resize: ds_core.ckpt_resize)."""
+    dp_world_size is recorded but may differ (a resize: ds_core.checkpoint.resize)."""
     shapes = {}
     for name, p in engine.module.named_parameters():
         shape = getattr(p, "ds_shape", None) or p.shape  # ZeRO-3 keeps the full shape in ds_shape
@@ -145,7 +145,7 @@ def _free_bytes(path: Path) -> str:
 
 
 def batch_layout(engine) -> dict:
-    """The batch numbers a checkpoint records (ds_core.ckpt_resize.Layout's fields)."""
+    """The batch numbers a checkpoint records (ds_core.checkpoint.resize.Layout's fields)."""
     return {"dp_world_size": engine.dp_world_size, "train_batch_size": engine.train_batch_size(),
             "micro_batch": engine.train_micro_batch_size_per_gpu(), "grad_accum": engine.gradient_accumulation_steps()}
 
@@ -243,7 +243,7 @@ def prune(ckpt_root: str | os.PathLike, keep: int) -> list[str]:
     for tag in tags[keep:]:
         if tag == named:
             continue
-        uni = root / (tag + "_universal")  # its conversion (ds_core.ckpt_resize) goes with it, marker first
+        uni = root / (tag + "_universal")  # its conversion (ds_core.checkpoint.resize) goes with it, marker first
         if (uni / COMPLETE).is_file():
             (uni / COMPLETE).unlink()
         shutil.rmtree(uni, ignore_errors=True)
@@ -307,8 +307,8 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0)
 
     The returned state also holds "data_states": the data states of ALL saved ranks in rank order (for a data source's
     load_state_dicts), and "saved_world_size". On another data-parallel size (a resize) a ZeRO >= 1 checkpoint is
-    converted once to DeepSpeed's universal format (ds_core.ckpt_resize.ensure_universal) and loaded from it: the
-    engine must have been built with checkpoint.load_universal (ds_core.ckpt_resize.plan_resize sets it). RNG on a
+    converted once to DeepSpeed's universal format (ds_core.checkpoint.resize.ensure_universal) and loaded from it: the
+    engine must have been built with checkpoint.load_universal (ds_core.checkpoint.resize.plan_resize sets it). RNG on a
     resize: a rank that existed in the saved run gets its own streams back; a new rank r gets
     ds_core.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at step 0.
     "data" of a new rank is None."""
@@ -335,8 +335,8 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0)
             if not engine.load_universal_checkpoint():
                 raise ConfigError(f"checkpoint {root / tag}: saved by {saved_world} ranks, this run has {world}, and "
                                   f"the engine was built without checkpoint.load_universal: the entry point must call "
-                                  f"ds_core.ckpt_resize.plan_resize on its DeepSpeed config before build_engine")
-            from ds_core.ckpt_resize import ensure_universal
+                                  f"ds_core.checkpoint.resize.plan_resize on its DeepSpeed config before build_engine")
+            from ds_core.checkpoint.resize import ensure_universal
 
             load_tag = ensure_universal(root, tag).name
     load_path, _ = engine.load_checkpoint(str(root), tag=load_tag, load_module_strict=True, load_optimizer_states=True,

@@ -1,4 +1,4 @@
-"""`ds-study` / `python -m ds_core.study`: plan, run and report studies (see ds_core/study/__init__.py)."""
+"""`ds-study` / `python -m ds_tools.study`: plan, run and report studies (see ds_tools/study/__init__.py)."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import ArgumentParser, flag, run_cli
-from ds_core.study import report as report_mod
-from ds_core.study import runner
-from ds_core.study.spec import StudyError, load_study
-from ds_core.scaling import ScalingError
+from ds_tools.study import report as report_mod
+from ds_tools.study import runner
+from ds_tools.study.spec import StudyError, load_study
+from ds_tools.scaling import ScalingError
 
 
 def build_parser() -> argparse.ArgumentParser:
