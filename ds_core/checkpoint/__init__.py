@@ -19,38 +19,23 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from ds_core.checkpoint.collective import any_rank, barrier, rank
+from ds_core.checkpoint.resize import ensure_universal
+from ds_core.checkpoint.tags import COMPLETE, LATEST, is_complete, latest_tag, step_tags, tag_for
 from ds_core.config import ConfigError, atomic_write_text
 
-COMPLETE = "COMPLETE"
-LATEST = "latest"
 HF_MODEL = "hf_model.json"
-_TAG_RE = re.compile(r"global_step\d+")
 
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def tag_for(step: int) -> str:
-    return f"global_step{step}"
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def rng_state() -> dict:
@@ -116,27 +101,6 @@ def describe_mismatch(saved: dict, current: dict) -> list[str]:
     return diffs
 
 
-def is_complete(ckpt_root: Path, tag: str) -> bool:
-    return (Path(ckpt_root) / tag / COMPLETE).is_file()
-
-
-def step_tags(ckpt_root: str | os.PathLike) -> list[str]:
-    """Tags global_step{N} under ckpt_root, complete or not, newest first (not the _universal conversions)."""
-    tags = [p.name for p in Path(ckpt_root).glob("global_step*") if _TAG_RE.fullmatch(p.name) and p.is_dir()]
-    return sorted(tags, key=lambda t: int(t[len("global_step"):]), reverse=True)
-
-
-def latest_tag(ckpt_root: str | os.PathLike) -> str | None:
-    """The tag named by `latest` if complete; otherwise the newest complete tag (or None)."""
-    root = Path(ckpt_root)
-    f = root / LATEST
-    if f.is_file():
-        tag = f.read_text().strip()
-        if is_complete(root, tag):
-            return tag
-    return next((t for t in step_tags(root) if is_complete(root, t)), None)
-
-
 def _free_bytes(path: Path) -> str:
     for p in (path, *path.parents):
         if p.exists():
@@ -171,11 +135,11 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
     path = root / tag
     if is_complete(root, tag):  # same step already saved (e.g. a periodic save that is also the final one)
         return path
-    if _rank() == 0:
+    if rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         if path.exists():  # leftovers of an interrupted save of this step: never mix old and new files
             shutil.rmtree(path)
-    _barrier()
+    barrier()
     previous = latest_tag(root)
     # A full disk surfaces from torch's zip writer as "[enforce fail at inline_container.cc] unexpected pos 128 vs 0"
     # (a RuntimeError, not an OSError): catch both, and say where, how much room was left and what is still good.
@@ -184,21 +148,21 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
     except (OSError, RuntimeError) as e:
         # No verdict collective here: peers whose writes went through wait in DeepSpeed's closing barrier, which a
         # different collective would not match. This rank fails with the name; the launcher then stops the others.
-        raise CheckpointError(_write_failed(path, previous, f"rank {_rank()}: {type(e).__name__}: {e}")) from e
+        raise CheckpointError(_write_failed(path, previous, f"rank {rank()}: {type(e).__name__}: {e}")) from e
     error = None
     try:
         state = dict(client_state, step=step, rng=rng_state(), fingerprint=fingerprint)
-        tmp = path / f".client_rank{_rank()}.pt.tmp"
+        tmp = path / f".client_rank{rank()}.pt.tmp"
         torch.save(state, tmp)
-        os.replace(tmp, path / f"client_rank{_rank()}.pt")
+        os.replace(tmp, path / f"client_rank{rank()}.pt")
     except (OSError, RuntimeError) as e:
         error = e
     # Every rank has finished writing its part, and the verdict is the same on all ranks. Saves are rare, so this
     # collective costs nothing per step.
-    if _any_rank(error is not None):
-        where = f"rank {_rank()}: {type(error).__name__}: {error}" if error else "another rank's write failed"
+    if any_rank(error is not None):
+        where = f"rank {rank()}: {type(error).__name__}: {error}" if error else "another rank's write failed"
         raise CheckpointError(_write_failed(path, previous, where)) from error
-    if _rank() == 0:
+    if rank() == 0:
         try:  # each an atomic rename: a failure leaves `latest` on the previous checkpoint
             info = hf_model_info(engine.module)
             if info is not None:
@@ -210,7 +174,7 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
             raise CheckpointError(_write_failed(path, latest_tag(root), f"rank 0: {e}")) from e
         if keep:
             prune(root, keep)
-    _barrier()
+    barrier()
     return path
 
 
@@ -218,17 +182,6 @@ def _write_failed(path: Path, previous: str | None, where: str) -> str:
     still = f"`latest` still names {previous}" if previous else "there is no earlier complete checkpoint"
     return (f"writing checkpoint {path} failed ({where}); {_free_bytes(path)}; {still}, which --resume loads; "
             f"{path.name} has no {COMPLETE} marker and is never taken as good")
-
-
-def _any_rank(flag: bool) -> bool:
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    from deepspeed.accelerator import get_accelerator
-
-    # on the accelerator: NCCL/HCCL groups reduce device tensors only
-    t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().current_device_name())
-    dist.all_reduce(t)
-    return bool(t.item() > 0)
 
 
 def prune(ckpt_root: str | os.PathLike, keep: int) -> list[str]:
@@ -336,21 +289,20 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0)
                 raise ConfigError(f"checkpoint {root / tag}: saved by {saved_world} ranks, this run has {world}, and "
                                   f"the engine was built without checkpoint.load_universal: the entry point must call "
                                   f"ds_core.checkpoint.resize.plan_resize on its DeepSpeed config before build_engine")
-            from ds_core.checkpoint.resize import ensure_universal
 
             load_tag = ensure_universal(root, tag).name
     load_path, _ = engine.load_checkpoint(str(root), tag=load_tag, load_module_strict=True, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {root / load_tag}")
-    rank = _rank()
-    if rank < saved_world:
-        state: dict[str, Any] = dict(states[rank])
+    me = rank()
+    if me < saved_world:
+        state: dict[str, Any] = dict(states[me])
         set_rng_state(state.pop("rng"))
     else:
         state = {k: v for k, v in states[0].items() if k != "rng"}
         state["data"] = None
-        set_seed(seed + int(state["step"]), rank)
+        set_seed(seed + int(state["step"]), me)
     state["data_states"] = [s["data"] for s in states]
     state["saved_world_size"] = saved_world
     return state
@@ -367,15 +319,15 @@ def export_hf(engine, out_dir: str | os.PathLike) -> Path | None:
         state_dict = engine._zero3_consolidated_16bit_state_dict()
     else:
         state_dict = engine.module.state_dict()
-    if _rank() == 0:
+    if rank() == 0:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         engine.module.save_pretrained(str(tmp), state_dict=state_dict)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-    _barrier()
-    return out if _rank() == 0 else None
+    barrier()
+    return out if rank() == 0 else None
 
 
 def init_from(engine, ckpt_root: str | os.PathLike, fingerprint: dict, reset_optimizer: bool = False) -> int:
