@@ -11,7 +11,8 @@ if not __package__:  # run as a file (`deepspeed bert_ref/train.py`): make the r
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bert_ref.configs import BertArgs, check_data_matches  # noqa: E402
-from bert_ref.data import build_data, list_test_shards  # noqa: E402
+from bert_ref.data import build_data  # noqa: E402
+from bert_ref.shards import list_test_shards  # noqa: E402
 from bert_ref.eval import EvalData, make_eval_fn  # noqa: E402
 from bert_ref.model import build_model, flops_per_sequence  # noqa: E402
 from bert_ref.layerwise import attach_zero_layout  # noqa: E402
