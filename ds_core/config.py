@@ -136,7 +136,7 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     from transformers import HfArgumentParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(list(types), description=description)
+    parser = HfArgumentParser(list(types), description=description, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name); "
                                                        "flags given on the command line override it.")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="Set by launchers; ignored.")

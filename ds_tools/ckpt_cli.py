@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_core import checkpoint as ckpt
-from ds_core.cli import ArgumentParser, run_cli
+from ds_core.cli import ArgumentParser, cli_main
 from ds_core.config import ConfigError
 
 
@@ -183,7 +183,7 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="ds-ckpt", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="ds-ckpt", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("info", help="steps, ZeRO stage, world size, data position, sizes")
     a.add_argument("run_dir")
@@ -199,21 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(args: argparse.Namespace) -> int:
+    if args.cmd == "info":
+        d = info(args.run_dir)
+        print(json.dumps(d, indent=2, default=str)) if args.json else print_info(d)
+    elif args.cmd == "universal":
+        print(f"universal checkpoint: {universal(args.run_dir, args.tag)}")
+    else:
+        print(f"exported: {export_hf(args.run_dir, args.out, args.tag)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-
-    def body() -> int:
-        if args.cmd == "info":
-            d = info(args.run_dir)
-            print(json.dumps(d, indent=2, default=str)) if args.json else print_info(d)
-        elif args.cmd == "universal":
-            print(f"universal checkpoint: {universal(args.run_dir, args.tag)}")
-        else:
-            print(f"exported: {export_hf(args.run_dir, args.out, args.tag)}")
-        return 0
-
-    return run_cli(f"{parser.prog} {args.cmd}", body, (ConfigError, OSError))
+    return cli_main(argv, build_parser, _run, (ConfigError, OSError), subcommand="cmd")
 
 
 if __name__ == "__main__":

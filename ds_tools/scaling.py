@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ds_core.cli import ArgumentParser, flag, run_cli
+from ds_core.cli import ArgumentParser, cli_main, flag
 
 # Keys that make two runs incomparable: a different value changes the work per sample or per accelerator.
 # grad_accum / global_batch are deliberately not here: they legitimately change in strong-scaling studies and are
@@ -324,7 +324,7 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="ds-scaling-report", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("runs", nargs="*", help="run directories (containing metrics.jsonl) or metrics.jsonl files")
     p.add_argument(*flag("--from_table"), action="append", default=[], metavar="FILE.csv",
                    help="CSV with columns nodes,accelerators,throughput (published or external numbers)")
@@ -358,10 +358,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     # OSError: a run directory, table or output path the user named
-    return run_cli(parser.prog, lambda: _main(args), (ScalingError, OSError))
+    return cli_main(argv, build_parser, _main, (ScalingError, OSError))
 
 
 if __name__ == "__main__":

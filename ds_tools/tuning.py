@@ -39,7 +39,7 @@ from typing import Sequence
 
 from ds_core import accelerators
 from ds_core.config import DS_CONFIG_DIR
-from ds_core.cli import ArgumentParser, flag
+from ds_core.cli import ArgumentParser, cli_main, flag
 from ds_core.cli import error as cli_error
 
 GB = 1e9
@@ -452,7 +452,8 @@ def _table(options: Sequence[Option], best: Option | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="ds-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="ds-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)
     p.add_argument("--model", required=True,
                    help=f"{' | '.join(shipped_models())} (ds_configs/models/, written from the presets; also "
                         f"{', '.join(MODEL_ALIASES)}) | PATH_TO_HF_CONFIG.json")
@@ -486,12 +487,14 @@ def _resolve(a: argparse.Namespace) -> tuple[ModelShape, list[Option]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
+    return cli_main(argv, build_parser, _run)
+
+
+def _run(a: argparse.Namespace) -> int:
     try:
         shape, options = _resolve(a)
     except (TuningError, ValueError) as e:  # ValueError: --stages not numbers, a model config.json that is not one
-        return cli_error(parser.prog, e)  # only here: a ValueError further down is a bug and keeps its traceback
+        return cli_error("ds-tune", e)  # only here: a ValueError further down is a bug and keeps its traceback
     seq = shape.towers[0].seq
     best = recommend(options, seq)
     shown = sorted((o for o in options if a.all or o.fits), key=lambda o: rank_key(o, seq))

@@ -258,7 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ours, target = _split_argv(argv)
     ap = argparse.ArgumentParser(prog="python -m launch.local_ranks", description=main.__doc__,
-                                 usage="%(prog)s [-n N] [--master_port P] [--timeout_s S] (-m MODULE | SCRIPT) ARGS")
+                                 usage="%(prog)s [-n N] [--master_port P] [--timeout_s S] (-m MODULE | SCRIPT) ARGS",
+                                 allow_abbrev=False)
     ap.add_argument("-n", "--num_ranks", "--num_gpus", type=int, default=1, help="ranks on this host (default 1)")
     ap.add_argument("--master_addr", default=LOOPBACK)
     ap.add_argument("--master_port", type=int, default=0, help="rendezvous port (default: a free one)")

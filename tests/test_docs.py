@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from ds_core.cli import split_passthrough
+
 REPO = Path(__file__).resolve().parents[1]
 OUR_PACKAGES = ("bert_ref", "bridgetower_ds", "ds_core", "ds_tools", "launch", "bench", "studies")
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
@@ -236,7 +238,7 @@ def check_module(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) 
     if name in ("launch.run", "launch.aws_batch", "launch.slurm"):
         from launch import run
 
-        _, extra = run.split_extra(argv)
+        _, extra = split_passthrough(argv)
         check_module(ns.module, run.train_args(ns, extra), monkeypatch)
     elif name == "launch.guard":
         check_module(ns.module, list(ns.args), monkeypatch)
