@@ -423,10 +423,6 @@ class CaptionData:
             out["filler_batches"] = self.assembler.filler_batches
         return out
 
-    @property
-    def bad_images(self) -> int:
-        return self.bad.count
-
     def __len__(self) -> int:
         """Batches in a full epoch on this rank."""
         return len(self._batches)
