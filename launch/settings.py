@@ -159,4 +159,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         else:
             conv = _TYPES[f.type]
             raw = os.environ.get(md["env"]) if md["env"] else None
-            g.add_argument(f"--{f.name}", type=conv, default=f.default if raw is None else conv(raw), **kw)
+            try:
+                default = f.default if raw is None else conv(raw)
+            except ValueError:
+                p.error(f"${md['env']}={raw!r} (the default of --{f.name}): expected {f.type}")
+            g.add_argument(f"--{f.name}", type=conv, default=default, **kw)

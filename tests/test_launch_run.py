@@ -310,7 +310,7 @@ def test_settings_are_resolved_once_then_built(hosts, monkeypatch):
     assert (hosts / "aws_hf").read_text() == "127.0.0.1 slots=2\n"
 
 
-def test_settings_flags_are_the_fields_and_to_argv_round_trips(monkeypatch):
+def test_settings_flags_are_the_fields_and_to_argv_round_trips(monkeypatch, capsys):
     """LaunchSettings is declared once: every field but module_args/hosts is a flag of the same name, its environment
     variable gives the default, and to_argv writes settings that the same parser reads back unchanged."""
     import dataclasses
@@ -326,6 +326,11 @@ def test_settings_flags_are_the_fields_and_to_argv_round_trips(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
     assert (LaunchSettings.from_args(runmod.build_parser().parse_args([])).nodes,
             LaunchSettings.from_args(runmod.build_parser().parse_args([])).master_addr) == (3, "10.1.2.3")
+    monkeypatch.setenv("LAUNCH_NODES", "two")
+    with pytest.raises(SystemExit) as e:
+        runmod.build_parser()
+    assert e.value.code == 2 and "$LAUNCH_NODES='two' (the default of --nodes): expected int" in capsys.readouterr().err
+    monkeypatch.delenv("LAUNCH_NODES")
     # every field away from its default (and from the environment's), then back through the flags
     s = LaunchSettings(launcher="mpirun", hostfile="hf", nodes=2, profile="tcp", module="bridgetower_ds.train",
                        preset="debug", deepspeed_config="ds.json", master_addr="10.0.0.9", master_port=29611,
