@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml
 	fi
 	$(PIP) install -q $(PIP_SRC) -e ".[$(EXTRAS)]"
 	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then $(PIP) install -q $(PIP_SRC) -e ".[hpu]"; fi
-	$(PY) -c "import ds_core, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
+	$(PY) -c "import ds_core, ds_tools, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,12 +1,13 @@
 """What several benchmarks share: the repository root, the ranks' environment, starting local ranks (through
-ds_core.local_ranks, the project's one starter) and the generated photographs of the image benchmarks."""
+launch.local_ranks, the project's one starter) and the generated photographs of the image benchmarks."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from ds_core import local_ranks
+from ds_core.rendezvous import free_port, rank_env
+from launch import local_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -15,16 +16,16 @@ _QUIET = dict(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_O
 
 
 def bench_env(threads: int | None = None, **extra: str) -> dict[str, str]:
-    """Environment for a benchmark's subprocesses and ranks: ds_core.local_ranks.rank_env with this checkout first on
+    """Environment for a benchmark's subprocesses and ranks: ds_core.rendezvous.rank_env with this checkout first on
     PYTHONPATH (so `-m bench.x` and the packages resolve to it), offline, `threads` OMP threads each when given."""
-    return local_ranks.rank_env(threads=threads, pythonpath=[REPO], extra={**_QUIET, **extra})
+    return rank_env(threads=threads, pythonpath=[REPO], extra={**_QUIET, **extra})
 
 
 def run_local_ranks(num_ranks: int, target: Sequence[str], *, env: dict[str, str], log: Path,
                     timeout_s: float = 3600, what: str = "run") -> local_ranks.LaunchResult:
     """Start `num_ranks` ranks of TARGET (`-m module args` or a script) directly, the toolkit's documented local path;
     on failure print the log's tail and exit naming the log (a benchmark has nothing to report then)."""
-    cmds = local_ranks.rank_commands(num_ranks, target, master_port=local_ranks.free_port(), env=env)
+    cmds = local_ranks.rank_commands(num_ranks, target, master_port=free_port(), env=env)
     res = local_ranks.run_ranks(cmds, cwd=REPO, timeout_s=timeout_s, log_path=log, poll_s=0.1)
     if not res.ok:
         sys.stdout.write(log.read_text(errors="replace")[-6000:])

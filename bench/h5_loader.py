@@ -95,7 +95,7 @@ def seek_times(data_dir: str, micro_batch: int, offsets: list[int], repeats: int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--samples", type=int, default=204800)
     ap.add_argument(*flag("--seq_len"), type=int, default=128)
     ap.add_argument("--preds", type=int, default=20)

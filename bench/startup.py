@@ -1,5 +1,5 @@
 """Start-up cost: launch to the end of the first optimizer step of the 2-rank BERT debug run, started the way the
-docs say (`python -m ds_core.local_ranks -n 2 -m bert_ref.train ...`: bert_ref.train, ZeRO-1, ds_core), against a
+docs say (`python -m launch.local_ranks -n 2 -m bert_ref.train ...`: bert_ref.train, ZeRO-1, ds_core), against a
 plain `torchrun` + DistributedDataParallel script of the same model (bert_ref.model.build_model(debug()), torch AdamW,
 one synthetic batch of the same shape), both measured in this run. The same run through DeepSpeed's launcher
 (`deepspeed --num_gpus 2 --module bert_ref.train ...`, still supported) is measured too, for reference.
@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, bench_env
-from ds_core.local_ranks import deepspeed_launcher, free_port
+from ds_core.rendezvous import free_port
+from launch.local_ranks import deepspeed_launcher
 
 
 def _env(ranks: int) -> dict:
@@ -74,7 +75,7 @@ def ours(tmp: Path, data: Path, ranks: int, i: int, via_deepspeed: bool = False)
         cmd = [*deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(free_port()),
                "--module", "bert_ref.train", *_train_args(data, run)]
     else:
-        cmd = [sys.executable, "-m", "ds_core.local_ranks", "-n", str(ranks), "-m", "bert_ref.train",
+        cmd = [sys.executable, "-m", "launch.local_ranks", "-n", str(ranks), "-m", "bert_ref.train",
                *_train_args(data, run)]
     t_launch = time.time()
     total, seen = _run(cmd, _env(ranks), tmp / f"{name}.log", watch=run / "metrics.jsonl")
@@ -123,7 +124,8 @@ def plain_worker(out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="launches per side; the median is kept")
     ap.add_argument("--skip_deepspeed_launcher", action="store_true", help="do not also time `deepspeed --num_gpus`")

@@ -14,7 +14,7 @@ Why RSS: the CPU accelerator has no allocator statistics (get_accelerator().max_
 large blocks are forced to mmap (MALLOC_MMAP_THRESHOLD_) so freed memory leaves the RSS and a peak is a peak.
 
 bf16 at ZeRO >= 1 accumulates in fp32 (data_types.grad_accum_dtype, as the shipped configs); bf16 ZeRO-0 cannot
-(DeepSpeed 0.19 raises NotImplementedError) and accumulates in bf16. The prediction is ds_core.zero_memory_model.estimate()
+(DeepSpeed 0.19 raises NotImplementedError) and accumulates in bf16. The prediction is ds_tools.zero_memory_model.estimate()
 (what ds-tune uses) for the same model, stage, precision, accumulation, buckets, non-fused Adam. Activations are
 small (micro batch 1, 64 tokens) so the comparison is about what DeepSpeed allocates.
 
@@ -200,7 +200,7 @@ def measure(cases: list, tmp: Path, timeout: float) -> list:
 
 def predict(shape, case: str):
     """ds-tune's estimate for the bench's case: same stage, precision, accumulation, buckets, CPU (non-fused Adam)."""
-    from ds_core.zero_memory_model import estimate
+    from ds_tools.zero_memory_model import estimate
 
     c = parse_case(case)
     z = ds_config(case, 2)["zero_optimization"]
@@ -212,7 +212,8 @@ def predict(shape, case: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -230,7 +231,7 @@ def main() -> None:
     if a.worker:
         return worker(cases, a.out)
 
-    from ds_core.tuning import GB, model_shape
+    from ds_tools.tuning import GB, model_shape
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -261,7 +262,7 @@ def main() -> None:
               f"{r['grad_accum_dtype'] or r['precision']} | {r['rank']} | {r['optimizer']} | {est.total / GB:.3f} | "
               f"{r['peak_delta'] / GB:.3f} | {100 * err:+.1f} % | {est.resident / GB:.3f} | "
               f"{r['tensors_after_step'] / GB:.3f} | {100 * err_res:+.1f} % |")
-    print("predicted peak = ds_core.zero_memory_model.estimate (what ds-tune uses): resident states + the largest of the "
+    print("predicted peak = ds_tools.zero_memory_model.estimate (what ds-tune uses): resident states + the largest of the "
           "per-phase transients (forward/backward with activations, boundary reduction, optimizer step); "
           "measured peak = VmHWM over the training steps minus the RSS before the model was built. resident = what "
           "a rank holds between steps vs the live tensors' storages after the last step.")

@@ -127,7 +127,7 @@ def get_preset(name: str, phase: int = 1) -> BertPreset:
 
 
 def tuning_spec(preset: BertPreset) -> dict[str, Any]:
-    """The preset as ds-tune reads a model (ds_core.tuning): HF config.json fields of the transformers class
+    """The preset as ds-tune reads a model (ds_tools.tuning): HF config.json fields of the transformers class
     bert_ref.model builds for it, plus the phase's seq_len. ds_configs/models/<name>.json holds this for the
     published presets (a test keeps them equal)."""
     return {"model_type": "megatron-bert" if preset.pre_ln else "bert",
@@ -218,7 +218,7 @@ def check_data_matches(preset: BertPreset, data: Any, input_dir: str = "") -> No
 def main(argv: list[str] | None = None) -> int:
     """`python -m bert_ref.configs --preset bert_1p5b [--phase 2] --write_config PATH`: the preset's model
     description for `ds-tune --model PATH`."""
-    from ds_core.tuning import write_spec_main
+    from ds_core.cli import write_spec_main
 
     return write_spec_main(argv, prog="python -m bert_ref.configs", presets=list(PRESETS),
                            make_spec=lambda a: tuning_spec(get_preset(a.preset, a.phase)),

@@ -65,10 +65,7 @@ import numpy as np
 from ds_core.sample_log import SampleLog
 
 from .data_resize import Piece, deal, starts_of, unconsumed, whole
-# the layout and its checks live in bert_ref.shards; re-exported: bert-prep, eval and tests import them from here
-from .shards import (H5_SUFFIXES, PRED_DATASETS, SCHEMA, SEQ_DATASETS, VOCAB_ATTR, DataDirError,  # noqa: F401
-                     ShardError, ShardInfo, _read, check_arrays, inspect_shard, inspect_shards, list_shards,
-                     list_test_shards)
+from .shards import DataDirError, ShardError, check_arrays, inspect_shards, list_shards, read_rows
 
 
 # torch is imported where batches are built, so `bert-prep` (which shares the layout checks) starts fast
@@ -183,7 +180,7 @@ def load_block(seg: Segment, seq_len: int, vocab_size: int | None = None) -> dic
     except Exception as e:
         raise ShardError(seg.path, None, f"cannot open as HDF5 ({type(e).__name__}: {e})") from e
     with f:
-        arrays = _read(seg.path, f, seg.start, seg.stop)
+        arrays = read_rows(seg.path, f, seg.start, seg.stop)
     check_arrays(seg.path, arrays, seq_len, first_row=seg.start, vocab_size=vocab_size)
     return arrays
 

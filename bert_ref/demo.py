@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds_core.local_ranks import rank_env
+from ds_core.rendezvous import rank_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,10 +65,11 @@ def _run(cmd: list[str], env: dict | None = None, log: Path | None = None) -> No
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--out", default="demo_out", help="output directory (replaced)")
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    ap.add_argument("--ranks", type=int, default=2, help="local ranks (python -m ds_core.local_ranks -n)")
+    ap.add_argument("--ranks", type=int, default=2, help="local ranks (python -m launch.local_ranks -n)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(args.out).resolve()
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     if env.get("DS_ACCELERATOR") == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.ranks)))
     run_dir = out / "run"
-    # the documented local start (docs: python -m ds_core.local_ranks -n 2 -m bert_ref.train ...)
-    _run([py, "-m", "ds_core.local_ranks", "-n", str(args.ranks), "-m", "bert_ref.train",
+    # the documented local start (docs: python -m launch.local_ranks -n 2 -m bert_ref.train ...)
+    _run([py, "-m", "launch.local_ranks", "-n", str(args.ranks), "-m", "bert_ref.train",
           "--preset", "debug", "--deepspeed_config", "ds_configs/bert_debug_zero1_bf16.json",
           "--input_dir", str(out / "hdf5_seq128_pred20"), "--run_dir", str(run_dir), "--max_steps", str(args.steps),
           "--optimizer", "lamb", "--learning_rate", "0.02", "--warmup_proportion", "0.1",

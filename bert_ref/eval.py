@@ -19,8 +19,8 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from bert_ref.data import DEFAULT_BLOCK_SAMPLES, IGNORE_INDEX, Segment, inspect_shards, load_block, \
-    make_batch
+from bert_ref.data import DEFAULT_BLOCK_SAMPLES, IGNORE_INDEX, Segment, load_block, make_batch
+from bert_ref.shards import inspect_shards
 from bert_ref.configs import BertPreset, check_data_matches
 from bert_ref.step import forward
 from ds_core.components import EvalTask, Evaluation

@@ -34,7 +34,7 @@ class FlatLayout:
     n_keys: int
 
 
-def _partition_segments(numels: list[int], offsets: list[int], start: int, size: int) -> list[tuple[int, int, int]]:
+def partition_segments(numels: list[int], offsets: list[int], start: int, size: int) -> list[tuple[int, int, int]]:
     """Segments of the partition [start, start + size) of a flat buffer whose tensor k lies at offsets[k]."""
     segs, end, pos = [], start + size, start
     for key, (off, n) in enumerate(zip(offsets, numels)):
@@ -77,7 +77,7 @@ def zero_layouts(ds_optimizer: Any) -> tuple[dict[int, FlatLayout], Any]:
             numels = [p.numel() for p in params]
             offsets = [sum(numels[:k]) for k in range(len(numels))]
             start = dist.get_rank(group=group) * flat.numel()
-            layouts[id(flat)] = FlatLayout(_partition_segments(numels, offsets, start, flat.numel()), len(params))
+            layouts[id(flat)] = FlatLayout(partition_segments(numels, offsets, start, flat.numel()), len(params))
         return layouts, group
     if hasattr(ds_optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2 (stage_1_and_2.py)
         layouts, group = {}, None
@@ -94,7 +94,7 @@ def zero_layouts(ds_optimizer: Any) -> tuple[dict[int, FlatLayout], Any]:
                 raise RuntimeError(f"ZeRO group {i}: flat fp32 partition has {flat.numel()} elements, partition_size "
                                    f"{size}: unknown DeepSpeed layout")
             start = dist.get_rank(group=group) * size
-            layouts[id(flat)] = FlatLayout(_partition_segments(numels, offsets, start, size), len(params))
+            layouts[id(flat)] = FlatLayout(partition_segments(numels, offsets, start, size), len(params))
         return layouts, group
     if hasattr(ds_optimizer, "fp32_groups"):  # (DeepSpeed's fused fp16 wrapper serves only FusedAdam)
         # bf16 / fp16 ZeRO-0 with a non-fused optimizer (fp16/unfused_optimizer.py): one fp32 master copy per
@@ -190,7 +190,7 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
             import deepspeed.comm as dist
 
             # named for DeepSpeed's comms_logger: an optimizer-step norm exchange, not gradient traffic (the study
-            # report counts gradient collectives per step by op name: ds_core.study.report.REDUCTION_OPS)
+            # report counts gradient collectives per step by op name: ds_tools.study.report.REDUCTION_OPS)
             dist.all_reduce(out, group=self._group, log_name="layerwise_norms_all_reduce")
         return out
 

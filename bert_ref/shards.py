@@ -132,7 +132,7 @@ def inspect_shard(path: str | os.PathLike, check_rows: int = 256, vocab_size: in
         bound = attr if attr is not None else vocab_size
         k = min(check_rows, n)
         for lo, hi in ((0, k), (n - k, n)):
-            check_arrays(path, _read(path, f, lo, hi), seq_len, first_row=lo, vocab_size=bound)
+            check_arrays(path, read_rows(path, f, lo, hi), seq_len, first_row=lo, vocab_size=bound)
     return ShardInfo(path, int(n), int(seq_len), int(preds), attr)
 
 
@@ -149,7 +149,7 @@ def inspect_shards(files: list[str], vocab_size: int | None = None) -> list[Shar
     return infos
 
 
-def _read(path: str, f, lo: int, hi: int) -> dict[str, np.ndarray]:
+def read_rows(path: str, f, lo: int, hi: int) -> dict[str, np.ndarray]:
     out = {}
     for name in SCHEMA:
         try:

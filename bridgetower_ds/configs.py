@@ -99,7 +99,7 @@ _TUNING_VISION = ("hidden_size", "num_hidden_layers", "patch_size", "image_size"
 
 
 def tuning_spec(name: str, seq_len: int = TUNING_SEQ_LEN) -> dict:
-    """The preset as ds-tune reads a model (ds_core.tuning): the BridgeTowerConfig fields that fix parameter count
+    """The preset as ds-tune reads a model (ds_tools.tuning): the BridgeTowerConfig fields that fix parameter count
     and activation shapes, for the class bridgetower_ds.model builds, plus the text seq_len. Other fields (dropout,
     eps, activation) change neither. ds_configs/models/<name>.json holds this for bridgetower_large (a test keeps it
     equal)."""
@@ -189,7 +189,7 @@ class CompatArgs:
 def main(argv: list[str] | None = None) -> int:
     """`python -m bridgetower_ds.configs --preset bridgetower_large [--seq_len N] --write_config PATH`: the preset's
     model description for `ds-tune --model PATH`."""
-    from ds_core.tuning import write_spec_main
+    from ds_core.cli import write_spec_main
 
     return write_spec_main(argv, prog="python -m bridgetower_ds.configs", presets=list(PRESETS),
                            make_spec=lambda a: tuning_spec(a.preset, a.seq_len),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_core.local_ranks import rank_env
+from ds_core.rendezvous import rank_env
 
 REPO = Path(__file__).resolve().parents[1]
 # jmhessel/newyorker_caption_contest, configuration "matching": its columns and types (the published command reads
@@ -108,7 +108,7 @@ def fine_tune(out: Path, dataset: Path, steps: int, ranks: int) -> dict:
     if env.get("DS_ACCELERATOR") == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // ranks)))
     run = out / "run"
-    _run([sys.executable, "-m", "ds_core.local_ranks", "-n", str(ranks), "-m", "bridgetower_ds.train",
+    _run([sys.executable, "-m", "launch.local_ranks", "-n", str(ranks), "-m", "bridgetower_ds.train",
           "--output_dir", str(run), "--preset", "debug", "--dataset_path", str(dataset),
           "--image_column", "image", "--caption_column", "image_description", "--remove_unused_columns", "false",
           "--do_train", "--do_eval", "--do_predict", "--per_device_train_batch_size", "8",
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  allow_abbrev=False)
     ap.add_argument("--out", default="demo_out/bridgetower", help="output directory (replaced)")
     ap.add_argument("--steps", type=int, default=24, help="optimizer steps of the fine-tune")
-    ap.add_argument("--ranks", type=int, default=2, help="local ranks (python -m ds_core.local_ranks -n)")
+    ap.add_argument("--ranks", type=int, default=2, help="local ranks (python -m launch.local_ranks -n)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(args.out).resolve()

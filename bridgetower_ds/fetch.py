@@ -2,16 +2,12 @@
 that runs in the worker processes (split from data.py to keep files small; data.CaptionData owns both)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from .batching import tokenize
 from .images import BadImage, host_transform
-
-if TYPE_CHECKING:
-    from .data import CaptionTable
+from .table import CaptionTable
 
 
 class PlanSampler(torch.utils.data.Sampler):
@@ -32,7 +28,7 @@ class FetchBatch(torch.utils.data.Dataset):
     """Worker side: one call builds one batch's candidates (host: decoded uint8 pixels; device: encoded bytes) and
     their tokens; rows whose image is already known bad are dropped here and reported."""
 
-    def __init__(self, table: "CaptionTable", tokenizer, size: int, host: bool, draft: bool, max_pixels: int,
+    def __init__(self, table: CaptionTable, tokenizer, size: int, host: bool, draft: bool, max_pixels: int,
                  max_len: int, pad_to_max: bool, transform: str = "processor"):
         self.table, self.tokenizer, self.size, self.host = table, tokenizer, size, host
         self.draft, self.max_pixels, self.max_len, self.pad_to_max = draft, max_pixels, max_len, pad_to_max

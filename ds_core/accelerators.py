@@ -1,4 +1,4 @@
-"""The one accelerator table: dense peak TFLOPs (MFU in ds_core.metrics), memory (ds_core.tuning), interconnect.
+"""The one accelerator table: dense peak TFLOPs (MFU in ds_core.metrics), memory (ds_tools.tuning), interconnect.
 
 Every figure is the vendor's published number for the dense case (NVIDIA's datasheets print Tensor Core rates "with
 sparsity": the dense rate is half of that). A figure the vendor does not publish is None, never a borrowed one: MFU
@@ -17,7 +17,7 @@ Sources (each row's comment names the one it uses):
            2 / 4.8 / 9.6 Tb/s bidirectional for Gaudi / Gaudi 2 / Gaudi 3; Gaudi 3 spec table: BF16 matrix 1835
            TFLOPs, 24 x 200 GbE RoCE. Habana publishes no FP32 matrix rate for any generation here.
 
-Memory is the capacity the vendor prints (GB). ds_core.tuning reads it as 10^9 bytes; HBM stacks are sized in
+Memory is the capacity the vendor prints (GB). ds_tools.tuning reads it as 10^9 bytes; HBM stacks are sized in
 binary units, so the device usually has a few per cent more than that, which only adds to the tuner's margin.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Flags are spelled with underscores, as DeepSpeed's and transformers' are (`--max_seq_length`, `--dry_run`);
 `flag("--max_seq_length")` also accepts the dashed spelling (`--max-seq-length`) so command lines written before
-the rename keep working, and `--help` shows the underscore form first.
+the rename keep working, and `--help` shows the underscore form first. No parser takes abbreviations.
 
 Bad input (a config field, a hostfile line, a missing user path) ends a command with `<prog>: error: <message>` on
 stderr and exit status 2 (USAGE_ERROR): the same line and status argparse gives for a bad flag, so a script or a
@@ -15,8 +15,10 @@ Kept free of torch and deepspeed imports: the launch wrappers use it on a login 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 USAGE_ERROR = 2  # argparse's status for a bad command line; ours for bad input found after parsing
 
@@ -31,15 +33,13 @@ def flag(name: str) -> tuple[str, ...]:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, except that an abbreviation matching only the two spellings of ONE flag is that flag:
-    with both `--baseline_nodes` and `--baseline-nodes`, plain argparse calls `--baseline 2` ambiguous, which worked
-    before the rename. Subcommand parsers inherit the class (add_subparsers uses type(self))."""
+    """argparse's parser that takes no abbreviations (allow_abbrev=False, the project's rule for every parser): a
+    prefix such as `--baseline` for `--baseline_nodes` stops working, or silently means another flag, the day a
+    flag sharing the prefix is added. Subcommand parsers inherit the class (add_subparsers uses type(self)), and so
+    the rule, without each add_parser call repeating it."""
 
-    def _get_option_tuples(self, option_string):  # argparse's hook: (action, option string, ...) per candidate
-        by_action = {}
-        for candidate in super()._get_option_tuples(option_string):
-            by_action.setdefault(id(candidate[0]), candidate)
-        return list(by_action.values())
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
 
 def error(prog: str, message: object) -> int:
@@ -59,3 +59,54 @@ def run_cli(prog: str, body: Callable[[], int | None], errors: tuple[type[BaseEx
     except errors as e:
         return error(prog, e)
     return 0 if status is None else status
+
+
+def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(our arguments, what follows the first `--`): the launchers hand the latter to the training module unparsed."""
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def cli_main(argv: Sequence[str] | None, build_parser: Callable[[], argparse.ArgumentParser],
+             body: Callable[..., int | None], errors: tuple[type[BaseException], ...] = (), *,
+             subcommand: str | None = None, passthrough: bool = False) -> int:
+    """Every command's main(): parse `argv` (default: sys.argv[1:]) with build_parser(), run body(args), and return
+    the exit status (run_cli: the body's, or USAGE_ERROR with the message of one of `errors`).
+
+    passthrough: what follows the first `--` is not parsed but handed on, as body(args, rest). subcommand: the dest
+    of the subcommand, named after the program in error messages (`ds-ckpt info: error: ...`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest: list[str] = []
+    if passthrough:
+        argv, rest = split_passthrough(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prog = f"{parser.prog} {getattr(args, subcommand)}" if subcommand else parser.prog
+    return run_cli(prog, (lambda: body(args, rest)) if passthrough else (lambda: body(args)), errors)
+
+
+# Here rather than in ds_tools.tuning: the model packages run it (`python -m bert_ref.configs --write_config`) and
+# never import the tools.
+def write_spec_main(argv: Sequence[str] | None, *, prog: str, presets: Sequence[str],
+                    make_spec: Callable[[argparse.Namespace], dict],
+                    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None) -> int:
+    """The `--preset NAME --write_config PATH` command each model package runs (`python -m bert_ref.configs`,
+    `python -m bridgetower_ds.configs`): make_spec(args) turns the parsed flags into the model description that
+    ds_tools.tuning.load_spec reads; one writer, so the files in ds_configs/models/ all have one format."""
+    ap = ArgumentParser(prog=prog, description="Write a model preset as ds-tune's --model description.",
+                        allow_abbrev=False)
+    ap.add_argument("--preset", required=True, help=f"one of {', '.join(presets)}")
+    add_arguments(ap)
+    ap.add_argument("--write_config", required=True, help="where the JSON goes (then: ds-tune --model PATH)")
+    a = ap.parse_args(argv)
+    try:
+        spec = make_spec(a)
+    except ValueError as e:            # ConfigError / TuningError: a bad preset or flag value
+        return error(prog, e)
+    if "model_type" not in spec:
+        raise ValueError(f"{prog}: the description of {a.preset} has no model_type")   # a bug in make_spec
+    Path(a.write_config).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
+    return 0

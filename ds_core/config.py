@@ -64,7 +64,7 @@ class TrainConfig:
                                 "0 keeps all.", default=0)  # same name as transformers' TrainingArguments
     on_resize: str = arg("--resume onto another data-parallel size: keep_batch keeps the global batch by recomputing "
                          "gradient accumulation (refused when it does not divide); scale_lr keeps micro batch and "
-                         "accumulation and scales the LR by new/old global batch (ds_core.ckpt_resize).",
+                         "accumulation and scales the LR by new/old global batch (ds_core.checkpoint.resize).",
                          default="keep_batch")
     max_steps_this_run: int = arg("Stop this process after N optimizer steps: save a checkpoint and exit with status "
                                   "75 (resume with --resume); 0 runs to max_steps.", default=0)
@@ -151,7 +151,7 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     from transformers import HfArgumentParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(list(types), description=description)
+    parser = HfArgumentParser(list(types), description=description, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name), "
                                                        "or a run directory (its run_config.json); flags given on the "
                                                        "command line override it.")
@@ -498,23 +498,3 @@ def settle_grad_accum_dtype(cfg: dict, source: str = "DeepSpeed config") -> None
                 f"({why}); measured: {BF16_ACCUM_ERROR}. Use ZeRO >= 1 with data_types.grad_accum_dtype \"fp32\".")
 
 
-def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | None) -> None:
-    """Before distributed init (the world size, hence the batch arithmetic, comes later in load_ds_config): the JSON
-    reads, its values pass check_ds_values, and the optimizer is built either in code or from the JSON's "optimizer"
-    section, never both and never neither (ds_core.engine.build_engine checks the same, but only after init and
-    model build). optimizer_in_code None: the model takes either (BridgeTower builds AdamW in code when the JSON
-    has no "optimizer"), so only the values are checked."""
-    from ds_core.ds_json_check import check_with_deepspeed
-
-    cfg = read_ds_json(ds_config_path)
-    source = f"DeepSpeed config {resolve_ds_path(ds_config_path)}"
-    check_ds_keys(cfg, source)
-    check_ds_values(cfg, source)
-    check_with_deepspeed(cfg, source)  # every nested key, by DeepSpeed's classes (the rank imports deepspeed anyway)
-    if optimizer_in_code is None:
-        return
-    if optimizer_in_code and "optimizer" in cfg:
-        raise ConfigError(f"{source} has an \"optimizer\" section, but this model builds its optimizer in code: use "
-                          f"a DeepSpeed JSON without \"optimizer\" (the model's optimizer flags set it)")
-    if not optimizer_in_code and "optimizer" not in cfg:
-        raise ConfigError(f"{source} has no \"optimizer\" section and this model builds none in code: add one")

@@ -26,7 +26,7 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
-from ds_core.config import ConfigError
+from ds_core.config import ConfigError, check_ds_keys, check_ds_values, read_ds_json, resolve_ds_path
 
 # DeepSpeed's pydantic model (class name) -> where its section sits in the JSON ("" = top level, several keys)
 _SECTION_OF = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
@@ -222,3 +222,23 @@ def ds_config_in(args: Sequence[str]) -> str:
         if a.startswith("--deepspeed_config="):
             return a.split("=", 1)[1]
     return ""
+
+
+def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | None) -> None:
+    """Before distributed init (the world size, hence the batch arithmetic, comes later in load_ds_config): the JSON
+    reads, its values pass check_ds_values, and the optimizer is built either in code or from the JSON's "optimizer"
+    section, never both and never neither (ds_core.engine.build_engine checks the same, but only after init and
+    model build). optimizer_in_code None: the model takes either (BridgeTower builds AdamW in code when the JSON
+    has no "optimizer"), so only the values are checked."""
+    cfg = read_ds_json(ds_config_path)
+    source = f"DeepSpeed config {resolve_ds_path(ds_config_path)}"
+    check_ds_keys(cfg, source)
+    check_ds_values(cfg, source)
+    check_with_deepspeed(cfg, source)  # every nested key, by DeepSpeed's classes (the rank imports deepspeed anyway)
+    if optimizer_in_code is None:
+        return
+    if optimizer_in_code and "optimizer" in cfg:
+        raise ConfigError(f"{source} has an \"optimizer\" section, but this model builds its optimizer in code: use "
+                          f"a DeepSpeed JSON without \"optimizer\" (the model's optimizer flags set it)")
+    if not optimizer_in_code and "optimizer" not in cfg:
+        raise ConfigError(f"{source} has no \"optimizer\" section and this model builds none in code: add one")

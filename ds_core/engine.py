@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ds_core.config import ConfigError
-from ds_core.local_ranks import free_port, rank_variables
+from ds_core.rendezvous import free_port, rank_variables
 from ds_core.parent_watch import watch_parent
 from ds_core.venv import torch_extensions_env
 

@@ -19,7 +19,7 @@ import torch
 
 from ds_core import accelerators
 from ds_core.accelerators import from_device_name
-from ds_core.precision import cached_cpu_peak, cpu_peak_tflops, update_cpu_peak  # noqa: F401 (re-exported)
+from ds_core.precision import cached_cpu_peak, cpu_peak_tflops, update_cpu_peak
 
 
 def accelerator_kind(accelerator: str, device: torch.device | None = None) -> str:

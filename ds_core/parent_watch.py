@@ -4,7 +4,7 @@ A rank whose launcher is killed (kill -9 of DeepSpeed's runner or of its per-nod
 starter) used to keep training: nobody reads its output or exit status, it holds the run_dir, ports and accelerator
 memory, and it keeps writing checkpoints that a restarted job races with. Two mechanisms, because the starters differ:
 
-- where we spawn ranks (ds_core.local_ranks) each child asks the kernel for SIGTERM when its parent dies
+- where we spawn ranks (launch.local_ranks) each child asks the kernel for SIGTERM when its parent dies
   (`pdeathsig_preexec`, PR_SET_PDEATHSIG): immediate, and it reaches a rank that never runs Python again;
 - in every rank started by a launcher (any of LAUNCHER_VARS set), a daemon thread (`watch_parent`) polls getppid()
   every POLL_S: a changed parent means the launcher died and the rank was re-parented (to init or a subreaper).
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-# Variables a launcher sets in each rank: DeepSpeed's launch.py / torchrun / ds_core.local_ranks (LOCAL_RANK), Open MPI,
+# Variables a launcher sets in each rank: DeepSpeed's launch.py / torchrun / launch.local_ranks (LOCAL_RANK), Open MPI,
 # MPICH / Intel MPI (PMI_RANK), PMIx, MVAPICH, Slurm's srun (SLURM_STEP_ID is set for srun steps).
 LAUNCHER_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_STEP_ID")
 POLL_S = 1.0

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
 from ds_core.checkpoint import select_resume_tag
-from ds_core.ckpt_resize import ResizePlan, plan_resize
-from ds_core.config import ConfigError, TrainConfig, check_ds_json, ds_config_for, parse_args, save_run_config
+from ds_core.checkpoint.resize import ResizePlan, plan_resize
+from ds_core.config import ConfigError, TrainConfig, ds_config_for, parse_args, save_run_config
+from ds_core.ds_json_check import check_ds_json
 from ds_core.engine import DistInfo, init_distributed, set_seed
 from ds_core.run_dir import prepare_run_dir
 from ds_core.schedule import total_optimizer_steps
@@ -31,7 +32,7 @@ class RunSpec:
 
     types: Sequence[type]
     default_ds_config: str  # a file name in ds_configs/ used when --deepspeed_config is not given
-    optimizer_in_code: bool | None  # ds_core.config.check_ds_json: True, False, or None (either)
+    optimizer_in_code: bool | None  # ds_core.ds_json_check.check_ds_json: True, False, or None (either)
     description: str | None = None
     # sections -> (sections, notices), before any rank starts (presets resolved, paths looked up, flags mapped):
     # new instances (dataclasses.replace), the parsed ones are frozen; notices are one-line messages for rank 0

@@ -20,10 +20,10 @@ import sys
 import time
 from typing import Mapping, Sequence
 
-from ds_core.cli import run_cli
+from ds_core.cli import cli_main
 from launch import hostfile as hf
 from launch import run
-from launch.settings import LaunchSettings
+from launch.settings import LaunchSettings, add_run_arguments
 
 
 class RegistrationError(RuntimeError):
@@ -148,8 +148,8 @@ def resolve(settings: LaunchSettings, env: Mapping[str, str], register_port: int
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.aws_batch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_run_arguments(p)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    add_run_arguments(p)
     g = p.add_argument_group("AWS Batch")
     g.add_argument("--register_port", type=int, default=int(os.environ.get("LAUNCH_REGISTER_PORT", "29400")),
                    help="TCP port on the main node where children register; $LAUNCH_REGISTER_PORT, default 29400")
@@ -163,17 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    own, extra = run.split_extra(sys.argv[1:] if argv is None else argv)
-    p = build_parser()
-    args = p.parse_args(own)
-
-    def body() -> int:
-        settings = resolve(LaunchSettings.from_args(args, extra), os.environ, args.register_port,
+    def body(args: argparse.Namespace, rest: list[str]) -> int:
+        settings = resolve(LaunchSettings.from_args(args, rest), os.environ, args.register_port,
                            args.register_timeout, args.node_addr)
         return run.launch(settings)
 
     # OSError: the registration socket (port taken, network unreachable)
-    return run_cli(p.prog, body, (RegistrationError, *run.LAUNCH_ERRORS, OSError))
+    return cli_main(argv, build_parser, body, (RegistrationError, *run.LAUNCH_ERRORS, OSError), passthrough=True)
 
 
 if __name__ == "__main__":

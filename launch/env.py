@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from ds_core.cli import run_cli
+from ds_core.cli import cli_main
 
 PROFILE_DIR = Path(__file__).resolve().parent / "env"
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -274,12 +274,13 @@ def default_out() -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.env", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="list the profiles in launch/env/")
-    s = sub.add_parser("show", help="print a profile resolved against this shell (NAME=VALUE lines)")
+    sub.add_parser("list", help="list the profiles in launch/env/", allow_abbrev=False)
+    s = sub.add_parser("show", help="print a profile resolved against this shell (NAME=VALUE lines)",
+                       allow_abbrev=False)
     s.add_argument("--profile", required=True, help="profile name: " + ", ".join(profile_names()))
-    w = sub.add_parser("write", help="merge a profile into .deepspeed_env")
+    w = sub.add_parser("write", help="merge a profile into .deepspeed_env", allow_abbrev=False)
     w.add_argument("--profile", default=None, help="profile name: " + ", ".join(profile_names()))
     w.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="add or override one variable (repeatable); e.g. --set HCCL_SOCKET_IFNAME=ens32")
@@ -290,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file to write (default ./.deepspeed_env, or ./$DS_ENV_FILE); DeepSpeed reads it from the "
                         "directory you start `deepspeed` in and from $HOME")
     w.add_argument("--replace", action="store_true", help="drop the file's existing entries instead of merging")
-    c = sub.add_parser("check", help="validate .deepspeed_env files (default: the ones DeepSpeed would read here)")
+    c = sub.add_parser("check", help="validate .deepspeed_env files (default: the ones DeepSpeed would read here)",
+                       allow_abbrev=False)
     c.add_argument("files", nargs="*", help="files to check")
     return p
 
@@ -324,9 +326,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return run_cli(parser.prog, lambda: _main(args), (EnvFileError,))
+    return cli_main(argv, build_parser, _main, (EnvFileError,))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from ds_core.cli import ArgumentParser, flag, run_cli
+from ds_core.cli import ArgumentParser, cli_main, flag
 
 # A host name is also used in pdsh's comma-separated -w list, in DeepSpeed's --include syntax (NAME:SLOTS) and as a
 # key of the base64 world info, so a colon, comma, '@', whitespace or shell metacharacter in it would be misread.
@@ -291,7 +291,7 @@ def hosts_from_mpi_hostfile(text: str, source: str, slots: int = 0) -> list[Host
 # ---------------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m launch.hostfile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("build", help="write a DeepSpeed hostfile from one host source")
@@ -363,9 +363,7 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return run_cli(parser.prog, lambda: _main(args), (HostfileError,))
+    return cli_main(argv, build_parser, _main, (HostfileError,))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ds_core.cli import cli_main
 from launch import env as envmod
 from launch import hostfile as hf
 
@@ -243,7 +244,7 @@ def format_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.preflight", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--hostfile", default=os.environ.get("LAUNCH_HOSTFILE", "hostfile"),
                    help="DeepSpeed hostfile to check (`host slots=N`); $LAUNCH_HOSTFILE, default ./hostfile")
     p.add_argument("--nodes", type=int, default=int(os.environ.get("LAUNCH_NODES", "0")),
@@ -273,7 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return cli_main(argv, build_parser, _run)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.probe:
         names = [n for n in args.probe_names.split(",") if n]
         print(json.dumps(probe(names, args.probe_port, args.probe_data_dir)))

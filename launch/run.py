@@ -40,15 +40,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from ds_core.cli import run_cli
-from ds_core.local_ranks import deepspeed_launcher
+from ds_core.cli import cli_main
 from ds_core.venv import torch_extensions_env
+from launch.local_ranks import deepspeed_launcher
 from launch import env as envmod
 from launch import hostfile as hf
 from launch import preflight
-# the settings and their flags live in launch.settings; these names stay importable from here
-from launch.settings import (DEFAULT_DIST_TIMEOUT_S, DEFAULT_MASTER_PORT, EQUAL_SLOTS, LAUNCHERS,  # noqa: F401
-                             MPI_LAUNCHERS, LaunchError, LaunchSettings, add_run_arguments)
+from launch.settings import DEFAULT_DIST_TIMEOUT_S, LaunchError, LaunchSettings, add_run_arguments
 
 # what a launch can fail on with a message for the user (exit status 2, ds_core.cli)
 LAUNCH_ERRORS: tuple[type[BaseException], ...] = (LaunchError, hf.HostfileError, envmod.EnvFileError)
@@ -56,17 +54,9 @@ LAUNCH_ERRORS: tuple[type[BaseException], ...] = (LaunchError, hf.HostfileError,
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_run_arguments(p)
     return p
-
-
-def split_extra(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    argv = list(argv)
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
 
 
 
@@ -341,12 +331,11 @@ def build_srun(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -
     if "SLURM_JOB_ID" not in environ and not s.dry_run:
         raise LaunchError("srun: not inside a Slurm allocation (SLURM_JOB_ID unset); use sbatch/salloc")
     node_flags = ["--nodes", str(s.nodes)] if s.nodes else []
-    forwarded = ["--profile", s.profile] if s.profile else []
-    forwarded += ["--module", s.module, "--preset", s.preset,
-                  *(["--deepspeed_config", s.deepspeed_config] if s.deepspeed_config else []),
-                  "--master_port", str(s.port), "--slots", str(s.slots),
-                  "--dist_timeout_s", str(s.dist_timeout_s), "--stall_grace_s", str(s.stall_grace_s)]
-    forwarded += _addr_flag(s)
+    # Not forwarded: the launcher, hostfile and node rank (launch.slurm resolves them on each node), --nodes and
+    # --launcher_arg (srun's own), --mpi_flavor and --dry_run (nothing of them reaches a node).
+    forwarded = s.replace(master_port=s.port).to_argv(
+        ["profile", "module", "preset", "deepspeed_config", "master_addr", "master_port", "slots", "dist_timeout_s",
+         "stall_grace_s"])
     return ["srun", *node_flags, "--ntasks-per-node=1", "--kill-on-bad-exit=1", *s.launcher_arg,
             sys.executable, "-u", "-m", "launch.slurm", *forwarded, "--", *s.module_args], {}
 
@@ -401,10 +390,8 @@ def launch(s: LaunchSettings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    own, extra = split_extra(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(own)
-    return run_cli(parser.prog, lambda: launch(LaunchSettings.from_args(args, extra)), LAUNCH_ERRORS)
+    return cli_main(argv, build_parser, lambda args, rest: launch(LaunchSettings.from_args(args, rest)), LAUNCH_ERRORS,
+                    passthrough=True)
 
 
 if __name__ == "__main__":

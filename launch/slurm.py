@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ds_core.cli import run_cli
+from ds_core.cli import cli_main
 from launch import hostfile as hf
 from launch import run
-from launch.settings import LaunchError, LaunchSettings
+from launch.settings import LaunchError, LaunchSettings, add_run_arguments
 
 
 def slots_from_env(env: Mapping[str, str], default: int) -> int:
@@ -42,18 +42,17 @@ def resolve(settings: LaunchSettings, env: Mapping[str, str], hostfile_given: bo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__)
-    run.add_run_arguments(p)
+    p = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__, allow_abbrev=False)
+    add_run_arguments(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    own, extra = run.split_extra(sys.argv[1:] if argv is None else argv)
-    p = build_parser()
-    args = p.parse_args(own)
-    given = args.hostfile != p.get_default("hostfile")
-    return run_cli(p.prog, lambda: run.launch(resolve(LaunchSettings.from_args(args, extra), os.environ, given)),
-                   run.LAUNCH_ERRORS)
+    def body(args: argparse.Namespace, rest: list[str]) -> int:
+        given = args.hostfile != build_parser().get_default("hostfile")  # a flag, or $LAUNCH_HOSTFILE: its default
+        return run.launch(resolve(LaunchSettings.from_args(args, rest), os.environ, given))
+
+    return cli_main(argv, build_parser, body, run.LAUNCH_ERRORS, passthrough=True)
 
 
 if __name__ == "__main__":

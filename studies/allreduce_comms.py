@@ -6,7 +6,7 @@ deepspeed.comm.comms_logger), not by hand.
     python studies/allreduce_comms.py [--ranks 2] [--steps 3] [--bucket 50000000] [--dtype fp32]
 
 `buckets` is bert_debug_zero1_bf16.json's zero_optimization (reduce_bucket_size 5e7, DeepSpeed's defaults otherwise);
-`single` adds ds_core.study.spec.SINGLE_ZERO, exactly what the study axis applies. fp32 by default: on a CPU without
+`single` adds ds_tools.study.spec.SINGLE_ZERO, exactly what the study axis applies. fp32 by default: on a CPU without
 bf16 matmul units a bf16 step of this model takes minutes, and the precision changes neither the number of
 collectives nor (ZeRO-1 reduces its fp32 gradient accumulators) their bytes.
 """
@@ -26,7 +26,7 @@ BERT_BASE = {"model_type": "bert", "hidden_size": 768, "num_hidden_layers": 12, 
 
 def ds_config(mode: str, bucket: int, dtype: str) -> dict:
     from ds_core.config import read_ds_json
-    from ds_core.study.spec import DEFAULT_SINGLE_BUCKET, SINGLE_ZERO
+    from ds_tools.study.spec import DEFAULT_SINGLE_BUCKET, SINGLE_ZERO
 
     cfg = read_ds_json("bert_debug_zero1_bf16.json")
     cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
@@ -44,7 +44,7 @@ def rank_main(mode: str, steps: int, bucket: int, dtype: str, out: str) -> None:
     from deepspeed.comm import comm
     from transformers import BertConfig, BertForPreTraining
 
-    from ds_core.study.cell import comms_records
+    from ds_tools.study.cell import comms_records
 
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig(**BERT_BASE))
@@ -76,7 +76,7 @@ def rank_main(mode: str, steps: int, bucket: int, dtype: str, out: str) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bucket", type=int, default=50_000_000, help="reduce_bucket_size of `buckets`")
@@ -90,15 +90,16 @@ def main(argv=None) -> None:
         return
     import tempfile
 
-    from ds_core import local_ranks
+    from ds_core.rendezvous import free_port, rank_env
+    from launch import local_ranks
 
-    env = local_ranks.rank_env(pythonpath=[REPO], threads=1)
+    env = rank_env(pythonpath=[REPO], threads=1)
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("buckets", "single"):
             out = Path(tmp) / f"{mode}.json"
             cmd = local_ranks.local_command(a.ranks, [str(Path(__file__).resolve()), "--rank_mode", mode, "--steps",
                                                       str(a.steps), "--bucket", str(a.bucket), "--dtype", a.dtype,
-                                                      "--out", str(out)], master_port=local_ranks.free_port())
+                                                      "--out", str(out)], master_port=free_port())
             res = local_ranks.run_launchers([cmd], env=env, cwd=REPO, timeout_s=1800, log_path=Path(tmp) / "log")
             if not res.ok:
                 sys.exit(f"{mode}: exit {res.exit_code}\n" + (Path(tmp) / "log").read_text()[-4000:])

@@ -1,7 +1,8 @@
 """Shared test helpers: run a real DeepSpeed job (CPU accelerator, gloo) on N local ranks.
 
-Starting ranks, their environment and free ports belong to ds_core.local_ranks (the project's one starter); these
-helpers only add what a test needs on top: captured text output and a failed test, with the output, on a timeout.
+Starting ranks belongs to launch.local_ranks (the project's one starter), their environment and free ports to
+ds_core.rendezvous; these helpers only add what a test needs on top: captured text output and a failed test, with
+the output, on a timeout.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_core import local_ranks
-from ds_core.local_ranks import free_port  # noqa: F401 - tests import it from here
+from ds_core.rendezvous import free_port, rank_env  # noqa: F401 - tests import free_port from here
+from launch import local_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def dist_env(**extra: str) -> dict[str, str]:
     """Environment for launched ranks: CPU accelerator, one thread per rank (2 cores shared by 2 ranks), this
     checkout first on PYTHONPATH, offline."""
-    return local_ranks.rank_env(threads=1, pythonpath=[REPO], extra={
+    return rank_env(threads=1, pythonpath=[REPO], extra={
         "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         **extra})  # a caller's value wins (e.g. DS_ACCELERATOR spelled out by a launch test)
 
@@ -30,7 +31,7 @@ def dist_env(**extra: str) -> dict[str, str]:
 def run_group(cmd: list[str], timeout: float, cwd: Path | None = None,
               env: dict | None = None) -> subprocess.CompletedProcess:
     """Run cmd in a session of its own (stdout+stderr as text); on timeout the whole session, ranks included, is
-    killed (ds_core.local_ranks.LauncherGroup) and the test fails with the output."""
+    killed (launch.local_ranks.LauncherGroup) and the test fails with the output."""
     with tempfile.TemporaryDirectory(prefix="run_group_") as d:
         log = Path(d) / "out.txt"
         res = local_ranks.LauncherGroup([cmd], env=env or dict(os.environ), cwd=cwd or REPO, log_path=log).wait(
@@ -45,9 +46,9 @@ def run_deepspeed(args: list[str], num_ranks: int = 2, timeout: float = 600, env
                   check: bool = True, cwd: Path | None = None, launcher: str = "local") -> subprocess.CompletedProcess:
     """A DeepSpeed program (`--module M ARGS` or `SCRIPT ARGS`) on `num_ranks` local ranks; returns the finished
     process (stdout+stderr text). launcher "local": the toolkit's documented starter (`python -m
-    ds_core.local_ranks -n N ...`, what `make demo` runs); "deepspeed": `deepspeed --num_gpus N ...`."""
+    launch.local_ranks -n N ...`, what `make demo` runs); "deepspeed": `deepspeed --num_gpus N ...`."""
     if launcher == "local":
-        cmd = [sys.executable, "-m", "ds_core.local_ranks", "-n", str(num_ranks), *args]
+        cmd = [sys.executable, "-m", "launch.local_ranks", "-n", str(num_ranks), *args]
     elif launcher == "deepspeed":
         cmd = local_ranks.local_command(num_ranks, args, master_port=free_port())
     else:

@@ -3,7 +3,8 @@ accepted as aliases, device names map to the right row (never SXM figures for a 
 name fails listing the known ones."""
 import pytest
 
-from ds_core import accelerators, tuning
+from ds_core import accelerators
+from ds_tools import tuning
 from ds_core.metrics import peak_tflops_for
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from bert_ref.layerwise import LANS, NVLAMB, FlatLayout, _partition_segments
+from bert_ref.layerwise import LANS, NVLAMB, FlatLayout, partition_segments
 from bert_ref.optim import PUBLISHED, bert_defaults, build_optimizer, for_preset, lr_factor, no_decay, param_groups, \
     peak_lr
 from ds_core.config import ConfigError
@@ -152,11 +152,11 @@ def test_zero_grad_and_zero_weight_are_safe(opt_cls):
     assert torch.isfinite(p).all() and p[0] < 0
 
 
-def test_partition_segments():
+def testpartition_segments():
     # tensors of 5, 3 (+1 alignment padding), 4 elements: flat [0..5) [5..8) pad [9..13)
     numels, offsets = [5, 3, 4], [0, 5, 9]
-    assert _partition_segments(numels, offsets, 0, 7) == [(0, 0, 5), (1, 5, 2)]
-    assert _partition_segments(numels, offsets, 7, 7) == [(1, 0, 1), (-1, 1, 1), (2, 2, 4), (-1, 6, 1)]
+    assert partition_segments(numels, offsets, 0, 7) == [(0, 0, 5), (1, 5, 2)]
+    assert partition_segments(numels, offsets, 7, 7) == [(1, 0, 1), (-1, 1, 1), (2, 2, 4), (-1, 6, 1)]
 
 
 @pytest.mark.parametrize("opt_cls", [NVLAMB, LANS])

@@ -9,7 +9,8 @@ import h5py
 import numpy as np
 import pytest
 
-from bert_ref.data import SCHEMA, PretrainingData
+from bert_ref.data import PretrainingData
+from bert_ref.shards import SCHEMA
 from bert_ref.prep.__main__ import main
 from bert_ref.prep.text import PrepError, TextParams, read_text_shard, run_text
 from bert_ref.prep.vocab import read_vocab, run_vocab

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from bridgetower_ds import data as D
-from bridgetower_ds.images import BadImage
+from bridgetower_ds.images import CLIP_MEAN, CLIP_STD, BadImage
 
 S = 32  # tiny images keep the suite fast on 2 shared cores
 
@@ -224,7 +224,7 @@ def test_bad_images_skipped_and_counted_convertible_ones_kept(tmp_path, pipeline
     assert seen == [0, 1, 2, 6, 7, 8, 9]  # 3 good + CMYK, grayscale, PNG-named-.jpg, 16-bit gray converted; 3 bad
     g16 = next(b for b in batches if 9 in b["index"].tolist())
     px = g16["pixel_values"][g16["index"].tolist().index(9)]
-    assert 0.3 < ((px[0] * D.CLIP_STD[0] + D.CLIP_MEAN[0]).mean().item()) < 0.7  # a mid-grey ramp, not clipped white
+    assert 0.3 < ((px[0] * CLIP_STD[0] + CLIP_MEAN[0]).mean().item()) < 0.7  # a mid-grey ramp, not clipped white
     for b in batches:
         n = b["index"].shape[0]
         assert b["pixel_values"].shape == (n, 3, S, S) and b["input_ids"].shape[0] == n
@@ -277,7 +277,7 @@ def test_data_args_validation():
 def test_data_args_parse_with_hf_argument_parser():
     from transformers import HfArgumentParser
 
-    (a,) = HfArgumentParser([D.DataArgs]).parse_args_into_dataclasses(
+    (a,) = HfArgumentParser([D.DataArgs], allow_abbrev=False).parse_args_into_dataclasses(
         ["--dataset_path", "d.jsonl", "--mediapipe_dataloader", "--bad_image", "error", "--image_size", "64"])
     assert a.mediapipe_dataloader and a.bad_image == "error" and a.image_size == 64
 

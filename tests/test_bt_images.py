@@ -249,7 +249,7 @@ def test_pil_fallback_without_simplejpeg_is_identical(monkeypatch):
 
 
 def test_hpu_materialize_writes_embedded_images_once(tmp_path):
-    from bridgetower_ds.data import CaptionTable
+    from bridgetower_ds.table import CaptionTable
     from bridgetower_ds.hpu_media import materialize
 
     good = jpeg_bytes(photo(40, 30))

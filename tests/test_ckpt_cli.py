@@ -1,4 +1,4 @@
-"""`ds-ckpt` (python -m ds_core.ckpt_cli) on a real 2-rank ZeRO-3 checkpoint of tests/tiny_train.py: info, universal
+"""`ds-ckpt` (python -m ds_tools.ckpt_cli) on a real 2-rank ZeRO-3 checkpoint of tests/tiny_train.py: info, universal
 conversion, and export-hf whose weights a transformers from_pretrained loads equal to the run's own gathered export."""
 import json
 import shutil
@@ -16,7 +16,7 @@ SCRIPT = str(REPO / "tests" / "tiny_train.py")
 
 
 def ds_ckpt(*args):
-    return subprocess.run([sys.executable, "-m", "ds_core.ckpt_cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ds_tools.ckpt_cli", *map(str, args)], capture_output=True, text=True,
                           cwd=REPO, env=dist_env(), timeout=300)
 
 

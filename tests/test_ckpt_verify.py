@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 from conftest import REPO, dist_env, run_deepspeed
-from ds_core import ckpt_manifest as mf
+from ds_core.checkpoint import manifest as mf
 from ds_core.divergence import DivergenceGuard
-from ds_core.scaling import _summary_of
+from ds_tools.scaling import summary_of
 from test_ds_core_train import ds_json, losses, records
 
 SCRIPT = str(REPO / "tests" / "tiny_train.py")
@@ -90,7 +90,7 @@ def test_scaling_report_reads_the_summary_that_measured(tmp_path):
     f = tmp_path / "metrics.jsonl"
     good = {"type": "summary", "steps": 12, "samples_per_s": 10.0, "world_size": 2}
     f.write_text(json.dumps(good) + "\n" + json.dumps(dict(good, samples_per_s=None)) + "\n")
-    assert _summary_of(f)["samples_per_s"] == 10.0
+    assert summary_of(f)["samples_per_s"] == 10.0
 
 
 @pytest.mark.slow

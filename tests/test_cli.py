@@ -4,6 +4,7 @@ transformers' are, the dashed spellings of earlier versions still accepted, and 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import tomllib
 
@@ -15,8 +16,8 @@ from ds_core.cli import USAGE_ERROR, flag
 # every console script and `python -m` command line of ours that parses with argparse (the training entry points
 # parse with HfArgumentParser from dataclass field names: underscores by construction)
 CLI_MODULES = ["launch.run", "launch.aws_batch", "launch.slurm", "launch.preflight", "launch.env", "launch.hostfile",
-               "launch.guard", "bert_ref.prep.__main__", "ds_core.scaling", "ds_core.tuning", "ds_core.study.__main__",
-               "ds_core.ckpt_cli", "bench.h5_loader"]
+               "launch.guard", "bert_ref.prep.__main__", "ds_tools.scaling", "ds_tools.tuning",
+               "ds_tools.study.__main__", "ds_tools.ckpt_cli", "bench.h5_loader"]
 
 
 def _parsers(parser: argparse.ArgumentParser):
@@ -79,14 +80,14 @@ RENAMED = [
         ("--short_seq_prob", ["0.3"]), ("--dupe_factor", ["2"]), ("--whole_word_mask", []),
         ("--num_test_shards", ["1"]), ("--no_compression", [])]],
     ("bert_ref.prep.__main__", ["check", "dir"], "--no_progress", []),
-    ("ds_core.scaling", ["run0"], "--from_table", ["published.csv"]),
-    ("ds_core.scaling", ["run0"], "--baseline_nodes", ["2"]),
-    *[("ds_core.tuning", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64"], f, v)
+    ("ds_tools.scaling", ["run0"], "--from_table", ["published.csv"]),
+    ("ds_tools.scaling", ["run0"], "--baseline_nodes", ["2"]),
+    *[("ds_tools.tuning", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64"], f, v)
       for f, v in [("--accelerators_per_node", ["4"]), ("--seq_len", ["512"]),
                    ("--activation_checkpointing", ["on"])]],
-    ("ds_core.tuning", ["--model", "bert-large", "--accelerator", "gaudi2"], "--global_batch", ["64"]),
-    ("ds_core.study.__main__", ["report"], "--from_table", ["cells.csv"]),
-    ("ds_core.study.__main__", ["run", "study.toml"], "--no_report", []),
+    ("ds_tools.tuning", ["--model", "bert-large", "--accelerator", "gaudi2"], "--global_batch", ["64"]),
+    ("ds_tools.study.__main__", ["report"], "--from_table", ["cells.csv"]),
+    ("ds_tools.study.__main__", ["run", "study.toml"], "--no_report", []),
     *[("bench.h5_loader", [], f, v) for f, v in [
         ("--seq_len", ["512"]), ("--micro_batch", ["8"]), ("--ref_samples", ["10"]), ("--seek_offsets", ["1", "2"]),
         ("--no_compression", [])]],
@@ -109,13 +110,45 @@ def test_renamed_flags_accept_both_spellings(module, base, name, values):
         assert under != _parse(module, base), f"{name} changed nothing"
 
 
-def test_an_abbreviation_of_one_flag_is_not_ambiguous():
-    """argparse takes unique prefixes; both spellings of one flag must not make a prefix ambiguous."""
-    assert _parse("ds_core.scaling", ["--baseline", "2"])["baseline_nodes"] == 2
-    assert _parse("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o", "--dupe",
-                                             "3"])["dupe_factor"] == 3
-    with pytest.raises(SystemExit):  # two different flags still are
-        _parse("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o", "--max", "3"])
+@pytest.mark.parametrize("module", CLI_MODULES)
+def test_no_parser_takes_abbreviations(module):
+    """allow_abbrev=False on every parser and subcommand parser: a prefix that names one flag today silently names
+    another (or becomes an error) the day a flag sharing it is added."""
+    for parser in _parsers(importlib.import_module(module).build_parser()):
+        assert parser.allow_abbrev is False, f"{module}: {parser.prog} accepts abbreviated flags"
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("ds_tools.scaling", ["--baseline", "2"]),                                      # --baseline_nodes
+    ("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o", "--dupe", "3"]),
+    ("launch.run", ["--launch", "srun"]),                                           # --launcher
+])
+def test_an_abbreviation_is_refused(module, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(module, argv)
+    assert e.value.code == USAGE_ERROR and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_every_parser_is_built_without_abbreviations():
+    """Read from the source: each ArgumentParser / HfArgumentParser built anywhere in the project (entry points,
+    benchmarks, studies, test helpers) passes allow_abbrev=False; subcommand parsers of plain argparse parsers too
+    (ds_core.cli.ArgumentParser's subcommands inherit it: test_no_parser_takes_abbreviations)."""
+    bad = []
+    for top in ("ds_core", "ds_tools", "bert_ref", "bridgetower_ds", "launch", "bench", "studies", "tests"):
+        for f in sorted((REPO / top).rglob("*.py")):
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+            cli_parser = any(isinstance(n, ast.ImportFrom) and n.module == "ds_core.cli"
+                             and any(a.name == "ArgumentParser" for a in n.names) for n in ast.walk(tree))
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                wanted = name in ("ArgumentParser", "HfArgumentParser") or (name == "add_parser" and not cli_parser)
+                ok = any(k.arg == "allow_abbrev" and isinstance(k.value, ast.Constant) and k.value.value is False
+                         for k in node.keywords)
+                if wanted and not ok:
+                    bad.append(f"{f.relative_to(REPO)}:{node.lineno}: {name}(...) without allow_abbrev=False")
+    assert not bad, "; ".join(bad)
 
 
 def test_renamed_subcommand_keeps_its_old_name(capsys):
@@ -135,11 +168,11 @@ BAD_INPUT = [
     ("launch.hostfile", "python -m launch.hostfile", ["validate", "{tmp}/hostfile"],
      "{tmp}/hostfile line 2: duplicate host node0"),
     ("bert_ref.prep.__main__", "bert-prep check", ["check", "{tmp}/missing"], "directory not found: {tmp}/missing"),
-    ("ds_core.scaling", "ds-scaling-report", ["{tmp}/missing"], "{tmp}/missing: no such run directory"),
-    ("ds_core.tuning", "ds-tune", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64",
+    ("ds_tools.scaling", "ds-scaling-report", ["{tmp}/missing"], "{tmp}/missing: no such run directory"),
+    ("ds_tools.tuning", "ds-tune", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64",
                                    "--accelerators_per_node", "0"], "--accelerators_per_node and --nodes must"),
-    ("ds_core.study.__main__", "ds-study", ["report", "{tmp}"], "{tmp}: no study.toml"),
-    ("ds_core.ckpt_cli", "ds-ckpt info", ["info", "{tmp}"], "no checkpoints/ directory"),
+    ("ds_tools.study.__main__", "ds-study", ["report", "{tmp}"], "{tmp}: no study.toml"),
+    ("ds_tools.ckpt_cli", "ds-ckpt info", ["info", "{tmp}"], "no checkpoints/ directory"),
 ]
 
 

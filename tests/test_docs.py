@@ -40,9 +40,10 @@ from pathlib import Path
 import pytest
 
 import ds_core.setup
+from ds_core.cli import split_passthrough
 
 REPO = Path(__file__).resolve().parents[1]
-OUR_PACKAGES = ("bert_ref", "bridgetower_ds", "ds_core", "launch", "bench", "studies")
+OUR_PACKAGES = ("bert_ref", "bridgetower_ds", "ds_core", "ds_tools", "launch", "bench", "studies")
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
 # Messages that mean an argument the entry point does not take or a value it refuses, as opposed to one missing.
 UNKNOWN_OR_BAD = ("unrecognized arguments", "unknown command-line argument", "invalid choice", "invalid ",
@@ -242,7 +243,7 @@ def check_module(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) 
     if name in ("launch.run", "launch.aws_batch", "launch.slurm"):
         from launch import run
 
-        _, extra = run.split_extra(argv)
+        _, extra = split_passthrough(argv)
         check_module(ns.module, run.train_args(ns, extra), monkeypatch)
     elif name == "launch.guard":
         check_module(ns.module, list(ns.args), monkeypatch)

@@ -173,15 +173,16 @@ def test_each_model_package_has_one_default_ds_config():
     import bert_ref.train
     import bridgetower_ds.train
     from ds_core import config as dsc
+    from ds_core.ds_json_check import check_ds_json
 
     assert not hasattr(dsc, "DEFAULT_DS_CONFIG")  # ds_core picks none
     with pytest.raises(ConfigError, match="--deepspeed_config"):
         dsc.ds_config_for(TrainConfig(), 1)
     # bert_ref builds its optimizer in code: its default JSON must have no "optimizer" section, and the reverse
-    dsc.check_ds_json(bert_ref.train.DEFAULT_DS_CONFIG, optimizer_in_code=True)
-    dsc.check_ds_json(bridgetower_ds.train.DEFAULT_DS_CONFIG, optimizer_in_code=False)
+    check_ds_json(bert_ref.train.DEFAULT_DS_CONFIG, optimizer_in_code=True)
+    check_ds_json(bridgetower_ds.train.DEFAULT_DS_CONFIG, optimizer_in_code=False)
     with pytest.raises(ConfigError, match="builds its optimizer in code"):
-        dsc.check_ds_json("zero1_bf16.json", optimizer_in_code=True)
+        check_ds_json("zero1_bf16.json", optimizer_in_code=True)
 
 
 def test_new_run_settings_are_validated():

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dist_env
-from ds_core.config import DS_CONFIG_DIR, ConfigError, check_ds_json
+from ds_core.config import DS_CONFIG_DIR, ConfigError
+from ds_core.ds_json_check import check_ds_json
 from ds_core.ds_json_check import check_before_spawn, ds_config_in
 
 BASE = json.loads((DS_CONFIG_DIR / "zero1_bf16.json").read_text())
@@ -90,7 +91,7 @@ def test_starters_refuse_before_spawning_a_rank(tmp_path):
     path = _write(tmp_path, _with(zero_optimization__offload_optimizer={"devcie": "cpu"}))
     target = tmp_path / "target.py"
     target.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
-    proc = subprocess.run([sys.executable, "-m", "ds_core.local_ranks", "-n", "2", str(target), "--deepspeed_config",
+    proc = subprocess.run([sys.executable, "-m", "launch.local_ranks", "-n", "2", str(target), "--deepspeed_config",
                            str(path)], cwd=REPO, env=dist_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert f"{path}: unknown key zero_optimization.offload_optimizer.devcie" in proc.stderr

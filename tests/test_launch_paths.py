@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from ds_core.local_ranks import rank_env
+from launch.local_ranks import rank_env
 from ds_core.venv import torch_extensions_env
 from launch import run as runmod
 

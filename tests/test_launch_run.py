@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dist_env, free_port
+from ds_core.cli import split_passthrough
 from launch import run as runmod
+from launch.settings import DEFAULT_DIST_TIMEOUT_S, LAUNCHERS
 
 
 def py(module: str, *args: str, cwd: Path, env=None, timeout=60) -> subprocess.CompletedProcess:
@@ -103,9 +105,17 @@ def test_each_launcher_builds_its_command(hosts):
     assert ompi[1:7] == ["-n", "4", "-H", "node0:2,node1:2", "--map-by", "ppr:2:node"]
     assert "-x" in ompi and "DS_ACCELERATOR=cpu" in ompi
     # srun: one launch.slurm per node
-    srun = dry(hosts, "--launcher", "srun", "--nodes", "2", "--profile", "roce")["argv"]
+    srun = dry(hosts, "--launcher", "srun", "--nodes", "2", "--profile", "roce", "--preset", "debug",
+               "--stall_grace_s", "5", "--", "--max_steps", "2")["argv"]
     assert srun[:4] == ["srun", "--nodes", "2", "--ntasks-per-node=1"]
     assert srun[srun.index("-m") + 1] == "launch.slurm"
+    from launch import slurm  # what each node parses: the submitting side's settings, the port resolved
+
+    own, extra = split_passthrough(srun[srun.index("launch.slurm") + 1:])
+    node = slurm.build_parser().parse_args(own)
+    assert (node.profile, node.preset, node.stall_grace_s, node.master_port, extra) == \
+        ("roce", "debug", 5, 29500, ["--max_steps", "2"])
+    assert node.hostfile == slurm.build_parser().get_default("hostfile")  # not forwarded: each node writes its own
     # no_ssh: DeepSpeed skips .deepspeed_env there, so the wrapper hands profile + file to the launcher's env
     nossh = dry(hosts, "--launcher", "no_ssh", "--node_rank", "0", "--master_addr", "10.0.0.1", "--profile", "tcp")
     assert nossh["env_added"]["DS_ACCELERATOR"] == "cpu" and nossh["env_added"]["HCCL_OVER_OFI"] == "0"
@@ -192,7 +202,7 @@ def test_run_module_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dist_env(), stdout=subprocess.PIPE, text=True,
                          timeout=60).stdout.strip()
     assert out == "[]"
-    assert runmod.LAUNCHERS == ("pdsh", "no_ssh", "openmpi", "mpich", "mpirun", "srun")
+    assert LAUNCHERS == ("pdsh", "no_ssh", "openmpi", "mpich", "mpirun", "srun")
 
 
 @pytest.mark.parametrize("line, message", [
@@ -259,7 +269,7 @@ def test_a_master_port_in_use_is_named_before_anything_starts(tmp_path):
 def test_collective_timeout_default_matches_the_config():
     from ds_core.config import TrainConfig
 
-    assert runmod.DEFAULT_DIST_TIMEOUT_S == TrainConfig().dist_timeout_s
+    assert DEFAULT_DIST_TIMEOUT_S == TrainConfig().dist_timeout_s
     parser = runmod.build_parser()
     args = parser.parse_args(["--stall_grace_s", "15"])
     assert runmod.dist_timeout(args, ["--dist_timeout_s", "45"]) == 45
@@ -298,3 +308,37 @@ def test_settings_are_resolved_once_then_built(hosts, monkeypatch):
                             {"AWS_BATCH_JOB_NUM_NODES": "1", "AWS_BATCH_JOB_NODE_INDEX": "0"}, 0, 1.0)
     assert (one.launcher, one.node_rank, one.master_addr) == ("no_ssh", 0, "127.0.0.1")
     assert (hosts / "aws_hf").read_text() == "127.0.0.1 slots=2\n"
+
+
+def test_settings_flags_are_the_fields_and_to_argv_round_trips(monkeypatch, capsys):
+    """LaunchSettings is declared once: every field but module_args/hosts is a flag of the same name, its environment
+    variable gives the default, and to_argv writes settings that the same parser reads back unchanged."""
+    import dataclasses
+
+    from launch.settings import LaunchSettings
+
+    parser = runmod.build_parser()
+    dests = {a.dest for a in parser._actions} - {"help"}
+    fields = {f.name for f in dataclasses.fields(LaunchSettings)} - {"module_args", "hosts"}
+    assert dests == fields
+    assert LaunchSettings.from_args(parser.parse_args([])) == LaunchSettings()  # same defaults, one declaration
+    monkeypatch.setenv("LAUNCH_NODES", "3")
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    assert (LaunchSettings.from_args(runmod.build_parser().parse_args([])).nodes,
+            LaunchSettings.from_args(runmod.build_parser().parse_args([])).master_addr) == (3, "10.1.2.3")
+    monkeypatch.setenv("LAUNCH_NODES", "two")
+    with pytest.raises(SystemExit) as e:
+        runmod.build_parser()
+    assert e.value.code == 2 and "$LAUNCH_NODES='two' (the default of --nodes): expected int" in capsys.readouterr().err
+    monkeypatch.delenv("LAUNCH_NODES")
+    # every field away from its default (and from the environment's), then back through the flags
+    s = LaunchSettings(launcher="mpirun", hostfile="hf", nodes=2, profile="tcp", module="bridgetower_ds.train",
+                       preset="debug", deepspeed_config="ds.json", master_addr="10.0.0.9", master_port=29611,
+                       node_rank=1, dist_timeout_s=45, stall_grace_s=7, launcher_arg=("-x", "--bind-to=none"),
+                       mpi_flavor="openmpi", slots=4, dry_run=True)
+    assert all(getattr(s, f) != getattr(LaunchSettings(), f) for f in fields)
+    assert LaunchSettings.from_args(runmod.build_parser().parse_args(s.to_argv())) == s
+    assert s.to_argv(["slots", "launcher_arg"]) == ["--slots", "4", "--launcher_arg=-x",
+                                                     "--launcher_arg=--bind-to=none"]
+    with pytest.raises(ValueError, match="'hosts'"):
+        s.to_argv(["hosts"])

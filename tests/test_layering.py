@@ -1,19 +1,23 @@
 """The layering of ../shared/STYLE.md: model packages import ds_core, never each other; ds_core imports neither.
+The offline tools (ds_tools) may import ds_core, launch and the model packages; nothing but tests and bench imports
+them, so no training process (ds_core, a model package, launch) pulls them in.
 bench/ may import any package but no test code, and nothing imports bench to reuse its code (a test needing bench code
 means that code belongs in the library or in the test helpers). Tests of bench's own command lines (tests/test_cli.py,
 tests/test_docs.py) load its modules by name through importlib to parse their flags; that is testing bench, not
 depending on it, and is the one exception."""
 import ast
+import json
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 _NO_BENCH = {"bench", "tests"}
-FORBIDDEN = {"ds_core": {"bert_ref", "bridgetower_ds", "launch", *_NO_BENCH},
-             "bert_ref": {"bridgetower_ds", "launch", *_NO_BENCH},
-             "bridgetower_ds": {"bert_ref", "launch", *_NO_BENCH},
-             "launch": {"bert_ref", "bridgetower_ds", *_NO_BENCH},
+FORBIDDEN = {"ds_core": {"bert_ref", "bridgetower_ds", "launch", "ds_tools", *_NO_BENCH},
+             "bert_ref": {"bridgetower_ds", "launch", "ds_tools", *_NO_BENCH},
+             "bridgetower_ds": {"bert_ref", "launch", "ds_tools", *_NO_BENCH},
+             "launch": {"bert_ref", "bridgetower_ds", "ds_tools", *_NO_BENCH},
+             "ds_tools": _NO_BENCH,
              "studies": _NO_BENCH, "tests": {"bench"}, "bench": {"tests", "conftest"}}
 
 
@@ -63,3 +67,39 @@ def _bench_modules_imported(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("bench."))
     return out
+
+
+# Run as the training rank's program: bert_ref.train itself (runpy), then the top-level packages it loaded.
+_PROBE = """
+import json, runpy, sys
+try:
+    runpy.run_module("bert_ref.train", run_name="__main__", alter_sys=True)
+finally:
+    print("LOADED " + json.dumps(sorted({m.split(".")[0] for m in list(sys.modules)})), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_training_rank_imports_neither_the_tools_nor_matplotlib(tmp_path):
+    """The runtime apart from the tools: one rank of the debug BERT, started by the project's starter, trains two
+    steps, evaluates and saves a checkpoint, and has imported neither ds_tools nor matplotlib (the tools' plotting)."""
+    from bert_ref.prep.h5io import synthetic_arrays, write_shard
+    from conftest import run_deepspeed
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_shard(shards / "part-00000.hdf5", synthetic_arrays(8, 128, 20, vocab_size=1024, seed=3))
+    write_shard(shards / "bert_test_00001.hdf5", synthetic_arrays(4, 128, 20, vocab_size=1024, seed=4),
+                vocab_size=1024)
+    probe = tmp_path / "probe.py"
+    probe.write_text(_PROBE)
+    proc = run_deepspeed([str(probe), "--preset", "debug", "--deepspeed_config",
+                          "ds_configs/bert_debug_zero1_bf16.json", "--input_dir", str(shards), "--run_dir",
+                          str(tmp_path / "run"), "--max_steps", "2",
+                          "--num_steps_per_checkpoint", "2", "--eval_every", "2", "--precision", "fp32",
+                          "--progress_bar", "false"], num_ranks=1)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("LOADED "))
+    loaded = set(json.loads(line[len("LOADED "):]))
+    assert {"bert_ref", "ds_core", "deepspeed"} <= loaded, loaded   # the probe ran after a real training run
+    assert (tmp_path / "run" / "checkpoints" / "global_step2" / "COMPLETE").is_file()
+    assert not loaded & {"ds_tools", "matplotlib"}, sorted(loaded & {"ds_tools", "matplotlib"})

@@ -1,4 +1,4 @@
-"""ds_core.local_ranks' direct starter (`python -m ds_core.local_ranks -n N ...`): each rank sees what DeepSpeed's own
+"""launch.local_ranks' direct starter (`python -m launch.local_ranks -n N ...`): each rank sees what DeepSpeed's own
 launcher (deepspeed/launcher/launch.py) would give it, one failing rank ends the others with its exit status, the
 preemption signals reach the ranks, and a timeout takes every rank down."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from conftest import REPO, dist_env, free_port
-from ds_core import local_ranks
+from launch import local_ranks
 
 # What launch.py sets per rank (and the argv it adds): the engine and the loop read these.
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
@@ -46,7 +46,7 @@ def test_ranks_see_what_deepspeeds_launcher_gives_them(tmp_path):
         if how == "deepspeed":
             cmd = local_ranks.local_command(2, [str(script), "--out", str(out), "--x", "1"], master_port=port)
         else:
-            cmd = [sys.executable, "-m", "ds_core.local_ranks", "-n", "2", "--master_port", str(port), str(script),
+            cmd = [sys.executable, "-m", "launch.local_ranks", "-n", "2", "--master_port", str(port), str(script),
                    "--out", str(out), "--x", "1"]
         proc = subprocess.run(cmd, cwd=tmp_path, env=dist_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=300)
@@ -69,7 +69,7 @@ def test_rank_commands_module_target_and_bad_targets():
         local_ranks.rank_commands(0, ["x.py"], master_port=1, env={})
     with pytest.raises(ValueError, match="without a module name"):
         local_ranks.rank_commands(1, ["--module"], master_port=1, env={})
-    proc = subprocess.run([sys.executable, "-m", "ds_core.local_ranks", "-n", "2"], cwd=REPO, env=dist_env(),
+    proc = subprocess.run([sys.executable, "-m", "launch.local_ranks", "-n", "2"], cwd=REPO, env=dist_env(),
                           stderr=subprocess.PIPE, text=True, timeout=60)
     assert proc.returncode == 2 and "no target" in proc.stderr
 
@@ -81,7 +81,7 @@ def test_first_failing_rank_sets_the_status_and_ends_its_peer(tmp_path):
     script.write_text("import os, sys, time\n"
                       "if os.environ['RANK'] == '1': sys.exit(3)\n"
                       f"time.sleep(600); open({str(marker)!r}, 'w').write('x')\n")
-    proc = subprocess.run([sys.executable, "-m", "ds_core.local_ranks", "-n", "2", str(script)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "launch.local_ranks", "-n", "2", str(script)], cwd=tmp_path,
                           env=dist_env(), timeout=300)
     assert proc.returncode == 3 and not marker.exists()
 
@@ -96,7 +96,7 @@ def test_sigterm_reaches_every_rank_and_their_status_is_kept(tmp_path):
                       "signal.signal(signal.SIGTERM, stop)\n"
                       "open(os.path.join(d, 'ready' + os.environ['RANK']), 'w').write('x')\n"
                       "time.sleep(600)\n")
-    p = subprocess.Popen([sys.executable, "-m", "ds_core.local_ranks", "-n", "2", str(script), "--dir",
+    p = subprocess.Popen([sys.executable, "-m", "launch.local_ranks", "-n", "2", str(script), "--dir",
                           str(tmp_path)], cwd=tmp_path, env=dist_env(), start_new_session=True)
     try:
         deadline = time.monotonic() + 120

@@ -117,7 +117,7 @@ def test_bridgetower_debug_two_ranks_to_one(tmp_path):
     import torch
     import transformers
 
-    from ds_core.ckpt_cli import export_hf
+    from ds_tools.ckpt_cli import export_hf
 
     export_hf(str(resumed), str(tmp_path / "hf"))
     cls = getattr(transformers, json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0])

@@ -1,11 +1,11 @@
-"""ds_core.ckpt_resize's batch plan and ds_core.checkpoint's tag handling, on checkpoint markers written here (no
+"""ds_core.checkpoint.resize's batch plan and ds_core.checkpoint's tag handling, on checkpoint markers written here (no
 engine): the numbers a resize chooses and the refusals that name them."""
 import json
 
 import pytest
 
 from ds_core import checkpoint as ckpt
-from ds_core.ckpt_resize import plan_resize, saved_layout
+from ds_core.checkpoint.resize import plan_resize, saved_layout
 from ds_core.config import ConfigError, TrainConfig, load_ds_config
 
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, dist_env
 from ds_core import run_lock
 from ds_core.config import TrainConfig
-from ds_core.local_ranks import LauncherGroup, free_port, local_command
+from launch.local_ranks import LauncherGroup, free_port, local_command
 from ds_core.run_dir import prepare_run_dir
 
 
@@ -98,13 +98,13 @@ def test_another_hosts_lock_is_stale_only_when_its_heartbeat_stops(tmp_path):
 
 
 def test_local_starter_killed_takes_its_ranks_down(tmp_path):
-    """kill -9 of `python -m ds_core.local_ranks`: its ranks get SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
+    """kill -9 of `python -m launch.local_ranks`: its ranks get SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
     script = tmp_path / "rank.py"
     script.write_text("import os, sys, time\n"
                       f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
                       ".write(str(os.getpid()))\n"
                       "time.sleep(600)\n")
-    starter = subprocess.Popen([sys.executable, "-m", "ds_core.local_ranks", "-n", "2", str(script)], cwd=REPO,
+    starter = subprocess.Popen([sys.executable, "-m", "launch.local_ranks", "-n", "2", str(script)], cwd=REPO,
                                env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
     try:
         wait_for(lambda: all((tmp_path / f"pid{r}").exists() and (tmp_path / f"pid{r}").read_text()
@@ -168,7 +168,7 @@ def test_deepspeed_runner_killed_mid_run_leaves_no_rank_and_a_live_run_refuses_a
         wait_for(lambda: metrics.exists() and metrics.read_text().count('"type": "step"') >= 2, 900,
                  "the first run trained 2 steps")
         config = (run / "config.json").read_bytes(), (run / "config.json").stat().st_mtime_ns
-        second = subprocess.run([sys.executable, "-m", "ds_core.local_ranks", "-n", "2", *args, "--resume", "true"],
+        second = subprocess.run([sys.executable, "-m", "launch.local_ranks", "-n", "2", *args, "--resume", "true"],
                                 cwd=REPO, env=dist_env(), capture_output=True, text=True, timeout=600)
         assert second.returncode != 0
         assert f"run_dir {run} is in use by a live run" in second.stderr, second.stderr[-3000:]

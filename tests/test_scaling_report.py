@@ -1,4 +1,4 @@
-"""ds_core.scaling: the published BERT-Large table, hand-written metrics.jsonl fixtures (grouping, baseline, broken
+"""ds_tools.scaling: the published BERT-Large table, hand-written metrics.jsonl fixtures (grouping, baseline, broken
 runs), --plot, and (slow) real metrics.jsonl written by ds_core.loop on 1 and 2 ranks."""
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_deepspeed
-from ds_core import scaling
+from ds_tools import scaling
 
 # BERT-Large on 1, 2, 4, 8 nodes of 8 accelerators
 PUBLISHED = "nodes,accelerators,throughput\n1,8,1379.76\n2,16,2705.57\n4,32,5291.58\n8,64,9977.54\n"

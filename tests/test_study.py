@@ -1,5 +1,5 @@
-"""ds_core.study without training runs: the study file's checks, `plan`, `--from_table` (the published BridgeTower
-H100 table and the BERT-Large scaling table), and ds_core.local_ranks killing a whole process group on timeout."""
+"""ds_tools.study without training runs: the study file's checks, `plan`, `--from_table` (the published BridgeTower
+H100 table and the BERT-Large scaling table), and launch.local_ranks killing a whole process group on timeout."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,10 @@ import psutil
 import pytest
 
 from conftest import REPO
-from ds_core import local_ranks
-from ds_core.study import StudyError, load_study, runner
-from ds_core.study.__main__ import main as study_main
+from ds_core.rendezvous import rank_env
+from ds_tools.study import StudyError, load_study, runner
+from ds_tools.study.__main__ import main as study_main
+from launch import local_ranks
 
 STUDY_2X2 = """
 [study]
@@ -60,7 +61,7 @@ def test_plan_lists_cells_with_flags_and_patched_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "4 cell(s)" in out and out.count("--num_gpus 2") == 4
     assert out.count("--dataloader_num_workers 1") == 2 and "--workers" not in out  # the [flags] mapping
-    assert "--module ds_core.study.cell --study_target bridgetower_ds.train" in out
+    assert "--module ds_tools.study.cell --study_target bridgetower_ds.train" in out
     assert not (tmp_path / "out").exists()  # plan writes nothing
 
 
@@ -133,7 +134,7 @@ def test_from_table_scaling_goes_through_ds_core_scaling(tmp_path, capsys):
     table.write_text(BERT_LARGE)
     assert study_main(["report", "--from_table", str(table), "--out", str(tmp_path / "rep")]) == 0
     rows = json.loads((tmp_path / "rep" / "report.json").read_text())["scaling"]
-    assert [round(100 * r["efficiency"], 2) for r in rows] == [100.0, 98.04, 95.88, 90.39]  # ds_core.scaling's
+    assert [round(100 * r["efficiency"], 2) for r in rows] == [100.0, 98.04, 95.88, 90.39]  # ds_tools.scaling's
     assert (tmp_path / "rep" / "scaling.png").stat().st_size > 1000
     assert "| 8 | 64 | 9977.54 | 155.90 | 90.39 | 7.23 |" in (tmp_path / "rep" / "report.md").read_text()
 
@@ -153,7 +154,7 @@ def test_timeout_kills_launcher_and_its_children(tmp_path):
     script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
               f"time.sleep(600)']); open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(600)")
     t0 = time.monotonic()
-    res = local_ranks.run_launchers([[sys.executable, "-c", script]], env=local_ranks.rank_env(), cwd=tmp_path,
+    res = local_ranks.run_launchers([[sys.executable, "-c", script]], env=rank_env(), cwd=tmp_path,
                                     timeout_s=3, log_path=tmp_path / "log.txt", poll_s=0.2)
     assert res.timed_out and res.exit_code == 124 and not res.ok
     assert time.monotonic() - t0 < 60
@@ -169,7 +170,7 @@ def test_one_failing_launcher_stops_the_others(tmp_path):
     """A simulated node that dies must not leave its peer waiting for the collective timeout."""
     ok = [sys.executable, "-c", "import time; time.sleep(600)"]
     bad = [sys.executable, "-c", "raise SystemExit(3)"]
-    res = local_ranks.run_launchers([ok, bad], env=local_ranks.rank_env(), cwd=tmp_path, timeout_s=120, poll_s=0.2)
+    res = local_ranks.run_launchers([ok, bad], env=rank_env(), cwd=tmp_path, timeout_s=120, poll_s=0.2)
     # the peer sleeps 600 s: without the stop it would run into the 120 s timeout (timed_out)
     assert not res.timed_out and res.codes[1] == 3 and res.exit_code != 0
 

@@ -1,6 +1,6 @@
 """The single-allreduce ZeRO-1 configuration with FP32 weights, counted by DeepSpeed's comms_logger: the BERT debug
 preset (LAMB, ZeRO-1, fp32: DeepSpeedZeroOptimizer's path, not the BF16_Optimizer that bf16 + ZeRO-1 takes) on 2
-CPU ranks, run through ds_core.study.cell as a study cell runs. One gradient all-reduce per optimizer step; LAMB's
+CPU ranks, run through ds_tools.study.cell as a study cell runs. One gradient all-reduce per optimizer step; LAMB's
 per-tensor norm exchange under ZeRO (bert_ref.layerwise) is recorded under its own name and not counted as one."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ STEPS = 2
 
 
 def test_single_allreduce_fp32_bert_one_gradient_collective_per_step(tmp_path):
-    from ds_core.study.report import comms_per_step
-    from ds_core.study.spec import SINGLE_ZERO
+    from ds_tools.study.report import comms_per_step
+    from ds_tools.study.spec import SINGLE_ZERO
 
     cfg = json.loads((REPO / "ds_configs" / "zero1_bf16_single_allreduce.json").read_text())
     assert all(cfg["zero_optimization"][k] == v for k, v in SINGLE_ZERO.items())  # the shipped JSON is the axis
@@ -27,7 +27,7 @@ def test_single_allreduce_fp32_bert_one_gradient_collective_per_step(tmp_path):
     cfg["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     run_dir = tmp_path / "run"
-    run_deepspeed(["--module", "ds_core.study.cell", "--study_target", "bert_ref.train", "--preset", "debug",
+    run_deepspeed(["--module", "ds_tools.study.cell", "--study_target", "bert_ref.train", "--preset", "debug",
                    "--deepspeed_config", str(tmp_path / "ds.json"), "--precision", "fp32", "--micro_batch_size", "4",
                    "--input_dir", str(make_data(tmp_path / "data")), "--run_dir", str(run_dir),
                    "--max_steps", str(STEPS), "--throughput_warmup_steps", "1", "--progress_bar", "false",

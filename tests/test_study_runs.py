@@ -1,5 +1,5 @@
-"""`python -m ds_core.study run` for real: a 2x2 BridgeTower debug study on 2 CPU ranks (report files and PNG, comms
-logger counts, resume, an injected failing cell), and a 1- and 2-simulated-node study that gives ds_core.scaling's
+"""`python -m ds_tools.study run` for real: a 2x2 BridgeTower debug study on 2 CPU ranks (report files and PNG, comms
+logger counts, resume, an injected failing cell), and a 1- and 2-simulated-node study that gives ds_tools.scaling's
 table. Steps are few: these check the machinery and DeepSpeed's collective counts, not speed."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ TIMEOUT = 1500
 
 
 def study_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ds_core.study", *args], cwd=cwd, env=dist_env(),
+    return subprocess.run([sys.executable, "-m", "ds_tools.study", *args], cwd=cwd, env=dist_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
 
 
@@ -137,5 +137,5 @@ nodes = [1, 2]
     summary = [json.loads(x) for x in (out / "cells" / "nodes-2__rep0" / "metrics.jsonl").read_text().splitlines()][-1]
     assert rows[1]["throughput"] == pytest.approx(summary["samples_per_s"], rel=1e-4)
     md = (out / "report" / "report.md").read_text()
-    assert "Scaling over nodes (ds_core.scaling)" in md and "scaling efficiency %" in md
+    assert "Scaling over nodes (ds_tools.scaling)" in md and "scaling efficiency %" in md
     assert (out / "report" / "scaling.png").stat().st_size > 1000

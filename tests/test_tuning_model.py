@@ -1,4 +1,4 @@
-"""ds_core.tuning: the memory model is consistent (rises with micro batch, falls with ZeRO stage and with more
+"""ds_tools.tuning: the memory model is consistent (rises with micro batch, falls with ZeRO stage and with more
 ranks), picks the optimizer wrapper DeepSpeed picks (BF16_Optimizer's unpartitioned fp32 gradients for bf16 ZeRO-1
 with fp32 accumulation), and ds-tune's DeepSpeed JSON validates, states every field the model assumed and keeps the
 headroom it claims. The model against measured memory: tests/test_bench_zero_memory.py."""
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from ds_core import tuning
-from ds_core import zero_memory_model as zmm
+from ds_tools import tuning
+from ds_tools import zero_memory_model as zmm
 from ds_core.config import load_ds_config
 
 GB = tuning.GB

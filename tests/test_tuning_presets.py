@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from ds_core import tuning
+from ds_tools import tuning
 
 PRESET_FILES = {"bert_large": ("bert", "bert_large"), "bert_1p5b": ("bert", "bert_1p5b"),
                 "bridgetower_large": ("bridgetower", "bridgetower_large")}

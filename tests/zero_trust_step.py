@@ -108,7 +108,7 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out_dir", required=True)
     ap.add_argument("--runs", required=True, help="comma list of name:stage:optimizer[:bf16][:per_partition]")
     ap.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher adds it

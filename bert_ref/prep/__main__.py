@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from bert_ref.prep.text import FORMATS, PrepError, TextParams
-from ds_core.cli import ArgumentParser, flag, run_cli
+from ds_core.cli import ArgumentParser, cli_main, flag
 
 
 def _add_text(p: argparse.ArgumentParser) -> None:
@@ -67,9 +67,9 @@ def _add_shards(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="bert-prep", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = ap.add_subparsers(dest="stage", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--seed", type=int, default=12345)
     common.add_argument("--workers", type=int, default=1, help="worker processes")
     common.add_argument(*flag("--no_progress"), dest="progress", action="store_false", help="no progress bars")
@@ -168,8 +168,7 @@ def _main(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    return run_cli(f"bert-prep {a.stage}", lambda: _main(a), (PrepError, FileNotFoundError))
+    return cli_main(argv, build_parser, _main, (PrepError, FileNotFoundError), subcommand="stage")
 
 
 if __name__ == "__main__":

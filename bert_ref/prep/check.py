@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bert_ref.data import H5_SUFFIXES, ShardError, check_arrays, inspect_shard
+from bert_ref.shards import H5_SUFFIXES, ShardError, check_arrays, inspect_shard
 
 CHUNK = 1 << 15
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bert_ref.data import SCHEMA, VOCAB_ATTR
+from bert_ref.shards import SCHEMA, VOCAB_ATTR
 
 
 def tmp_name(path: str | os.PathLike) -> Path:

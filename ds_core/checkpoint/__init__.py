@@ -7,9 +7,9 @@ Layout under run_dir/checkpoints/:
                              the batch numbers (train_batch_size, micro batch, accumulation, data-parallel size)
   global_step{N}/hf_model.json   the module's transformers class and config (rank 0), for `ds-ckpt export-hf`
   global_step{N}/MANIFEST.json   every file's size and XXH3 checksum, written before COMPLETE and verified on resume
-                             (ds_core.ckpt_manifest); a checkpoint that fails is moved aside as global_step{N}.corrupt
+                             (ds_core.checkpoint.manifest); a checkpoint that fails is moved aside as global_step{N}.corrupt
   global_step{N}_universal/  the same step converted by DeepSpeed's ds_to_universal, made on a resume onto another
-                             data-parallel size (ds_core.ckpt_resize); COMPLETE once the conversion finished
+                             data-parallel size (ds_core.checkpoint.resize); COMPLETE once the conversion finished
   latest                     tag of the newest COMPLETE checkpoint, replaced atomically
 
 DeepSpeed's own client_state is saved by data-parallel rank 0 only, but the data position and RNG streams differ per
@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -29,36 +28,18 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from ds_core import ckpt_manifest
+from ds_core.checkpoint import manifest as ckpt_manifest
+from ds_core.checkpoint.collective import any_rank, barrier, rank, world_size
+from ds_core.checkpoint.resize import ensure_universal
+from ds_core.checkpoint.tags import COMPLETE, LATEST, is_complete, latest_tag, step_tags, tag_for
 from ds_core.config import ConfigError, atomic_write_text
 
-COMPLETE = "COMPLETE"
-LATEST = "latest"
 HF_MODEL = "hf_model.json"
-_TAG_RE = re.compile(r"global_step\d+")
 
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def tag_for(step: int) -> str:
-    return f"global_step{step}"
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rng_state() -> dict:
@@ -88,7 +69,7 @@ def _base_optimizer(engine):
 
 def model_fingerprint(engine, zero_stage: int) -> dict:
     """What must match for a checkpoint to load: parameter names and full shapes, ZeRO stage, optimizer class.
-    dp_world_size is recorded but may differ (a resize: ds_core.ckpt_resize)."""
+    dp_world_size is recorded but may differ (a resize: ds_core.checkpoint.resize)."""
     shapes = {}
     for name, p in engine.module.named_parameters():
         shape = getattr(p, "ds_shape", None) or p.shape  # ZeRO-3 keeps the full shape in ds_shape
@@ -124,45 +105,24 @@ def describe_mismatch(saved: dict, current: dict) -> list[str]:
     return diffs
 
 
-def is_complete(ckpt_root: Path, tag: str) -> bool:
-    return (Path(ckpt_root) / tag / COMPLETE).is_file()
-
-
-def step_tags(ckpt_root: str | os.PathLike) -> list[str]:
-    """Tags global_step{N} under ckpt_root, complete or not, newest first (not the _universal conversions)."""
-    tags = [p.name for p in Path(ckpt_root).glob("global_step*") if _TAG_RE.fullmatch(p.name) and p.is_dir()]
-    return sorted(tags, key=lambda t: int(t[len("global_step"):]), reverse=True)
-
-
-def latest_tag(ckpt_root: str | os.PathLike) -> str | None:
-    """The tag named by `latest` if complete; otherwise the newest complete tag (or None)."""
-    root = Path(ckpt_root)
-    f = root / LATEST
-    if f.is_file():
-        tag = f.read_text().strip()
-        if is_complete(root, tag):
-            return tag
-    return next((t for t in step_tags(root) if is_complete(root, t)), None)
-
-
 def select_resume_tag(ckpt_root: str | os.PathLike, strict: bool = False) -> str | None:
     """Collective: the checkpoint a --resume loads, the same on every rank, chosen before anything is loaded, printed
     or trimmed. The newest complete checkpoint whose files match its manifest on every rank (each rank checks its own
-    files, ds_core.ckpt_manifest.verify, and prints what is wrong: path, expected vs found). A newer one that fails is
+    files, ds_core.checkpoint.manifest.verify, and prints what is wrong: path, expected vs found). A newer one that fails is
     moved aside as global_step{N}.corrupt once an older one verifies, `latest` then names the one loaded, and rank 0
     says so loudly; strict (--resume_strict) refuses instead. None: no complete checkpoint."""
     root = Path(ckpt_root)
     first = latest_tag(root) if root.is_dir() else None
     if first is None:
         return None
-    rank, world = _rank(), _world()
+    me, world = rank(), world_size()
     tags = [first] + [t for t in step_tags(root) if t != first and is_complete(root, t)]
     failed: list[str] = []
     for tag in tags:
-        problems = ckpt_manifest.verify(root / tag, rank, world)
+        problems = ckpt_manifest.verify(root / tag, me, world)
         for p in problems or []:
-            print(f"[ds_core] rank {rank}: checkpoint {tag} failed verification: {p}", file=sys.stderr, flush=True)
-        if _any_rank(bool(problems)):
+            print(f"[ds_core] rank {me}: checkpoint {tag} failed verification: {p}", file=sys.stderr, flush=True)
+        if any_rank(bool(problems)):
             if strict:
                 raise CheckpointError(f"--resume_strict: checkpoint {root / tag} failed verification (each rank "
                                       f"printed its files above: path, expected vs found); nothing was loaded. "
@@ -170,18 +130,18 @@ def select_resume_tag(ckpt_root: str | os.PathLike, strict: bool = False) -> str
                                       f"verifies")
             failed.append(tag)
             continue
-        if rank == 0 and problems is None:
+        if me == 0 and problems is None:
             print(f"[ds_core] checkpoint {root / tag} has no manifest (written before manifests existed): its files "
                   f"are not verified", flush=True)
-        _barrier()  # every rank has finished reading the failed ones before they move
-        if failed and rank == 0:
+        barrier()  # every rank has finished reading the failed ones before they move
+        if failed and me == 0:
             moved = [ckpt_manifest.quarantine(root / t).name for t in failed]
             atomic_write_text(root / LATEST, tag + "\n")
             print(f"[ds_core] WARNING: --resume falls back to {root / tag}: the newer checkpoint(s) "
                   f"{', '.join(failed)} failed verification (problems printed above) and were moved aside as "
                   f"{', '.join(moved)} (not deleted); training repeats the steps after {tag}. Pass --resume_strict to "
                   f"refuse instead", file=sys.stderr, flush=True)
-        _barrier()
+        barrier()
         return tag
     raise CheckpointError(f"--resume: no checkpoint under {root} verifies ({', '.join(failed)} failed; each rank "
                           f"printed its files above: path, expected vs found); nothing was loaded or moved")
@@ -195,7 +155,7 @@ def _free_bytes(path: Path) -> str:
 
 
 def batch_layout(engine) -> dict:
-    """The batch numbers a checkpoint records (ds_core.ckpt_resize.Layout's fields)."""
+    """The batch numbers a checkpoint records (ds_core.checkpoint.resize.Layout's fields)."""
     return {"dp_world_size": engine.dp_world_size, "train_batch_size": engine.train_batch_size(),
             "micro_batch": engine.train_micro_batch_size_per_gpu(), "grad_accum": engine.gradient_accumulation_steps()}
 
@@ -222,11 +182,11 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
     path = root / tag
     if is_complete(root, tag):  # same step already saved (e.g. a periodic save that is also the final one)
         return path
-    if _rank() == 0:
+    if rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         if path.exists():  # leftovers of an interrupted save of this step: never mix old and new files
             shutil.rmtree(path)
-    _barrier()
+    barrier()
     previous = latest_tag(root)
     # A full disk surfaces from torch's zip writer as "[enforce fail at inline_container.cc] unexpected pos 128 vs 0"
     # (a RuntimeError, not an OSError): catch both, and say where, how much room was left and what is still good.
@@ -235,27 +195,27 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
     except (OSError, RuntimeError) as e:
         # No verdict collective here: peers whose writes went through wait in DeepSpeed's closing barrier, which a
         # different collective would not match. This rank fails with the name; the launcher then stops the others.
-        raise CheckpointError(_write_failed(path, previous, f"rank {_rank()}: {type(e).__name__}: {e}")) from e
+        raise CheckpointError(_write_failed(path, previous, f"rank {rank()}: {type(e).__name__}: {e}")) from e
     error = None
     try:
         state = dict(client_state, step=step, rng=rng_state(), fingerprint=fingerprint)
-        tmp = path / f".client_rank{_rank()}.pt.tmp"
+        tmp = path / f".client_rank{rank()}.pt.tmp"
         torch.save(state, tmp)
-        os.replace(tmp, path / f"client_rank{_rank()}.pt")
-        ckpt_manifest.write_part(path, _rank())  # this rank's files, hashed in parallel with the other ranks'
+        os.replace(tmp, path / f"client_rank{rank()}.pt")
+        ckpt_manifest.write_part(path, rank())  # this rank's files, hashed in parallel with the other ranks'
     except (OSError, RuntimeError) as e:
         error = e
     # Every rank has finished writing its part, and the verdict is the same on all ranks. Saves are rare, so this
     # collective costs nothing per step.
-    if _any_rank(error is not None):
-        where = f"rank {_rank()}: {type(error).__name__}: {error}" if error else "another rank's write failed"
+    if any_rank(error is not None):
+        where = f"rank {rank()}: {type(error).__name__}: {error}" if error else "another rank's write failed"
         raise CheckpointError(_write_failed(path, previous, where)) from error
-    if _rank() == 0:
+    if rank() == 0:
         try:  # each an atomic rename: a failure leaves `latest` on the previous checkpoint
             info = hf_model_info(engine.module)
             if info is not None:
                 atomic_write_text(path / HF_MODEL, json.dumps(info, default=str) + "\n")
-            ckpt_manifest.merge_parts(path, _world())
+            ckpt_manifest.merge_parts(path, world_size())
             if before_complete is not None:
                 before_complete()  # e.g. the step's metrics record: durable before the step counts as saved
             atomic_write_text(path / COMPLETE, json.dumps({"step": step, "fingerprint": fingerprint,
@@ -265,7 +225,7 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
             raise CheckpointError(_write_failed(path, latest_tag(root), f"rank 0: {e}")) from e
         if keep:
             prune(root, keep)
-    _barrier()
+    barrier()
     return path
 
 
@@ -273,17 +233,6 @@ def _write_failed(path: Path, previous: str | None, where: str) -> str:
     still = f"`latest` still names {previous}" if previous else "there is no earlier complete checkpoint"
     return (f"writing checkpoint {path} failed ({where}); {_free_bytes(path)}; {still}, which --resume loads; "
             f"{path.name} has no {COMPLETE} marker and is never taken as good")
-
-
-def _any_rank(flag: bool) -> bool:
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    from deepspeed.accelerator import get_accelerator
-
-    # on the accelerator: NCCL/HCCL groups reduce device tensors only
-    t = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().current_device_name())
-    dist.all_reduce(t)
-    return bool(t.item() > 0)
 
 
 def prune(ckpt_root: str | os.PathLike, keep: int) -> list[str]:
@@ -298,7 +247,7 @@ def prune(ckpt_root: str | os.PathLike, keep: int) -> list[str]:
     for tag in tags[keep:]:
         if tag == named:
             continue
-        uni = root / (tag + "_universal")  # its conversion (ds_core.ckpt_resize) goes with it, marker first
+        uni = root / (tag + "_universal")  # its conversion (ds_core.checkpoint.resize) goes with it, marker first
         if (uni / COMPLETE).is_file():
             (uni / COMPLETE).unlink()
         shutil.rmtree(uni, ignore_errors=True)
@@ -362,7 +311,7 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
 
     The returned state also holds "data_states": the data states of ALL saved ranks in rank order (for a data source's
     load_state_dicts), and "saved_world_size". On another data-parallel size (a resize) a ZeRO >= 1 checkpoint is
-    converted once to DeepSpeed's universal format (ds_core.ckpt_resize.ensure_universal) and loaded from it: the
+    converted once to DeepSpeed's universal format (ds_core.checkpoint.resize.ensure_universal) and loaded from it: the
     engine must have been built with checkpoint.load_universal (ds_core.setup.start_run's resize plan sets it). RNG on a
     resize: a rank that existed in the saved run gets its own streams back; a new rank r gets
     ds_core.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at step 0.
@@ -391,21 +340,20 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
                 raise ConfigError(f"checkpoint {root / tag}: saved by {saved_world} ranks, this run has {world}, and "
                                   f"the engine was built without checkpoint.load_universal: the entry point must call "
                                   f"build_engine with run.ds_config of ds_core.setup.start_run")
-            from ds_core.ckpt_resize import ensure_universal
 
             load_tag = ensure_universal(root, tag).name
     load_path, _ = engine.load_checkpoint(str(root), tag=load_tag, load_module_strict=True, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {root / load_tag}")
-    rank = _rank()
-    if rank < saved_world:
-        state: dict[str, Any] = dict(states[rank])
+    me = rank()
+    if me < saved_world:
+        state: dict[str, Any] = dict(states[me])
         set_rng_state(state.pop("rng"))
     else:
         state = {k: v for k, v in states[0].items() if k != "rng"}
         state["data"] = None
-        set_seed(seed + int(state["step"]), rank)
+        set_seed(seed + int(state["step"]), me)
     state["data_states"] = [s["data"] for s in states]
     state["saved_world_size"] = saved_world
     return state
@@ -422,15 +370,15 @@ def export_hf(engine, out_dir: str | os.PathLike) -> Path | None:
         state_dict = engine._zero3_consolidated_16bit_state_dict()
     else:
         state_dict = engine.module.state_dict()
-    if _rank() == 0:
+    if rank() == 0:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         engine.module.save_pretrained(str(tmp), state_dict=state_dict)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-    _barrier()
-    return out if _rank() == 0 else None
+    barrier()
+    return out if rank() == 0 else None
 
 
 def init_from(engine, ckpt_root: str | os.PathLike, fingerprint: dict, reset_optimizer: bool = False) -> int:

@@ -156,7 +156,7 @@ class Study:
 
     # ---------------------------------------------------------------------------------------------- commands
     def train_args(self, cell: Cell, run_dir: Path, ds_json: Path | None) -> list[str]:
-        """The module's arguments for one cell (what follows `--module ds_core.study.cell`)."""
+        """The module's arguments for one cell (what follows `--module ds_tools.study.cell`)."""
         out = ["--study_target", self.module]
         if self.preset:
             out += ["--preset", self.preset]

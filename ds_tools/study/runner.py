@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 import ds_core
-from ds_core import local_ranks
 from ds_core.config import atomic_write_text
-from ds_core.study.spec import Cell, Study, StudyError, dump_json
+from ds_core.rendezvous import free_port, rank_env
+from launch import local_ranks
+from ds_tools.study.spec import Cell, Study, StudyError, dump_json
 
 REPO_ROOT = Path(ds_core.__file__).resolve().parents[1]  # ranks import the same checkout as this process
 LOG_TAIL_CHARS = 4000
@@ -90,15 +91,15 @@ def commands_for(study: Study, cell: Cell, out: Path, *, write: bool) -> list[li
             atomic_write_text(ds_json, dump_json(ds_cfg))
     args = study.train_args(cell, run_dir, ds_json)
     nodes = study.nodes_of(cell)
-    port = local_ranks.free_port() if write else 29500
+    port = free_port() if write else 29500
     if study.launcher == "local":
-        return [local_ranks.local_command(study.ranks_per_node, ["--module", "ds_core.study.cell", *args],
+        return [local_ranks.local_command(study.ranks_per_node, ["--module", "ds_tools.study.cell", *args],
                                           master_port=port)]
     if study.launcher == "simulated_nodes":
         hostfile = run_dir / "hostfile"
         if write:
             local_ranks.write_loopback_hostfile(hostfile, nodes, study.ranks_per_node)
-        return local_ranks.node_commands(nodes, study.ranks_per_node, ["--module", "ds_core.study.cell", *args],
+        return local_ranks.node_commands(nodes, study.ranks_per_node, ["--module", "ds_tools.study.cell", *args],
                                          master_port=port, hostfile=hostfile)
     # hostfile: launch.run (pdsh by default) on the first N hosts; it passes --deepspeed_config and --preset itself
     hostfile = _hostfile_slice(study, nodes, run_dir / "hostfile") if write else run_dir / "hostfile"
@@ -106,7 +107,7 @@ def commands_for(study: Study, cell: Cell, out: Path, *, write: bool) -> list[li
         raise StudyError(f"{study.path}: launcher = \"hostfile\" needs [study] deepspeed_config")
     i = args.index("--deepspeed_config")
     module_args = args[:i] + args[i + 2:]
-    return [[sys.executable, "-m", "launch.run", "--hostfile", str(hostfile), "--module", "ds_core.study.cell",
+    return [[sys.executable, "-m", "launch.run", "--hostfile", str(hostfile), "--module", "ds_tools.study.cell",
              "--deepspeed_config", str(ds_json), "--master_port", str(port), *study.launch_args, "--",
              *module_args]]
 
@@ -182,7 +183,7 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
     shutil.copyfile(study.path, out / "study.toml")
     cells = study.cells()
     counts = {"ok": 0, "failed": 0, "skipped": 0}
-    env = local_ranks.rank_env(pythonpath=[REPO_ROOT], extra=study.env)
+    env = rank_env(pythonpath=[REPO_ROOT], extra=study.env)
     if study.prepare and not (Path(cwd or Path.cwd()) / study.prepare_creates).exists():
         cmd = [sys.executable if study.prepare[0] == "python" else study.prepare[0], *study.prepare[1:]]
         say(f"preparing: {' '.join(cmd)}")
@@ -228,7 +229,7 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
             last = [ln for ln in rec["log_tail"].splitlines() if ln.strip()][-1:] or ["(empty log)"]
             say(f"  FAILED: {why}; log {log}; last line: {last[0][:200]}")
     say(f"finished: {counts['ok']} ran, {counts['skipped']} skipped (complete), {counts['failed']} failed; "
-        f"report: python -m ds_core.study report {out}")
+        f"report: python -m ds_tools.study report {out}")
     return counts
 
 

@@ -1,4 +1,4 @@
-"""`ds-study` / `python -m ds_core.study`: plan, run and report studies (see ds_core/study/__init__.py)."""
+"""`ds-study` / `python -m ds_tools.study`: plan, run and report studies (see ds_tools/study/__init__.py)."""
 from __future__ import annotations
 
 import argparse
@@ -8,15 +8,15 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from ds_core.cli import ArgumentParser, flag, run_cli
-from ds_core.study import report as report_mod
-from ds_core.study import runner
-from ds_core.study.spec import StudyError, load_study
-from ds_core.scaling import ScalingError
+from ds_core.cli import ArgumentParser, cli_main, flag
+from ds_tools.study import report as report_mod
+from ds_tools.study import runner
+from ds_tools.study.spec import StudyError, load_study
+from ds_tools.scaling import ScalingError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="ds-study", description=__doc__)
+    p = ArgumentParser(prog="ds-study", description=__doc__, allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, help_ in (("plan", "print the cells and their commands without running them"),
                         ("run", "run every cell not yet complete (resumable)")):
@@ -42,6 +42,8 @@ def _terminate(signum, frame) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.cmd == "run" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     if args.cmd in ("plan", "run"):
         study = load_study(args.study)
         out = Path(args.out) if args.out else runner.default_out(study)
@@ -66,12 +68,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.cmd == "run" and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
     # OSError: a study file, table or directory the user named
-    return run_cli(parser.prog, lambda: _main(args), (StudyError, ScalingError, OSError))
+    return cli_main(argv, build_parser, _main, (StudyError, ScalingError, OSError))
 
 
 if __name__ == "__main__":

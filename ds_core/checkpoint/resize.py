@@ -24,6 +24,8 @@ from argparse import Namespace
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ds_core.checkpoint.collective import any_rank, barrier, rank
+from ds_core.checkpoint.tags import COMPLETE, is_complete, latest_tag
 from ds_core.config import ConfigError, TrainConfig, atomic_write_text, settle_grad_accum_dtype
 
 ON_RESIZE = ("keep_batch", "scale_lr")
@@ -76,8 +78,6 @@ class ResizePlan:
 
 
 def _complete_meta(ckpt_root: Path, tag: str) -> dict:
-    from ds_core.checkpoint import COMPLETE
-
     path = ckpt_root / tag / COMPLETE
     try:
         return json.loads(path.read_text())
@@ -108,8 +108,6 @@ def plan_resize(cfg: TrainConfig, ds_config: dict, world_size: int) -> ResizePla
     """Before deepspeed.initialize (every rank, once: ds_core.setup.start_run): when --resume finds a checkpoint of
     another data-parallel size, the plan (ResizePlan.ds_config gives the DeepSpeed config it needs); None when
     nothing changes. Refuses, naming the numbers, what cannot be kept. `ds_config` is not modified."""
-    from ds_core.checkpoint import latest_tag
-
     if not cfg.resume:
         return None
     root = Path(cfg.run_dir) / "checkpoints"
@@ -144,8 +142,6 @@ def convert_to_universal(ckpt_root: str | os.PathLike, tag: str, workers: int = 
 
     Written into a hidden temporary directory and renamed when complete (with its own COMPLETE marker), so a
     conversion cut short is never used: the next call starts it again. An existing complete conversion is reused."""
-    from ds_core.checkpoint import COMPLETE, is_complete
-
     root = Path(ckpt_root)
     src, out = root / tag, universal_dir(root, tag)
     if not is_complete(root, tag):
@@ -175,15 +171,13 @@ def convert_to_universal(ckpt_root: str | os.PathLike, tag: str, workers: int = 
 def ensure_universal(ckpt_root: str | os.PathLike, tag: str) -> Path:
     """Collective: rank 0 converts (or finds the conversion), the others wait at a barrier; every rank gets the path.
     The verdict is shared, so a failed conversion fails every rank with the same message."""
-    from ds_core.checkpoint import _any_rank, _barrier, _rank
-
     error = None
-    if _rank() == 0:
+    if rank() == 0:
         try:
             convert_to_universal(ckpt_root, tag)
         except ConfigError as e:
             error = e
-    _barrier()
-    if _any_rank(error is not None):
+    barrier()
+    if any_rank(error is not None):
         raise error or ConfigError(f"converting {Path(ckpt_root) / tag} to a universal checkpoint failed on rank 0")
     return universal_dir(ckpt_root, tag)

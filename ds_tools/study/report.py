@@ -2,10 +2,10 @@
 
 Reads only machine-readable outputs: each cell's cell.json (status), metrics.jsonl summary (ds_core.metrics owns the
 throughput figures) and cell_stats/rank<R>.json (DeepSpeed comms-logger records, peak memory). For the `nodes` axis
-the scaling-efficiency table and chart are ds_core.scaling's own (this module only hands it the runs).
+the scaling-efficiency table and chart are ds_tools.scaling's own (this module only hands it the runs).
 
 Writes report.md, report.csv, report.json and PNG charts (throughput.png: grouped bars over the categorical axes;
-scaling.png: ds_core.scaling's throughput and efficiency lines) into the report directory.
+scaling.png: ds_tools.scaling's throughput and efficiency lines) into the report directory.
 
 A `--from_table` CSV holds already-measured cells: one column per axis plus `samples_per_s` (or `throughput`), an
 optional `accelerators` (for per-accelerator figures) and an optional `source` (rows with different sources are
@@ -22,9 +22,9 @@ from pathlib import Path
 from statistics import mean
 from typing import Sequence
 
-from ds_core import scaling
-from ds_core.study.runner import cell_dir, read_status, read_summary
-from ds_core.study.spec import Study, StudyError, load_study
+from ds_tools import scaling
+from ds_tools.study.runner import cell_dir, read_status, read_summary
+from ds_tools.study.spec import Study, StudyError, load_study
 
 # Reduction collectives that carry gradients. The logger also records scalar reductions (gradient norm for clipping,
 # overflow flags: 1 to 8 bytes) that are not gradient traffic; anything at or under SCALAR_BYTES is counted apart.
@@ -363,7 +363,7 @@ def report(study_dir: Path | None, tables: Sequence[str | Path] = (), out_dir: P
         runs += scaling.read_table(t)
     if runs:
         groups = scaling.group_runs(runs)
-        md.append("#### Scaling over nodes (ds_core.scaling)")
+        md.append("#### Scaling over nodes (ds_tools.scaling)")
         md.append("")
         md.append(scaling.format_md(groups))
         png = out_dir / "scaling.png"

@@ -1,4 +1,4 @@
-"""`ds-ckpt` (also `python -m ds_core.ckpt_cli`): look at and convert a run's checkpoints without starting a run.
+"""`ds-ckpt` (also `python -m ds_tools.ckpt_cli`): look at and convert a run's checkpoints without starting a run.
 
   ds-ckpt info RUN_DIR                 steps, latest, ZeRO stage, world size, batch, data position per rank, bytes,
                                        complete / incomplete (and universal conversions)
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_core import checkpoint as ckpt
-from ds_core.cli import ArgumentParser, run_cli
+from ds_core.cli import ArgumentParser, cli_main
 from ds_core.config import ConfigError
 
 
@@ -84,7 +84,7 @@ def info(run_dir: str) -> dict:
 
 
 def ckpt_universal(root: Path, tag: str) -> dict | None:
-    from ds_core.ckpt_resize import universal_dir
+    from ds_core.checkpoint.resize import universal_dir
 
     u = universal_dir(root, tag)
     if not u.is_dir():
@@ -117,19 +117,19 @@ def print_info(d: dict) -> None:
 
 
 def universal(run_dir: str, tag: str | None = None) -> Path:
-    from ds_core.ckpt_resize import convert_to_universal
+    from ds_core.checkpoint.resize import convert_to_universal
 
     root = _root(run_dir)
     return convert_to_universal(root, _tag(root, tag))
 
 
 def _fp32_from_universal(root: Path, tag: str) -> dict:
-    """{parameter name: fp32 tensor} from the universal conversion of `tag` (ds_core.ckpt_resize.convert_to_universal:
+    """{parameter name: fp32 tensor} from the universal conversion of `tag` (ds_core.checkpoint.resize.convert_to_universal:
     <tag>_universal/zero/<name>/fp32.pt, each {"param": tensor})."""
     import torch
     from deepspeed.checkpoint.constants import PARAM
 
-    from ds_core.ckpt_resize import convert_to_universal
+    from ds_core.checkpoint.resize import convert_to_universal
 
     zero = convert_to_universal(root, tag) / "zero"
     return {d.name: torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)[PARAM].float()
@@ -204,7 +204,7 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="ds-ckpt", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="ds-ckpt", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("info", help="steps, ZeRO stage, world size, data position, sizes")
     a.add_argument("run_dir")
@@ -220,21 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(args: argparse.Namespace) -> int:
+    if args.cmd == "info":
+        d = info(args.run_dir)
+        print(json.dumps(d, indent=2, default=str)) if args.json else print_info(d)
+    elif args.cmd == "universal":
+        print(f"universal checkpoint: {universal(args.run_dir, args.tag)}")
+    else:
+        print(f"exported: {export_hf(args.run_dir, args.out, args.tag)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-
-    def body() -> int:
-        if args.cmd == "info":
-            d = info(args.run_dir)
-            print(json.dumps(d, indent=2, default=str)) if args.json else print_info(d)
-        elif args.cmd == "universal":
-            print(f"universal checkpoint: {universal(args.run_dir, args.tag)}")
-        else:
-            print(f"exported: {export_hf(args.run_dir, args.out, args.tag)}")
-        return 0
-
-    return run_cli(f"{parser.prog} {args.cmd}", body, (ConfigError, OSError))
+    return cli_main(argv, build_parser, _run, (ConfigError, OSError), subcommand="cmd")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """ZeRO memory model and config recommendation: which (ZeRO stage, micro batch, grad accumulation) fits a model.
 
 Per rank, with Adam(W): every buffer DeepSpeed 0.19 allocates for the configuration, held between steps plus the
-largest phase of a step (ds_core.zero_memory_model.estimate; each component names its deepspeed/runtime/ file and
+largest phase of a step (ds_tools.zero_memory_model.estimate; each component names its deepspeed/runtime/ file and
 line; bench/zero_memory.py measures it), and activations per micro batch (zero_memory_model.activation_bytes).
 Usable memory: the capacity (ds_core.accelerators' table; cpu: the node's RAM over its ranks) minus 8 % for allocator
 fragmentation and runtime context.
@@ -19,13 +19,13 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ds_core import accelerators
 from ds_core.config import DS_CONFIG_DIR
-from ds_core.cli import ArgumentParser, flag
+from ds_core.cli import ArgumentParser, cli_main, flag
 from ds_core.cli import error as cli_error
-from ds_core.zero_memory_model import (DEFAULT_BUCKETS, STAGES, Estimate, ModelShape, Tower, TuningError,
+from ds_tools.zero_memory_model import (DEFAULT_BUCKETS, STAGES, Estimate, ModelShape, Tower, TuningError,
                                       estimate, grad_accum_dtype_for)
 
 GB = 1e9
@@ -55,26 +55,6 @@ def shipped_models() -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- model shapes
 
-def write_spec_main(argv: Sequence[str] | None, *, prog: str, presets: Sequence[str],
-                    make_spec: Callable[[argparse.Namespace], dict],
-                    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None) -> int:
-    """The `--preset NAME --write_config PATH` command each model package runs (`python -m bert_ref.configs`,
-    `python -m bridgetower_ds.configs`): make_spec(args) turns the parsed flags into the model description that
-    load_spec reads; one writer, so the files in ds_configs/models/ all have one format."""
-    ap = argparse.ArgumentParser(prog=prog, description="Write a model preset as ds-tune's --model description.")
-    ap.add_argument("--preset", required=True, help=f"one of {', '.join(presets)}")
-    add_arguments(ap)
-    ap.add_argument("--write_config", required=True, help="where the JSON goes (then: ds-tune --model PATH)")
-    a = ap.parse_args(argv)
-    try:
-        spec = make_spec(a)
-    except ValueError as e:            # ConfigError / TuningError: a bad preset or flag value
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    if "model_type" not in spec:
-        raise TuningError(f"{prog}: the description of {a.preset} has no model_type")   # a bug in make_spec
-    Path(a.write_config).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
-    return 0
 
 
 def load_spec(model: str) -> tuple:
@@ -329,7 +309,8 @@ def _table(options: Sequence[Option], best: Option | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="ds-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="ds-tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)
     p.add_argument("--model", required=True,
                    help=f"{' | '.join(shipped_models())} (ds_configs/models/, written from the presets; also "
                         f"{', '.join(MODEL_ALIASES)}) | PATH_TO_HF_CONFIG.json")
@@ -366,12 +347,14 @@ def _resolve(a: argparse.Namespace) -> tuple[ModelShape, list[Option]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
+    return cli_main(argv, build_parser, _run)
+
+
+def _run(a: argparse.Namespace) -> int:
     try:
         shape, options = _resolve(a)
     except (TuningError, ValueError) as e:  # ValueError: --stages not numbers, a model config.json that is not one
-        return cli_error(parser.prog, e)  # only here: a ValueError further down is a bug and keeps its traceback
+        return cli_error("ds-tune", e)  # only here: a ValueError further down is a bug and keeps its traceback
     seq = shape.towers[0].seq
     best = recommend(options, seq)
     shown = sorted((o for o in options if a.all or o.fits), key=lambda o: rank_key(o, seq))
@@ -409,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Memory per rank: {cap / GB:.1f} GB, usable {cap * USABLE_FRACTION / GB:.1f} GB "
           f"({100 * (1 - USABLE_FRACTION):.0f} % kept for fragmentation and runtime).")
     print(f"Memory: every buffer DeepSpeed 0.19 allocates for the configuration ({a.precision}"
-          f"{', fp32 gradient accumulation at ZeRO >= 1' if a.precision == 'bf16' else ''}; ds_core.tuning.estimate), "
+          f"{', fp32 gradient accumulation at ZeRO >= 1' if a.precision == 'bf16' else ''}; ds_tools.tuning.estimate), "
           f"peak = held between steps + the largest phase; activations by formula.\n")
     if shown:
         print(_table(shown, best))

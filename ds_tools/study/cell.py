@@ -1,6 +1,6 @@
 """Rank-side wrapper of one study cell: run the training module unchanged, then write what its metrics do not hold.
 
-    deepspeed --num_gpus 2 --module ds_core.study.cell --study_target bridgetower_ds.train --run_dir R ...
+    deepspeed --num_gpus 2 --module ds_tools.study.cell --study_target bridgetower_ds.train --run_dir R ...
 
 `--study_target M` (anywhere in the arguments, so every launcher's own argument order works) names the module; it is
 run with runpy as `python -m M` would run it (a path ending in .py: as `python PATH`). Afterwards each rank writes `R/cell_stats/rank<RANK>.json`:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     target, rest = _take(argv, "--study_target")
     if not target:
-        raise SystemExit("ds_core.study.cell: --study_target MODULE is required")
+        raise SystemExit("ds_tools.study.cell: --study_target MODULE is required")
     run_dir, _ = _take(rest, "--run_dir")
     sys.argv = [target, *rest]
     # The comms counts a study reports are per optimizer step, so they are taken when ds_core.trainer.Trainer.fit

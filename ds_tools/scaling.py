@@ -7,7 +7,7 @@ accelerator type, micro batch, sequence length, precision, ZeRO stage); groups a
 every group after the first says how it differs.
 
     ds-scaling-report runs/n1 runs/n2 --format md --plot scaling.png
-    python -m ds_core.scaling --from_table published.csv --format json
+    python -m ds_tools.scaling --from_table published.csv --format json
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ds_core.cli import ArgumentParser, flag, run_cli
+from ds_core.cli import ArgumentParser, cli_main, flag
 
 # Keys that make two runs incomparable: a different value changes the work per sample or per accelerator.
 # grad_accum / global_batch are deliberately not here: they legitimately change in strong-scaling studies and are
@@ -59,7 +59,7 @@ class Group:
 
 # ---------------------------------------------------------------------------------------------------- reading
 
-def _summary_of(path: Path) -> dict:
+def summary_of(path: Path) -> dict:
     """The last summary record of a metrics.jsonl that measured a throughput; a run without one (crashed, still
     running) is an error. A summary without samples_per_s is passed over when an earlier one has it: a resume from
     the final checkpoint used to append such a record (one with no step measured)."""
@@ -125,7 +125,7 @@ def read_runs(paths: Iterable[str | Path]) -> list:
             files = [p]
         else:
             raise ScalingError(f"{p}: no such run directory or metrics.jsonl")
-        runs += [run_from_summary(_summary_of(f), str(f)) for f in files]
+        runs += [run_from_summary(summary_of(f), str(f)) for f in files]
     return runs
 
 
@@ -329,7 +329,7 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="ds-scaling-report", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("runs", nargs="*", help="run directories (containing metrics.jsonl) or metrics.jsonl files")
     p.add_argument(*flag("--from_table"), action="append", default=[], metavar="FILE.csv",
                    help="CSV with columns nodes,accelerators,throughput (published or external numbers)")
@@ -363,10 +363,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     # OSError: a run directory, table or output path the user named
-    return run_cli(parser.prog, lambda: _main(args), (ScalingError, OSError))
+    return cli_main(argv, build_parser, _main, (ScalingError, OSError))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ command lines, and a process group per start so that a dead or hung job can be t
 alone leaves its ranks running, holding ports, memory and JIT build locks).
 
 Two ways to start ranks on this machine:
-- direct (`rank_commands`, `python -m ds_core.local_ranks -n 2 -m bert_ref.train ...`): this process spawns the ranks
+- direct (`rank_commands`, `python -m launch.local_ranks -n 2 -m bert_ref.train ...`): this process spawns the ranks
   itself with the variables DeepSpeed's launch.py gives each rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE,
   CROSS_RANK, CROSS_SIZE, MASTER_ADDR, MASTER_PORT, --local_rank=N). It imports neither torch nor deepspeed: the
   `deepspeed` runner and its launch.py each import both (~3.5 s apiece on a 2-core CPU, one after the other) before
@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,63 +32,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ds_core.parent_watch import pdeathsig_preexec
-from ds_core.venv import torch_extensions_env
-
-LOOPBACK = "127.0.0.1"
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free right now on `host` (the kernel picks it; another process may still take it before use)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _accelerator_present() -> bool:
-    """CUDA (or ROCm) or Habana on this host, asked without importing torch where the answer is already known: a
-    CPU-only torch build (torch/version.py with `cuda = None` and `hip = None`) cannot see a GPU, and importing torch
-    (~2 s) here would be paid before every rank starts."""
-    import importlib.util
-    import re
-
-    if importlib.util.find_spec("habana_frameworks") is not None:
-        return True
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:  # pragma: no cover - torch is a dependency
-        return False
-    try:
-        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
-        if all(re.search(rf"^{k}\b[^=\n]*= None\s*$", text, re.M) for k in ("cuda", "hip")):
-            return False
-    except OSError:  # pragma: no cover - an unusual install: ask torch
-        pass
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def rank_env(base: Mapping[str, str] | None = None, *, threads: int | None = None,
-             pythonpath: Sequence[str | os.PathLike] = (), extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for launched ranks: `base` (default os.environ) plus
-
-    - DS_ACCELERATOR=cpu where neither CUDA nor Habana is present and the caller set none (DeepSpeed's own probe
-      would otherwise try CUDA first and fail on a CPU-only host);
-    - OMP_NUM_THREADS=threads when given (ranks sharing few cores must not each start one thread per core);
-    - `pythonpath` entries in front of PYTHONPATH (a checkout that is not the installed one);
-    - TORCH_EXTENSIONS_DIR under this venv unless set (torch_extensions_env);
-    - `extra` last, so a caller's explicit value always wins.
-    """
-    env = dict(os.environ if base is None else base)
-    env.update(torch_extensions_env({**env, **(extra or {})}))
-    if "DS_ACCELERATOR" not in env and not (extra and "DS_ACCELERATOR" in extra) and not _accelerator_present():
-        env["DS_ACCELERATOR"] = "cpu"
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), *filter(None, [env.get("PYTHONPATH", "")])])
-    env.update(extra or {})
-    return env
-
+from ds_core.rendezvous import LOOPBACK, free_port, rank_env, rank_variables
 
 def deepspeed_launcher() -> list[str]:
     """DeepSpeed's launcher of this interpreter's environment (the `deepspeed` script beside it, else its module)."""
@@ -133,12 +76,6 @@ def rank_commands(num_ranks: int, target: Sequence[str], *, master_port: int, en
         cmd = [sys.executable, "-u", *head, *([f"--local_rank={rank}"] if local_rank_arg else []), *rest]
         out.append((cmd, {**env, **rank_variables(rank, num_ranks, master_port=master_port, master_addr=master_addr)}))
     return out
-
-
-def rank_variables(rank: int, num_ranks: int, *, master_port: int, master_addr: str = LOOPBACK) -> dict[str, str]:
-    """The variables DeepSpeed's launch.py gives rank `rank` of a one-node world of `num_ranks`."""
-    return dict(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(num_ranks), CROSS_RANK="0",
-                CROSS_SIZE="1", LOCAL_SIZE=str(num_ranks), RANK=str(rank), LOCAL_RANK=str(rank))
 
 
 def write_loopback_hostfile(path: str | os.PathLike, nodes: int, slots: int) -> Path:
@@ -322,15 +259,16 @@ def _ds_json_arg(target: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m ds_core.local_ranks -n 2 -m bert_ref.train ARGS` (or a script path instead of -m M): the
+    """`python -m launch.local_ranks -n 2 -m bert_ref.train ARGS` (or a script path instead of -m M): the
     toolkit's local launcher. Ranks run in this process's group (Ctrl-C reaches them); SIGTERM/SIGUSR1 sent to this
     process are passed on (a preempted run checkpoints and exits 75); exit status: the first failing rank's."""
     import argparse
 
     argv = sys.argv[1:] if argv is None else list(argv)
     ours, target = _split_argv(argv)
-    ap = argparse.ArgumentParser(prog="python -m ds_core.local_ranks", description=main.__doc__,
-                                 usage="%(prog)s [-n N] [--master_port P] [--timeout_s S] (-m MODULE | SCRIPT) ARGS")
+    ap = argparse.ArgumentParser(prog="python -m launch.local_ranks", description=main.__doc__,
+                                 usage="%(prog)s [-n N] [--master_port P] [--timeout_s S] (-m MODULE | SCRIPT) ARGS",
+                                 allow_abbrev=False)
     ap.add_argument("-n", "--num_ranks", "--num_gpus", type=int, default=1, help="ranks on this host (default 1)")
     ap.add_argument("--master_addr", default=LOOPBACK)
     ap.add_argument("--master_port", type=int, default=0, help="rendezvous port (default: a free one)")
@@ -361,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda signum, _frame: group.signal(signum))
     res = group.wait(a.timeout_s or float("inf"), poll_s=0.1, grace_s=30.0)
     if res.timed_out:
-        print(f"[ds_core.local_ranks] timed out after {a.timeout_s:.0f} s: every rank killed", file=sys.stderr)
+        print(f"[launch.local_ranks] timed out after {a.timeout_s:.0f} s: every rank killed", file=sys.stderr)
     code = res.exit_code
     return 128 - code if code < 0 else code  # a rank killed by signal S: the shell's 128 + S
 
