@@ -78,7 +78,7 @@ def _engine(preset, ds_config: dict, optimizer: str, sparse_mlm: bool = False, f
     from ds_core.engine import build_engine
 
     model = build_model(preset, sparse_mlm=sparse_mlm, fast_dropout=fast_dropout)
-    args = OptimArgs(optimizer=optimizer, learning_rate=LR, warmup_ratio=0.0)
+    args = OptimArgs(optimizer=optimizer, learning_rate=LR, warmup_ratio=0.0, lr_scheduler_type="poly_warmup")
     opt = build_optimizer(model, args)
     engine = build_engine(model, ds_config, optimizer=opt, lr_scheduler=schedule_for(bert_defaults(args), 10**6))
     attach_zero_layout(engine, opt)  # per-tensor LAMB / LANS trust ratios under ZeRO, as bert_ref.train
