@@ -7,6 +7,7 @@ accelerator type, micro batch, sequence length, precision, ZeRO stage); groups a
 every group after the first says how it differs.
 
     ds-scaling-report runs/n1 runs/n2 --format md --plot scaling.png
+    ds-scaling-report predict --from runs/n1 --fabric dgx-a100 --nodes 2 4 8     (ds_tools/predict.py)
     python -m ds_tools.scaling --from_table published.csv --format json
 """
 from __future__ import annotations
@@ -417,6 +418,11 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["predict"]:        # `ds-scaling-report predict ...` (a subparser would clash with the runs list)
+        from ds_tools import predict
+
+        return predict.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     # OSError: a run directory, table or output path the user named
