@@ -299,6 +299,8 @@ def _main(a: argparse.Namespace) -> int:
     for name, v in (("--zero_stage", stage), ("--precision", precision), ("--micro_batch", micro)):
         if v is None:
             raise PredictError(f"{name}: not given and not in the measured run")
+    if a.global_batch and not a.grad_accum and not a.from_run:
+        m.grad_accum = _accum(int(micro), m.per_node, m.nodes, 1, a.global_batch)
     if a.params:
         params = a.params
     else:

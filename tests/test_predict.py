@@ -78,3 +78,15 @@ def test_cli_errors_name_the_flag(tmp_path, capsys):
                          "--params", "1000", "--zero_stage", "0", "--precision", "fp32", "--micro_batch", "8",
                          "--nodes", "2"]) == 2
     assert "--fabric" in capsys.readouterr().err
+
+
+def test_cli_measured_with_global_batch_reproduces_the_published_fit(capsys):
+    argv = ["predict", "--measured", "4553", "--measured_nodes", "1", "--params", str(P), "--precision", "fp16",
+            "--zero_stage", "0", "--micro_batch", "64", "--global_batch", "65536", "--accelerators_per_node", "8",
+            "--fabric", "dgx-a100", "--nodes", "1", "32", "--format", "json"]
+    assert scaling.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["grad_accum"] for r in rows] == [128, 4]
+    assert rows[0]["seq_per_s"] == pytest.approx(4553)
+    assert rows[1]["seq_per_s"] == pytest.approx(predict.published_prediction("dgx-a100", params=P)["rows"][-1]
+                                                 ["seq_per_s"])
