@@ -11,7 +11,9 @@ Schema (every key of [study] is optional except `module`; unknown keys are refus
     warmup_steps = 3                       # --throughput_warmup_steps (excluded from samples/s)
     args = ["--do_train", "--dataset_path", "data/captions.jsonl"]   # further flags of the module, as given
     launcher = "local"                     # local: deepspeed --num_gpus; simulated_nodes: N `--no_ssh --node_rank`
-                                           # launchers on loopback; hostfile: python -m launch.run, first N hosts
+                                           # launchers on loopback; hostfile: python -m launch.run, first N hosts;
+                                           # emulated_fabric: one network namespace per node on a tc-shaped
+                                           # bridge (ds_tools/study/netns.py; root), links from [fabrics]
     ranks_per_node = 2                     # local ranks per (simulated) node
     hostfile = ""                          # launcher = "hostfile": the cluster's hostfile
     launch_args = []                       # launcher = "hostfile": extra flags of launch.run (--profile efa, ...)
@@ -33,6 +35,9 @@ Schema (every key of [study] is optional except `module`; unknown keys are refus
 
     [env]                                  # extra environment of every rank
     OMP_NUM_THREADS = "1"
+
+    [fabrics]                              # launcher = "emulated_fabric": the links; axis `fabric` picks one
+    slow = { mbit = 100, delay_ms = 1.0 }  # tbf bandwidth, netem delay (where the kernel has sch_netem)
 """
 from __future__ import annotations
 
