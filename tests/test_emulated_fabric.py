@@ -14,8 +14,7 @@ from conftest import REPO, dist_env
 from ds_tools import predict
 from ds_tools.study import emulated, netns
 from ds_tools.study.runner import fabric_key
-
-pytestmark = pytest.mark.slow
+from ds_tools.study.spec import StudyError, load_study
 
 MBIT = 100
 
@@ -28,6 +27,20 @@ def _study(tmp_path: Path) -> Path:
     p = tmp_path / "emulated.toml"
     p.write_text(text)
     return p
+
+
+def test_study_fabrics_are_checked(tmp_path):
+    study = load_study(_study(tmp_path))
+    assert study.launcher == "emulated_fabric" and study.fabrics["slow"] == {"mbit": 100.0, "delay_ms": 1.0}
+    assert study.fabric_of(study.cells()[0]) == {"name": "slow", "mbit": 100.0, "delay_ms": 1.0}
+    bad = tmp_path / "bad.toml"
+    for table, axes, msg in (("slow = { mbit = 0 }", 'fabric = ["slow"]', r"\[fabrics\] slow.mbit = 0"),
+                             ("slow = { mbit = 10, jitter = 1 }", 'fabric = ["slow"]', "expected { mbit"),
+                             ("slow = { mbit = 10 }", 'fabric = ["fast"]', "'fast': not in \\[fabrics\\]"),
+                             ("", "nodes = [1, 2]", "needs a \\[fabrics\\] table")):
+        bad.write_text(f'[study]\nmodule = "m"\nlauncher = "emulated_fabric"\n[fabrics]\n{table}\n[axes]\n{axes}\n')
+        with pytest.raises(StudyError, match=msg):
+            load_study(bad)
 
 
 def test_netns_fabric_is_cleaned_up_and_refuses_bad_links():
@@ -50,6 +63,7 @@ def test_netns_fabric_is_cleaned_up_and_refuses_bad_links():
     assert not any(ns in listed for ns in fab.namespaces + [fab.hub])
 
 
+@pytest.mark.slow
 def test_emulated_two_nodes_predicted_vs_measured(tmp_path):
     why = netns.unavailable()
     if why:
