@@ -7,6 +7,7 @@ accelerator type, micro batch, sequence length, precision, ZeRO stage); groups a
 every group after the first says how it differs.
 
     ds-scaling-report runs/n1 runs/n2 --format md --plot scaling.png
+    ds-scaling-report predict --from runs/n1 --fabric dgx-a100 --nodes 2 4 8     (ds_tools/predict.py)
     python -m ds_tools.scaling --from_table published.csv --format json
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ds_core.cli import ArgumentParser, cli_main, flag
+from ds_tools import scaling_explain as explain
 
 # Keys that make two runs incomparable: a different value changes the work per sample or per accelerator.
 # grad_accum / global_batch are deliberately not here: they legitimately change in strong-scaling studies and are
@@ -41,6 +43,7 @@ class Run:
     source: str
     config: dict = field(default_factory=dict)   # GROUP_KEYS values (None when unknown)
     extra: dict = field(default_factory=dict)    # shown, not grouped on: grad_accum, global_batch, mfu ...
+    phases: dict | None = None                   # sampled phase seconds (ds_core.phases), None without them
 
 
 @dataclass
@@ -110,7 +113,8 @@ def run_from_summary(summary: dict, source: str) -> Run:
     config["accelerator"] = _canonical_accelerator(config["accelerator"])
     extra = {k: summary[k] for k in ("grad_accum", "global_batch", "mfu", "tflops_per_accelerator")
              if summary.get(k) is not None}
-    return Run(nodes=nodes, accelerators=world, throughput=throughput, source=source, config=config, extra=extra)
+    return Run(nodes=nodes, accelerators=world, throughput=throughput, source=source, config=config, extra=extra,
+               phases=explain.phases_of(summary))
 
 
 def read_runs(paths: Iterable[str | Path]) -> list:
@@ -208,6 +212,8 @@ def rows_of(group: Group) -> list:
         rows.append({"nodes": r.nodes, "accelerators": r.accelerators, "throughput": r.throughput,
                      "per_accelerator": per_acc, "efficiency": per_acc / base_per_acc,
                      "speedup": r.throughput / base.throughput, "baseline": r is base,
+                     "lost": explain.lost_points(base.accelerators, base.throughput, base.phases,
+                                                 r.accelerators, r.throughput, r.phases),
                      "group": group.title, **{k: v for k, v in zip(GROUP_KEYS, group.key)},
                      **r.extra, "source": r.source})
     return rows
@@ -259,19 +265,41 @@ def format_md(groups: Sequence[Group]) -> str:
         out.append("|" + "|".join("---:" for _ in _HEAD) + "|:---|")
         out += ["| " + " | ".join(_cells(r)) + f" | {_short(r['source'])} |" for r in rows_of(g)]
         out += [f"\n{note}" for note in repeat_notes(g)]
+        out += _md_lost(g)
         out.append("")
     return "\n".join(out)
+
+
+def _md_lost(g: Group) -> list:
+    """The breakdown table: points of efficiency each phase cost, per run larger than the baseline."""
+    rows = [r for r in rows_of(g) if not r["baseline"]]
+    if not rows:
+        return []
+    heads = [explain.BUCKET_TITLES[k] for k in explain.BUCKETS]
+    out = ["\nWhat grew against the baseline: points of scaling efficiency lost to each part of the step "
+           "(they add up to 100 - efficiency; negative: that part shrank).\n",
+           "| nodes | accelerators | " + " | ".join(heads) + " | total lost | phase timing |",
+           "|" + "|".join("---:" for _ in range(len(heads) + 3)) + "|:---|"]
+    for r in rows:
+        lost = r["lost"]
+        out.append(f"| {r['nodes']} | {r['accelerators']} | "
+                   + " | ".join(f"{round(lost[k], 2) + 0.0:.2f}" for k in explain.BUCKETS)
+                   + f" | {round(lost['total'], 2) + 0.0:.2f} | {'yes' if lost['timed'] else 'no: all in anything else'} |")
+    return out
 
 
 def format_csv(groups: Sequence[Group]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["group", *_COLS, "baseline", "reason"])
+    w.writerow(["group", *_COLS, "baseline", *(f"lost_{k}" for k in explain.BUCKETS), "lost_total",
+                "phase_timing", "reason"])
     for i, g in enumerate(groups, 1):
         for r in rows_of(g):
             c = _cells(r)
             c[4] = f"{r['efficiency']:.4f}"    # csv keeps efficiency a fraction, like json
-            w.writerow([i, *c, int(r["baseline"]), g.reason])
+            lost = r["lost"]
+            w.writerow([i, *c, int(r["baseline"]), *(f"{round(lost[k], 4) + 0.0:.4f}" for k in (*explain.BUCKETS, "total")),
+                        int(lost["timed"]), g.reason])
     return buf.getvalue()
 
 
@@ -281,6 +309,7 @@ def format_json(groups: Sequence[Group]) -> str:
         for r in rows_of(g):
             r = {k: (round(v, 4) if k in ("throughput", "per_accelerator", "speedup") else v) for k, v in r.items()}
             r["efficiency"] = round(r["efficiency"], 6)
+            r["lost"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r["lost"].items()}
             rows.append({"group_index": i, "reason": g.reason, **r})
     return json.dumps(rows, indent=2)
 
@@ -292,7 +321,7 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
     for i, g in enumerate(groups):
         rows = rows_of(g)
         x = [r["accelerators"] for r in rows]
@@ -318,11 +347,42 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
         if len({a for g in groups for a in (r.accelerators for r in g.runs)}) > 2:
             ax.set_xscale("log", base=2)
     ax1.legend(fontsize=7)
+    _plot_lost(ax3, groups)
     if len(groups) == 1:
         fig.suptitle(groups[0].title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_lost(ax, groups: Sequence[Group]) -> None:
+    """Stacked bars: per larger run, the points of efficiency lost to each part of the step."""
+    labels, bottoms_pos, bottoms_neg = [], [], []
+    bars = []
+    for i, g in enumerate(groups):
+        for r in rows_of(g):
+            if not r["baseline"]:
+                labels.append(f"{i + 1}:{r['accelerators']}" if len(groups) > 1 else str(r["accelerators"]))
+                bars.append(r["lost"])
+    x = list(range(len(bars)))
+    pos, neg = [0.0] * len(bars), [0.0] * len(bars)
+    for j, k in enumerate(explain.BUCKETS):
+        vals = [b[k] for b in bars]
+        bottom = [pos[n] if v >= 0 else neg[n] for n, v in enumerate(vals)]
+        ax.bar(x, vals, bottom=bottom, color=f"C{j}", label=explain.BUCKET_TITLES[k])
+        for n, v in enumerate(vals):
+            if v >= 0:
+                pos[n] += v
+            else:
+                neg[n] += v
+    ax.set_xticks(x, labels)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("accelerators")
+    ax.set_ylabel("efficiency points lost vs baseline")
+    ax.set_title("What grew (stacked: sum = 100 - efficiency)")
+    ax.grid(alpha=0.3, axis="y")
+    if bars:
+        ax.legend(fontsize=7)
 
 
 # ------------------------------------------------------------------------------------------------------- CLI
@@ -363,6 +423,11 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["predict"]:        # `ds-scaling-report predict ...` (a subparser would clash with the runs list)
+        from ds_tools import predict
+
+        return predict.main(argv[1:])
     # OSError: a run directory, table or output path the user named
     return cli_main(argv, build_parser, _main, (ScalingError, OSError))
 

@@ -34,14 +34,18 @@ def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
 
 
 def comms_records() -> dict:
-    """{op: {"count": n, "bytes": total, "sizes": {msg_size: count}, "latency_ms": total}} from DeepSpeed's logger."""
+    """{op: {"count": n, "bytes": total, "sizes": {msg_size: count}, "latency_ms": total}} from DeepSpeed's logger.
+
+    DeepSpeed 0.19 appends, per call, its timer's elapsed(reset=False) (comm/comm.py:142), which is the running total
+    of every call of that op so far (utils/timer.py _get_elapsed_msec sums all records): the op's total time is the
+    largest value recorded, not their sum."""
     from deepspeed.comm import comm
 
     out = {}
     for op, by_size in comm.comms_logger.comms_dict.items():
         sizes = {str(size): int(rec[0]) for size, rec in by_size.items()}
         out[op] = {"count": sum(sizes.values()), "bytes": sum(int(s) * n for s, n in sizes.items()),
-                   "sizes": sizes, "latency_ms": float(sum(sum(rec[1]) for rec in by_size.values()))}
+                   "sizes": sizes, "latency_ms": float(max((max(rec[1]) for rec in by_size.values() if rec[1]), default=0.0))}
     return out
 
 
@@ -79,6 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     def fit_then_take_comms(self, *args, **kwargs):
         summary = real_fit(self, *args, **kwargs)
         taken["comms"] = comms_records()
+        engine = args[0] if args else kwargs.get("engine")
+        try:   # the gradient size a prediction needs (ds_tools.study.emulated); ZeRO-3 partitions keep ds_numel
+            taken["params"] = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+        except AttributeError:
+            pass
         return summary
 
     Trainer.fit = fit_then_take_comms  # every entry point trains through Trainer.fit
@@ -94,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
             out.mkdir(parents=True, exist_ok=True)
             rec = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
                    "comms": taken.get("comms") or comms_records(), "comms_window": "training" if taken else "run",
-                   "memory": peak_memory(), "completed": sys.exc_info()[0] is None}
+                   "memory": peak_memory(), "completed": sys.exc_info()[0] is None,
+                   "params": taken.get("params")}
             tmp = out / f".rank{rank}.json.tmp"
             tmp.write_text(json.dumps(rec, indent=1) + "\n")
             os.replace(tmp, out / f"rank{rank}.json")

@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 import sys
+import zlib
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, TextIO
 
@@ -23,6 +25,7 @@ import ds_core
 from ds_core.config import atomic_write_text
 from ds_core.rendezvous import free_port, rank_env
 from launch import local_ranks
+from ds_tools.study import netns
 from ds_tools.study.spec import Cell, Study, StudyError, dump_json
 
 REPO_ROOT = Path(ds_core.__file__).resolve().parents[1]  # ranks import the same checkout as this process
@@ -101,6 +104,15 @@ def commands_for(study: Study, cell: Cell, out: Path, *, write: bool) -> list[li
             local_ranks.write_loopback_hostfile(hostfile, nodes, study.ranks_per_node)
         return local_ranks.node_commands(nodes, study.ranks_per_node, ["--module", "ds_tools.study.cell", *args],
                                          master_port=port, hostfile=hostfile)
+    if study.launcher == "emulated_fabric":
+        # one namespace per node (ds_tools.study.netns), each node's DeepSpeed launcher inside its namespace
+        spaces, addrs = netns.names(nodes, fabric_key(out))
+        hostfile = run_dir / "hostfile"
+        if write:
+            hostfile.write_text("".join(f"{a} slots={study.ranks_per_node}\n" for a in addrs))
+        cmds = local_ranks.node_commands(nodes, study.ranks_per_node, ["--module", "ds_tools.study.cell", *args],
+                                         master_port=port, hostfile=hostfile, master_addr=addrs[0])
+        return [["ip", "netns", "exec", ns, *c] for ns, c in zip(spaces, cmds)]
     # hostfile: launch.run (pdsh by default) on the first N hosts; it passes --deepspeed_config and --preset itself
     hostfile = _hostfile_slice(study, nodes, run_dir / "hostfile") if write else run_dir / "hostfile"
     if ds_json is None:
@@ -171,6 +183,19 @@ class _Progress:
                 self.say(f"  step {rec['step']}: {rec['samples_per_s']:.2f} samples/s")
 
 
+def fabric_key(out: Path) -> int:
+    """Namespace names and subnet of an emulated-fabric study: stable per output directory (a rerun's commands
+    compare equal), distinct between studies run side by side."""
+    return zlib.crc32(str(Path(out).resolve()).encode())
+
+
+def _fabric(study: Study, cell: Cell, out: Path):
+    if study.launcher != "emulated_fabric":
+        return nullcontext()
+    f = study.fabric_of(cell)
+    return netns.emulated_fabric(study.nodes_of(cell), mbit=f["mbit"], delay_ms=f["delay_ms"], key=fabric_key(out))
+
+
 def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None = None,
         cwd: Path | None = None) -> dict:
     """Run every cell not yet complete; returns {"ok": n, "failed": n, "skipped": n}. Never raises for a failed cell."""
@@ -209,8 +234,15 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
             _move_aside(out, d, say)
         cmds = commands_for(study, cell, out, write=True)
         log = d / "log.txt"
-        res = local_ranks.run_launchers(cmds, env=env, cwd=cwd or Path.cwd(), timeout_s=study.timeout_s,
-                                        log_path=log, on_poll=_Progress(d, say), poll_s=2.0)
+        with _fabric(study, cell, out) as fab:
+            if fab is not None:
+                say(f"  emulated fabric {study.fabric_of(cell)['name']}: {fab.mbit:g} Mbit/s, {fab.delay_ms:g} ms "
+                    + ("" if fab.latency_emulated else "(latency NOT emulated: no sch_netem in this kernel) ")
+                    + f"between {len(fab.namespaces)} namespace(s)")
+                atomic_write_text(d / "fabric.json", dump_json({**study.fabric_of(cell),
+                                                                "latency_emulated": fab.latency_emulated}))
+            res = local_ranks.run_launchers(cmds, env=env, cwd=cwd or Path.cwd(), timeout_s=study.timeout_s,
+                                            log_path=log, on_poll=_Progress(d, say), poll_s=2.0)
         summary = read_summary(d)
         status = "timeout" if res.timed_out else ("ok" if res.ok and summary is not None else "failed")
         rec = {"status": status, "exit_code": res.exit_code if not (res.ok and summary is None) else 1,

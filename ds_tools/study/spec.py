@@ -11,7 +11,9 @@ Schema (every key of [study] is optional except `module`; unknown keys are refus
     warmup_steps = 3                       # --throughput_warmup_steps (excluded from samples/s)
     args = ["--do_train", "--dataset_path", "data/captions.jsonl"]   # further flags of the module, as given
     launcher = "local"                     # local: deepspeed --num_gpus; simulated_nodes: N `--no_ssh --node_rank`
-                                           # launchers on loopback; hostfile: python -m launch.run, first N hosts
+                                           # launchers on loopback; hostfile: python -m launch.run, first N hosts;
+                                           # emulated_fabric: one network namespace per node on a tc-shaped
+                                           # bridge (ds_tools/study/netns.py; root), links from [fabrics]
     ranks_per_node = 2                     # local ranks per (simulated) node
     hostfile = ""                          # launcher = "hostfile": the cluster's hostfile
     launch_args = []                       # launcher = "hostfile": extra flags of launch.run (--profile efa, ...)
@@ -33,6 +35,9 @@ Schema (every key of [study] is optional except `module`; unknown keys are refus
 
     [env]                                  # extra environment of every rank
     OMP_NUM_THREADS = "1"
+
+    [fabrics]                              # launcher = "emulated_fabric": the links; axis `fabric` picks one
+    slow = { mbit = 100, delay_ms = 1.0 }  # tbf bandwidth, netem delay (where the kernel has sch_netem)
 """
 from __future__ import annotations
 
@@ -47,8 +52,8 @@ from typing import Any
 
 from ds_core.config import ConfigError, read_ds_json, resolve_ds_path
 
-LAUNCHERS = ("local", "simulated_nodes", "hostfile")
-SPECIAL_AXES = ("nodes", "allreduce", "zero_stage", "micro_batch_size")
+LAUNCHERS = ("local", "simulated_nodes", "hostfile", "emulated_fabric")
+SPECIAL_AXES = ("nodes", "allreduce", "zero_stage", "micro_batch_size", "fabric")
 ALLREDUCE_VALUES = ("buckets", "single")
 
 # allreduce = "single": the fast_ddp equivalent (optimum-habana's fast_ddp packs every gradient into one flat buffer
@@ -65,7 +70,8 @@ DEFAULT_SINGLE_BUCKET = 2_000_000_000
 _STUDY_KEYS = {"name", "module", "preset", "deepspeed_config", "steps", "warmup_steps", "args", "launcher",
                "ranks_per_node", "hostfile", "launch_args", "timeout_s", "repeats", "baseline", "comms_logger",
                "single_bucket_elements", "prepare", "prepare_creates"}
-_TOP_KEYS = {"study", "axes", "flags", "env"}
+_TOP_KEYS = {"study", "axes", "flags", "env", "fabrics"}
+_FABRIC_KEYS = {"mbit", "delay_ms"}
 
 
 class StudyError(ValueError):
@@ -112,6 +118,12 @@ class Study:
     axes: dict = field(default_factory=dict)
     flags: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
+    fabrics: dict = field(default_factory=dict)   # launcher = "emulated_fabric": name -> {mbit, delay_ms}
+
+    def fabric_of(self, cell: Cell) -> dict:
+        """The emulated link of a cell (launcher = "emulated_fabric"): {"name", "mbit", "delay_ms"}."""
+        name = str(cell.values.get("fabric", next(iter(self.fabrics), "")))
+        return {"name": name, **self.fabrics[name]}
 
     # ----------------------------------------------------------------------------------------------- cells
     def cells(self) -> list[Cell]:
@@ -277,7 +289,33 @@ def load_study(path: str | Path) -> Study:
     st.flags = dict(flags)
     env = data.get("env", {})
     st.env = {str(k): _flag_value(v) if isinstance(v, bool) else str(v) for k, v in env.items()}
+    _load_fabrics(path, data.get("fabrics", {}), st)
     return st
+
+
+def _load_fabrics(path: Path, fabrics: dict, st: Study) -> None:
+    """[fabrics] name = { mbit = 100, delay_ms = 1.0 }: the links of launcher = "emulated_fabric" (ds_tools.study.netns);
+    the special axis `fabric` picks one per cell."""
+    for name, f in fabrics.items():
+        if not isinstance(f, dict) or set(f) - _FABRIC_KEYS or "mbit" not in f:
+            raise StudyError(f"{path}: [fabrics] {name} = {f!r}: expected {{ mbit = N, delay_ms = N }}")
+        for k in f:
+            v = f[k]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (k == "mbit" and v == 0):
+                raise StudyError(f"{path}: [fabrics] {name}.{k} = {v!r}: expected a number "
+                                 f"{'> 0' if k == 'mbit' else '>= 0'}")
+    st.fabrics = {n: {"mbit": float(f["mbit"]), "delay_ms": float(f.get("delay_ms", 0.0))} for n, f in fabrics.items()}
+    if st.launcher == "emulated_fabric":
+        if not st.fabrics:
+            raise StudyError(f"{path}: launcher = \"emulated_fabric\" needs a [fabrics] table, e.g. "
+                             "slow = { mbit = 100, delay_ms = 1.0 }")
+        if len(st.fabrics) > 1 and "fabric" not in st.axes:
+            raise StudyError(f"{path}: [fabrics] has {len(st.fabrics)} entries: add [axes] fabric = {sorted(st.fabrics)}")
+    for v in st.axes.get("fabric", []):
+        if st.launcher != "emulated_fabric":
+            raise StudyError(f"{path}: [axes] fabric needs launcher = \"emulated_fabric\"")
+        if v not in st.fabrics:
+            raise StudyError(f"{path}: [axes] fabric value {v!r}: not in [fabrics] {sorted(st.fabrics)}")
 
 
 def study_text_hash(path: Path) -> str:

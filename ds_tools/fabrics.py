@@ -1,0 +1,93 @@
+"""Fabric profiles and alpha-beta costs of the collectives DeepSpeed issues, for `ds-scaling-report predict`.
+
+Bandwidth is NCCL's *bus bandwidth* (nccl-tests doc/PERFORMANCE.md): for n ranks, a collective of S bytes moves
+    all-reduce                    2 (n-1)/n * S   through each rank's link,
+    all-gather / reduce-scatter     (n-1)/n * S   (S = the full, gathered buffer),
+so time = bytes-moved / bus bandwidth. Across N nodes of a accelerators we use the hierarchical ring (intra-node ring
+over the accelerator links, then a ring between nodes in which the a accelerators of a node drive the node's NICs in
+parallel, each carrying 1/a of the buffer):
+
+    all-reduce(S)      = 2 (a-1)/a * S / B_intra  +  2 (N-1)/N * S / B_inter        + latency
+    all-gather(S), reduce-scatter(S) = half the two bandwidth terms                  + latency
+    latency            = steps * alpha: ring steps (a-1) intra, and between nodes min(N-1, ceil(log2 N)) for an
+                         all-reduce (NCCL's tree for latency-bound sizes), N-1 for gather/scatter (ring only)
+
+B_intra is one accelerator's link bandwidth to its node peers, B_inter one node's aggregate scale-out bandwidth; both
+are line rates multiplied by the fabric's ONE efficiency factor (`efficiency`): calibrated on a published table
+where one exists (docs/studies.md), 1.0 (uncalibrated, said so in the output) otherwise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fabric:
+    name: str
+    intra_gbps: float          # per accelerator, one direction, line rate (Gbit/s)
+    inter_gbps: float          # per node, aggregate scale-out, one direction, line rate (Gbit/s)
+    latency_us: float          # per inter-node ring step
+    intra_latency_us: float    # per intra-node ring step
+    efficiency: float          # the one calibrated factor: achieved bus bandwidth / line rate
+    calibrated_on: str         # where `efficiency` comes from ("" = not calibrated)
+    source: str                # where the line rates come from
+
+    @property
+    def b_intra(self) -> float:
+        """Effective intra-node bus bandwidth, bytes/s."""
+        return self.intra_gbps * 1e9 / 8 * self.efficiency
+
+    @property
+    def b_inter(self) -> float:
+        return self.inter_gbps * 1e9 / 8 * self.efficiency
+
+
+# Line rates with their sources; `efficiency` of dl1 and dgx-a100 is fitted by ds_tools.predict.calibrate on the
+# published tables in PUBLISHED (tests/test_predict.py re-fits and checks these values).
+FABRICS = {
+    "dl1": Fabric("dl1", 700, 400, 20.0, 5.0, 0.056, "DL1 BERT-Large 1/2/4/8 nodes (docs/studies.md)",
+                  "AWS dl1.24xlarge: 8 Gaudi (HL-205), each with 7 of its 10x100 GbE RoCE ports to its 7 peers "
+                  "(all-to-all), 4x100 Gb/s EFA per instance (aws.amazon.com/ec2/instance-types/dl1)"),
+    "gaudi2-hls": Fabric("gaudi2-hls", 2100, 2400, 10.0, 3.0, 1.0, "",
+                         "Intel Gaudi2 HLS-Gaudi2: 24x100 GbE RoCE per card, 21 to its 7 peers (3 each), 3 for "
+                         "scale-out (8 cards: 24x100 Gb/s per node) (Gaudi2 white paper / HLS-Gaudi2 spec)"),
+    "dgx-a100": Fabric("dgx-a100", 2400, 1600, 5.0, 2.0, 0.403,
+                       "NVIDIA DLE BERT-Large phase 1, DGX A100 80GB, 1-32 nodes (docs/studies.md)",
+                       "DGX A100: NVLink3 600 GB/s per GPU both directions (300 GB/s = 2400 Gb/s one way), "
+                       "8x 200 Gb/s HDR InfiniBand compute NICs (DGX A100 user guide)"),
+    "dgx-h100": Fabric("dgx-h100", 3600, 3200, 5.0, 2.0, 1.0, "",
+                       "DGX H100: NVLink4 900 GB/s per GPU both directions (450 GB/s = 3600 Gb/s one way), "
+                       "8x 400 Gb/s NDR InfiniBand (ConnectX-7) (DGX H100 user guide)"),
+}
+
+
+def custom(intra_gbps: float, inter_gbps: float, latency_us: float, efficiency: float = 1.0) -> Fabric:
+    for name, v in (("--intra_gbps", intra_gbps), ("--inter_gbps", inter_gbps)):
+        if not v > 0:
+            raise ValueError(f"{name} {v}: expected a positive bandwidth in Gbit/s")
+    if latency_us < 0:
+        raise ValueError(f"--latency_us {latency_us}: expected >= 0")
+    return Fabric("custom", intra_gbps, inter_gbps, latency_us, min(latency_us, 2.0), efficiency, "",
+                  "given on the command line")
+
+
+def all_reduce_s(fab: Fabric, nbytes: float, per_node: int, nodes: int, calls: int = 1) -> float:
+    """Seconds for an all-reduce of nbytes in `calls` buckets (hierarchical ring, NCCL bus-bandwidth terms)."""
+    a, n = per_node, nodes
+    if a * n <= 1 or nbytes <= 0:
+        return 0.0
+    t = 2 * (a - 1) / a * nbytes / fab.b_intra + 2 * (n - 1) / n * nbytes / fab.b_inter
+    steps_inter = min(n - 1, math.ceil(math.log2(n))) if n > 1 else 0
+    lat = 2 * (a - 1) * fab.intra_latency_us + 2 * steps_inter * fab.latency_us
+    return t + calls * lat * 1e-6
+
+
+def gather_s(fab: Fabric, nbytes: float, per_node: int, nodes: int, calls: int = 1) -> float:
+    """Seconds for an all-gather or a reduce-scatter whose full (gathered) buffer is nbytes."""
+    a, n = per_node, nodes
+    if a * n <= 1 or nbytes <= 0:
+        return 0.0
+    t = (a - 1) / a * nbytes / fab.b_intra + (n - 1) / n * nbytes / fab.b_inter
+    lat = (a - 1) * fab.intra_latency_us + (n - 1) * fab.latency_us
+    return t + calls * lat * 1e-6

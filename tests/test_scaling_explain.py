@@ -1,0 +1,56 @@
+"""ds-scaling-report's breakdown of the efficiency lost between the smallest and each larger run, on synthetic
+metrics.jsonl files carrying ds_core.phases' summary fields (phase_*_s)."""
+import json
+
+import pytest
+
+from test_scaling_report import report, write_run
+
+# one optimizer step of 64 sequences per accelerator, seconds per phase (sum 1.0 s at 1 node)
+BASE = {"phase_data_s": 0.01, "phase_forward_s": 0.30, "phase_backward_s": 0.50, "phase_comm_s": 0.05,
+        "phase_step_s": 0.10, "phase_wait_s": 0.04}
+
+
+def phases(**over):
+    return {**BASE, **over}
+
+
+def test_breakdown_adds_up_and_names_what_grew(tmp_path, capsys):
+    # 4 nodes: exposed communication 0.05 -> 0.25 s, slowest-rank wait 0.04 -> 0.10 s, data wait 0.01 -> 0.00 s,
+    # compute unchanged: step 1.0 -> 1.25 s, efficiency 80 %
+    write_run(tmp_path, "n1", 1, 8 * 64 / 1.0, **phases())
+    write_run(tmp_path, "n4", 4, 32 * 64 / 1.25, **phases(phase_comm_s=0.25, phase_wait_s=0.10, phase_data_s=0.0))
+    # 2 nodes without phase timing (an older run): the loss cannot be split and is said so
+    write_run(tmp_path, "n2", 2, 16 * 64 / 1.1)
+    rows = {r["nodes"]: r for r in json.loads(report([str(tmp_path), "--format", "json"], capsys))}
+    lost = rows[4]["lost"]
+    assert rows[4]["efficiency"] == pytest.approx(0.8)
+    assert lost["comm"] == pytest.approx(100 * 0.20 / 1.25, abs=1e-3)      # 16 points
+    assert lost["wait"] == pytest.approx(100 * 0.06 / 1.25, abs=1e-3)      # 4.8 points
+    assert lost["data"] == pytest.approx(-100 * 0.01 / 1.25, abs=1e-3)     # shrank: -0.8
+    assert lost["other"] == pytest.approx(0.0, abs=1e-3)
+    assert lost["comm"] + lost["wait"] + lost["data"] + lost["other"] == pytest.approx(100 * (1 - 0.8), abs=1e-3)
+    assert lost["timed"] is True
+    assert rows[2]["lost"]["timed"] is False
+    assert rows[2]["lost"]["other"] == pytest.approx(100 * (1 - 1 / 1.1), abs=1e-3)
+    assert rows[1]["lost"]["total"] == pytest.approx(0.0)
+
+    md = report([str(tmp_path)], capsys)
+    assert "| communication | slowest rank | data | anything else | total lost | phase timing |" in md
+    assert "| 4 | 32 | 16.00 | 4.80 | -0.80 | 0.00 | 20.00 | yes |" in md
+    assert "| 2 | 16 | 0.00 | 0.00 | 0.00 | 9.09 | 9.09 | no: all in anything else |" in md
+    out = report([str(tmp_path), "--format", "csv"], capsys).splitlines()
+    assert "lost_comm,lost_wait,lost_data,lost_other,lost_total,phase_timing" in out[0]
+    assert [line for line in out if line.startswith("1,4,32,")][0].split(",")[8:14] == \
+        ["16.0000", "4.8000", "-0.8000", "0.0000", "20.0000", "1"]
+
+
+def test_breakdown_plot_has_the_stacked_bars(tmp_path, capsys):
+    write_run(tmp_path, "n1", 1, 512.0, **phases())
+    write_run(tmp_path, "n2", 2, 16 * 64 / 1.2, **phases(phase_comm_s=0.25))
+    png = tmp_path / "s.png"
+    report([str(tmp_path), "--plot", str(png)], capsys)
+    from PIL import Image
+
+    w, h = Image.open(png).size
+    assert w > 1.3 * h            # three panels side by side: throughput, efficiency, what grew
