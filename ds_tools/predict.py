@@ -29,6 +29,7 @@ from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main, flag
 from ds_tools import fabrics
+from ds_tools.scaling import ScalingError, summary_of
 from ds_tools import scaling_explain as explain
 
 DS = "deepspeed 0.19.8"
@@ -235,12 +236,10 @@ def format_csv(res: dict) -> str:
 # ---------------------------------------------------------------------------------------------------- CLI
 
 def _measured_from_run(path: str) -> tuple[Measured, dict]:
-    from ds_tools.scaling import ScalingError, _summary_of
-
     p = Path(path)
     f = p / "metrics.jsonl" if p.is_dir() else p
     try:
-        s = _summary_of(f)
+        s = summary_of(f)
     except (ScalingError, OSError) as e:
         raise PredictError(f"--from {path}: {e}") from None
     try:
@@ -254,7 +253,7 @@ def _measured_from_run(path: str) -> tuple[Measured, dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="ds-scaling-report predict", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(allow_abbrev=False, prog="ds-scaling-report predict", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(*flag("--from"), dest="from_run", metavar="RUN_DIR", help="measured run (its metrics.jsonl)")
     p.add_argument(*flag("--measured"), type=float, metavar="SEQ_PER_S", help="measured whole-job sequences/s")

@@ -423,11 +423,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["predict"]:        # `ds-scaling-report predict ...` (a subparser would clash with the runs list)
-        from ds_tools import predict
-
-        return predict.main(argv[1:])
     # OSError: a run directory, table or output path the user named
     return cli_main(argv, build_parser, _main, (ScalingError, OSError))
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ds_tools import fabrics, predict, scaling
+from ds_tools import fabrics, predict, scaling_cli
 from test_scaling_report import write_run
 
 P = 336_232_258      # BERT-Large (ds_configs/models/bert_large.json counted on the meta device by ds_tools.tuning)
@@ -54,7 +54,7 @@ def test_cli_from_a_run_with_phase_timing(tmp_path, capsys):
                     phase_comm_s=0.005, phase_step_s=0.1, phase_wait_s=0.04, zero_stage=1, precision="bf16")
     argv = ["predict", "--from", str(run), "--params", str(P), "--fabric", "dgx-a100", "--nodes", "1", "2", "4",
             "--format", "json"]
-    assert scaling.main(argv) == 0
+    assert scaling_cli.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     rows = {r["nodes"]: r for r in res["rows"]}
     assert rows[1]["seq_per_s"] == pytest.approx(512.0)          # the measured point is reproduced
@@ -64,17 +64,17 @@ def test_cli_from_a_run_with_phase_timing(tmp_path, capsys):
     assert rows[2]["exposed_comm_s"] == pytest.approx(0.005 + (1 - res["overlap"]) * (rows[2]["comm_s"] - comm1))
     assert rows[4]["efficiency"] < rows[2]["efficiency"] < 1.0
     assert res["efficiency_factor"] == fabrics.FABRICS["dgx-a100"].efficiency and "DLE" in res["calibrated_on"]
-    assert scaling.main(argv[:-1] + ["md"]) == 0
+    assert scaling_cli.main(argv[:-1] + ["md"]) == 0
     md = capsys.readouterr().out
     assert "efficiency factor 0.403" in md and "stage_1_and_2.py" in md and "| 4 | 32 | 1 |" in md
-    assert scaling.main(argv[:-1] + ["csv"]) == 0
+    assert scaling_cli.main(argv[:-1] + ["csv"]) == 0
     assert capsys.readouterr().out.startswith("nodes,accelerators,grad_accum,seq_per_s")
 
 
 def test_cli_errors_name_the_flag(tmp_path, capsys):
-    assert scaling.main(["predict", "--measured", "100", "--nodes", "2"]) == 2
+    assert scaling_cli.main(["predict", "--measured", "100", "--nodes", "2"]) == 2
     assert "--measured_nodes" in capsys.readouterr().err
-    assert scaling.main(["predict", "--measured", "100", "--measured_nodes", "1", "--accelerators_per_node", "8",
+    assert scaling_cli.main(["predict", "--measured", "100", "--measured_nodes", "1", "--accelerators_per_node", "8",
                          "--params", "1000", "--zero_stage", "0", "--precision", "fp32", "--micro_batch", "8",
                          "--nodes", "2"]) == 2
     assert "--fabric" in capsys.readouterr().err
@@ -84,7 +84,7 @@ def test_cli_measured_with_global_batch_reproduces_the_published_fit(capsys):
     argv = ["predict", "--measured", "4553", "--measured_nodes", "1", "--params", str(P), "--precision", "fp16",
             "--zero_stage", "0", "--micro_batch", "64", "--global_batch", "65536", "--accelerators_per_node", "8",
             "--fabric", "dgx-a100", "--nodes", "1", "32", "--format", "json"]
-    assert scaling.main(argv) == 0
+    assert scaling_cli.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["grad_accum"] for r in rows] == [128, 4]
     assert rows[0]["seq_per_s"] == pytest.approx(4553)

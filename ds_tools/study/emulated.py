@@ -143,7 +143,7 @@ def format_md(rows: Sequence[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     def build_parser() -> ArgumentParser:
-        p = ArgumentParser(prog="python -m ds_tools.study.emulated", description=__doc__.split("\n\n")[0])
+        p = ArgumentParser(allow_abbrev=False, prog="python -m ds_tools.study.emulated", description=__doc__.split("\n\n")[0])
         p.add_argument("out", help="the study's output directory")
         p.add_argument("--format", choices=("md", "json"), default="md")
         p.add_argument("--efficiency", type=float, default=1.0, help="the emulated fabric's factor (default 1.0)")
