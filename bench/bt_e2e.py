@@ -179,7 +179,7 @@ def bench_e2e(image_dir: str | None = None, steps: int = 40, warmup: int = 5, ba
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--image_dir", default=None, help="JPEGs to use (default: generate 500 photo-like 640x480)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)

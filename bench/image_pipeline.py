@@ -108,7 +108,7 @@ def bench_e2e_part(image_dir: Path) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=500, help="number of 640x480 JPEGs (>= 500 for the report)")
     ap.add_argument("--image_dir", default="", help="where the JPEGs are generated / reused (default: a temp dir)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per chunk and side (best is kept)")

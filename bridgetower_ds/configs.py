@@ -120,7 +120,8 @@ class ModelArgs:
         "help": "local directory with a saved BridgeTower (config.json + weights, e.g. the Large ITM/MLM/ITC "
                 "checkpoint); empty -> random init from --preset"})
     tokenizer_name_or_path: str = field(default="", metadata={
-        "help": "local tokenizer directory; empty -> --model_name_or_path, or the locally built debug tokenizer"})
+        "help": "local tokenizer directory; empty -> --model_name_or_path, or the locally built debug tokenizer",
+        "aliases": ["--tokenizer_name"]})
     freeze_vision_model: bool = field(default=False, metadata={"help": "freeze the vision tower (ViT)"})
     freeze_text_model: bool = field(default=False, metadata={"help": "freeze the text tower (RoBERTa)"})
     freeze_text_pooler: bool = field(default=True, metadata={

@@ -31,15 +31,14 @@ def flag(name: str) -> tuple[str, ...]:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, except that an abbreviation matching only the two spellings of ONE flag is that flag:
-    with both `--baseline_nodes` and `--baseline-nodes`, plain argparse calls `--baseline 2` ambiguous, which worked
-    before the rename. Subcommand parsers inherit the class (add_subparsers uses type(self))."""
+    """argparse's parser with allow_abbrev=False: a prefix of a flag is refused, never taken for the flag (a prefix
+    silently means another flag once a longer one is added: `--use_hpu_graphs` for `--use_hpu_graphs_for_inference`).
+    Both spellings of `flag()` are full option strings, so they need no prefix matching. Subcommand parsers inherit
+    the class (add_subparsers uses type(self)); parents must be built with allow_abbrev=False too."""
 
-    def _get_option_tuples(self, option_string):  # argparse's hook: (action, option string, ...) per candidate
-        by_action = {}
-        for candidate in super()._get_option_tuples(option_string):
-            by_action.setdefault(id(candidate[0]), candidate)
-        return list(by_action.values())
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
 
 def error(prog: str, message: object) -> int:

@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     ours, target = _split_argv(argv)
-    ap = argparse.ArgumentParser(prog="python -m ds_core.local_ranks", description=main.__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m ds_core.local_ranks", description=main.__doc__,
                                  usage="%(prog)s [-n N] [--master_port P] [--timeout_s S] (-m MODULE | SCRIPT) ARGS")
     ap.add_argument("-n", "--num_ranks", "--num_gpus", type=int, default=1, help="ranks on this host (default 1)")
     ap.add_argument("--master_addr", default=LOOPBACK)

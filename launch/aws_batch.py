@@ -147,7 +147,7 @@ def resolve(settings: LaunchSettings, env: Mapping[str, str], register_port: int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.aws_batch", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m launch.aws_batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_run_arguments(p)
     g = p.add_argument_group("AWS Batch")

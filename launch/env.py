@@ -273,7 +273,7 @@ def default_out() -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.env", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m launch.env", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="list the profiles in launch/env/")

@@ -168,7 +168,7 @@ def supervise(cmd: Sequence[str], env: dict[str, str], stall_timeout_s: float, l
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.guard", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m launch.guard", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stall_timeout_s", type=float, default=0,
                    help="kill the training process after this many seconds without a heartbeat (0: never); "

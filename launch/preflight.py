@@ -242,7 +242,7 @@ def format_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.preflight", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m launch.preflight", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hostfile", default=os.environ.get("LAUNCH_HOSTFILE", "hostfile"),
                    help="DeepSpeed hostfile to check (`host slots=N`); $LAUNCH_HOSTFILE, default ./hostfile")

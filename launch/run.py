@@ -54,7 +54,7 @@ LAUNCH_ERRORS: tuple[type[BaseException], ...] = (LaunchError, hf.HostfileError,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.run", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m launch.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(p)
     return p

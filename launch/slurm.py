@@ -42,7 +42,7 @@ def resolve(settings: LaunchSettings, env: Mapping[str, str], hostfile_given: bo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m launch.slurm", description=__doc__)
     run.add_run_arguments(p)
     return p
 

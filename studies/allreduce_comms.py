@@ -76,7 +76,7 @@ def rank_main(mode: str, steps: int, bucket: int, dtype: str, out: str) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bucket", type=int, default=50_000_000, help="reduce_bucket_size of `buckets`")

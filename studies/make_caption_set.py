@@ -52,7 +52,7 @@ def make(out: Path, n: int, width: int, height: int, seed: int = 0) -> Path:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("out", help="output directory")
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--width", type=int, default=320)

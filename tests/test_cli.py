@@ -109,13 +109,15 @@ def test_renamed_flags_accept_both_spellings(module, base, name, values):
         assert under != _parse(module, base), f"{name} changed nothing"
 
 
-def test_an_abbreviation_of_one_flag_is_not_ambiguous():
-    """argparse takes unique prefixes; both spellings of one flag must not make a prefix ambiguous."""
-    assert _parse("ds_core.scaling", ["--baseline", "2"])["baseline_nodes"] == 2
-    assert _parse("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o", "--dupe",
-                                             "3"])["dupe_factor"] == 3
-    with pytest.raises(SystemExit):  # two different flags still are
-        _parse("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o", "--max", "3"])
+def test_no_abbreviation_is_taken_for_a_flag():
+    """allow_abbrev=False everywhere (issue 26): a prefix is refused, even of one flag's two spellings, so a flag
+    added later can never silently change what an old command line means."""
+    assert _parse("ds_core.scaling", ["--baseline_nodes", "2"])["baseline_nodes"] == 2
+    for module, argv in (("ds_core.scaling", ["--baseline", "2"]),
+                         ("bert_ref.prep.__main__", ["shards", "--input", "t", "--vocab", "v", "--output", "o",
+                                                     "--dupe", "3"])):
+        with pytest.raises(SystemExit):
+            _parse(module, argv)
 
 
 def test_renamed_subcommand_keeps_its_old_name(capsys):

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="bert-prep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="stage", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--seed", type=int, default=12345)
     common.add_argument("--workers", type=int, default=1, help="worker processes")
     common.add_argument(*flag("--no_progress"), dest="progress", action="store_false", help="no progress bars")
