@@ -46,7 +46,7 @@ PUBLISHED["debug_pre_ln"] = PUBLISHED["bert_1p5b"]
 
 
 # BERT's values for the OptimArgs settings left to the model (None / ''): NVIDIA's and Habana's recipes.
-BERT_DEFAULTS = dict(weight_decay=0.01, eps=1e-6, lr_scheduler_type="poly_warmup")
+BERT_DEFAULTS = dict(weight_decay=0.01, eps=1e-6, lr_scheduler_type="poly_warmup", max_grad_norm=1.0)
 BERT_WARMUP_RATIO = 0.05  # when neither --warmup_steps nor --warmup_ratio (--warmup_proportion) is given
 
 
