@@ -209,6 +209,7 @@ class CompatArgs:
                 "best_model_checkpoint, as Trainer does"})
     greater_is_better: Optional[bool] = field(default=None, metadata={
         "help": "with --metric_for_best_model; default: false for a *loss, else true (Trainer's rule)"})
+    fp16: bool = field(default=False, metadata={"help": "refused: mixed precision is bf16 here (--bf16)"})
     load_best_model_at_end: bool = field(default=False, metadata={
         "help": "refused: the final model is the last step's; export the best with `ds-ckpt export-hf` from its "
                 "checkpoint (trainer_state.json's best_model_checkpoint)"})

@@ -59,6 +59,9 @@ def map_flags(compat: CompatArgs, train_cfg: TrainConfig, model_args: ModelArgs,
         raise ConfigError("--dataloader_drop_last: refused; an epoch's last (smaller) micro batch is trained (a one-row "
                           "batch, which has no negative, is dropped). For full batches only, pass --max_train_samples "
                           "N with N a multiple of --per_device_train_batch_size x ranks")
+    if compat.fp16:
+        raise ConfigError("--fp16: refused; mixed precision here is bf16 (no loss scaling needed): pass --bf16 (or "
+                          "--precision fp32)")
     if compat.load_best_model_at_end:
         raise ConfigError("--load_best_model_at_end: refused; the saved model is the last step's. Pass "
                           "--metric_for_best_model M: trainer_state.json names the best checkpoint "

@@ -78,7 +78,7 @@ class TrainConfig:
                                              default=0)
     zero_stage: int = arg("Override zero_optimization.stage of the DeepSpeed JSON; -1 keeps it.", default=-1)
     dist_timeout_s: int = arg("Collective timeout in seconds: a dead rank makes the others fail after this.",
-                                default=1800)
+                                default=1800, aliases=["--ddp_timeout"])
     progress_bar: bool = arg("Show a rank-0 tqdm progress bar.", default=True)
     precision: str = arg("Compute dtype: auto (bf16 on CUDA/HPU and on CPUs with native bf16, else fp32), bf16 or "
                          "fp32; switches the DeepSpeed JSON's bf16 section (ds_core.precision).", default="auto")

@@ -33,10 +33,10 @@ class OptimArgs:
                                          "else 5e-5, Trainer's).", default=None)
     weight_decay: Optional[float] = arg("Weight decay, not on biases and LayerNorm weights; default: the model's (BERT "
                                         "0.01; BridgeTower: the DeepSpeed JSON's, else 0.0, Trainer's).", default=None)
-    beta1: float = arg("Adam beta1.", default=0.9)
-    beta2: float = arg("Adam beta2.", default=0.999)
+    beta1: float = arg("Adam beta1.", default=0.9, aliases=["--adam_beta1"])  # TrainingArguments' names
+    beta2: float = arg("Adam beta2.", default=0.999, aliases=["--adam_beta2"])
     eps: Optional[float] = arg("Adam epsilon; default: the model's (BERT 1e-6, FusedLAMB's and Habana's LANS's; "
-                               "BridgeTower 1e-8, Trainer's).", default=None)
+                               "BridgeTower 1e-8, Trainer's).", default=None, aliases=["--adam_epsilon"])
     max_grad_norm: Optional[float] = arg("Gradient-norm limit; default: the model's. BERT (lamb only): FusedLAMB's "
                                          "global pre-normalization threshold (NVIDIA: 1.0; 0 = off; under ZeRO / bf16 "
                                          "the DeepSpeed JSON's gradient_clipping must equal it). BridgeTower: "
