@@ -198,7 +198,8 @@ def test_published_command_trains_on_two_ranks_and_writes_trainers_outputs(tmp_p
     train = results["train"]
     assert train["train_samples"] == 40 and summary["world_size"] == 2
     # the one clock: the same warm-up-excluded figure as metrics.jsonl
-    assert train["train_samples_per_second"] == summary["samples_per_s"] > 0
+    assert train["train_samples_per_second_measured"] == summary["samples_per_s"] > 0  # warm-up excluded
+    assert train["train_samples_per_second"] > 0 and train["train_runtime"] > 0  # Trainer's: the whole runtime
     assert train["train_warmup_steps_excluded"] == 3 and train["train_measured_steps"] == summary["steps"] - 3
     # Trainer's schedule: linear decay over the run's optimizer steps after 2 warm-up steps, from --learning_rate
     steps = [r for r in recs if r["type"] == "step"]
