@@ -523,7 +523,8 @@ def main() -> None:
     if "GLIBC_TUNABLES" not in os.environ and "--no_malloc_tuning" not in sys.argv:  # read at process start only
         os.execve(sys.executable, [sys.executable, "-m", "bench.bert_step", *sys.argv[1:]],
                   dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES))
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro_batch", type=int, default=4)
     ap.add_argument("--grad_accum", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps per window (after --warmup)")

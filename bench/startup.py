@@ -123,7 +123,8 @@ def plain_worker(out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="launches per side; the median is kept")
     ap.add_argument("--skip_deepspeed_launcher", action="store_true", help="do not also time `deepspeed --num_gpus`")

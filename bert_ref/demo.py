@@ -65,7 +65,8 @@ def _run(cmd: list[str], env: dict | None = None, log: Path | None = None) -> No
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo_out", help="output directory (replaced)")
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps")
     ap.add_argument("--ranks", type=int, default=2, help="local ranks (python -m ds_core.local_ranks -n)")

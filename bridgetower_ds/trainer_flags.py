@@ -56,9 +56,9 @@ def map_flags(compat: CompatArgs, train_cfg: TrainConfig, model_args: ModelArgs,
                           "checkpointing (supports_gradient_checkpointing is False). To fit memory use --zero_stage 3 "
                           "or a smaller --per_device_train_batch_size with --gradient_accumulation_steps")
     if compat.dataloader_drop_last:
-        raise ConfigError("--dataloader_drop_last: refused; an epoch's last (smaller) micro batch is trained (a one-row "
-                          "batch, which has no negative, is dropped). For full batches only, pass --max_train_samples "
-                          "N with N a multiple of --per_device_train_batch_size x ranks")
+        raise ConfigError("--dataloader_drop_last: refused; an epoch's last (smaller) micro batch is trained (a "
+                          "one-row batch, which has no negative, is dropped). For full batches only, pass "
+                          "--max_train_samples N with N a multiple of --per_device_train_batch_size x ranks")
     if compat.fp16:
         raise ConfigError("--fp16: refused; mixed precision here is bf16 (no loss scaling needed): pass --bf16 (or "
                           "--precision fp32)")

@@ -7,7 +7,8 @@ Definitions (Trainer's where it has one):
 - train_runtime: seconds from the first step's start to the end of the last step, in-loop evaluations and checkpoint
   saves included (Trainer's train() timer, less its set-up); train_samples_per_second / train_steps_per_second are
   the samples / optimizer steps of this process over train_runtime (Trainer's speed_metrics: warm-up included).
-  Ours, warm-up excluded, stay under train_measured_* / train_samples_per_second_measured (metrics.jsonl's samples_per_s).
+  Ours, warm-up excluded, stay under train_measured_* / train_samples_per_second_measured (= metrics.jsonl's
+  samples_per_s).
 - train_loss: the mean of every optimizer step's loss in this process (Trainer: tr_loss / steps).
 - total_flos: flops_per_sample (forward + backward, the model's own count) x samples trained, over the whole run
   (Trainer: model.floating_point_ops = 6 x parameters x tokens).

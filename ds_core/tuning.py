@@ -106,7 +106,8 @@ def write_spec_main(argv: Sequence[str] | None, *, prog: str, presets: Sequence[
     """The `--preset NAME --write_config PATH` command each model package runs (`python -m bert_ref.configs`,
     `python -m bridgetower_ds.configs`): make_spec(args) turns the parsed flags into the model description that
     load_spec reads; one writer, so the files in ds_configs/models/ all have one format."""
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description="Write a model preset as ds-tune's --model description.")
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog=prog,
+                                 description="Write a model preset as ds-tune's --model description.")
     ap.add_argument("--preset", required=True, help=f"one of {', '.join(presets)}")
     add_arguments(ap)
     ap.add_argument("--write_config", required=True, help="where the JSON goes (then: ds-tune --model PATH)")
