@@ -151,3 +151,39 @@ def test_resume_from_checkpoint_takes_the_newest_checkpoint_by_any_name_and_refu
     with pytest.raises(ConfigError, match=re.escape(f"not a checkpoint of --output_dir {run}")):
         _resolve(base + ["--resume_from_checkpoint", str(other)])
     assert not _resolve(base)[0][0].resume
+
+
+def test_train_validation_test_files_are_the_splits_as_run_bridgetower_reads_them(tmp_path):
+    (tmp_path / "train.csv").write_text("image,caption\n" + "".join(f"{i}.jpg,cap {i}\n" for i in range(6)))
+    (tmp_path / "val.json").write_text(json.dumps([{"image": "v.jpg", "caption": "val cap"}]))
+    (tmp_path / "test.jsonl").write_text(json.dumps({"image": "t.jpg", "caption": "test cap"}) + "\n")
+    argv = ["--do_train", "--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "val.json"),
+            "--test_file", str(tmp_path / "test.jsonl")]
+    (_, _, da, _), sections = _resolve(argv)
+    splits = trainer_flags.open_files(sections[5], da)
+    assert [len(splits.get(s)) for s in ("train", "validation", "test")] == [6, 1, 1]  # nothing carved out of train
+    assert splits.get("validation").captions[0] == "val cap" and splits.get("test").captions[0] == "test cap"
+    with pytest.raises(ConfigError, match="give one"):
+        _resolve(argv + ["--dataset_path", str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match="missing.csv"):
+        _resolve(["--do_train", "--train_file", str(tmp_path / "missing.csv")])
+    assert trainer_flags.open_files(CompatArgs(), DataArgs()) is None
+
+
+def test_checkpoint_links_follow_complete_checkpoints_and_pruning(tmp_path):
+    from ds_core.hf_outputs import link_checkpoints
+
+    root = tmp_path / "checkpoints"
+    for step, complete in ((2, True), (4, True), (6, False)):
+        (root / f"global_step{step}").mkdir(parents=True)
+        if complete:
+            (root / f"global_step{step}" / "COMPLETE").write_text("{}")
+    link_checkpoints(tmp_path, root)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]  # not 6
+    assert (tmp_path / "checkpoint-4").resolve() == (root / "global_step4").resolve()
+    (tmp_path / "checkpoint-9").mkdir()  # a user's own directory of that name is never touched
+    import shutil
+
+    shutil.rmtree(root / "global_step2")  # pruned by save_total_limit
+    link_checkpoints(tmp_path, root)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-9"]
