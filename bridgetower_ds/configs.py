@@ -153,6 +153,8 @@ HPU_NOTICES = {
     "use_lazy_mode": "the HPU execution mode comes from the environment (PT_HPU_LAZY_MODE), as Habana's bridge "
                      "reads it",
     "use_hpu_graphs_for_inference": "evaluation runs the DeepSpeed engine's eager forward; HPU graphs are not used",
+    "use_hpu_graphs": "(optimum-habana's deprecated name of --use_hpu_graphs_for_inference) evaluation runs the "
+                      "DeepSpeed engine's eager forward; HPU graphs are not used",
     "gaudi_config_name": "mixed precision comes from the DeepSpeed JSON (bf16 section), not a Gaudi config",
     "distribution_strategy": "data parallelism is DeepSpeed ZeRO (--zero_stage / the DeepSpeed JSON), not DDP",
     "sdp_on_bf16": "attention runs transformers' BridgeTower implementation; no Gaudi SDPA switch",
@@ -222,6 +224,8 @@ class CompatArgs:
                                                                  + HPU_NOTICES["use_lazy_mode"]})
     use_hpu_graphs_for_inference: bool = field(default=False, metadata={
         "help": "HPU-only flag, accepted: " + HPU_NOTICES["use_hpu_graphs_for_inference"]})
+    use_hpu_graphs: bool = field(default=False, metadata={"help": "HPU-only flag, accepted: "
+                                                                  + HPU_NOTICES["use_hpu_graphs"]})
     gaudi_config_name: str = field(default="", metadata={"help": "HPU-only flag, accepted: "
                                                                   + HPU_NOTICES["gaudi_config_name"]})
     distribution_strategy: str = field(default="", metadata={

@@ -101,6 +101,12 @@ def test_every_run_bridgetower_and_trainer_flag_is_accepted_or_refused_with_the_
         assert name in parsed, name  # the flag is a setting of its own (the others are aliases, checked below)
 
 
+def test_use_hpu_graphs_is_its_own_flag_not_a_prefix():
+    *_, ca = parse_args(TYPES, ["--use_hpu_graphs"])
+    assert ca.use_hpu_graphs and not ca.use_hpu_graphs_for_inference
+    assert compat.flag_notices(ca)[0].startswith("--use_hpu_graphs: (optimum-habana's deprecated name")
+
+
 def test_trainer_spellings_are_aliases_of_our_settings():
     tc, ma, _, ra, oa, _ = parse_args(TYPES, ["--deepspeed", "x.json", "--tokenizer_name", "tok", "--adam_beta2",
                                               "0.98", "--adam_epsilon", "1e-6", "--ddp_timeout", "60",
@@ -109,7 +115,7 @@ def test_trainer_spellings_are_aliases_of_our_settings():
         ("x.json", "tok", 0.98, 1e-6, 60)
 
 
-@pytest.mark.parametrize("argv", [["--use_hpu_graphs"], ["--tokenizer_name_or", "tok"], ["--deepspeed_conf", "x"],
+@pytest.mark.parametrize("argv", [["--use_hpu_graphs_for"], ["--tokenizer_name_or", "tok"], ["--deepspeed_conf", "x"],
                                   ["--per_device_train", "8"]])
 def test_no_prefix_is_taken_for_a_flag(argv):
     with pytest.raises(ConfigError, match="unknown command-line argument"):
