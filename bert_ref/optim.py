@@ -48,7 +48,7 @@ PUBLISHED["bert_1p5b_habana"] = PUBLISHED["debug_habana"] = PUBLISHED["bert_1p5b
 
 
 # BERT's values for the OptimArgs settings left to the model (None / ''): NVIDIA's and Habana's recipes.
-BERT_DEFAULTS = dict(weight_decay=0.01, eps=1e-6)  # the schedule kind comes from the recipe (Recipe.schedule)
+BERT_DEFAULTS = dict(weight_decay=0.01, eps=1e-6, max_grad_norm=1.0)  # the schedule kind: the recipe's (Recipe.schedule)
 BERT_WARMUP_RATIO = 0.05  # when neither --warmup_steps nor --warmup_ratio (--warmup_proportion) is given
 
 

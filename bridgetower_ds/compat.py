@@ -38,19 +38,12 @@ def trainer_defaults(optim: OptimArgs) -> OptimArgs:
 
 
 def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
-    """Refuse what cannot be honoured; return TrainConfig with save_strategy mapped onto it (a new instance)."""
+    """Refuse what cannot be honoured (push_to_hub)."""
     if compat.push_to_hub:
         raise ConfigError("--push_to_hub: refused; this toolkit never uploads (training hosts often have no internet "
                           "and a credential on every node is a risk). The model is saved in --output_dir in "
                           "save_pretrained format: upload it from there with `hf upload REPO DIR`")
-    if compat.save_strategy == "no":
-        if train_cfg.num_steps_per_checkpoint:
-            raise ConfigError(f"--save_strategy no with --save_steps {train_cfg.num_steps_per_checkpoint}: pick one")
-        return dataclasses.replace(train_cfg, save_final_checkpoint=False)
-    if compat.save_strategy != "steps":
-        raise ConfigError(f"--save_strategy {compat.save_strategy!r}: expected steps (checkpoints every --save_steps) "
-                          "or no; per-epoch checkpoints are not implemented")
-    return train_cfg
+    return train_cfg  # the strategies and the other Trainer flags: bridgetower_ds.trainer_flags.map_flags
 
 
 def flag_notices(compat: CompatArgs) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 from transformers import BridgeTowerConfig
 
@@ -120,7 +120,8 @@ class ModelArgs:
         "help": "local directory with a saved BridgeTower (config.json + weights, e.g. the Large ITM/MLM/ITC "
                 "checkpoint); empty -> random init from --preset"})
     tokenizer_name_or_path: str = field(default="", metadata={
-        "help": "local tokenizer directory; empty -> --model_name_or_path, or the locally built debug tokenizer"})
+        "help": "local tokenizer directory; empty -> --model_name_or_path, or the locally built debug tokenizer",
+        "aliases": ["--tokenizer_name"]})
     freeze_vision_model: bool = field(default=False, metadata={"help": "freeze the vision tower (ViT)"})
     freeze_text_model: bool = field(default=False, metadata={"help": "freeze the text tower (RoBERTa)"})
     freeze_text_pooler: bool = field(default=True, metadata={
@@ -152,6 +153,8 @@ HPU_NOTICES = {
     "use_lazy_mode": "the HPU execution mode comes from the environment (PT_HPU_LAZY_MODE), as Habana's bridge "
                      "reads it",
     "use_hpu_graphs_for_inference": "evaluation runs the DeepSpeed engine's eager forward; HPU graphs are not used",
+    "use_hpu_graphs": "(optimum-habana's deprecated name of --use_hpu_graphs_for_inference) evaluation runs the "
+                      "DeepSpeed engine's eager forward; HPU graphs are not used",
     "gaudi_config_name": "mixed precision comes from the DeepSpeed JSON (bf16 section), not a Gaudi config",
     "distribution_strategy": "data parallelism is DeepSpeed ZeRO (--zero_stage / the DeepSpeed JSON), not DDP",
     "sdp_on_bf16": "attention runs transformers' BridgeTower implementation; no Gaudi SDPA switch",
@@ -168,7 +171,50 @@ class CompatArgs:
         "help": "tensorboard | csv | wandb | comet | none (comma-separated for several): DeepSpeed's monitor, "
                 "writing under --output_dir/<name>/ (a monitor section in the DeepSpeed JSON wins)"})
     save_strategy: str = field(default="steps", metadata={
-        "help": "steps: checkpoints every --save_steps (and at the end); no: no checkpoints at all"})
+        "help": "steps: checkpoints every --save_steps (and at the end); epoch: at every epoch's end; no: none"})
+    eval_strategy: str = field(default="no", metadata={
+        "help": "no: evaluate once after training (--do_eval); steps: every --eval_steps optimizer steps (default "
+                "--logging_steps, as Trainer); epoch: at every epoch's end", "aliases": ["--evaluation_strategy"]})
+    eval_steps: int = field(default=0, metadata={"help": "with --eval_strategy steps: evaluate every N steps"})
+    resume_from_checkpoint: str = field(default="", metadata={
+        "help": "resume: no value or 'latest' -> the newest complete checkpoint of --output_dir; or a path to it "
+                "(checkpoint-N, checkpoints/global_stepN, or the run directory)"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "refused: transformers' BridgeTower has no gradient checkpointing (use --zero_stage 3 or a smaller "
+                "--per_device_train_batch_size)"})
+    dataloader_drop_last: bool = field(default=False, metadata={
+        "help": "true is refused (the last micro batch of an epoch is kept; see bridgetower_ds.batching)"})
+    train_file: str = field(default="", metadata={"help": "csv / json / jsonl manifest of the train split"})
+    validation_file: str = field(default="", metadata={"help": "csv / json / jsonl manifest of the validation split"})
+    test_file: str = field(default="", metadata={"help": "csv / json / jsonl manifest of the test split"})
+    data_dir: str = field(default="", metadata={"help": "refused: pass --dataset_path DIR"})
+    dataset_revision: str = field(default="main", metadata={
+        "help": "only main (the revision in the offline datasets cache); another is refused"})
+    model_revision: str = field(default="main", metadata={
+        "help": "revision of a hub id's snapshot in the local hub cache (--model_name_or_path)"})
+    cache_dir: str = field(default="", metadata={
+        "help": "the offline cache: hub snapshots (HF_HUB_CACHE) and datasets (HF_DATASETS_CACHE) are looked up here"})
+    config_name: str = field(default="", metadata={
+        "help": "accepted when it is --model_name_or_path (the config is read from the model's directory)"})
+    image_processor_name: str = field(default="", metadata={
+        "help": "directory of the preprocessor_config.json saved with the model (default: --model_name_or_path)"})
+    preprocessing_num_workers: Optional[int] = field(default=None, metadata={
+        "help": "accepted: captions are tokenized in the DataLoader workers (--dataloader_num_workers)"})
+    overwrite_cache: bool = field(default=False, metadata={"help": "accepted: no preprocessed cache is written"})
+    use_fast_tokenizer: bool = field(default=True, metadata={
+        "help": "accepted: the model directory's tokenizer is loaded as AutoTokenizer does (fast when it has one)"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "accepted: BridgeTower is transformers' own code; no remote code is ever run"})
+    token: str = field(default="", metadata={"help": "accepted and unused: nothing is downloaded"})
+    metric_for_best_model: str = field(default="", metadata={
+        "help": "an eval metric (loss, i2t_r1, ...): trainer_state.json records best_metric, best_global_step and "
+                "best_model_checkpoint, as Trainer does"})
+    greater_is_better: Optional[bool] = field(default=None, metadata={
+        "help": "with --metric_for_best_model; default: false for a *loss, else true (Trainer's rule)"})
+    fp16: bool = field(default=False, metadata={"help": "refused: mixed precision is bf16 here (--bf16)"})
+    load_best_model_at_end: bool = field(default=False, metadata={
+        "help": "refused: the final model is the last step's; export the best with `ds-ckpt export-hf` from its "
+                "checkpoint (trainer_state.json's best_model_checkpoint)"})
     remove_unused_columns: bool = field(default=True, metadata={
         "help": "accepted for transformers' scripts: only --image_column and --caption_column are ever read"})
     push_to_hub: bool = field(default=False, metadata={"help": "refused: this toolkit never uploads"})
@@ -178,6 +224,8 @@ class CompatArgs:
                                                                  + HPU_NOTICES["use_lazy_mode"]})
     use_hpu_graphs_for_inference: bool = field(default=False, metadata={
         "help": "HPU-only flag, accepted: " + HPU_NOTICES["use_hpu_graphs_for_inference"]})
+    use_hpu_graphs: bool = field(default=False, metadata={"help": "HPU-only flag, accepted: "
+                                                                  + HPU_NOTICES["use_hpu_graphs"]})
     gaudi_config_name: str = field(default="", metadata={"help": "HPU-only flag, accepted: "
                                                                   + HPU_NOTICES["gaudi_config_name"]})
     distribution_strategy: str = field(default="", metadata={

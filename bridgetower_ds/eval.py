@@ -10,6 +10,7 @@ embeddings are gathered from every rank and de-duplicated by row id before ranki
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -159,8 +160,21 @@ def evaluation_for(run_args: RunArgs, eval_every: int, make_source: Callable[[st
             if split not in sources:
                 sources[split] = make_source(split)
             sources[split].set_epoch(0)
+            batches = [0]
+
+            def counted():
+                for b in sources[split]:
+                    batches[0] += 1
+                    yield b
+
+            t0 = time.perf_counter()
+            logs = evaluate(engine, counted(), prefix=prefix)
+            runtime = time.perf_counter() - t0  # Trainer's speed_metrics: the whole pass, gathering included
+            logs.update({f"{prefix}_runtime": round(runtime, 4),
+                         f"{prefix}_samples_per_second": round(logs[f"{prefix}_samples"] / runtime, 3),
+                         f"{prefix}_steps_per_second": round(batches[0] / runtime, 3)})
             # bad images (distinct over ranks) and bad captions of the split go into its results file too
-            return {**evaluate(engine, iter(sources[split]), prefix=prefix), **sources[split].result_counts(prefix)}
+            return {**logs, **sources[split].result_counts(prefix)}
         return EvalTask(name, fn)
 
     def close() -> None:

@@ -52,7 +52,7 @@ def load_cached_dataset(name: str, config: str = "", cache_dir: str = ""):
     return obj
 
 
-def resolve_pretrained(name_or_path: str, flag: str = "--model_name_or_path") -> str:
+def resolve_pretrained(name_or_path: str, flag: str = "--model_name_or_path", revision: str | None = None) -> str:
     """A local directory as given, or the local hub-cache snapshot of a hub id such as BridgeTower/bridgetower-large-
     itm-mlm-itc (what from_pretrained would download); the error says how to fetch it."""
     if not name_or_path or Path(name_or_path).expanduser().exists() or not HUB_ID.match(name_or_path):
@@ -62,7 +62,7 @@ def resolve_pretrained(name_or_path: str, flag: str = "--model_name_or_path") ->
     from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: PLC0415
 
     try:
-        return snapshot_download(name_or_path, local_files_only=True)
+        return snapshot_download(name_or_path, local_files_only=True, revision=revision or None)
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
         raise FileNotFoundError(
             f"{flag} {name_or_path}: no such directory and not in the local hub cache ({type(e).__name__}); on a "

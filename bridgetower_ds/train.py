@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from ds_core.config import ConfigError, TrainConfig, read_ds_json, resolve_ds_path
 from ds_core.engine import build_engine, shutdown_distributed
-from ds_core.results import keep_frozen_fp32, save_metrics, save_model, train_metrics
+from ds_core.results import keep_frozen_fp32, save_metrics, save_model
 from ds_core.settings import OptimArgs
 from ds_core.setup import Run, RunSpec, start_run
 from ds_core.trainer import Trainer
 
-from bridgetower_ds import compat
+from bridgetower_ds import compat, trainer_files, trainer_flags
 from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
 from bridgetower_ds.data import DataArgs, build_data, check_dataset, open_dataset
 from bridgetower_ds.eval import evaluation_for
@@ -37,14 +38,19 @@ def resolve(sections: tuple) -> tuple[tuple, list[str]]:
     if not (run_args.do_train or run_args.do_eval or run_args.do_predict):
         raise ConfigError("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
     train_cfg = compat.check_flags(compat_args, train_cfg)
-    check_dataset(data_args)  # a dataset missing from the offline cache stops here, before any rank builds a model
+    train_cfg, model_args, data_args, flag_notes = trainer_flags.map_flags(compat_args, train_cfg, model_args,
+                                                                           data_args, DEFAULT_DS_CONFIG,
+                                                                           optim.max_grad_norm)
+    if not (compat_args.train_file or compat_args.validation_file or compat_args.test_file):
+        check_dataset(data_args)  # a dataset missing from the offline cache stops here, before any rank builds a model
     model_args = dataclasses.replace(
-        model_args, model_name_or_path=resolve_pretrained(model_args.model_name_or_path),
+        model_args, model_name_or_path=resolve_pretrained(model_args.model_name_or_path,
+                                                          revision=compat_args.model_revision),
         tokenizer_name_or_path=resolve_pretrained(model_args.tokenizer_name_or_path, "--tokenizer_name_or_path"))
     lr, wd, notes = compat.resolve_optimizer(optim, read_ds_json(train_cfg.deepspeed_config),
                                              f"DeepSpeed config {train_cfg.deepspeed_config}")
     optim = dataclasses.replace(compat.trainer_defaults(optim), learning_rate=lr, weight_decay=wd)
-    notices = compat.flag_notices(compat_args) + notes
+    notices = compat.flag_notices(compat_args) + flag_notes + notes
     return (train_cfg, model_args, data_args, run_args, optim, compat_args), notices
 
 
@@ -52,6 +58,8 @@ def adjust_ds_config(sections: tuple, ds_config: dict) -> list[str]:
     """The resolved learning rate / weight decay and the --report_to monitors, written into the DeepSpeed config."""
     train_cfg, _, _, _, optim, compat_args = sections
     compat.resolve_optimizer(optim, ds_config, f"DeepSpeed config {resolve_ds_path(train_cfg.deepspeed_config)}")
+    if optim.max_grad_norm is not None:  # Trainer's --max_grad_norm is DeepSpeed's gradient_clipping
+        ds_config["gradient_clipping"] = optim.max_grad_norm
     return compat.apply_report_to(compat_args.report_to, ds_config, train_cfg.run_dir)
 
 
@@ -63,14 +71,15 @@ SPEC = RunSpec(types=(TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, Comp
 
 
 def main(argv=None) -> dict:
-    run = start_run(SPEC, argv)
-    train_cfg, model_args, data_args, run_args, optim, _ = run.settings
+    run = start_run(SPEC, trainer_flags.expand_argv(sys.argv[1:] if argv is None else argv))
+    train_cfg, model_args, data_args, run_args, optim, compat_args = run.settings
     dist, ds_config, micro = run.dist, run.ds_config, run.ds_config["train_micro_batch_size_per_gpu"]
     tokenizer = load_tokenizer(model_args, data_args.max_seq_length)
     image_size = int(load_config(model_args).vision_config.image_size)
     if data_args.image_size and data_args.image_size != image_size:
         raise ConfigError(f"--image_size {data_args.image_size} != the model's vision image_size {image_size}")
-    splits = open_dataset(data_args, train_cfg.seed)  # opened and split once; every evaluation reuses it
+    # opened and split once (--train_file/--validation_file/--test_file, or the dataset); every evaluation reuses it
+    splits = trainer_flags.open_files(compat_args, data_args, train_cfg.seed) or open_dataset(data_args, train_cfg.seed)
 
     def data(split: str, micro: int, shuffle: bool):
         return build_data(splits, split, tokenizer, image_size, dist.rank, dist.world_size, micro_batch=micro,
@@ -78,13 +87,16 @@ def main(argv=None) -> dict:
 
     if run_args.do_train:
         run = run.with_data(data("train", micro, shuffle=True))  # total optimizer steps, decided once
+    per_epoch = trainer_flags.steps_per_epoch(len(run.data), ds_config["gradient_accumulation_steps"]) \
+        if run.data is not None else 1
+    eval_every = per_epoch if compat_args.eval_strategy == "epoch" else train_cfg.eval_every
     model = build_model(model_args)
     _announce(run, model, image_size)
     model.logit_scale_as_1d()  # DeepSpeed cannot broadcast 0-dim parameters
     frozen = keep_frozen_fp32(model, keep=dist.rank == 0)
     engine = build_engine(model, ds_config, **compat.engine_kwargs(model, optim, ds_config, optim.learning_rate,
                                                                    optim.weight_decay, run.total_steps or 1))
-    evaluation = evaluation_for(run_args, train_cfg.eval_every,
+    evaluation = evaluation_for(run_args, eval_every,
                                 lambda split: data(split, run_args.eval_micro_batch_size or micro, shuffle=False))
     seq_len = expected_padded_length(tokenizer, run.data.table.captions, micro, data_args.max_seq_length,
                                      run.data.pad_to_max) if run.data is not None else 0  # the data's padding
@@ -92,12 +104,18 @@ def main(argv=None) -> dict:
     trainer = Trainer(run, engine, step_fn, model_name=f"bridgetower:{name}", seq_len=seq_len, evaluation=evaluation,
                       flops_per_sample=flops_per_sample(model.config, seq_len,
                                                         freeze_vision=model_args.freeze_vision_model,
-                                                        freeze_text=model_args.freeze_text_model))
+                                                        freeze_text=model_args.freeze_text_model),
+                      save_every=per_epoch if compat_args.save_strategy == "epoch" else None)
     summary = trainer.fit()
     if run.data is not None:
-        save_metrics(train_cfg.run_dir, "train", train_metrics(summary, train_samples=len(run.data.table)), dist.rank)
+        trainer_files.save_train_outputs(run, summary, evaluation.results, per_epoch=per_epoch,
+                                         train_samples=len(run.data.table), eval_every=eval_every,
+                                         save_every=trainer.save_every)
         run.data.close()
-    _export(run, engine, frozen, tokenizer, compat.image_processor(model_args.model_name_or_path, image_size))
+    elif "eval" in evaluation.results:  # run_bridgetower.py's name for the same file
+        save_metrics(train_cfg.run_dir, "validation", evaluation.results["eval"], dist.rank, combined=False)
+    _export(run, engine, frozen, tokenizer,
+            compat.image_processor(compat_args.image_processor_name or model_args.model_name_or_path, image_size))
     results = {**evaluation.results.get("eval", {}), **evaluation.results.get("predict", {})}
     if dist.rank == 0 and results:
         print("[bridgetower] " + json.dumps(results), flush=True)

@@ -45,6 +45,10 @@ class Checkpointing:
         ckpt.save(self.engine, self.root, step, {"epoch": epoch, "data": data.state_dict(),
                                                  "phase_start": pos.phase_start},
                   self.fingerprint, keep=self.train.save_total_limit, before_complete=before_complete)
+        if self.run.dist.rank == 0:  # Trainer's names beside ours: run_dir/checkpoint-N -> checkpoints/global_stepN
+            from ds_core.hf_outputs import link_checkpoints
+
+            link_checkpoints(self.train.run_dir, self.root)
 
     def start(self, data: Any) -> Position:
         """Resume (--resume), start from init_from, or start afresh; `data` is positioned to match."""

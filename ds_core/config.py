@@ -47,7 +47,8 @@ class TrainConfig:
 
     run_dir: str = arg("Output directory: run_config.json, ds_config.json, metrics.jsonl, checkpoints/.",
                          default="runs/default", aliases=["--output_dir"])
-    deepspeed_config: str = arg("DeepSpeed JSON (path, or a file name inside ds_configs/).", default="")
+    deepspeed_config: str = arg("DeepSpeed JSON (path, or a file name inside ds_configs/).", default="",
+                                aliases=["--deepspeed"])  # transformers' TrainingArguments.deepspeed
     max_steps: int = arg("Optimizer steps to run; 0 runs max_epochs.", default=0)
     max_epochs: int = arg("Epochs to run when max_steps is 0 (max_steps, when set, wins and cycles the data).",
                           default=1, aliases=["--num_train_epochs"])
@@ -86,7 +87,7 @@ class TrainConfig:
                                              default=0)
     zero_stage: int = arg("Override zero_optimization.stage of the DeepSpeed JSON; -1 keeps it.", default=-1)
     dist_timeout_s: int = arg("Collective timeout in seconds: a dead rank makes the others fail after this.",
-                                default=1800)
+                                default=1800, aliases=["--ddp_timeout"])
     progress_bar: bool = arg("Show a rank-0 tqdm progress bar.", default=True)
     precision: str = arg("Compute dtype: auto (bf16 on CUDA/HPU and on CPUs with native bf16, else fp32), bf16 or "
                          "fp32; switches the DeepSpeed JSON's bf16 section (ds_core.precision).", default="auto")
@@ -151,6 +152,8 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     from transformers import HfArgumentParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    # allow_abbrev=False: a prefix is never taken for a longer flag (`--use_hpu_graphs` is not
+    # `--use_hpu_graphs_for_inference`, `--deepspeed` is not ambiguous)
     parser = HfArgumentParser(list(types), description=description, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name), "
                                                        "or a run directory (its run_config.json); flags given on the "

@@ -155,6 +155,9 @@ class Metrics:
         self.last_log = None  # (training time, samples, tokens) at the previous log, inside the window
         self.last_loss = None
         self.last_step = 0
+        # Trainer's figures (ds_core.hf_outputs): samples and the loss sum of every step, and the loop's wall span
+        self.samples_total, self.loss_sum, self.loss_steps = 0, 0.0, 0
+        self.t_begin, self.runtime = None, 0.0
         self.excluded = 0.0  # seconds spent in timed() sections: not training time
         self.section_totals: dict[str, float] = {}  # checkpoint_s, eval_s over the whole run
         self._since_log: dict[str, float] = {}  # timed sections since the previous step record
@@ -253,6 +256,9 @@ class Metrics:
         self.steps += 1
         self.last_step = step
         self.last_loss = _num(loss)
+        self.samples_total += samples
+        if self.last_loss is not None and math.isfinite(self.last_loss):
+            self.loss_sum, self.loss_steps = self.loss_sum + self.last_loss, self.loss_steps + 1
         in_window = self.t_window is not None
         if in_window:
             self.window_samples += samples
@@ -296,6 +302,7 @@ class Metrics:
     def begin(self) -> None:
         """Called by the loop before the first step: with zero warm-up steps the window opens here."""
         self.sync()
+        self.t_begin = self.clock()
         self._t_prev_log = self.train_time()
         if self.warmup == 0 and self.t_window is None:
             self.t_window = self._t_prev_log
@@ -307,7 +314,7 @@ class Metrics:
             self._pending_evals.append(rec)  # written after the step record it follows
         else:
             self._write(rec)
-            self._monitor(step, rec, prefix="Eval")
+            self._monitor(step, rec)
             self._print(rec)
         return rec
 
@@ -323,6 +330,7 @@ class Metrics:
         self._flush()
         self.sync()
         self.t_close = self.train_time()
+        self.runtime = (self.clock() - self.t_begin) if self.t_begin is not None else 0.0
 
     def summary(self, extra: dict | None = None) -> dict:
         """The final record: run description plus throughput over the post-warm-up window."""
@@ -333,7 +341,9 @@ class Metrics:
         measured = max(0, self.steps - self.warmup) if self.t_window is not None else 0
         seconds = (self.t_close - self.t_window) if self.t_window is not None else 0.0
         rec = dict(type="summary", **self.static, steps=self.start_step + self.steps, measured_steps=measured,
-                   measured_seconds=seconds, final_loss=self.last_loss,
+                   measured_seconds=seconds, final_loss=self.last_loss, runtime_s=self.runtime,
+                   steps_this_run=self.steps, samples_this_run=self.samples_total,
+                   mean_loss=self.loss_sum / self.loss_steps if self.loss_steps else None,
                    checkpoint_s=self.section_totals.get("checkpoint_s", 0.0),
                    eval_s=self.section_totals.get("eval_s", 0.0))
         rec.update({k: v for k, v in self.section_totals.items() if k not in rec})
@@ -362,7 +372,7 @@ class Metrics:
         evals, self._pending_evals = self._pending_evals, []
         for ev in evals:
             self._write(ev)
-            self._monitor(ev["step"], ev, prefix="Eval")
+            self._monitor(ev["step"], ev)
             self._print(ev)
 
     def _print(self, rec: dict) -> None:
@@ -384,14 +394,24 @@ class Metrics:
             self._file.write(json.dumps(rec) + "\n")
             self._file.flush()
 
-    def _monitor(self, step: int, rec: dict, prefix: str = "Train") -> None:
-        """DeepSpeed's MonitorMaster (tensorboard / csv / wandb as enabled in the DeepSpeed JSON)."""
+    def _monitor(self, step: int, rec: dict) -> None:
+        """DeepSpeed's MonitorMaster (tensorboard / csv / wandb as enabled in the DeepSpeed JSON), under Trainer's tags
+        (transformers.integrations' rewrite_logs): eval_x -> eval/x, test_x -> test/x, anything else train/x, and
+        our lr is Trainer's learning_rate."""
         if self.monitor is None or not getattr(self.monitor, "enabled", False):
             return
-        events = [(f"{prefix}/{k}", float(v), step) for k, v in rec.items()
+        events = [(_trainer_tag(k, rec.get("type")), float(v), step) for k, v in rec.items()
                   if k not in ("type", "step", "warmup", "time") and isinstance(v, (int, float)) and v is not None]
         if events:
             self.monitor.write_events(events)
+
+
+def _trainer_tag(key: str, kind: str | None) -> str:
+    if kind == "eval":  # an eval record's keys carry their split's prefix (eval_loss, test_loss)
+        for prefix in ("eval_", "test_"):
+            if key.startswith(prefix):
+                return f"{prefix[:-1]}/{key[len(prefix):]}"
+    return f"train/{'learning_rate' if key == 'lr' else key}"
 
 
 def _fmt(v: Any) -> str:

@@ -3,8 +3,10 @@ save_pretrained format with fp32 master weights.
 
 The results files follow `Trainer.save_metrics` (trainer_pt_utils.save_metrics): one JSON per split, indent 4, sorted
 keys, merged into all_results.json; written by rank 0, atomically. The training figures come from ds_core.metrics'
-summary record, the one clock: warm-up steps are excluded there, so `train_samples_per_second` here is the same
-number as `samples_per_s` in metrics.jsonl (optimum-habana's --throughput_warmup_steps semantics).
+summary record, the one clock. Trainer's own keys (train_runtime, train_samples_per_second over the whole runtime,
+train_loss, total_flos, epoch) come from ds_core.hf_outputs.train_metrics; the warm-up-excluded figures are ours:
+`train_samples_per_second_measured` is the same number as `samples_per_s` in metrics.jsonl (optimum-habana's
+--throughput_warmup_steps semantics).
 """
 from __future__ import annotations
 
@@ -19,11 +21,9 @@ import torch
 
 from ds_core.config import atomic_write_text
 
-# summary record key -> Trainer-style name. Trainer's train_runtime / train_loss (wall time and mean loss over all
-# steps, warm-up included) are not produced: the summary measures the post-warm-up window and keeps the last loss,
-# and reporting those under Trainer's names would mislabel them.
+# summary record key -> our name in train_results.json (the post-warm-up window; Trainer's keys: ds_core.hf_outputs)
 _TRAIN_KEYS = {
-    "samples_per_s": "train_samples_per_second",
+    "samples_per_s": "train_samples_per_second_measured",
     "seqs_per_s_per_accelerator": "train_samples_per_second_per_accelerator",
     "tokens_per_s": "train_tokens_per_second",
     "tflops_per_accelerator": "train_tflops_per_accelerator",
@@ -45,7 +45,7 @@ def train_metrics(summary: dict, **extra: Any) -> dict:
     out = {new: summary[old] for old, new in _TRAIN_KEYS.items() if summary.get(old) is not None}
     steps, seconds = summary.get("measured_steps"), summary.get("measured_seconds")
     if steps and seconds:
-        out["train_steps_per_second"] = steps / seconds
+        out["train_steps_per_second_measured"] = steps / seconds
     out.update(extra)
     return out
 
@@ -104,8 +104,12 @@ def fp32_state_dict(engine, frozen: dict[str, torch.Tensor | None] | None = None
             out[name] = full.detach().float().cpu().clone()
     if rank != 0:
         return None
+    # persistent buffers only, as module.state_dict() and save_pretrained have them: a non-persistent one (BridgeTower's
+    # token_type_ids, position_ids) in the file is an UNEXPECTED key on reload
+    persistent = set(module.state_dict(keep_vars=True))
     for name, b in module.named_buffers():
-        out[name] = b.detach().cpu().clone()
+        if name in persistent:
+            out[name] = b.detach().cpu().clone()
     return out
 
 

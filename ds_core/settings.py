@@ -35,13 +35,15 @@ class OptimArgs:
                                          "else 5e-5, Trainer's).", default=None)
     weight_decay: Optional[float] = arg("Weight decay, not on biases and LayerNorm weights; default: the model's (BERT "
                                         "0.01; BridgeTower: the DeepSpeed JSON's, else 0.0, Trainer's).", default=None)
-    beta1: float = arg("Adam beta1.", default=0.9)
-    beta2: float = arg("Adam beta2.", default=0.999)
+    beta1: float = arg("Adam beta1.", default=0.9, aliases=["--adam_beta1"])  # TrainingArguments' names
+    beta2: float = arg("Adam beta2.", default=0.999, aliases=["--adam_beta2"])
     eps: Optional[float] = arg("Adam epsilon; default: the model's (BERT 1e-6, FusedLAMB's and Habana's LANS's; "
-                               "BridgeTower 1e-8, Trainer's).", default=None)
-    max_grad_norm: float = arg("lamb only: FusedLAMB's global gradient-norm pre-normalization threshold (NVIDIA: 1.0; "
-                               "0 = off). Under ZeRO / bf16 the DeepSpeed JSON's gradient_clipping must equal it.",
-                               default=1.0)
+                               "BridgeTower 1e-8, Trainer's).", default=None, aliases=["--adam_epsilon"])
+    max_grad_norm: Optional[float] = arg("Gradient-norm limit; default: the model's. BERT (lamb only): FusedLAMB's "
+                                         "global pre-normalization threshold (NVIDIA: 1.0; 0 = off; under ZeRO / bf16 "
+                                         "the DeepSpeed JSON's gradient_clipping must equal it). BridgeTower: "
+                                         "Trainer's clipping = DeepSpeed's gradient_clipping (default: the JSON's).",
+                                         default=None)
     bias_correction_lag: bool = arg("lamb / lans: bias-correct with step t-1 from step 2 on, as Habana's "
                                     "run_pretraining.py does whenever ZeRO is on (adjust_step=True).", default=False)
     lr_scheduler_type: str = arg(f"LR schedule, one of {' | '.join(KINDS)} (transformers' kinds; nvidia_poly: NVIDIA's "
@@ -74,7 +76,7 @@ class OptimArgs:
         checks = [("learning_rate", self.learning_rate is None or self.learning_rate > 0, "> 0"),
                   ("weight_decay", self.weight_decay is None or self.weight_decay >= 0, ">= 0"),
                   ("eps", self.eps is None or self.eps > 0, "> 0"),
-                  ("max_grad_norm", self.max_grad_norm >= 0, ">= 0"),
+                  ("max_grad_norm", self.max_grad_norm is None or self.max_grad_norm >= 0, ">= 0"),
                   ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
                   ("warmup_ratio", 0 <= ratio <= 1, "in [0, 1]"),
                   ("constant_proportion", 0 <= self.constant_proportion <= 1, "in [0, 1]"),

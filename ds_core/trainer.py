@@ -38,6 +38,7 @@ class Trainer:
         (ds_core.checkpoint.init_from: weights and optimizer state; a new phase with its own schedule and data); step
         numbers continue from that checkpoint's step, and the run's total steps count the steps of this phase.
     clock: replaces the metrics clock (tests drive time with it; time.perf_counter by default).
+    save_every: checkpoint every N optimizer steps instead of cfg.num_steps_per_checkpoint (0: none).
 
     Stopped early (SIGTERM / SIGUSR1 on any rank, or cfg.max_steps_this_run): every rank finishes the optimizer step,
     saves a checkpoint, writes the summary and the process exits with EXIT_STOPPED (SystemExit), to go on with
@@ -46,7 +47,7 @@ class Trainer:
     def __init__(self, run: Run, engine: Any, step_fn: StepFn, *, model_name: str, flops_per_sample: float,
                  seq_len: int = 0, evaluation: Evaluation | None = None, fingerprint: dict | None = None,
                  init_from: str | None = None, reset_optimizer: bool = False,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, save_every: int | None = None):
         self.run, self.engine, self.step_fn = run, engine, step_fn
         self.cfg, self.dist = run.train, run.dist
         self.evaluation = evaluation or Evaluation()
@@ -54,6 +55,9 @@ class Trainer:
                                          reset_optimizer=reset_optimizer)
         self.model_name, self.flops_per_sample, self.seq_len = model_name, flops_per_sample, seq_len
         self.clock = clock or time.perf_counter
+        # checkpoint every N optimizer steps: cfg.num_steps_per_checkpoint unless the model decides it from its data
+        # (Trainer's --save_strategy epoch)
+        self.save_every = save_every if save_every is not None else self.cfg.num_steps_per_checkpoint
 
     # -- the run -----------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -176,7 +180,7 @@ class Trainer:
                         raise TrainingDiverged(f"training diverged: {verdict}. Stopped without saving; the latest "
                                                f"checkpoint is still {self.checkpoints.latest()} in "
                                                f"{self.checkpoints.root} (resume from it with a lower learning rate)")
-                    if cfg.num_steps_per_checkpoint and step % cfg.num_steps_per_checkpoint == 0:
+                    if self.save_every and step % self.save_every == 0:
                         save()
                     if ev.due(step):
                         evaluate()

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO
 
 from ds_core.config import ConfigError, TrainConfig, parse_args
-from bridgetower_ds import compat
+from bridgetower_ds import compat, trainer_flags
 from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
 from ds_core.settings import OptimArgs
 from bridgetower_ds.data import DataArgs
@@ -66,6 +66,7 @@ def test_published_command_parses_into_the_toolkits_settings():
     assert (oa.learning_rate, oa.weight_decay, oa.warmup_ratio, oa.lr_scheduler_type) == (1e-5, 0.01, 0.1, "cosine")
     assert ca.remove_unused_columns is False and ca.report_to == "tensorboard" and ca.save_strategy == "no"
     tc = compat.check_flags(ca, tc)
+    tc, ma, da, _ = trainer_flags.map_flags(ca, tc, ma, da, "bridgetower_zero1_bf16.json")
     notices = compat.flag_notices(ca)
     assert tc.save_final_checkpoint is False  # --save_strategy no: no checkpoints at all
     assert [n.split(":")[0] for n in notices] == ["--use_habana", "--use_lazy_mode", "--use_hpu_graphs_for_inference",
@@ -77,16 +78,17 @@ def test_push_to_hub_is_refused_with_the_reason():
     tc, _, _, _, _, ca = parse_args(TYPES, ["--push_to_hub", "--hub_model_id", "me/bt", "--do_train"])
     with pytest.raises(ConfigError, match="never uploads.*hf upload"):
         compat.check_flags(ca, tc)
-    with pytest.raises(ConfigError, match="save_strategy 'epoch'"):
-        compat.check_flags(CompatArgs(save_strategy="epoch"), TrainConfig())
+    with pytest.raises(ConfigError, match="save_strategy 'hourly'"):
+        trainer_flags.map_flags(CompatArgs(save_strategy="hourly"), TrainConfig(), ModelArgs(), DataArgs(), "")
     with pytest.raises(ConfigError, match="pick one"):
-        compat.check_flags(CompatArgs(save_strategy="no"), TrainConfig(num_steps_per_checkpoint=5))
+        trainer_flags.map_flags(CompatArgs(save_strategy="no"), TrainConfig(num_steps_per_checkpoint=5), ModelArgs(),
+                                DataArgs(), "")
 
 
 @pytest.mark.parametrize("flag,hint", [
     ("--per_device_train_bach_size", "did you mean '--per_device_train_batch_size'"),
     ("--learning_rte", "did you mean '--learning_rate'"),
-    ("--eval_strategy", "a transformers TrainingArguments flag that this toolkit does not take"),
+    ("--eval_accumulation_steps", "a transformers TrainingArguments flag that this toolkit does not take"),
     ("--hub_token", "a transformers TrainingArguments flag that this toolkit does not take"),
     ("--output_path", None),
     ("--frobnicate", None),

@@ -186,7 +186,7 @@ def test_published_command_trains_on_two_ranks_and_writes_trainers_outputs(tmp_p
     argv = [sizes.get(a, a) for a in argv]
     argv[argv.index("--num_train_epochs") + 1] = "2"
     argv[argv.index("--logging_steps") + 1] = "1"
-    argv += ["--max_seq_length", "16", "--warmup_steps", "2", "--progress_bar", "false"]
+    argv += ["--max_seq_length", "16", "--warmup_steps", "2", "--progress_bar", "false", "--eval_strategy", "epoch"]
     proc = run_deepspeed(["--module", "bridgetower_ds.train", *argv], env=dist_env(HF_DATASETS_CACHE=str(cache)))
     out = proc.stdout
     assert "--use_habana: " in out and "--gaudi_config_name: " in out and "--sdp_on_bf16: " in out
@@ -201,10 +201,13 @@ def test_published_command_trains_on_two_ranks_and_writes_trainers_outputs(tmp_p
     train = results["train"]
     assert train["train_samples"] == 40 and summary["world_size"] == 2
     # the one clock: the same warm-up-excluded figure as metrics.jsonl
-    assert train["train_samples_per_second"] == summary["samples_per_s"] > 0
+    assert train["train_samples_per_second_measured"] == summary["samples_per_s"] > 0  # warm-up excluded
+    assert train["train_samples_per_second"] > 0 and train["train_runtime"] > 0  # Trainer's: the whole runtime
     assert train["train_warmup_steps_excluded"] == 3 and train["train_measured_steps"] == summary["steps"] - 3
     # Trainer's schedule: linear decay over the run's optimizer steps after 2 warm-up steps, from --learning_rate
     steps = [r for r in recs if r["type"] == "step"]
+    # --eval_strategy epoch: an evaluation at the end of each of the 2 epochs (Trainer's epoch strategy)
+    assert [r["step"] for r in recs if r["type"] == "eval"] == [summary["steps"] // 2, summary["steps"]]
     total = summary["steps"]  # the schedule's length must be the loop's: compared through the LR of every step
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-5)
     sched = get_scheduler("linear", opt, num_warmup_steps=2, num_training_steps=total)
