@@ -266,6 +266,8 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
         dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0,
         # transformers refuses bf16 off a GPU unless told it runs on the CPU (a CPU with native bf16 picks bf16)
         use_cpu=dtype == "bf16" and not torch.cuda.is_available())
+    if a.threads:  # TrainingArguments(use_cpu=True) resets torch's thread count: the same threads as ours
+        torch.set_num_threads(a.threads)
     trainer = LambTrainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator,
                           callbacks=[Clock()])
     trainer.train()

@@ -20,7 +20,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from bert_ref.data import DEFAULT_BLOCK_SAMPLES, IGNORE_INDEX, Segment, load_block, make_batch
-from bert_ref.shards import inspect_shards
+from bert_ref.shards import inspect_shards, list_test_shards
 from bert_ref.configs import BertPreset, check_data_matches
 from bert_ref.step import forward
 from ds_core.components import EvalTask, Evaluation
@@ -133,7 +133,6 @@ def evaluate(engine: Any, data: EvalData, sparse_predictions: int = 0) -> dict:
 def held_out_evaluation(run: Run, input_dir: str, preset: BertPreset, sparse_predictions: int = 0) -> Evaluation:
     """The Trainer's evaluation of a BERT run: the held-out *_test_* shards of input_dir, every --eval_every steps and
     at the end (none without test shards; --eval_every without them is refused)."""
-    from bert_ref.data import list_test_shards
 
     train, dist = run.train, run.dist
     tests = list_test_shards(input_dir)

@@ -123,5 +123,8 @@ def test_bridgetower_debug_two_ranks_to_one(tmp_path):
     cls = getattr(transformers, json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0])
     exported, saved = cls.from_pretrained(tmp_path / "hf"), cls.from_pretrained(resumed)
     assert exported.logit_scale.dim() == 0
+    # in a bf16 run (a CPU with native bf16) the frozen parameters ZeRO-1 keeps only in the module state are
+    # bf16-rounded there, while the run's save_model keeps their fp32 originals: equal once rounded to bf16
+    bf16 = json.loads((resumed / "ds_config.json").read_text()).get("bf16", {}).get("enabled", False)
     for (name, a), (_, b) in zip(exported.state_dict().items(), saved.state_dict().items()):
-        assert torch.equal(a, b), name
+        assert torch.equal(a.bfloat16(), b.bfloat16()) if bf16 else torch.equal(a, b), name

@@ -30,7 +30,9 @@ from ds_core.config import atomic_write_text
 MANIFEST = "MANIFEST.json"
 PART = ".manifest_rank{}.json"
 _OWNER = (re.compile(r"zero_pp_rank_(\d+)_"), re.compile(r"^client_rank(\d+)\.pt$"), re.compile(r"^mp_rank_(\d+)_"))
-_SKIP = re.compile(r"^(COMPLETE|MANIFEST\.json|\.manifest_rank\d+\.json|.*\.tmp)$")
+# not part of a checkpoint: the markers, and hidden or temporary files (another rank's part being written atomically
+# is a hidden `..manifest_rank{r}.json.tmp.<pid>` while this rank lists the directory)
+_SKIP = re.compile(r"^(COMPLETE|MANIFEST\.json)$|^\.|\.tmp(\.\d+)?$")
 _CHUNK = 16 * 2**20
 
 
