@@ -111,6 +111,21 @@ class RunInfo:
     precision_note: str | None = None
 
 
+
+def last_summary(path: str | os.PathLike) -> dict | None:
+    """The last {"type": "summary"} record of a metrics.jsonl, or None (missing, unfinished; a torn line is skipped)."""
+    path = Path(path)
+    summary = None
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("type") == "summary":
+                summary = rec
+    return summary
+
 class Metrics:
     """Counts optimizer steps and their samples; turns them into rates over the post-warm-up window.
 

@@ -20,7 +20,8 @@ from ds_core.config import atomic_write_text, precision_of
 from ds_core.divergence import DivergenceGuard
 from ds_core.engine import shutdown_distributed
 from ds_core.loop import EXIT_STOPPED, Step, StepFn, StopRequest, TrainingDiverged, reduce_summary_stats
-from ds_core.metrics import Metrics, RunInfo, accelerator_kind, peak_memory_bytes, peak_probe_for, peak_tflops_for
+from ds_core.metrics import (Metrics, RunInfo, accelerator_kind, last_summary, peak_memory_bytes, peak_probe_for,
+                             peak_tflops_for)
 from ds_core.phases import PhaseTimer, console_line, record_fields, summary_fields
 from ds_core.precision import resolve_precision
 from ds_core.results import save_metrics
@@ -106,7 +107,7 @@ class Trainer:
                 print(f"[ds_core] --resume: {self.checkpoints.root / ckpt.tag_for(pos.step)} is this run's end (step "
                       f"{pos.step}, epoch {pos.epoch}); nothing to train, no record added", flush=True)
             self.evaluation.during = None  # its last results are in metrics.jsonl already
-            return _last_summary(run_dir / "metrics.jsonl")
+            return last_summary(run_dir / "metrics.jsonl") or {}
         from deepspeed.accelerator import get_accelerator
 
         info = self.run_info(pos.phase_start)
@@ -249,20 +250,6 @@ class Trainer:
             self.run.data.close()  # prefetch threads would otherwise keep the interpreter alive
         shutdown_distributed()  # as every entry point does at a normal end (gloo's exit-time abort otherwise)
         raise SystemExit(EXIT_STOPPED)
-
-
-def _last_summary(path: Path) -> dict:
-    """The last summary record of metrics.jsonl ({} if none): what a run that had already finished returns."""
-    last: dict = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("type") == "summary":
-                last = rec
-    return last
 
 
 __all__ = ["Trainer", "Evaluation", "EvalTask", "Position"]

@@ -23,6 +23,7 @@ from typing import Callable, TextIO
 
 import ds_core
 from ds_core.config import atomic_write_text
+from ds_core.metrics import last_summary
 from ds_core.rendezvous import free_port, rank_env
 from launch import local_ranks
 from ds_tools.study import netns
@@ -42,18 +43,7 @@ def cell_dir(out: Path, cell: Cell) -> Path:
 
 def read_summary(run_dir: Path) -> dict | None:
     """The last summary record of run_dir/metrics.jsonl, or None (missing, unfinished, torn)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    summary = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and rec.get("type") == "summary":
-            summary = rec
-    return summary
+    return last_summary(run_dir / "metrics.jsonl")
 
 
 def read_status(run_dir: Path) -> dict | None:
