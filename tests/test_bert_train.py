@@ -231,7 +231,8 @@ def test_run_by_epochs_ends_its_lr_schedule_on_the_last_step(tmp_path):
                    "ds_configs/bert_debug_zero1_bf16.json", "--input_dir", str(shards), "--run_dir", str(run_dir),
                    "--max_epochs", "3", "--micro_batch_size", "1", "--gradient_accumulation_steps", "4",
                    "--precision", "fp32", "--optimizer", "adamw", "--learning_rate", str(lr), "--warmup_proportion",
-                   "0", "--export_hf", "false", "--save_final_checkpoint", "false", "--progress_bar", "false"],
+                   "0", "--lr_scheduler_type", "poly_warmup",  # decays from step 0 (nvidia_poly reaches 0 on the last)
+                   "--export_hf", "false", "--save_final_checkpoint", "false", "--progress_bar", "false"],
                   num_ranks=1)
     recs = _records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 8))
