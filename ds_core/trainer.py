@@ -181,10 +181,12 @@ class Trainer:
                         raise TrainingDiverged(f"training diverged: {verdict}. Stopped without saving; the latest "
                                                f"checkpoint is still {self.checkpoints.latest()} in "
                                                f"{self.checkpoints.root} (resume from it with a lower learning rate)")
-                    if self.save_every and step % self.save_every == 0:
-                        save()
+                    # evaluate, then save, as transformers' Trainer does (_maybe_log_save_evaluate): the step's record,
+                    # written durably before its checkpoint completes, then holds its eval time too
                     if ev.due(step):
                         evaluate()
+                    if self.save_every and step % self.save_every == 0:
+                        save()
                     if step >= max_steps:
                         break
                     if res.stop:  # every rank got the same verdict from the all-reduce
