@@ -167,12 +167,12 @@ def test_deepspeed_runner_killed_mid_run_leaves_no_rank_and_a_live_run_refuses_a
         # generous: the first start on a machine may JIT-build DeepSpeed's CPU shm op
         wait_for(lambda: metrics.exists() and metrics.read_text().count('"type": "step"') >= 2, 900,
                  "the first run trained 2 steps")
-        config = (run / "config.json").read_bytes(), (run / "config.json").stat().st_mtime_ns
+        config = (run / "run_config.json").read_bytes(), (run / "run_config.json").stat().st_mtime_ns
         second = subprocess.run([sys.executable, "-m", "launch.local_ranks", "-n", "2", *args, "--resume", "true"],
                                 cwd=REPO, env=dist_env(), capture_output=True, text=True, timeout=600)
         assert second.returncode != 0
         assert f"run_dir {run} is in use by a live run" in second.stderr, second.stderr[-3000:]
-        assert ((run / "config.json").read_bytes(), (run / "config.json").stat().st_mtime_ns) == config
+        assert ((run / "run_config.json").read_bytes(), (run / "run_config.json").stat().st_mtime_ns) == config
         ranks = [int(p) for p in subprocess.run(["pgrep", "-f", "-s", str(runner.pid), "tiny_train.py"],
                                                 capture_output=True, text=True).stdout.split()]
         ranks = [p for p in ranks if "--local_rank" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]

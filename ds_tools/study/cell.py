@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     def fit_then_take_comms(self, *args, **kwargs):
         summary = real_fit(self, *args, **kwargs)
         taken["comms"] = comms_records()
-        engine = args[0] if args else kwargs.get("engine")
+        engine = self.engine
         try:   # the gradient size a prediction needs (ds_tools.study.emulated); ZeRO-3 partitions keep ds_numel
             taken["params"] = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
         except AttributeError:
