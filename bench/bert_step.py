@@ -41,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import REPO, bench_env, run_local_ranks
+from ds_core.process_end import run_main
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -629,4 +630,4 @@ def main() -> None:
 _DIST = None  # ds_core.engine.DistInfo of this process, set in main()
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end

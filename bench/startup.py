@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, bench_env
+from ds_core.process_end import run_main
 from ds_core.rendezvous import free_port
 from launch.local_ranks import deepspeed_launcher
 
@@ -160,4 +161,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from bench.common import bench_env, run_local_ranks
+from ds_core.process_end import run_main
 
 
 BERT = {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 768, "num_hidden_layers": 12,
@@ -281,4 +282,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end

@@ -21,6 +21,7 @@ from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
 from ds_core.config import TrainConfig  # noqa: E402
 from ds_core.engine import build_engine, shutdown_distributed  # noqa: E402
+from ds_core.process_end import run_main  # noqa: E402
 from ds_core.settings import OptimArgs, schedule_for  # noqa: E402
 from ds_core.setup import RunSpec, start_run  # noqa: E402
 from ds_core.trainer import Trainer  # noqa: E402
@@ -76,4 +77,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ds_core.config import ConfigError, TrainConfig, read_ds_json, resolve_ds_path
 from ds_core.engine import build_engine, shutdown_distributed
+from ds_core.process_end import run_main
 from ds_core.results import keep_frozen_fp32, save_metrics, save_model
 from ds_core.settings import OptimArgs
 from ds_core.setup import Run, RunSpec, start_run
@@ -145,4 +146,4 @@ def _export(run: Run, engine, frozen: dict, tokenizer, processor) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end

@@ -74,13 +74,11 @@ def release_cpu_shm_buffer(rank: int) -> bool:
 def shutdown_distributed() -> None:
     """Destroy the process groups at the end of a run that went well; a no-op when none is initialised.
 
-    Every entry point calls this before it returns. A process that exits with its gloo group alive can abort in
-    interpreter shutdown ("terminate called without an active exception", exit -6, so the launcher reports a
-    failed run after a good one): gloo's work thread frees the last collective's tensors after the main thread
-    has moved on, needs the GIL to drop their Python references, and by then Python is finalising, so the thread
-    is unwound through a noexcept destructor. It hit 10 of 24 2-rank CPU runs here. destroy_process_group
-    joins those threads while Python is still whole. (NCCL asks for the same call: torch warns at exit without it.)
-    It is not called on the error path, where a dead peer could make a collective-style shutdown wait."""
+    Every entry point calls this before it returns (NCCL asks for it: torch warns at exit without it). It is not
+    called on the error path, where a dead peer could make a collective-style shutdown wait. For gloo it does NOT
+    stop the group's threads while anything still holds the group (DeepSpeed's engine does, until the process
+    ends): ProcessGroupGloo.shutdown() is a no-op, its work and transport threads live until the C++ object dies.
+    That is why a rank ends through ds_core.process_end.run_main, not through interpreter finalisation."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

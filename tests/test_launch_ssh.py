@@ -221,6 +221,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from ds_core.engine import init_distributed, shutdown_distributed
+from ds_core.process_end import end_process
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--dist_timeout_s", type=int, default=60)
@@ -240,6 +241,7 @@ while args.hold:
     dist.all_reduce(t, group=hold_group)
     time.sleep(0.2)
 shutdown_distributed()
+end_process(0)  # as every rank entry ends (ds_core.process_end.run_main)
 '''
 # the held all-reduces' timeout (the rendezvous has its own, long one: RDV_PROBE) and launch.guard's grace
 HOLD_TIMEOUT_S, GRACE_S = 20, 10

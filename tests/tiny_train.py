@@ -31,6 +31,7 @@ from ds_core import checkpoint as ckpt
 from ds_core.components import EvalTask, Evaluation
 from ds_core.config import TrainConfig
 from ds_core.engine import build_engine, shutdown_distributed
+from ds_core.process_end import run_main
 from ds_core.loop import StepOutput
 from ds_core.setup import Run, RunSpec, start_run
 from ds_core.trainer import Trainer
@@ -279,4 +280,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end

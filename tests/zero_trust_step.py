@@ -14,6 +14,8 @@ import dataclasses
 import numpy as np
 import torch
 
+from ds_core.process_end import run_main
+
 STEPS = 3
 
 
@@ -125,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end

@@ -1,0 +1,51 @@
+"""How a rank's process ends: without interpreter finalisation, after what Python's exit does first.
+
+Stdlib only, so that an entry can import it before anything heavy (bench/bert_step.py re-executes itself first).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import NoReturn
+
+
+def end_process(status: int = 0) -> NoReturn:
+    """End this process now with `status`, after doing what Python's own exit does while the interpreter is whole
+    (Py_FinalizeEx's first steps, in its order), and without the finalisation that follows.
+
+    Why: a torch C++ thread that needs the GIL after finalisation has begun (gloo's work thread dropping the last
+    reference to a collective's tensors, or running a future's Python callback: these threads live until the engine
+    dies, see ds_core.engine.shutdown_distributed) is ended by CPython 3.11 with pthread_exit, which unwinds through
+    a noexcept C++ frame: "terminate called without an active exception", SIGABRT, exit 134, and the launcher
+    reports a failed run after a complete one. It failed about one 2-rank run per full test suite (a few hundred such
+    runs) on a loaded 2-core CI machine, in a different test each time;
+    tests/test_process_end.py makes it happen every time. Skipping finalisation removes the window instead of
+    narrowing it. What is kept: non-daemon threads are joined (threading._shutdown, the call Python makes first:
+    there is no public one; it also shuts concurrent.futures pools down), atexit handlers run (the run_dir lock,
+    logging, multiprocessing's children, tensorboard writers), stdout/stderr are flushed. What is skipped: module
+    teardown and garbage collection, i.e. flushing files that nobody closed (ours are closed explicitly)."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced by something without flush
+            pass
+    os._exit(status)
+
+
+def run_main(main: Callable[[], object]) -> NoReturn:
+    """A rank's `if __name__ == "__main__":` body: run main() as the whole process and leave through end_process,
+    with main's SystemExit status (0 when it returns). An exception escaping main takes Python's usual path (its
+    traceback, status 1): that run has failed anyway, and its error must not be hidden."""
+    try:
+        main()
+    except SystemExit as stop:
+        code = stop.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)  # what Python prints for sys.exit("message")
+        end_process(0 if code is None else code if isinstance(code, int) else 1)
+    end_process(0)

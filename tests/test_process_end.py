@@ -1,0 +1,84 @@
+"""A rank that finished its work exits with its own status, never with an abort from interpreter finalisation.
+
+The hazard, made certain: a gloo work thread runs a future's Python callback that is still going (sleeping, GIL
+released) when the main thread returns. Python then finalises, the callback thread needs the GIL back, CPython 3.11
+ends it with pthread_exit through torch's noexcept C++ frames: "terminate called without an active exception",
+SIGABRT. In real runs the same happens, rarely, when gloo's thread drops the last reference to a collective's tensors
+late (a loaded machine): one 2-rank run per full CI suite failed so, in a different test each time.
+`ds_core.process_end.run_main` (every rank entry's `__main__`) ends the process without finalising, after what Python's
+exit does first: joining non-daemon threads, atexit handlers, flushing stdout.
+"""
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+RANK = """
+import atexit, sys, threading, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from ds_core.engine import shutdown_distributed
+from ds_core.process_end import run_main
+
+out = Path(sys.argv[1])
+HELD = []
+def main():
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=0, world_size=1)
+    t = torch.ones(4)
+    work = dist.all_reduce(t, async_op=True)
+    def late(fut):  # runs in gloo's thread, which outlives the main thread
+        time.sleep(1.5)
+        return fut.value()
+    work.get_future().then(late)
+    time.sleep(0.2)
+    atexit.register(lambda: (out / "atexit").write_text("ran"))
+    def writer():  # a non-daemon thread still working when main() returns: Python waits for it, so do we
+        time.sleep(0.5)
+        (out / "thread").write_text("done")
+    threading.Thread(target=writer).start()
+    HELD.append(dist.group.WORLD)  # as DeepSpeed's engine holds its groups until the process ends
+    shutdown_distributed()
+    print("main done", end="")  # no newline, no flush: the exit must flush it
+    if sys.argv[3] != "0":
+        raise SystemExit(int(sys.argv[3]))
+
+if sys.argv[2] == "run_main":
+    run_main(main)
+else:
+    main()
+"""
+
+
+def _run(tmp_path, how: str, status: int) -> subprocess.CompletedProcess:
+    out = tmp_path / f"{how}_{status}"
+    out.mkdir()
+    return subprocess.run([sys.executable, "-c", RANK, str(out), how, str(status)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+def test_plain_exit_aborts_where_run_main_exits_with_the_rank_status(tmp_path):
+    plain = _run(tmp_path, "plain", 0)
+    # the control: without run_main this torch + CPython aborts (if a future version stops doing so, this says it)
+    assert plain.returncode in (-signal.SIGABRT, 128 + signal.SIGABRT), (plain.returncode, plain.stderr[-2000:])
+    assert "terminate called without an active exception" in plain.stderr
+
+    for status in (0, 75):  # 75: the trainer's planned stop (SystemExit) keeps its status
+        res = _run(tmp_path, "run_main", status)
+        assert res.returncode == status, (res.returncode, res.stderr[-2000:])
+        assert "terminate called" not in res.stderr
+        assert res.stdout == "main done"
+        out = tmp_path / f"run_main_{status}"
+        assert (out / "atexit").read_text() == "ran"
+        assert (out / "thread").read_text() == "done"
+
+
+@pytest.mark.parametrize("module", ["bert_ref/train.py", "bridgetower_ds/train.py", "tests/tiny_train.py",
+                                    "tests/zero_trust_step.py", "bench/bert_step.py",
+                                    "bench/zero_memory.py", "bench/startup.py"])
+def test_every_rank_entry_ends_through_run_main(module):
+    src = (REPO / module).read_text()
+    main_block = src[src.index('if __name__ == "__main__":'):]
+    assert "run_main(main)" in main_block, f"{module}: its __main__ must call ds_core.process_end.run_main(main)"
