@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bert_ref.prep.h5io import write_shard
-from bert_ref.prep.text import PrepError, list_text_shards, read_text_shard
+from bert_ref.prep.text import PrepError, encode_docs, list_text_shards, read_text_shard
 from bert_ref.prep.vocab import SPECIAL_TOKENS, read_vocab
 
 
@@ -191,8 +191,7 @@ _TOKENIZER = None
 
 def _tokenize_docs(docs: list[list[str]], vocab_file: str, lowercase: bool,
                    batch_sentences: int = 8192) -> list[list[array]]:
-    """Sentences -> WordPiece ids, as compact int32 arrays (a Python list of ints costs ~8x more memory).
-    Encoded in batches: tokenizers' Encoding objects are large, and a whole shard of them would not be."""
+    """Sentences -> WordPiece ids (bert_ref.prep.text.encode_docs: int32 arrays, in batches, empty ones dropped)."""
     global _TOKENIZER
     if _TOKENIZER is None or _TOKENIZER[0] != (vocab_file, lowercase):
         from tokenizers import BertWordPieceTokenizer
@@ -200,22 +199,8 @@ def _tokenize_docs(docs: list[list[str]], vocab_file: str, lowercase: bool,
         _TOKENIZER = ((vocab_file, lowercase), BertWordPieceTokenizer(vocab_file, lowercase=lowercase,
                                                                       strip_accents=None, clean_text=True))
     tok = _TOKENIZER[1]
-    out: list[list[array]] = []
-    start = 0
-    while start < len(docs):
-        stop, n = start, 0
-        while stop < len(docs) and (n == 0 or n + len(docs[stop]) <= batch_sentences):
-            n += len(docs[stop])
-            stop += 1
-        enc = tok.encode_batch([s for doc in docs[start:stop] for s in doc], add_special_tokens=False)
-        k = 0
-        for doc in docs[start:stop]:
-            sents = [array("i", e.ids) for e in enc[k:k + len(doc)] if e.ids]
-            k += len(doc)
-            if sents:
-                out.append(sents)
-        start = stop
-    return out
+    return encode_docs(docs, lambda lines: [e.ids for e in tok.encode_batch(lines, add_special_tokens=False)],
+                       batch_sentences)
 
 
 def make_shard(text_path: str, out_path: str, index: int, vocab_file: str, p: ShardParams) -> tuple[str, int]:

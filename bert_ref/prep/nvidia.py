@@ -25,6 +25,8 @@ import random
 import unicodedata
 from array import array
 
+from bert_ref.prep.text import encode_docs
+
 NEVER_SPLIT = ("[UNK]", "[SEP]", "[PAD]", "[CLS]", "[MASK]")
 _SLOW_MARKERS = NEVER_SPLIT + ("\u03a3",)  # capital sigma: Python's lower() is context dependent for it
 
@@ -77,23 +79,7 @@ class NvidiaTokenizer:
 def tokenize_docs(docs: list[list[str]], tokens: list[str], batch_sentences: int = 8192) -> list[list[array]]:
     """Documents of sentences -> documents of int32 id arrays; sentences without tokens and then documents without
     sentences are dropped (as NVIDIA's reader does)."""
-    tok = NvidiaTokenizer(tokens)
-    out: list[list[array]] = []
-    start = 0
-    while start < len(docs):
-        stop, n = start, 0
-        while stop < len(docs) and (n == 0 or n + len(docs[stop]) <= batch_sentences):
-            n += len(docs[stop])
-            stop += 1
-        ids = tok.encode_lines([s for doc in docs[start:stop] for s in doc])
-        k = 0
-        for doc in docs[start:stop]:
-            sents = [array("i", x) for x in ids[k:k + len(doc)] if x]
-            k += len(doc)
-            if sents:
-                out.append(sents)
-        start = stop
-    return out
+    return encode_docs(docs, NvidiaTokenizer(tokens).encode_lines, batch_sentences)
 
 
 def mask_nvidia(tokens: list[int], p, vocab, rng: random.Random) -> tuple[list[int], list[int]]:

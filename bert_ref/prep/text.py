@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Iterable, Iterator
+from array import array
+from typing import Callable, Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -282,3 +283,27 @@ def list_text_shards(input_dir: str | os.PathLike) -> list[Path]:
     if not files:
         raise PrepError(f"no text shards (*.txt) in {d}; run `bert-prep text` first")
     return files
+
+
+def encode_docs(docs: list[list[str]], encode_lines: Callable[[list[str]], Sequence[Sequence[int]]],
+                batch_sentences: int = 8192) -> list[list[array]]:
+    """Documents of sentences -> documents of int32 id arrays (a Python list of ints costs ~8x more memory), with
+    encode_lines (a tokenizer's batch encoder) called on batches of whole documents of about batch_sentences
+    sentences: a tokenizer's per-sentence objects are large, a whole shard of them would not fit. Sentences without
+    tokens, then documents without sentences, are dropped (as NVIDIA's reader does). Both shard writers use it."""
+    out: list[list[array]] = []
+    start = 0
+    while start < len(docs):
+        stop, n = start, 0
+        while stop < len(docs) and (n == 0 or n + len(docs[stop]) <= batch_sentences):
+            n += len(docs[stop])
+            stop += 1
+        ids = encode_lines([s for doc in docs[start:stop] for s in doc])
+        k = 0
+        for doc in docs[start:stop]:
+            sents = [array("i", x) for x in ids[k:k + len(doc)] if len(x)]
+            k += len(doc)
+            if sents:
+                out.append(sents)
+        start = stop
+    return out
