@@ -21,12 +21,12 @@ def end_process(status: int = 0) -> NoReturn:
     dies, see ds_core.engine.shutdown_distributed) is ended by CPython 3.11 with pthread_exit, which unwinds through
     a noexcept C++ frame: "terminate called without an active exception", SIGABRT, exit 134, and the launcher
     reports a failed run after a complete one. It failed about one 2-rank run per full test suite (a few hundred such
-    runs) on a loaded 2-core CI machine, in a different test each time;
-    tests/test_process_end.py makes it happen every time. Skipping finalisation removes the window instead of
-    narrowing it. What is kept: non-daemon threads are joined (threading._shutdown, the call Python makes first:
-    there is no public one; it also shuts concurrent.futures pools down), atexit handlers run (the run_dir lock,
-    logging, multiprocessing's children, tensorboard writers), stdout/stderr are flushed. What is skipped: module
-    teardown and garbage collection, i.e. flushing files that nobody closed (ours are closed explicitly)."""
+    runs) on a loaded 2-core CI machine, in a different test each time; tests/test_process_end.py makes it happen
+    every time. Skipping finalisation removes the window instead of narrowing it. What is kept: non-daemon threads
+    are joined (threading._shutdown, the call Python makes first: there is no public one; it also shuts
+    concurrent.futures pools down), atexit handlers run (the run_dir lock, logging, multiprocessing's children,
+    tensorboard writers), stdout/stderr are flushed, MPI is finalised. What is skipped: module teardown and
+    garbage collection, i.e. flushing files that nobody closed (ours are closed explicitly)."""
     threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -34,6 +34,13 @@ def end_process(status: int = 0) -> NoReturn:
             stream.flush()
         except (AttributeError, OSError, ValueError):  # closed or replaced by something without flush
             pass
+    # mpi4py finalises MPI from a C-level exit hook (Py_AtExit) that runs at the very end of finalisation: skipped
+    # here, so called here. Without it, under `mpirun` the first rank to leave is taken as a crash and the launcher
+    # kills the others (rank 0 lost its summary record that way, with exit status 0). MPI_Finalize waits for every
+    # rank, as at a normal exit.
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     os._exit(status)
 
 
