@@ -1,8 +1,9 @@
 """Our run's --output_dir beside a real transformers.Trainer's (issue 26 item 1): the same debug BridgeTower, the same
 strategy flags, the steps run_bridgetower.py takes after training (save_model, tokenizer and image processor,
-save_metrics("train"), save_state, evaluate -> save_metrics("validation")) plus predict. File names, trainer_state.json
-keys, log_history entry keys, results keys, checkpoint names, TensorBoard tags and the export's state-dict keys are
-compared; what differs is pinned here, so a change on either side shows."""
+save_metrics("train"), save_state, evaluate -> save_metrics("validation")) plus predict. File names (of the output
+directory and of each checkpoint-N), trainer_state.json keys (final and per checkpoint), log_history entry keys,
+results keys, checkpoint names, TensorBoard tags and the export's state-dict keys are compared; what differs is
+pinned here, so a change on either side shows. training_args.bin is loaded back and compared with run_config.json."""
 from __future__ import annotations
 
 import json
@@ -14,14 +15,14 @@ from conftest import dist_env, run_deepspeed
 
 STEPS, MICRO, EVAL_STEPS = 4, 4, 2
 
-# Trainer files we do not write: training_args.bin is a pickled TrainingArguments (our settings are run_config.json)
-TRAINER_ONLY_FILES = {"training_args.bin"}
-# our own files beside Trainer's
+# our own files beside Trainer's (Trainer's runs/ TensorBoard directory is our tensorboard/)
 OURS_ONLY_FILES = {"run_config.json", "ds_config.json", "metrics.jsonl", "checkpoints", "tensorboard",
                    "eval_results.json"}
-# Trainer's TensorBoard tags we do not write: the epoch of each log, the final train metrics, hparams text
-TRAINER_ONLY_TAGS = {"train/epoch", "train/train_runtime", "train/train_samples_per_second",
-                     "train/train_steps_per_second", "train/total_flos", "train/train_loss"}
+# Trainer's final train log (TensorBoardCallback.on_log after train()): written once, at the last step
+FINAL_TAGS = {"train/epoch", "train/train_runtime", "train/train_samples_per_second", "train/train_steps_per_second",
+              "train/total_flos", "train/train_loss"}
+# in each checkpoint-N, besides the checkpoint itself: Trainer's _save_checkpoint files we write too
+CHECKPOINT_FILES = {"trainer_state.json", "training_args.bin"}
 
 
 def _trainer_reference(out: Path) -> None:
@@ -66,15 +67,17 @@ def _trainer_reference(out: Path) -> None:
     trainer.save_metrics("predict", trainer.predict(Pairs(), metric_key_prefix="test").metrics)
 
 
-def _tags(root: Path) -> set[str]:
+def _scalars(root: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard scalars under root: tag -> [(step, value)]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tags = set()
+    out: dict = {}
     for f in root.rglob("events.out.tfevents*"):
         acc = EventAccumulator(str(f))
         acc.Reload()
-        tags |= set(acc.Tags()["scalars"])
-    return tags
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
 
 
 def _keys(path: Path) -> set[str]:
@@ -100,7 +103,7 @@ def test_output_dir_matches_a_real_trainers_files_and_keys(tmp_path):
                    "--progress_bar", "false", "--precision", "fp32", "--dataloader_num_workers", "0"],
                   env=dist_env())
     theirs, ours = {p.name for p in ref.iterdir()}, {p.name for p in run.iterdir()}
-    assert theirs - ours == TRAINER_ONLY_FILES | {"runs"}  # runs/: Trainer's TensorBoard dir (ours: tensorboard/)
+    assert theirs - ours == {"runs"}  # runs/: Trainer's TensorBoard dir (ours: tensorboard/)
     assert ours - theirs == OURS_ONLY_FILES
     assert {"checkpoint-2", "checkpoint-4"} <= theirs & ours
     assert (run / "checkpoint-4").resolve() == (run / "checkpoints" / "global_step4").resolve()
@@ -133,9 +136,71 @@ def test_output_dir_matches_a_real_trainers_files_and_keys(tmp_path):
     train = json.loads((run / "train_results.json").read_text())
     assert train["train_samples_per_second"] > 0 and train["train_runtime"] > 0 and train["epoch"] > 0
 
-    tags_t, tags_o = _tags(ref / "runs"), _tags(run / "tensorboard")
-    assert {"train/loss", "train/learning_rate", "train/grad_norm", "eval/loss", "eval/runtime"} <= tags_o
-    assert {t for t in tags_t - tags_o if t.startswith(("train/", "eval/"))} == TRAINER_ONLY_TAGS
+    sc_t, sc_o = _scalars(ref / "runs"), _scalars(run / "tensorboard")
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "eval/loss", "eval/runtime"} <= set(sc_o)
+    assert FINAL_TAGS <= set(sc_t)
+    assert {t for t in sc_t if t.startswith(("train/", "eval/"))} <= set(sc_o)  # every Trainer tag is ours too
+    # Trainer's epoch with every log (train and eval), the final train metrics once, at the last step
+    assert {s for s, _ in sc_o["train/epoch"]} == {s for s, _ in sc_t["train/epoch"]} == set(range(1, STEPS + 1))
+    for tag in FINAL_TAGS - {"train/epoch"}:
+        assert [s for s, _ in sc_o[tag]] == [s for s, _ in sc_t[tag]] == [STEPS], tag
+    assert sc_o["train/train_loss"][0][1] == pytest.approx(train["train_loss"], rel=1e-6)
+    assert sc_o["train/total_flos"][0][1] == pytest.approx(train["total_flos"], rel=1e-6)
+
+    _checkpoints_hold_trainers_state(ref, run, st_o)
+    _training_args_are_the_run_settings(run)
 
     # Trainer.save_model's file and ours: exactly the same state-dict keys (no extra buffers: nothing UNEXPECTED)
     assert _keys(run / "model.safetensors") == _keys(ref / "model.safetensors")
+
+
+def _checkpoints_hold_trainers_state(ref: Path, run: Path, final_state: dict) -> None:
+    """checkpoint-N holds trainer_state.json at step N (its log_history up to N, no final entry) and
+    training_args.bin, as Trainer's _save_checkpoint writes them."""
+    for n in (EVAL_STEPS, STEPS):
+        files_t, files_o = ({p.name for p in (d / f"checkpoint-{n}").iterdir()} for d in (ref, run))
+        assert CHECKPOINT_FILES <= files_t & files_o, (n, files_o)
+        st_t, st_o = (json.loads((d / f"checkpoint-{n}" / "trainer_state.json").read_text()) for d in (ref, run))
+        assert set(st_o) == set(st_t)
+        assert st_o["global_step"] == st_t["global_step"] == n and st_o["epoch"] > 0
+        assert [e["step"] for e in st_o["log_history"]] == [e["step"] for e in st_t["log_history"]]
+        assert [set(e) <= set(o) for e, o in zip(st_t["log_history"], st_o["log_history"])] \
+            == [True] * len(st_t["log_history"])  # same entries in the same order; ours add recall@k to evals
+        assert st_o["best_model_checkpoint"].endswith(f"checkpoint-{st_o['best_global_step']}")
+        assert st_o["best_global_step"] <= n and 0 < st_o["total_flos"] <= final_state["total_flos"]
+    # the last checkpoint's history is the final state's, less the final train-metrics entry
+    last = json.loads((run / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    assert last["log_history"] == final_state["log_history"][:-1]
+    assert "train_runtime" in final_state["log_history"][-1]
+
+
+def _training_args_are_the_run_settings(run: Path) -> None:
+    """training_args.bin (output_dir and every checkpoint) loads as the TrainingArguments of what ran."""
+    import torch
+    from transformers import TrainingArguments
+
+    cfg = json.loads((run / "run_config.json").read_text())
+    ds = json.loads((run / "ds_config.json").read_text())
+    train, optim, compat = cfg["TrainConfig"], cfg["OptimArgs"], cfg["CompatArgs"]
+    blobs = {(d / "training_args.bin").read_bytes() for d in (run, run / "checkpoint-2", run / "checkpoint-4")}
+    assert len(blobs) == 1  # one TrainingArguments, as Trainer saves its self.args everywhere
+    args = torch.load(run / "training_args.bin", weights_only=False)
+    assert isinstance(args, TrainingArguments)
+    assert args.output_dir == train["run_dir"] == str(run)
+    assert args.learning_rate == optim["learning_rate"] > 0
+    assert "optimizer" not in ds or ds["optimizer"]["params"]["lr"] == args.learning_rate
+    assert (args.weight_decay, args.adam_beta1, args.adam_beta2, args.adam_epsilon) \
+        == (optim["weight_decay"], optim["beta1"], optim["beta2"], optim["eps"])
+    assert args.lr_scheduler_type.value == optim["lr_scheduler_type"] == "linear"
+    assert args.per_device_train_batch_size == ds["train_micro_batch_size_per_gpu"] == MICRO // 2
+    assert args.gradient_accumulation_steps == ds["gradient_accumulation_steps"]
+    assert args.max_steps == train["max_steps"] == STEPS and args.seed == train["seed"]
+    assert (args.eval_strategy.value, args.eval_steps, args.save_strategy.value, args.save_steps) \
+        == (compat["eval_strategy"], EVAL_STEPS, compat["save_strategy"], train["num_steps_per_checkpoint"])
+    assert args.logging_steps == train["log_every"] == 1 and args.metric_for_best_model == "loss"
+    assert (args.bf16, args.fp16, args.use_cpu) == (False, False, True)  # --precision fp32 on the CPU
+    assert args.do_train and args.do_eval and args.do_predict and args.report_to == ["tensorboard"]
+    assert args.deepspeed == str((run / "ds_config.json").resolve())
+    # the device set-up saw the real run (2 ranks), and Trainer's own check of TrainingArguments against the
+    # DeepSpeed JSON (batch sizes, clipping, optimizer, precision) finds no mismatch
+    assert args.world_size == 2 and args.hf_deepspeed_config.mismatches == []
