@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dist_env, run_deepspeed
+from ds_core.loop import EXIT_STOPPED
 
 STEPS, MICRO, EVAL_STEPS = 4, 4, 2
 
@@ -95,13 +96,20 @@ def test_output_dir_matches_a_real_trainers_files_and_keys(tmp_path):
     _trainer_reference(ref)
     run = tmp_path / "ours"
     manifest = make_caption_set(tmp_path / "data", 40)
-    run_deepspeed(["--module", "bridgetower_ds.train", "--do_train", "--do_eval", "--do_predict",
-                   "--dataset_path", str(manifest), "--output_dir", str(run), "--max_steps", str(STEPS),
-                   "--per_device_train_batch_size", str(MICRO // 2), "--max_seq_length", "16",
-                   "--eval_strategy", "steps", "--eval_steps", str(EVAL_STEPS), "--save_steps", str(EVAL_STEPS),
-                   "--logging_steps", "1", "--metric_for_best_model", "loss", "--report_to", "tensorboard",
-                   "--progress_bar", "false", "--precision", "fp32", "--dataloader_num_workers", "0"],
-                  env=dist_env())
+    argv = ["--module", "bridgetower_ds.train", "--do_train", "--do_eval", "--do_predict",
+            "--dataset_path", str(manifest), "--output_dir", str(run), "--max_steps", str(STEPS),
+            "--per_device_train_batch_size", str(MICRO // 2), "--max_seq_length", "16",
+            "--eval_strategy", "steps", "--eval_steps", str(EVAL_STEPS), "--save_steps", str(EVAL_STEPS),
+            "--logging_steps", "1", "--metric_for_best_model", "loss", "--report_to", "tensorboard",
+            "--progress_bar", "false", "--precision", "fp32", "--dataloader_num_workers", "0"]
+    # ours in two processes: stopped after checkpoint-2, then Trainer's --resume_from_checkpoint (no value: the
+    # newest) to the end; everything below holds across the resume
+    first = run_deepspeed(argv + ["--max_steps_this_run", str(EVAL_STEPS)], env=dist_env(), check=False)
+    assert first.returncode == EXIT_STOPPED, first.stdout[-4000:]
+    assert (run / f"checkpoint-{EVAL_STEPS}" / "trainer_state.json").is_file()
+    assert not (run / "trainer_state.json").exists() and not (run / "training_args.bin").exists()
+    out = run_deepspeed(argv + ["--resume_from_checkpoint"], env=dist_env()).stdout
+    assert f"resumed from {run / 'checkpoints' / f'global_step{EVAL_STEPS}'} at step {EVAL_STEPS}" in out
     theirs, ours = {p.name for p in ref.iterdir()}, {p.name for p in run.iterdir()}
     assert theirs - ours == {"runs"}  # runs/: Trainer's TensorBoard dir (ours: tensorboard/)
     assert ours - theirs == OURS_ONLY_FILES
@@ -182,9 +190,13 @@ def _training_args_are_the_run_settings(run: Path) -> None:
     cfg = json.loads((run / "run_config.json").read_text())
     ds = json.loads((run / "ds_config.json").read_text())
     train, optim, compat = cfg["TrainConfig"], cfg["OptimArgs"], cfg["CompatArgs"]
-    blobs = {(d / "training_args.bin").read_bytes() for d in (run, run / "checkpoint-2", run / "checkpoint-4")}
-    assert len(blobs) == 1  # one TrainingArguments, as Trainer saves its self.args everywhere
+    # one TrainingArguments per process, as Trainer saves its self.args everywhere: checkpoint-2 is the first
+    # process's, checkpoint-4 and output_dir the resumed one's (which says so)
+    assert (run / "training_args.bin").read_bytes() == (run / "checkpoint-4" / "training_args.bin").read_bytes()
     args = torch.load(run / "training_args.bin", weights_only=False)
+    before = torch.load(run / "checkpoint-2" / "training_args.bin", weights_only=False)
+    assert (args.resume_from_checkpoint, before.resume_from_checkpoint) == ("latest", None)
+    assert before.to_dict() == {**args.to_dict(), "resume_from_checkpoint": None}
     assert isinstance(args, TrainingArguments)
     assert args.output_dir == train["run_dir"] == str(run)
     assert args.learning_rate == optim["learning_rate"] > 0
