@@ -107,7 +107,9 @@ class TrainerFiles:
 
         try:
             args = training_args(self.run, eval_every=self.eval_every, save_every=self.save_every)
-        except (ImportError, ValueError, TypeError) as e:  # ValueError: TrainingArguments' own checks
+        except Exception as e:  # noqa: BLE001 - rank 0 alone is here, inside a checkpoint save the other ranks wait
+            # on: an error of an optional file must not leave them in the barrier (ImportError: no accelerate;
+            # ValueError: TrainingArguments' own checks; RuntimeError: accelerate's device set-up)
             print(f"[bridgetower] {ARGS_NAME} not written: {type(e).__name__}: {e}", flush=True)
             return None
         buf = io.BytesIO()
@@ -123,7 +125,9 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
     TrainingArguments.__post_init__ sets up a device (accelerate's PartialState) and, with `deepspeed`, an accelerate
     DeepSpeedPlugin. Here that runs inside a live run: torch.distributed is already initialized, so nothing
     collective happens (rank 0 alone builds it), and the environment variables and torch's thread count it may
-    change (accelerate sets RANK/WORLD_SIZE..., and OMP threads on CPU) are put back. optim is left at Trainer's
+    change (accelerate sets RANK/WORLD_SIZE..., and OMP threads on CPU) are put back, and so is transformers'
+    global DeepSpeed-config reference. accelerate's own singleton state is reset by it (this toolkit does not use
+    accelerate during a run). optim is left at Trainer's
     default: with a DeepSpeed "optimizer" section Trainer ignores it, and ours is AdamW either way."""
     import torch
     from transformers import TrainingArguments
@@ -161,7 +165,9 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
         kw["warmup_ratio" if "warmup_ratio" in fields else "warmup_steps"] = optim.warmup_ratio
     if compat.save_strategy == "steps":
         kw["save_steps"] = save_every
-    env, threads = dict(os.environ), torch.get_num_threads()
+    from transformers.integrations import deepspeed as hf_ds
+
+    env, threads, zero3_ref = dict(os.environ), torch.get_num_threads(), hf_ds._hf_deepspeed_config_weak_ref
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # accelerate's OMP_NUM_THREADS advice, deprecations: not the user's
@@ -174,6 +180,9 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
             if os.environ.get(k) != v:
                 os.environ[k] = v
         torch.set_num_threads(threads)
+        # the HfDeepSpeedConfig it made registers itself (a weak global: is_deepspeed_zero3_enabled()): put back, so
+        # rank 0 never takes transformers' ZeRO-3 code paths the other ranks do not
+        hf_ds._hf_deepspeed_config_weak_ref = zero3_ref
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:

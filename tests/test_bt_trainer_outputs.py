@@ -216,3 +216,66 @@ def _training_args_are_the_run_settings(run: Path) -> None:
     # the device set-up saw the real run (2 ranks), and Trainer's own check of TrainingArguments against the
     # DeepSpeed JSON (batch sizes, clipping, optimizer, precision) finds no mismatch
     assert args.world_size == 2 and args.hf_deepspeed_config.mismatches == []
+
+
+def _run_of(tmp_path: Path, argv: list[str], ds: dict):
+    """A ds_core Run of these flags (rank 0 of 1 on the CPU), resolved as bridgetower_ds.train.resolve leaves the
+    optimizer settings, with `ds` as the run's ds_config.json; no process group, no model."""
+    import dataclasses
+
+    import torch
+
+    from bridgetower_ds import compat
+    from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
+    from bridgetower_ds.data import DataArgs
+    from ds_core.config import TrainConfig, parse_args
+    from ds_core.engine import DistInfo
+    from ds_core.settings import OptimArgs
+    from ds_core.setup import Run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "ds_config.json").write_text(json.dumps(ds))
+    sections = list(parse_args([TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs],
+                               ["--output_dir", str(run_dir), *argv]))
+    optim = sections[4]
+    sections[4] = dataclasses.replace(compat.trainer_defaults(optim), weight_decay=optim.weight_decay or 0.0)
+    dist = DistInfo(0, 0, 1, 1, 1, "cpu", torch.device("cpu"), "gloo")
+    return Run(settings=tuple(sections), dist=dist, ds_config_json=json.dumps(ds), total_steps=30)
+
+
+def test_training_args_hold_the_settings_and_leave_the_process_as_it_was(tmp_path, capsys):
+    """training_args() maps each setting to its TrainingArguments field (epoch strategies, a warm-up share, bf16,
+    ZeRO-3) in the process of a run: the environment and transformers' global ZeRO-3 switch are as before while the
+    TrainingArguments object is alive. A schedule transformers has no name for writes no training_args.bin, and says
+    why."""
+    import os
+
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from bridgetower_ds import trainer_files
+
+    ds = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "train_batch_size": 6,
+          "gradient_clipping": 0.5, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    argv = ["--do_train", "--do_eval", "--num_train_epochs", "3", "--learning_rate", "3e-5", "--weight_decay", "0.01",
+            "--warmup_ratio", "0.1", "--lr_scheduler_type", "cosine", "--save_strategy", "epoch",
+            "--eval_strategy", "epoch", "--seed", "7", "--logging_steps", "5"]
+    run = _run_of(tmp_path, argv, ds)
+    env = dict(os.environ)
+    args = trainer_files.training_args(run, eval_every=10, save_every=10)
+    assert dict(os.environ) == env and not is_deepspeed_zero3_enabled()  # args is alive: its config is not global
+    assert (args.learning_rate, args.weight_decay, args.lr_scheduler_type.value, args.seed, args.logging_steps) \
+        == (3e-5, 0.01, "cosine", 7, 5)
+    assert getattr(args, "warmup_ratio", args.warmup_steps) == 0.1
+    assert (args.num_train_epochs, args.max_steps, args.eval_strategy.value, args.save_strategy.value) \
+        == (3.0, -1, "epoch", "epoch")
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm) == (3, 2, 0.5)
+    assert args.bf16 and args.use_cpu and args.do_eval and not args.do_predict
+    assert args.hf_deepspeed_config.is_zero3() and args.hf_deepspeed_config.mismatches == []
+
+    run = _run_of(tmp_path / "poly", ["nvidia_poly" if a == "cosine" else a for a in argv], ds)
+    files = trainer_files.TrainerFiles(run, per_epoch=10, eval_every=10, save_every=10, flops_per_sample=1.0)
+    files._write_args(Path(run.train.run_dir))
+    assert not (Path(run.train.run_dir) / "training_args.bin").exists()
+    assert "training_args.bin not written: ValueError: --lr_scheduler_type nvidia_poly has no transformers " \
+           "SchedulerType" in capsys.readouterr().out
