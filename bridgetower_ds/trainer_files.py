@@ -149,7 +149,7 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
         learning_rate=optim.learning_rate, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
         adam_beta2=optim.beta2, adam_epsilon=optim.eps, max_grad_norm=float(ds.get("gradient_clipping", 0.0)),
         num_train_epochs=float(cfg.max_epochs), max_steps=cfg.max_steps or -1,
-        lr_scheduler_type=optim.lr_scheduler_type, warmup_steps=optim.warmup_steps,
+        lr_scheduler_type=optim.lr_scheduler_type, warmup_steps=_count(optim.warmup_steps),
         logging_strategy="steps", logging_steps=cfg.log_every,
         save_strategy=compat.save_strategy, save_total_limit=cfg.save_total_limit or None,
         seed=cfg.seed, data_seed=cfg.seed, bf16=precision == "bf16", fp16=precision == "fp16",
@@ -183,6 +183,11 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
         # the HfDeepSpeedConfig it made registers itself (a weak global: is_deepspeed_zero3_enabled()): put back, so
         # rank 0 never takes transformers' ZeRO-3 code paths the other ranks do not
         hf_ds._hf_deepspeed_config_weak_ref = zero3_ref
+
+
+def _count(x: float) -> float | int:
+    """A float setting that holds a count (>= 1, whole) as the int Trainer's parser gives."""
+    return int(x) if x >= 1 and x == int(x) else x
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
