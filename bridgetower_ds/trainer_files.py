@@ -159,7 +159,11 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
         metric_for_best_model=compat.metric_for_best_model or None, greater_is_better=compat.greater_is_better,
         report_to=[n for n in compat.report_to.replace(" ", ",").split(",") if n] or "none",
         resume_from_checkpoint=compat.resume_from_checkpoint or None, disable_tqdm=not cfg.progress_bar,
-        ddp_timeout=cfg.dist_timeout_s, deepspeed=str((Path(cfg.run_dir) / "ds_config.json").resolve()))
+        ddp_timeout=cfg.dist_timeout_s)
+    # accelerate's DeepSpeedPlugin refuses a JSON without a zero_optimization section, which DeepSpeed runs as ZeRO
+    # stage 0: such a config is handed over with that default spelled out, and `deepspeed` then names the file
+    ds_path = str((Path(cfg.run_dir) / "ds_config.json").resolve())
+    kw["deepspeed"] = ds_path if "zero_optimization" in ds else {**ds, "zero_optimization": {"stage": 0}}
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     if optim.warmup_ratio:  # transformers 5: a share is warmup_steps < 1 (4.x: warmup_ratio)
         kw["warmup_ratio" if "warmup_ratio" in fields else "warmup_steps"] = optim.warmup_ratio
@@ -172,7 +176,9 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # accelerate's OMP_NUM_THREADS advice, deprecations: not the user's
             # a name the installed transformers lacks (renamed across 4.x / 5.x) is left out, not an error
-            return TrainingArguments(**{k: v for k, v in kw.items() if k in fields})
+            args = TrainingArguments(**{k: v for k, v in kw.items() if k in fields})
+        args.deepspeed = ds_path
+        return args
     finally:  # only what changed is put back: other threads of this process may read the environment
         for k in set(os.environ) - set(env):
             del os.environ[k]

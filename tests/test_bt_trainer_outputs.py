@@ -246,9 +246,9 @@ def _run_of(tmp_path: Path, argv: list[str], ds: dict):
 
 def test_training_args_hold_the_settings_and_leave_the_process_as_it_was(tmp_path, capsys):
     """training_args() maps each setting to its TrainingArguments field (epoch strategies, a warm-up share, bf16,
-    ZeRO-3) in the process of a run: the environment and transformers' global ZeRO-3 switch are as before while the
-    TrainingArguments object is alive. A schedule transformers has no name for writes no training_args.bin, and says
-    why."""
+    ZeRO-3, a JSON without a ZeRO section) in the process of a run: the environment and transformers' global ZeRO-3
+    switch are as before while the TrainingArguments object is alive. A schedule transformers has no name for writes
+    no training_args.bin, and says why."""
     import os
 
     from transformers.integrations import is_deepspeed_zero3_enabled
@@ -272,6 +272,12 @@ def test_training_args_hold_the_settings_and_leave_the_process_as_it_was(tmp_pat
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_grad_norm) == (3, 2, 0.5)
     assert args.bf16 and args.use_cpu and args.do_eval and not args.do_predict
     assert args.hf_deepspeed_config.is_zero3() and args.hf_deepspeed_config.mismatches == []
+
+    # a JSON without zero_optimization (DeepSpeed: stage 0), which accelerate's DeepSpeedPlugin alone would refuse
+    bare = {k: v for k, v in ds.items() if k != "zero_optimization"}
+    args = trainer_files.training_args(_run_of(tmp_path / "bare", argv, bare), eval_every=10, save_every=10)
+    assert args.deepspeed == str((tmp_path / "bare" / "run" / "ds_config.json").resolve())
+    assert args.hf_deepspeed_config.config["zero_optimization"]["stage"] == 0 and not is_deepspeed_zero3_enabled()
 
     run = _run_of(tmp_path / "poly", ["nvidia_poly" if a == "cosine" else a for a in argv], ds)
     files = trainer_files.TrainerFiles(run, per_epoch=10, eval_every=10, save_every=10, flops_per_sample=1.0)
