@@ -102,16 +102,19 @@ def main(argv=None) -> dict:
     seq_len = expected_padded_length(tokenizer, run.data.table.captions, micro, data_args.max_seq_length,
                                      run.data.pad_to_max) if run.data is not None else 0  # the data's padding
     name = Path(model_args.model_name_or_path).name if model_args.model_name_or_path else model_args.preset
+    fps = flops_per_sample(model.config, seq_len, freeze_vision=model_args.freeze_vision_model,
+                           freeze_text=model_args.freeze_text_model)
+    # Trainer's files (trainer_state.json, training_args.bin) at the end and in every checkpoint-N
+    files = trainer_files.TrainerFiles(run, per_epoch=per_epoch, eval_every=eval_every, flops_per_sample=fps,
+                                       save_every=per_epoch if compat_args.save_strategy == "epoch"
+                                       else train_cfg.num_steps_per_checkpoint)
     trainer = Trainer(run, engine, step_fn, model_name=f"bridgetower:{name}", seq_len=seq_len, evaluation=evaluation,
-                      flops_per_sample=flops_per_sample(model.config, seq_len,
-                                                        freeze_vision=model_args.freeze_vision_model,
-                                                        freeze_text=model_args.freeze_text_model),
-                      save_every=per_epoch if compat_args.save_strategy == "epoch" else None)
+                      flops_per_sample=fps, save_every=files.save_every, epoch_of=files.epoch_of,
+                      checkpoint_files=files.checkpoint)
     summary = trainer.fit()
     if run.data is not None:
-        trainer_files.save_train_outputs(run, summary, evaluation.results, per_epoch=per_epoch,
-                                         train_samples=len(run.data.table), eval_every=eval_every,
-                                         save_every=trainer.save_every)
+        files.save_train_outputs(summary, evaluation.results, train_samples=len(run.data.table),
+                                 monitor=getattr(engine, "monitor", None))
         run.data.close()
     elif "eval" in evaluation.results:  # run_bridgetower.py's name for the same file
         save_metrics(train_cfg.run_dir, "validation", evaluation.results["eval"], dist.rank, combined=False)

@@ -1,40 +1,208 @@
 """What run_bridgetower.py's Trainer leaves in --output_dir after training, written from our run (issue 26):
 train_results.json with Trainer's keys (ds_core.hf_outputs says each definition) plus ours, eval_results.json AND
-validation_results.json (run_bridgetower.py's name), all_results.json, and trainer_state.json.
+validation_results.json (run_bridgetower.py's name), all_results.json, trainer_state.json, training_args.bin (a
+pickled transformers.TrainingArguments of the settings that ran) and Trainer's final TensorBoard scalars; and in
+every checkpoint-N, as Trainer's _save_checkpoint writes them, trainer_state.json at step N and training_args.bin.
 """
 from __future__ import annotations
 
+import dataclasses
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
 from ds_core import hf_outputs
+from ds_core.config import precision_of
 from ds_core.results import save_metrics, train_metrics
+from ds_core.settings import OptimArgs
 from ds_core.setup import Run
 
-from .configs import CompatArgs
+from .configs import CompatArgs, RunArgs
+from .data import DataArgs
+
+ARGS_NAME = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME
 
 
-def save_train_outputs(run: Run, summary: dict, results: dict[str, dict], *, per_epoch: int, train_samples: int,
-                       eval_every: int, save_every: int) -> dict:
-    """Rank 0 writes; every rank may call. Returns the train metrics."""
-    cfg, compat, rank = run.train, run.section(CompatArgs), run.dist.rank
-    steps = int(summary.get("steps") or 0)
-    # total_flos: the model's forward+backward FLOPs per sample x samples of every optimizer step so far (a resumed
-    # run counts its earlier steps at the global batch)
-    flos = float(summary.get("flops_per_sample") or 0.0) * int(summary.get("global_batch") or 0) * steps
-    trainer_keys = hf_outputs.train_metrics(summary, steps_per_epoch=per_epoch, total_flos=flos)
-    train = {**train_metrics(summary, train_samples=train_samples), **trainer_keys}
-    save_metrics(cfg.run_dir, "train", train, rank)
-    if "eval" in results:  # Trainer.evaluate's metrics carry the epoch they were taken at
-        ev = {**results["eval"], "epoch": trainer_keys["epoch"]}
-        save_metrics(cfg.run_dir, "eval", ev, rank)
-        save_metrics(cfg.run_dir, "validation", ev, rank, combined=False)  # run_bridgetower.py's name
-    hf_outputs.write_trainer_state(
-        cfg.run_dir, final={**trainer_keys, "step": steps}, steps_per_epoch=per_epoch,
-        max_steps=run.total_steps, num_train_epochs=_epochs(cfg, per_epoch),
-        logging_steps=cfg.log_every, eval_steps=eval_every or cfg.log_every, save_steps=save_every,
-        train_batch_size=int(summary.get("micro_batch") or 0), metric=compat.metric_for_best_model,
-        greater_is_better=compat.greater_is_better, rank=rank)
-    return train
+@dataclasses.dataclass
+class TrainerFiles:
+    """Trainer's files of one run (rank 0 writes; every rank may call). per_epoch: optimizer steps of an epoch;
+    eval_every / save_every: the steps the run evaluated / saved at (0: never); flops_per_sample: the model's
+    forward + backward count (total_flos = it x samples trained)."""
+
+    run: Run
+    per_epoch: int
+    eval_every: int
+    save_every: int
+    flops_per_sample: float
+    _args: bytes | None = None
+    _args_tried: bool = False
+
+    def epoch_of(self, step: int) -> float:
+        """Trainer's state.epoch at an optimizer step (fractional)."""
+        return step / max(1, self.per_epoch)
+
+    def total_flos(self, step: int) -> float:
+        # every optimizer step trains a global batch (a resumed run counts its earlier steps too)
+        return float(self.flops_per_sample) * int(self.run.ds_config["train_batch_size"]) * step
+
+    def checkpoint(self, tag_dir: Path, step: int) -> None:
+        """ds_core.trainer.Trainer's checkpoint_files hook (rank 0, before COMPLETE): checkpoint-N's trainer_state.json
+        (the state at step N: log_history up to N, no final entry) and training_args.bin. Both are outside the
+        checkpoint's MANIFEST.json: a resume never reads them."""
+        self._state(step, final=None, out_dir=tag_dir)
+        self._write_args(tag_dir)
+
+    def save_train_outputs(self, summary: dict, results: dict[str, dict], *, train_samples: int,
+                           monitor: Any = None) -> dict:
+        """After training: results files, trainer_state.json, training_args.bin and Trainer's final TensorBoard
+        scalars (train/train_runtime, ..., train/epoch at the last step). Returns the train metrics."""
+        cfg, rank = self.run.train, self.run.dist.rank
+        steps = int(summary.get("steps") or 0)
+        trainer_keys = hf_outputs.train_metrics(summary, steps_per_epoch=self.per_epoch,
+                                                total_flos=self.total_flos(steps))
+        train = {**train_metrics(summary, train_samples=train_samples), **trainer_keys}
+        save_metrics(cfg.run_dir, "train", train, rank)
+        if "eval" in results:  # Trainer.evaluate's metrics carry the epoch they were taken at
+            ev = {**results["eval"], "epoch": trainer_keys["epoch"]}
+            save_metrics(cfg.run_dir, "eval", ev, rank)
+            save_metrics(cfg.run_dir, "validation", ev, rank, combined=False)  # run_bridgetower.py's name
+        self._state(steps, final=trainer_keys)
+        if rank == 0:
+            self._write_args(Path(cfg.run_dir))
+            hf_outputs.write_events(monitor, trainer_keys, steps)
+        return train
+
+    # -- trainer_state.json ----------------------------------------------------------------------------------------
+    def _state(self, step: int, *, final: dict | None, out_dir: Path | str = "") -> None:
+        cfg, compat = self.run.train, self.run.section(CompatArgs)
+        hf_outputs.write_trainer_state(
+            cfg.run_dir, step=step, epoch=final["epoch"] if final else self.epoch_of(step),
+            total_flos=final["total_flos"] if final else self.total_flos(step), final=final,
+            steps_per_epoch=self.per_epoch, max_steps=self.run.total_steps, num_train_epochs=self._epochs(),
+            logging_steps=cfg.log_every, eval_steps=self.eval_every or cfg.log_every, save_steps=self.save_every,
+            train_batch_size=int(self.run.ds_config["train_micro_batch_size_per_gpu"]),
+            metric=compat.metric_for_best_model, greater_is_better=compat.greater_is_better, out_dir=out_dir,
+            rank=self.run.dist.rank)
+
+    def _epochs(self) -> int:
+        """Trainer's num_train_epochs in its state: the epochs asked for, or those max_steps spans."""
+        cfg = self.run.train
+        return -(-cfg.max_steps // self.per_epoch) if cfg.max_steps else cfg.max_epochs
+
+    # -- training_args.bin -----------------------------------------------------------------------------------------
+    def _write_args(self, out_dir: Path) -> None:
+        if not self._args_tried:
+            self._args_tried = True
+            self._args = self._pickled_args()
+        if self._args is not None:
+            _atomic_write_bytes(out_dir / ARGS_NAME, self._args)
+
+    def _pickled_args(self) -> bytes | None:
+        """torch.save(TrainingArguments) as Trainer.save_model writes it, built once. Without it (no accelerate, a
+        schedule transformers has no name for, an older transformers refusing a value) the run goes on: one line
+        says why, run_config.json holds the settings either way."""
+        import torch
+
+        try:
+            args = training_args(self.run, eval_every=self.eval_every, save_every=self.save_every)
+        except Exception as e:  # noqa: BLE001 - rank 0 alone is here, inside a checkpoint save the other ranks wait
+            # on: an error of an optional file must not leave them in the barrier (ImportError: no accelerate;
+            # ValueError: TrainingArguments' own checks; RuntimeError: accelerate's device set-up)
+            print(f"[bridgetower] {ARGS_NAME} not written: {type(e).__name__}: {e}", flush=True)
+            return None
+        buf = io.BytesIO()
+        torch.save(args, buf)
+        return buf.getvalue()
 
 
-def _epochs(cfg, per_epoch: int) -> int:
-    """Trainer's num_train_epochs in its state: the epochs asked for, or those max_steps spans."""
-    return -(-cfg.max_steps // per_epoch) if cfg.max_steps else cfg.max_epochs
+def training_args(run: Run, *, eval_every: int, save_every: int):
+    """transformers.TrainingArguments holding the settings this run used (resolved: the learning rate and weight
+    decay of OptimArgs' rule, the DeepSpeed JSON's batch sizes and clipping, the strategies' step counts), deepspeed
+    = the run's ds_config.json (the JSON the engine ran; the user's file is run_config.json's deepspeed_config).
+
+    TrainingArguments.__post_init__ sets up a device (accelerate's PartialState) and, with `deepspeed`, an accelerate
+    DeepSpeedPlugin. Here that runs inside a live run: torch.distributed is already initialized, so nothing
+    collective happens (rank 0 alone builds it), and the environment variables and torch's thread count it may
+    change (accelerate sets RANK/WORLD_SIZE..., and OMP threads on CPU) are put back, and so is transformers'
+    global DeepSpeed-config reference. accelerate's own singleton state is reset by it (this toolkit does not use
+    accelerate during a run). optim is left at Trainer's
+    default: with a DeepSpeed "optimizer" section Trainer ignores it, and ours is AdamW either way."""
+    import torch
+    from transformers import TrainingArguments
+    from transformers.trainer_utils import SchedulerType
+
+    cfg, dist, ds = run.train, run.dist, run.ds_config
+    optim, compat, run_args, data_args = (run.section(OptimArgs), run.section(CompatArgs), run.section(RunArgs),
+                                          run.section(DataArgs))
+    if optim.lr_scheduler_type not in {s.value for s in SchedulerType}:
+        raise ValueError(f"--lr_scheduler_type {optim.lr_scheduler_type} has no transformers SchedulerType")
+    precision = precision_of(ds)
+    kw = dict(
+        output_dir=cfg.run_dir, do_train=run_args.do_train,
+        do_eval=run_args.do_eval, do_predict=run_args.do_predict,
+        eval_strategy=compat.eval_strategy, eval_steps=eval_every if compat.eval_strategy == "steps" else None,
+        per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
+        per_device_eval_batch_size=run_args.eval_micro_batch_size or ds["train_micro_batch_size_per_gpu"],
+        gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+        learning_rate=optim.learning_rate, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
+        adam_beta2=optim.beta2, adam_epsilon=optim.eps, max_grad_norm=float(ds.get("gradient_clipping", 0.0)),
+        num_train_epochs=float(cfg.max_epochs), max_steps=cfg.max_steps or -1,
+        lr_scheduler_type=optim.lr_scheduler_type, warmup_steps=_count(optim.warmup_steps),
+        logging_strategy="steps", logging_steps=cfg.log_every,
+        save_strategy=compat.save_strategy, save_total_limit=cfg.save_total_limit or None,
+        seed=cfg.seed, data_seed=cfg.seed, bf16=precision == "bf16", fp16=precision == "fp16",
+        use_cpu=dist.accelerator == "cpu", dataloader_num_workers=data_args.dataloader_num_workers,
+        dataloader_drop_last=compat.dataloader_drop_last, remove_unused_columns=compat.remove_unused_columns,
+        load_best_model_at_end=compat.load_best_model_at_end,
+        metric_for_best_model=compat.metric_for_best_model or None, greater_is_better=compat.greater_is_better,
+        report_to=[n for n in compat.report_to.replace(" ", ",").split(",") if n] or "none",
+        resume_from_checkpoint=compat.resume_from_checkpoint or None, disable_tqdm=not cfg.progress_bar,
+        ddp_timeout=cfg.dist_timeout_s)
+    # accelerate's DeepSpeedPlugin refuses a JSON without a zero_optimization section, which DeepSpeed runs as ZeRO
+    # stage 0: such a config is handed over with that default spelled out, and `deepspeed` then names the file
+    ds_path = str((Path(cfg.run_dir) / "ds_config.json").resolve())
+    kw["deepspeed"] = ds_path if "zero_optimization" in ds else {**ds, "zero_optimization": {"stage": 0}}
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if optim.warmup_ratio:  # transformers 5: a share is warmup_steps < 1 (4.x: warmup_ratio)
+        kw["warmup_ratio" if "warmup_ratio" in fields else "warmup_steps"] = optim.warmup_ratio
+    if compat.save_strategy == "steps":
+        kw["save_steps"] = save_every
+    from transformers.integrations import deepspeed as hf_ds
+
+    env, threads, zero3_ref = dict(os.environ), torch.get_num_threads(), hf_ds._hf_deepspeed_config_weak_ref
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # accelerate's OMP_NUM_THREADS advice, deprecations: not the user's
+            # a name the installed transformers lacks (renamed across 4.x / 5.x) is left out, not an error
+            args = TrainingArguments(**{k: v for k, v in kw.items() if k in fields})
+        args.deepspeed = ds_path
+        return args
+    finally:  # only what changed is put back: other threads of this process may read the environment
+        for k in set(os.environ) - set(env):
+            del os.environ[k]
+        for k, v in env.items():
+            if os.environ.get(k) != v:
+                os.environ[k] = v
+        torch.set_num_threads(threads)
+        # the HfDeepSpeedConfig it made registers itself (a weak global: is_deepspeed_zero3_enabled()): put back, so
+        # rank 0 never takes transformers' ZeRO-3 code paths the other ranks do not
+        hf_ds._hf_deepspeed_config_weak_ref = zero3_ref
+
+
+def _count(x: float) -> float | int:
+    """A float setting that holds a count (>= 1, whole) as the int Trainer's parser gives."""
+    return int(x) if x >= 1 and x == int(x) else x
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+__all__ = ["ARGS_NAME", "TrainerFiles", "training_args"]

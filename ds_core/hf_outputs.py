@@ -70,50 +70,60 @@ def train_metrics(summary: dict, *, steps_per_epoch: int, total_flos: float) -> 
     return out
 
 
-def _log_history(records: list[dict], steps_per_epoch: int, final: dict) -> list[dict]:
-    """Trainer's log_history: a train entry per logged step (loss, grad_norm, learning_rate, epoch, step), an eval
-    entry per evaluation (eval_* keys, epoch, step), and the final train-metrics entry."""
+def _log_history(records: list[dict], steps_per_epoch: int, final: dict | None, upto: int) -> list[dict]:
+    """Trainer's log_history up to optimizer step `upto`: a train entry per logged step (loss, grad_norm,
+    learning_rate, epoch, step), an eval entry per evaluation (eval_* keys, epoch, step), and, at the end of training,
+    the final train-metrics entry."""
     history = []
     for r in records:
-        epoch = r.get("step", 0) / max(1, steps_per_epoch)
+        if r.get("step", 0) > upto:
+            continue
+        epoch = r.get("epoch", r.get("step", 0) / max(1, steps_per_epoch))
         if r.get("type") == "step" and r.get("loss") is not None:
             history.append({"loss": r["loss"], "grad_norm": r.get("grad_norm"), "learning_rate": r.get("lr"),
                             "epoch": epoch, "step": r["step"]})
         elif r.get("type") == "eval":
             history.append({**{k: v for k, v in r.items() if k not in ("type", "step")}, "epoch": epoch,
                             "step": r["step"]})
-    history.append({**{k: v for k, v in final.items()}, "step": final.get("step", 0)})
+    if final is not None:
+        history.append({**final, "step": upto})
     return history
 
 
-def write_trainer_state(run_dir: str | os.PathLike, *, final: dict, steps_per_epoch: int, max_steps: int,
-                        num_train_epochs: int, logging_steps: int, eval_steps: int, save_steps: int,
-                        train_batch_size: int, metric: str = "", greater_is_better: bool | None = None,
+def write_trainer_state(run_dir: str | os.PathLike, *, step: int, epoch: float, total_flos: float,
+                        final: dict | None, steps_per_epoch: int, max_steps: int, num_train_epochs: int,
+                        logging_steps: int, eval_steps: int, save_steps: int, train_batch_size: int,
+                        metric: str = "", greater_is_better: bool | None = None, out_dir: str | os.PathLike = "",
                         rank: int = 0) -> Path:
-    """run_dir/trainer_state.json through transformers.TrainerState (rank 0). `final` is train_metrics(...) with
-    "step". metric: Trainer's metric_for_best_model ("" -> no best_metric, as Trainer)."""
+    """out_dir (default run_dir)/trainer_state.json through transformers.TrainerState (rank 0): the state at optimizer
+    step `step`, its log_history read from run_dir/metrics.jsonl up to that step. final: train_metrics(...) at the end
+    of training (its entry closes the log_history), None for a checkpoint's state (Trainer's _save_checkpoint: the
+    state as it is at that step). metric: Trainer's metric_for_best_model ("" -> no best_metric, as Trainer)."""
     from transformers import TrainerState
 
-    path = Path(run_dir) / "trainer_state.json"
+    path = Path(out_dir or run_dir) / "trainer_state.json"
     if rank != 0:
         return path
     records = read_records(run_dir)
-    state = TrainerState(epoch=final["epoch"], global_step=final["step"], max_steps=max_steps,
+    state = TrainerState(epoch=epoch, global_step=step, max_steps=max_steps,
                          logging_steps=logging_steps, eval_steps=eval_steps, save_steps=save_steps,
                          train_batch_size=train_batch_size, num_train_epochs=num_train_epochs,
-                         total_flos=final["total_flos"], log_history=_log_history(records, steps_per_epoch, final))
+                         total_flos=total_flos, log_history=_log_history(records, steps_per_epoch, final, step))
     if metric:
         key = metric if metric.startswith("eval_") else f"eval_{metric}"
         better = greater_is_better if greater_is_better is not None else not key.endswith("loss")  # Trainer's rule
         best = None
         for r in records:
-            if r.get("type") == "eval" and r.get(key) is not None and not math.isnan(r[key]):
+            if r.get("type") == "eval" and r.get("step", 0) <= step and r.get(key) is not None \
+                    and not math.isnan(r[key]):
                 if best is None or (r[key] > best[key] if better else r[key] < best[key]):
                     best = r
         if best is not None:
             state.best_metric, state.best_global_step = best[key], best["step"]
             ckpt = Path(run_dir) / f"checkpoint-{best['step']}"
-            state.best_model_checkpoint = str(ckpt) if ckpt.exists() else None
+            # a checkpoint's own state names itself when it is the best: Trainer saves the model first, then looks
+            saving_it = final is None and best["step"] == step
+            state.best_model_checkpoint = str(ckpt) if ckpt.exists() or saving_it else None
     import dataclasses
 
     from ds_core.config import atomic_write_text
@@ -123,4 +133,15 @@ def write_trainer_state(run_dir: str | os.PathLike, *, final: dict, steps_per_ep
     return path
 
 
-__all__ = ["link_checkpoints", "read_records", "train_metrics", "write_trainer_state"]
+def write_events(monitor: Any, metrics: dict, step: int) -> None:
+    """Trainer's final log to TensorBoard (TensorBoardCallback.on_log after train(): rewrite_logs puts every key
+    without an eval_/test_ prefix under train/), through DeepSpeed's monitor (rank 0; nothing when it is off)."""
+    if monitor is None or not getattr(monitor, "enabled", False):
+        return
+    events = [(f"train/{k}", float(v), step) for k, v in metrics.items()
+              if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if events:
+        monitor.write_events(events)
+
+
+__all__ = ["link_checkpoints", "read_records", "train_metrics", "write_events", "write_trainer_state"]

@@ -40,6 +40,11 @@ class Trainer:
         numbers continue from that checkpoint's step, and the run's total steps count the steps of this phase.
     clock: replaces the metrics clock (tests drive time with it; time.perf_counter by default).
     save_every: checkpoint every N optimizer steps instead of cfg.num_steps_per_checkpoint (0: none).
+    epoch_of: step -> the (fractional) epoch written into each step and eval record as "epoch" (transformers'
+        Trainer logs it with every entry); None: no such key.
+    checkpoint_files: rank 0, (checkpoint directory, step) -> None, called while a checkpoint is saved, after the
+        step's metrics record is durable and before COMPLETE: files of the model's own beside the checkpoint's
+        (transformers' trainer_state.json, training_args.bin in checkpoint-N).
 
     Stopped early (SIGTERM / SIGUSR1 on any rank, or cfg.max_steps_this_run): every rank finishes the optimizer step,
     saves a checkpoint, writes the summary and the process exits with EXIT_STOPPED (SystemExit), to go on with
@@ -48,7 +53,9 @@ class Trainer:
     def __init__(self, run: Run, engine: Any, step_fn: StepFn, *, model_name: str, flops_per_sample: float,
                  seq_len: int = 0, evaluation: Evaluation | None = None, fingerprint: dict | None = None,
                  init_from: str | None = None, reset_optimizer: bool = False,
-                 clock: Callable[[], float] | None = None, save_every: int | None = None):
+                 clock: Callable[[], float] | None = None, save_every: int | None = None,
+                 epoch_of: Callable[[int], float] | None = None,
+                 checkpoint_files: Callable[[Path, int], None] | None = None):
         self.run, self.engine, self.step_fn = run, engine, step_fn
         self.cfg, self.dist = run.train, run.dist
         self.evaluation = evaluation or Evaluation()
@@ -59,6 +66,7 @@ class Trainer:
         # checkpoint every N optimizer steps: cfg.num_steps_per_checkpoint unless the model decides it from its data
         # (Trainer's --save_strategy epoch)
         self.save_every = save_every if save_every is not None else self.cfg.num_steps_per_checkpoint
+        self.epoch_of, self.checkpoint_files = epoch_of, checkpoint_files
 
     # -- the run -----------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -131,17 +139,22 @@ class Trainer:
         step, epoch = pos.step, pos.epoch
         stopped = None  # why this process stops before the end: "SIGTERM", "SIGUSR1" or "max_steps_this_run"
 
+        def before_complete() -> None:  # rank 0
+            # the step's record is written (and fsync'ed) before COMPLETE: a kill after it never loses the record
+            metrics.persist()
+            if self.checkpoint_files is not None:
+                self.checkpoint_files(self.checkpoints.root / ckpt.tag_for(step), step)
+
         def save() -> None:
             with metrics.timed("checkpoint"):  # outside the throughput window; reported as checkpoint_s
-                # the step's record is written (and fsync'ed) before COMPLETE: a kill after it never loses the record
-                self.checkpoints.save(pos, step, epoch, data, before_complete=metrics.persist)
+                self.checkpoints.save(pos, step, epoch, data, before_complete=before_complete)
 
         def evaluate() -> None:
             with metrics.timed("eval"):
                 logs = ev.run(ev.during, engine, step)
                 engine.train()
                 if logs:
-                    metrics.eval(step, logs)
+                    metrics.eval(step, dict(logs, epoch=self.epoch_of(step)) if self.epoch_of else logs)
 
         def diverged(loss: float) -> str:
             return (f"loss is {loss} at optimizer step {step + 1} (epoch {epoch}); the update was not applied and the "
@@ -170,6 +183,8 @@ class Trainer:
                     verdict = guard.observe(step, res.loss, res.skipped, res.grad_norm)
                     logs = dict(res.logs, **record_fields(phases.boundary(step)),  # every rank calls boundary()
                                 skipped=res.skipped, skipped_steps=guard.total)
+                    if self.epoch_of is not None:
+                        logs["epoch"] = self.epoch_of(step)
                     metrics.step(step, res.samples, res.tokens, loss=res.loss, lr=res.lr, logs=logs,
                                  grad_norm=res.grad_norm)
                     if res.skipped and dist.rank == 0:
