@@ -1,15 +1,21 @@
 """Predicted vs measured on emulated fabrics: for every fabric of a finished `launcher = "emulated_fabric"` study,
 the fastest 1-node cell (of any fabric: it sends nothing over its link) is the measured run `ds-scaling-report predict`
-starts from, and each larger cell is compared with
-its prediction: exposed communication per optimizer step and scaling efficiency, side by side.
+starts from, and each larger cell is compared with its prediction: exposed communication per optimizer step and
+scaling efficiency, side by side.
 
     python -m ds_tools.study.emulated runs/studies/emulated_fabrics [--format md|json]
 
+The model's inputs are measured, none fitted to the runs it predicts: the link's bus bandwidth (its one efficiency
+factor = bandwidth / tbf rate) and per-call cost from the link probe that ran over that link just before the cell
+(ds_tools.study.linkprobe, link_probe.json), the collective calls per step from DeepSpeed's code and the 1-node run
+(parameter groups, scalar all-reduces counted by DeepSpeed's comms logger), the compute from the 1-node run.
+
 Measured exposed communication: the run's sampled phase timing (`phase_comm_s`, ds_core.phases) where the run has
-it; otherwise the growth of the optimizer step over the 1-node cell (same work per rank, so what grew is the
-exposed communication plus any wait), and the table says which. With comms_logger = true, DeepSpeed's own
-timing of each collective. Of repeated cells the fastest is compared (the least disturbed on a shared machine). Targets (issue 27): efficiency within 5 points,
-communication within 25 %.
+it; otherwise DeepSpeed's comms logger, or the growth of the step over the 1-node cell; the table says which. Of
+repeated cells the fastest is compared (the least disturbed on a shared machine). Beside the raw efficiency, a
+compute-matched one: the emulated nodes share the host's CPUs (and with other jobs), so compute per rank differs
+between cells, which no network model predicts; it takes the baseline's compute plus the cell's measured
+non-compute time. Targets (issue 27): efficiency within 5 points, communication within 25 %.
 """
 from __future__ import annotations
 

@@ -6,6 +6,11 @@ Study directory layout (`--out`, default runs/studies/<name>):
     cells/<key>/               one run directory per cell: metrics.jsonl, config.json, ds_config.json (resolved),
                                study_ds_config.json (the cell's input), log.txt, cell_stats/rank<R>.json, cell.json
     previous/<key>.<n>/        an unfinished or failed attempt, moved aside (never deleted) before the cell reruns
+    twins/<key>/node<i>/       launcher = "emulated_fabric": the independent twin runs that kept every emulated node
+                               busy beside a cell with fewer nodes than the study's largest (not cells)
+
+An emulated multi-node cell also has link_probe.json (ds_tools.study.linkprobe, run over its link before it trains)
+and fabric.json (the link, whether its latency was emulated, the number of twins).
 
 `cell.json` is written last and atomically: {"status": "ok" | "failed" | "timeout", "exit_code", "seconds", "values",
 "repeat", "command", "log_tail"}. A cell is complete when its status is ok and its metrics.jsonl has a summary record.
