@@ -62,7 +62,7 @@ def collectives(stage: int, precision: str, params: int, grad_accum: int, *, par
     if precision not in BYTES:
         raise PredictError(f"--precision {precision!r}: expected one of {sorted(BYTES)}")
     small = [Collective("all_reduce", 0, small_calls, 1, "scalar all-reduces per step, counted in the measured run "
-                        "(bf16_optimizer.py:258-267 overflow, utils.py:418 norm, ...)")] if small_calls > 0 else []
+                        "(runtime/utils.py:258-267 overflow check, :418 gradient norm, ...)")] if small_calls > 0 else []
     c = p = BYTES[precision]
     g = params * c
     ar_calls = max(1, math.ceil(params / AR_BUCKET))
@@ -334,6 +334,10 @@ def _main(a: argparse.Namespace) -> int:
         fab = fabrics.FABRICS[a.fabric]
         if a.efficiency is not None:
             fab = fabrics.Fabric(**{**fab.__dict__, "efficiency": a.efficiency, "calibrated_on": "--efficiency"})
+        if a.call_us:
+            if a.call_us < 0:
+                raise PredictError(f"--call_us {a.call_us}: expected >= 0")
+            fab = fabrics.Fabric(**{**fab.__dict__, "call_us": a.call_us})
     elif a.intra_gbps and a.inter_gbps:
         try:
             fab = fabrics.custom(a.intra_gbps, a.inter_gbps, a.latency_us, a.efficiency or 1.0, a.call_us)
