@@ -62,7 +62,8 @@ def collectives(stage: int, precision: str, params: int, grad_accum: int, *, par
     if precision not in BYTES:
         raise PredictError(f"--precision {precision!r}: expected one of {sorted(BYTES)}")
     small = [Collective("all_reduce", 0, small_calls, 1, "scalar all-reduces per step, counted in the measured run "
-                        "(runtime/utils.py:258-267 overflow check, :418 gradient norm, ...)")] if small_calls > 0 else []
+                        "(runtime/utils.py:258-267 overflow check, :418 gradient norm, ...)")] \
+        if small_calls > 0 else []
     c = p = BYTES[precision]
     g = params * c
     ar_calls = max(1, math.ceil(params / AR_BUCKET))
@@ -225,7 +226,8 @@ def format_md(res: dict) -> str:
            f"overlap {res['overlap']:.2f} ({res['overlap_source']}); {res['params'] / 1e6:.1f} M parameters, "
            f"ZeRO-{res['zero_stage']}, {res['precision']}; measured {res['measured_seq_per_s']:.2f} seq/s at "
            f"{res['measured_nodes']} node(s); collectives of {res['deepspeed']}:"]
-    out += [f"  * {c['kind']} {c['nbytes'] / 1e6:.1f} MB in {c['calls']} call(s) x {c['per_step']} per step ({c['why']})"
+    out += [f"  * {c['kind']} {c['nbytes'] / 1e6:.1f} MB in {c['calls']} call(s) x {c['per_step']} per step "
+            f"({c['why']})"
             for c in res["collectives"]]
     out += ["", "| nodes | accelerators | grad accum | predicted sequences/s | per accelerator | efficiency % | "
                 "comm s/step | exposed comm s/step |", "|" + "---:|" * 8]

@@ -105,7 +105,8 @@ def test_emulated_two_nodes_predicted_vs_measured(tmp_path):
     assert r["small_calls"] >= 1 and scalar == r["small_calls"] * steps, comms
     # the model's link inputs are the probe's, named in the output
     assert r["efficiency_factor"] == pytest.approx(probe["busbw_Bps"] / (MBIT * 1e6 / 8))
-    assert r["call_us"] is not None and "link probe" in r["call_us_from"] and "link probe" in r["efficiency_factor_from"]
+    assert r["call_us"] is not None and "link probe" in r["call_us_from"]
+    assert "link probe" in r["efficiency_factor_from"]
     # the link was really the shaped one: the gradient bytes over 100 Mbit/s bound the measured time from below
     assert r["measured_comm_s"] > 0.8 * grad.nbytes * 8 / (MBIT * 1e6)
     # predicted vs measured exposed communication: within 25 % on a quiet machine (docs/studies.md); asserted

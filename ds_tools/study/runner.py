@@ -215,7 +215,8 @@ def _fabric(study: Study, cell: Cell, out: Path):
 
 
 def _probe_bytes(mbit: float) -> int:
-    """The probe's bandwidth message: ~40 ms of the link at its rate (bandwidth-bound, not latency-bound), >= 256 KiB."""
+    """The probe's bandwidth message: ~40 ms of the link at its rate (bandwidth-bound, not latency-bound),
+    at least 256 KiB."""
     return max(1 << 18, int(mbit * 1e6 / 8 * 0.04))
 
 
