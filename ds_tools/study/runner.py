@@ -161,14 +161,15 @@ def _log_tail(path: Path) -> str:
         return ""
 
 
-def _move_aside(out: Path, d: Path, say: Callable[[str], None]) -> None:
+def _move_aside(out: Path, d: Path, say: Callable[[str], None], name: str = "") -> None:
     prev = out / "previous"
     prev.mkdir(parents=True, exist_ok=True)
+    name = name or d.name
     n = 0
-    while (prev / f"{d.name}.{n}").exists():
+    while (prev / f"{name}.{n}").exists():
         n += 1
-    shutil.move(str(d), prev / f"{d.name}.{n}")
-    say(f"  earlier attempt moved to {prev / f'{d.name}.{n}'}")
+    shutil.move(str(d), prev / f"{name}.{n}")
+    say(f"  earlier attempt moved to {prev / f'{name}.{n}'}")
 
 
 class _Progress:
@@ -275,6 +276,8 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
         say(f"{head}: {cell.label()}")
         if d.exists():
             _move_aside(out, d, say)
+        if (out / "twins" / cell.key).exists():   # a twin must train afresh, not resume its finished earlier run
+            _move_aside(out, out / "twins" / cell.key, say, name=f"twins-{cell.key}")
         cmds = commands_for(study, cell, out, write=True)
         log = d / "log.txt"
         with _fabric(study, cell, out) as fab:
