@@ -11,9 +11,10 @@ Every `every`-th optimizer step (TrainConfig.phase_timing_every) of a run is spl
               reduce-scatter, ZeRO parameter all-gather) issued inside forward, backward and step, on the compute stream,
               minus the part of it spent waiting for the slowest rank
   step_s      engine.step minus its exposed collectives (optimizer update, clipping, norm)
-  wait_s      waiting for the slowest rank: max over ranks of their busy time (the step minus its collectives)
-              minus this rank's own; a rank that arrives early at a collective waits inside it, so this part is
-              taken out of comm_s
+  wait_s      waiting for other ranks inside the collectives: per collective, this rank's duration minus the
+              shortest over the ranks (the last to arrive waited for nobody), summed (`split_wait`); taken out of
+              comm_s. Beyond MAX_COLLECTIVES per step (ZeRO-3) or unequal counts: max over ranks of their busy time
+              (the step minus its collectives) minus this rank's own
   slowest_rank  the rank with the largest busy time
 
 How it is measured, and why it costs little:
@@ -22,14 +23,15 @@ How it is measured, and why it costs little:
     synchronous, the host clock. Events are only created on sampled steps.
   * No host sync on any step: a sampled step's events are read one optimizer step later (`collect` at the next
     boundary), when they have long completed; on CPU the values are ready at once.
-  * Per-rank figures meet in ONE small all_gather (6 float64 per rank) on the boundary where a sample is read,
+  * Per-rank figures meet in ONE small all_gather (7 + MAX_COLLECTIVES float64 per rank: the phases and each
+    collective's duration) on the boundary where a sample is read,
     i.e. every `every`-th step only; every rank decides sampling from the step number alone, so all take part.
   * Collectives are timed by wrapping the methods of deepspeed.comm's backend object (`cdb`) once; the wrapper is a
     flag test outside sampled steps.
 
-Limits: per-rank totals approximate the wait (a rank ahead at one collective and behind at the next counts the
-difference of its totals); a collective on a side stream (overlap_comm on GPU) is counted only where the compute
-stream waits for it.
+Limits: past MAX_COLLECTIVES per step, per-rank totals approximate the wait (a rank ahead at one collective and
+behind at the next counts only the difference of its totals); a collective on a side stream (overlap_comm on GPU)
+is counted only where the compute stream waits for it.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce", "re
                "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "broadcast",
                "all_to_all_single", "gather", "scatter")
 FIELDS = ("data_s", "forward_s", "backward_s", "comm_s", "step_s", "wait_s")
+MAX_COLLECTIVES = 64       # per sampled step, timed one by one (ZeRO-3 issues more: its wait falls back to totals)
 
 
 class _Sample:
@@ -194,8 +197,11 @@ class PhaseTimer:
         comm = {p: sum(self._elapsed(a, b) for a, b in s.comm[p]) for p in s.comm}
         comm_all = sum(comm.values())
         busy = sum(tot.values()) - comm_all
+        # each collective's own duration, in the order issued (the same on every rank: data parallelism)
+        durs = [self._elapsed(a, b) for p in ("forward", "backward", "step") for a, b in s.comm[p]]
         mine = [tot["data"], tot["forward"] - comm["forward"], tot["backward"] - comm["backward"],
-                tot["step"] - comm["step"], comm_all, busy]
+                tot["step"] - comm["step"], comm_all, busy, float(len(durs))]
+        mine += durs[:MAX_COLLECTIVES] + [0.0] * (MAX_COLLECTIVES - min(len(durs), MAX_COLLECTIVES))
         rows = [mine]
         import torch.distributed as tdist
 
@@ -204,14 +210,34 @@ class PhaseTimer:
             out = [torch.empty_like(t) for _ in range(self.world_size)]
             tdist.all_gather(out, t)           # the one extra small collective, on sampled steps only
             rows = [o.tolist() for o in out]
-        busies = [r[5] for r in rows]
-        slowest = max(range(len(rows)), key=lambda i: busies[i])
-        wait = min(max(0.0, busies[slowest] - busy), comm_all)
+        wait, slowest, wait_max = split_wait(rows, self.rank if len(rows) > 1 else 0)
         rec = {"step": s.step, "data_s": mine[0], "forward_s": mine[1], "backward_s": mine[2],
                "comm_s": comm_all - wait, "step_s": mine[3], "wait_s": wait, "slowest_rank": slowest,
-               "wait_max_s": max(min(max(0.0, busies[slowest] - r[5]), r[4]) for r in rows)}
+               "wait_max_s": wait_max}
         self.samples.append(rec)
         self.last = rec
+
+
+def split_wait(rows: list[list[float]], me: int = 0) -> tuple[float, int, float]:
+    """(this rank's wait, the slowest rank, the largest wait of any rank) from every rank's row
+    [data, forward, backward, step, comm_all, busy, n, d_1 .. d_MAX_COLLECTIVES] (`me`: this rank's row; rows as
+    all_gather orders them, so rank r is row r).
+
+    Per collective: the rank that arrived last waited for nobody, so the shortest duration over the ranks is the
+    collective's own time and each rank's excess over it is waiting; wait = comm_all minus the sum of those minima.
+    This catches skew that alternates (a rank early at one collective and late at the next), which per-rank totals
+    cancel out. Where the ranks issued different numbers of collectives, or more than MAX_COLLECTIVES (ZeRO-3's
+    gathers), the totals: max busy minus own busy."""
+    busies = [r[5] for r in rows]
+    slowest = max(range(len(rows)), key=lambda i: busies[i])
+    counts = {int(r[6]) for r in rows}
+    if len(counts) == 1 and 0 < next(iter(counts)) <= MAX_COLLECTIVES:
+        n = counts.pop()
+        own = sum(min(r[7 + k] for r in rows) for k in range(n))
+        waits = [min(max(0.0, r[4] - own), r[4]) for r in rows]
+    else:
+        waits = [min(max(0.0, busies[slowest] - r[5]), r[4]) for r in rows]
+    return waits[me], slowest, max(waits)
 
 
 def record_fields(sample: dict | None) -> dict:

@@ -11,6 +11,9 @@ parallel, each carrying 1/a of the buffer):
     all-gather(S), reduce-scatter(S) = half the two bandwidth terms                  + latency
     latency            = steps * alpha: ring steps (a-1) intra, and between nodes min(N-1, ceil(log2 N)) for an
                          all-reduce (NCCL's tree for latency-bound sizes), N-1 for gather/scatter (ring only)
+                         + call_us per call: the communication library's own cost of one collective (its software
+                         path, scheduling); 0 for the published fabrics (their factor absorbs it), MEASURED for an
+                         emulated one (ds_tools.study.linkprobe), never fitted to the run it predicts
 
 B_intra is one accelerator's link bandwidth to its node peers, B_inter one node's aggregate scale-out bandwidth; both
 are line rates multiplied by the fabric's ONE efficiency factor (`efficiency`): calibrated on a published table
@@ -32,6 +35,7 @@ class Fabric:
     efficiency: float          # the one calibrated factor: achieved bus bandwidth / line rate
     calibrated_on: str         # where `efficiency` comes from ("" = not calibrated)
     source: str                # where the line rates come from
+    call_us: float = 0.0       # per collective call, besides the ring steps' latency (measured; 0 = not modelled)
 
     @property
     def b_intra(self) -> float:
@@ -62,32 +66,35 @@ FABRICS = {
 }
 
 
-def custom(intra_gbps: float, inter_gbps: float, latency_us: float, efficiency: float = 1.0) -> Fabric:
+def custom(intra_gbps: float, inter_gbps: float, latency_us: float, efficiency: float = 1.0,
+           call_us: float = 0.0) -> Fabric:
     for name, v in (("--intra_gbps", intra_gbps), ("--inter_gbps", inter_gbps)):
         if not v > 0:
             raise ValueError(f"{name} {v}: expected a positive bandwidth in Gbit/s")
     if latency_us < 0:
         raise ValueError(f"--latency_us {latency_us}: expected >= 0")
+    if call_us < 0:
+        raise ValueError(f"--call_us {call_us}: expected >= 0")
     return Fabric("custom", intra_gbps, inter_gbps, latency_us, min(latency_us, 2.0), efficiency, "",
-                  "given on the command line")
+                  "given on the command line", call_us)
 
 
 def all_reduce_s(fab: Fabric, nbytes: float, per_node: int, nodes: int, calls: int = 1) -> float:
     """Seconds for an all-reduce of nbytes in `calls` buckets (hierarchical ring, NCCL bus-bandwidth terms)."""
     a, n = per_node, nodes
-    if a * n <= 1 or nbytes <= 0:
+    if a * n <= 1 or nbytes < 0:
         return 0.0
     t = 2 * (a - 1) / a * nbytes / fab.b_intra + 2 * (n - 1) / n * nbytes / fab.b_inter
     steps_inter = min(n - 1, math.ceil(math.log2(n))) if n > 1 else 0
     lat = 2 * (a - 1) * fab.intra_latency_us + 2 * steps_inter * fab.latency_us
-    return t + calls * lat * 1e-6
+    return t + calls * (lat + fab.call_us) * 1e-6
 
 
 def gather_s(fab: Fabric, nbytes: float, per_node: int, nodes: int, calls: int = 1) -> float:
     """Seconds for an all-gather or a reduce-scatter whose full (gathered) buffer is nbytes."""
     a, n = per_node, nodes
-    if a * n <= 1 or nbytes <= 0:
+    if a * n <= 1 or nbytes < 0:
         return 0.0
     t = (a - 1) / a * nbytes / fab.b_intra + (n - 1) / n * nbytes / fab.b_inter
     lat = (a - 1) * fab.intra_latency_us + (n - 1) * fab.latency_us
-    return t + calls * lat * 1e-6
+    return t + calls * (lat + fab.call_us) * 1e-6

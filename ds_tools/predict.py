@@ -51,21 +51,27 @@ class Collective:
     why: str           # the DeepSpeed code that issues it
 
 
-def collectives(stage: int, precision: str, params: int, grad_accum: int) -> list[Collective]:
+def collectives(stage: int, precision: str, params: int, grad_accum: int, *, param_groups: int = 1,
+                small_calls: int = 0) -> list[Collective]:
     """What DeepSpeed 0.19 moves per optimizer step for data parallelism with this stage and precision.
 
     Gradients travel in communication_data_type (engine.py:1719: fp16/bf16 when enabled, else fp32); parameters in
-    their 16-bit (or fp32) dtype."""
+    their 16-bit (or fp32) dtype. `param_groups`: the optimizer's parameter groups (ZeRO 1/2 gather each group's
+    partitions in its own call). `small_calls`: scalar collectives per optimizer step besides these (overflow check,
+    gradient norm, a model's own, e.g. LAMB's per-layer norms), counted in a measured run: latency only."""
     if precision not in BYTES:
         raise PredictError(f"--precision {precision!r}: expected one of {sorted(BYTES)}")
+    small = [Collective("all_reduce", 0, small_calls, 1, "scalar all-reduces per step, counted in the measured run "
+                        "(runtime/utils.py:258-267 overflow check, :418 gradient norm, ...)")] \
+        if small_calls > 0 else []
     c = p = BYTES[precision]
     g = params * c
     ar_calls = max(1, math.ceil(params / AR_BUCKET))
     if stage == 0:
         return [Collective("all_reduce", g, ar_calls, 1,
                            "engine.py:3089-3097 at the accumulation boundary: buffered_allreduce_fallback "
-                           "(engine.py:3921) -> allreduce_bucket (engine.py:3795), 5e8-element buckets")]
-    gather = Collective("all_gather", params * p, 1, 1,
+                           "(engine.py:3921) -> allreduce_bucket (engine.py:3795), 5e8-element buckets"), *small]
+    gather = Collective("all_gather", params * p, max(1, param_groups), 1,
                         "updated 16-bit partitions: all_gather_dp_groups (stage_1_and_2.py:3155, "
                         "bf16_optimizer.py:599) -> all_gather_into_tensor (utils.py:1021), one call per group")
     if stage == 1:
@@ -74,18 +80,20 @@ def collectives(stage: int, precision: str, params: int, grad_accum: int) -> lis
         # reduced by buffered_allreduce_fallback: an all-reduce of the full gradient either way
         return [Collective("all_reduce", g, ar_calls, 1,
                            "engine.py:3089-3092 reduce_gradients at the boundary (stage_1_and_2.py:958, :1695 "
-                           "multi-rank bucket all-reduce) or BF16_Optimizer's buffered_allreduce_fallback"), gather]
+                           "multi-rank bucket all-reduce) or BF16_Optimizer's buffered_allreduce_fallback"), gather,
+                *small]
     if stage == 2:
         return [Collective("all_reduce", g, ar_calls, grad_accum,
                            "engine.py:3084-3085: stage 2 reduces every micro-step (ipg buckets of "
-                           "reduce_bucket_size, stage_1_and_2.py:2205 -> average_tensor :1695)"), gather]
+                           "reduce_bucket_size, stage_1_and_2.py:2205 -> average_tensor :1695)"), gather, *small]
     if stage == 3:
         calls = max(1, math.ceil(params / PREFETCH_BUCKET))
         return [Collective("all_gather", params * p, calls, 2 * grad_accum,
                            "parameters gathered in forward and again in backward, every micro-step "
                            "(partitioned_param_coordinator.py:609 all_gather_coalesced)"),
                 Collective("reduce_scatter", g, ar_calls, grad_accum,
-                           "gradients reduce-scattered every micro-step (stage3.py:1931 reduce_scatter_coalesced)")]
+                           "gradients reduce-scattered every micro-step (stage3.py:1931 reduce_scatter_coalesced)"),
+                *small]
     raise PredictError(f"--zero_stage {stage}: expected 0, 1, 2 or 3")
 
 
@@ -117,12 +125,14 @@ def _accum(micro: int, per_node: int, nodes: int, grad_accum: int, global_batch:
 
 
 def predict(m: Measured, fab: fabrics.Fabric, *, params: int, stage: int, precision: str, micro: int,
-            nodes: Sequence[int], global_batch: int | None = None) -> dict:
-    """Rows per node count plus the model's assumptions (overlap, collectives, factor)."""
+            nodes: Sequence[int], global_batch: int | None = None, param_groups: int = 1,
+            small_calls: int = 0) -> dict:
+    """Rows per node count plus the model's assumptions (overlap, collectives, factor, per-call cost)."""
+    calls = dict(param_groups=param_groups, small_calls=small_calls)
     a = m.per_node
     b0 = micro * m.grad_accum
     t0 = b0 * m.nodes * a / m.seq_per_s                       # measured optimizer step, seconds
-    comm0 = comm_seconds(collectives(stage, precision, params, m.grad_accum), fab, a, m.nodes)
+    comm0 = comm_seconds(collectives(stage, precision, params, m.grad_accum, **calls), fab, a, m.nodes)
     wait0 = 0.0
     if m.phases:
         total = sum(m.phases.values())
@@ -144,7 +154,7 @@ def predict(m: Measured, fab: fabrics.Fabric, *, params: int, stage: int, precis
     for n in nodes:
         g = _accum(micro, a, n, m.grad_accum, global_batch)
         b = micro * g
-        comm = comm_seconds(collectives(stage, precision, params, g), fab, a, n)
+        comm = comm_seconds(collectives(stage, precision, params, g, **calls), fab, a, n)
         # the measured exposed comm is kept and only the modelled growth beyond it is added (partly hidden):
         # the measured point is reproduced exactly even where the model under- or over-shoots it there
         exposed = max(0.0, exposed0 + (1 - overlap) * (comm - comm0))
@@ -154,10 +164,11 @@ def predict(m: Measured, fab: fabrics.Fabric, *, params: int, stage: int, precis
                      "per_accelerator": per_acc, "efficiency": per_acc / base_per_acc, "step_s": step,
                      "comm_s": comm, "exposed_comm_s": exposed})
     return {"fabric": fab.name, "efficiency_factor": fab.efficiency, "calibrated_on": fab.calibrated_on or
-            "not calibrated (1.0 = line rate)", "fabric_source": fab.source, "overlap": overlap,
+            "not calibrated (1.0 = line rate)", "fabric_source": fab.source, "call_us": fab.call_us, "overlap": overlap,
             "overlap_source": overlap_src, "params": params, "zero_stage": stage, "precision": precision,
             "measured_nodes": m.nodes, "measured_seq_per_s": m.seq_per_s, "deepspeed": DS,
-            "collectives": [c.__dict__ for c in collectives(stage, precision, params, m.grad_accum)], "rows": rows}
+            "collectives": [c.__dict__ for c in collectives(stage, precision, params, m.grad_accum, **calls)],
+            "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------- published tables
@@ -211,10 +222,12 @@ _COLS = ("nodes", "accelerators", "grad_accum", "seq_per_s", "per_accelerator", 
 
 def format_md(res: dict) -> str:
     out = [f"Fabric {res['fabric']}: efficiency factor {res['efficiency_factor']} ({res['calibrated_on']}); "
+           + (f"per-call cost {res['call_us']:.1f} us; " if res.get("call_us") else "") +
            f"overlap {res['overlap']:.2f} ({res['overlap_source']}); {res['params'] / 1e6:.1f} M parameters, "
            f"ZeRO-{res['zero_stage']}, {res['precision']}; measured {res['measured_seq_per_s']:.2f} seq/s at "
            f"{res['measured_nodes']} node(s); collectives of {res['deepspeed']}:"]
-    out += [f"  * {c['kind']} {c['nbytes'] / 1e6:.1f} MB x {c['per_step']} per step ({c['why']})"
+    out += [f"  * {c['kind']} {c['nbytes'] / 1e6:.1f} MB in {c['calls']} call(s) x {c['per_step']} per step "
+            f"({c['why']})"
             for c in res["collectives"]]
     out += ["", "| nodes | accelerators | grad accum | predicted sequences/s | per accelerator | efficiency % | "
                 "comm s/step | exposed comm s/step |", "|" + "---:|" * 8]
@@ -271,6 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(*flag("--intra_gbps"), type=float, help="custom fabric: per-accelerator intra-node Gbit/s")
     p.add_argument(*flag("--inter_gbps"), type=float, help="custom fabric: per-node scale-out Gbit/s")
     p.add_argument(*flag("--latency_us"), type=float, default=5.0, help="custom fabric: per inter-node step")
+    p.add_argument(*flag("--call_us"), type=float, default=0.0,
+                   help="custom fabric: the library's own cost per collective call, microseconds (measure it, e.g. "
+                        "python -m ds_tools.study.linkprobe)")
+    p.add_argument(*flag("--param_groups"), type=int, default=1, help="optimizer parameter groups (ZeRO 1/2: one "
+                   "all-gather call each)")
+    p.add_argument(*flag("--small_calls"), type=int, default=0, help="scalar collectives per optimizer step besides "
+                   "the gradients' and parameters' (latency only)")
     p.add_argument("--efficiency", type=float, help="override the fabric's efficiency factor")
     p.add_argument("--nodes", type=int, nargs="+", required=True)
     p.add_argument("--format", choices=("md", "csv", "json"), default="md")
@@ -316,15 +336,20 @@ def _main(a: argparse.Namespace) -> int:
         fab = fabrics.FABRICS[a.fabric]
         if a.efficiency is not None:
             fab = fabrics.Fabric(**{**fab.__dict__, "efficiency": a.efficiency, "calibrated_on": "--efficiency"})
+        if a.call_us:
+            if a.call_us < 0:
+                raise PredictError(f"--call_us {a.call_us}: expected >= 0")
+            fab = fabrics.Fabric(**{**fab.__dict__, "call_us": a.call_us})
     elif a.intra_gbps and a.inter_gbps:
         try:
-            fab = fabrics.custom(a.intra_gbps, a.inter_gbps, a.latency_us, a.efficiency or 1.0)
+            fab = fabrics.custom(a.intra_gbps, a.inter_gbps, a.latency_us, a.efficiency or 1.0, a.call_us)
         except ValueError as e:
             raise PredictError(str(e)) from None
     else:
         raise PredictError("give --fabric NAME or --intra_gbps and --inter_gbps")
     res = predict(m, fab, params=params, stage=int(stage), precision=str(precision), micro=int(micro),
-                  nodes=a.nodes, global_batch=a.global_batch)
+                  nodes=a.nodes, global_batch=a.global_batch, param_groups=a.param_groups,
+                  small_calls=a.small_calls)
     print({"md": format_md, "csv": format_csv, "json": lambda r: json.dumps(r, indent=2)}[a.format](res))
     return 0
 

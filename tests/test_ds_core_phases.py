@@ -61,6 +61,23 @@ def test_timer_samples_every_k_th_step_and_splits_it():
         phases.PhaseTimer(-1, accelerator=CpuAccelerator())
 
 
+def test_wait_is_split_per_collective_so_alternating_skew_is_not_communication():
+    # two ranks, three collectives of 10 ms own time each: rank 0 arrives 30 ms early at the first, rank 1 30 ms
+    # early at the second; their busy totals are equal, so totals alone would call all 80 ms communication
+    def row(busy, durs):
+        return [0.0, 0.0, busy, 0.0, sum(durs), busy, float(len(durs)), *durs,
+                *[0.0] * (phases.MAX_COLLECTIVES - len(durs))]
+
+    rows = [row(0.1, [0.04, 0.01, 0.01]), row(0.1, [0.01, 0.04, 0.01])]
+    wait, slowest, wait_max = phases.split_wait(rows, 0)
+    assert wait == pytest.approx(0.03) and wait_max == pytest.approx(0.03)          # comm_s = 0.06 - 0.03 = 0.03
+    assert phases.split_wait(rows, 1)[0] == pytest.approx(0.03)
+    # unequal counts (or more than MAX_COLLECTIVES): the per-rank totals, as before
+    rows = [row(0.1, [0.05]), row(0.14, [0.01, 0.0])]
+    wait, slowest, _ = phases.split_wait(rows, 0)
+    assert slowest == 1 and wait == pytest.approx(0.04)
+
+
 @pytest.mark.slow
 def test_slow_rank_shows_up_as_wait_on_the_other(tmp_path):
     cfg = json.loads((DS_CONFIG_DIR / "zero1_bf16.json").read_text())

@@ -1,6 +1,7 @@
 """Emulated fabrics (ds_tools.study.netns, launcher = "emulated_fabric"): 1 and 2 "nodes" as network namespaces
-on a 100 Mbit/s tc-shaped bridge, the BERT debug preset with ZeRO-1 bf16, and the predicted-vs-measured comparison
-(ds_tools.study.emulated). Root and iproute2 only (CI runs as root); skipped with the reason elsewhere."""
+on a 100 Mbit/s tc-shaped bridge, the BERT debug preset with ZeRO-1 bf16, the link probe (ds_tools.study.linkprobe)
+and the predicted-vs-measured comparison (ds_tools.study.emulated). Root and iproute2 only (CI runs as root);
+skipped with the reason elsewhere."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,8 @@ import pytest
 from conftest import REPO, dist_env
 from ds_tools import predict
 from ds_tools.study import emulated, netns
-from ds_tools.study.runner import fabric_key
+from ds_tools.study import runner
+from ds_tools.study.runner import fabric_key, read_summary
 from ds_tools.study.spec import StudyError, load_study
 
 MBIT = 100
@@ -22,7 +24,7 @@ MBIT = 100
 def _study(tmp_path: Path) -> Path:
     text = (REPO / "studies" / "emulated_fabrics.toml").read_text()
     # the shipped study, smaller: one fabric, fewer steps, one repeat, its data in tmp_path
-    text = (text.replace("steps = 30", "steps = 12").replace("repeats = 2", "repeats = 1")
+    text = (text.replace("steps = 40", "steps = 12").replace("repeats = 2", "repeats = 1")
             .replace('fabric = ["slow", "fast"]', 'fabric = ["slow"]').replace("runs/data", str(tmp_path / "data")))
     p = tmp_path / "emulated.toml"
     p.write_text(text)
@@ -78,19 +80,36 @@ def test_emulated_two_nodes_predicted_vs_measured(tmp_path):
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"dsf{fabric_key(out) % 100_000}" not in listed          # the study removed its namespaces
 
-    # the collectives the model prices are the ones DeepSpeed issued: the bf16 gradient all-reduce, once per step
-    stats = json.loads((cell / "cell_stats" / "rank0.json").read_text())
-    params, comms = stats["params"], stats["comms"]
-    grad = predict.collectives(1, "bf16", params, 1)[0]
-    assert comms["all_reduce"]["sizes"][str(int(grad.nbytes))] == 12
+    # the 1-node cell trained beside an independent twin in the other namespace (the same CPU load as 2 nodes)
+    one = out / "cells" / "fabric-slow__nodes-1__rep0"
+    assert json.loads((one / "fabric.json").read_text())["twins"] == 1
+    assert read_summary(runner.twin_dir(out, load_study(out / "study.toml").cells()[0], 1))["world_size"] == 1
 
+    # the link probe measured the shaped link before the 2-node cell trained: tbf caps its bandwidth
+    probe = json.loads((cell / "link_probe.json").read_text())
+    assert 0 < probe["busbw_Bps"] <= 1.05 * MBIT * 1e6 / 8 and probe["alpha_all_reduce_s"] > 0, probe
+
+    # the collectives the model prices are the ones DeepSpeed issued, call for call: per optimizer step the bf16
+    # gradient all-reduce, one parameter all-gather per optimizer parameter group, and the scalar all-reduces that
+    # the 1-node run counted
+    stats = json.loads((cell / "cell_stats" / "rank0.json").read_text())
+    params, comms, steps = stats["params"], stats["comms"], 12
+    grad = predict.collectives(1, "bf16", params, 1)[0]
+    assert comms["all_reduce"]["sizes"][str(int(grad.nbytes))] == steps
     rows = emulated.compare(out)
     assert len(rows) == 1 and rows[0]["nodes"] == 2 and rows[0]["comm_from"] == "phase timing"
     r = rows[0]
+    assert comms["all_gather_into_tensor"]["count"] == r["param_groups"] * steps == stats["param_groups"] * steps
+    scalar = sum(c for k, v in comms.items() if "all_reduce" in k for size, c in v["sizes"].items()
+                 if int(size) != grad.nbytes)
+    assert r["small_calls"] >= 1 and scalar == r["small_calls"] * steps, comms
+    # the model's link inputs are the probe's, named in the output
+    assert r["efficiency_factor"] == pytest.approx(probe["busbw_Bps"] / (MBIT * 1e6 / 8))
+    assert r["call_us"] is not None and "link probe" in r["call_us_from"]
+    assert "link probe" in r["efficiency_factor_from"]
     # the link was really the shaped one: the gradient bytes over 100 Mbit/s bound the measured time from below
     assert r["measured_comm_s"] > 0.8 * grad.nbytes * 8 / (MBIT * 1e6)
-    # the model at the tbf line rate is a lower bound of the measured exposed communication, and on this
-    # bandwidth-bound link it explains at least a third of it (docs/studies.md: the rest is gloo's per-call cost and
-    # arrival skew on a loaded host, which the model does not have; measured 1.8x on the development machine)
-    assert r["predicted_comm_s"] <= r["measured_comm_s"] <= 3 * r["predicted_comm_s"], r
-    assert r["efficiency_factor"] == 1.0 and 0 < r["measured_efficiency"] and 0 < r["predicted_efficiency"] < 1
+    # predicted vs measured exposed communication: within 25 % on a quiet machine (docs/studies.md); asserted
+    # loosely here, since a loaded CI host adds arrival skew between the ranks that no network model has
+    assert 0.5 <= r["predicted_comm_s"] / r["measured_comm_s"] <= 2.0, r
+    assert 0 < r["measured_efficiency"] and 0 < r["predicted_efficiency"] < 1

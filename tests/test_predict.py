@@ -33,6 +33,23 @@ def test_alpha_beta_costs_use_nccl_bus_bandwidth():
     assert fabrics.all_reduce_s(fab, s, 1, 1) == 0.0
 
 
+def test_measured_per_call_cost_is_charged_once_per_collective_call():
+    # an emulated link (ds_tools.study.emulated): 2 nodes x 1 rank, 100 Mbit/s, 30 us ring steps, 150 us per call
+    fab = fabrics.custom(1e6, 0.1, latency_us=30, call_us=150)
+    assert fabrics.all_reduce_s(fab, 0, 1, 2, calls=4) == pytest.approx(4 * (2 * 30 + 150) * 1e-6)  # scalars: latency
+    assert fabrics.gather_s(fab, 1.25e6, 1, 2, calls=2) == pytest.approx(0.05 + 2 * (30 + 150) * 1e-6)
+    colls = predict.collectives(1, "bf16", 208_130, 1, param_groups=2, small_calls=4)
+    assert [(c.kind, c.nbytes, c.calls) for c in colls] == [("all_reduce", 416_260, 1), ("all_gather", 416_260, 2),
+                                                            ("all_reduce", 0, 4)]
+    base = predict.comm_seconds(predict.collectives(1, "bf16", 208_130, 1), fab, 1, 2)
+    more = predict.comm_seconds(colls, fab, 1, 2)
+    assert more - base == pytest.approx(4 * 210e-6 + (30 + 150) * 1e-6)   # 4 scalar all-reduces, 1 more gather call
+    # the published fabrics carry no per-call cost: their one factor absorbs it (their fits are unchanged)
+    assert all(f.call_us == 0.0 for f in fabrics.FABRICS.values())
+    with pytest.raises(ValueError, match="--call_us"):
+        fabrics.custom(1, 1, 5, call_us=-1)
+
+
 @pytest.mark.parametrize("name", ["dgx-a100", "dl1"])
 def test_published_tables_within_tolerance(name):
     # The shipped factor is the fit (a different fit would change docs/studies.md), and with it every published

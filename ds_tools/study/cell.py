@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
             taken["params"] = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
         except AttributeError:
             pass
+        # ZeRO 1/2 all-gather each parameter group's partitions in its own call (utils.py:1021 all_gather_dp_groups)
+        opt = getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
+        if getattr(opt, "param_groups", None) is not None:
+            taken["param_groups"] = len(opt.param_groups)
         return summary
 
     Trainer.fit = fit_then_take_comms  # every entry point trains through Trainer.fit
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             rec = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
                    "comms": taken.get("comms") or comms_records(), "comms_window": "training" if taken else "run",
                    "memory": peak_memory(), "completed": sys.exc_info()[0] is None,
-                   "params": taken.get("params")}
+                   "params": taken.get("params"), "param_groups": taken.get("param_groups")}
             tmp = out / f".rank{rank}.json.tmp"
             tmp.write_text(json.dumps(rec, indent=1) + "\n")
             os.replace(tmp, out / f"rank{rank}.json")

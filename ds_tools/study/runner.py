@@ -6,6 +6,11 @@ Study directory layout (`--out`, default runs/studies/<name>):
     cells/<key>/               one run directory per cell: metrics.jsonl, config.json, ds_config.json (resolved),
                                study_ds_config.json (the cell's input), log.txt, cell_stats/rank<R>.json, cell.json
     previous/<key>.<n>/        an unfinished or failed attempt, moved aside (never deleted) before the cell reruns
+    twins/<key>/node<i>/       launcher = "emulated_fabric": the independent twin runs that kept every emulated node
+                               busy beside a cell with fewer nodes than the study's largest (not cells)
+
+An emulated multi-node cell also has link_probe.json (ds_tools.study.linkprobe, run over its link before it trains)
+and fabric.json (the link, whether its latency was emulated, the number of twins).
 
 `cell.json` is written last and atomically: {"status": "ok" | "failed" | "timeout", "exit_code", "seconds", "values",
 "repeat", "command", "log_tail"}. A cell is complete when its status is ok and its metrics.jsonl has a summary record.
@@ -96,12 +101,26 @@ def commands_for(study: Study, cell: Cell, out: Path, *, write: bool) -> list[li
                                          master_port=port, hostfile=hostfile)
     if study.launcher == "emulated_fabric":
         # one namespace per node (ds_tools.study.netns), each node's DeepSpeed launcher inside its namespace
-        spaces, addrs = netns.names(nodes, fabric_key(out))
+        spaces, addrs = netns.names(max_nodes(study), fabric_key(out))
         hostfile = run_dir / "hostfile"
         if write:
-            hostfile.write_text("".join(f"{a} slots={study.ranks_per_node}\n" for a in addrs))
+            hostfile.write_text("".join(f"{a} slots={study.ranks_per_node}\n" for a in addrs[:nodes]))
         cmds = local_ranks.node_commands(nodes, study.ranks_per_node, ["--module", "ds_tools.study.cell", *args],
                                          master_port=port, hostfile=hostfile, master_addr=addrs[0])
+        # The emulated nodes share this host's CPUs: a 1-node cell would compute faster than each node of a 2-node
+        # cell and the comparison would charge the difference to the network. So every cell keeps max_nodes nodes
+        # busy: its own, plus independent one-node twins of itself (same training, own run directory, no traffic
+        # between them) in the remaining namespaces: each node's CPU share is the same in every cell.
+        for i in range(nodes, len(spaces)):
+            tdir = twin_dir(out, cell, i)
+            thost = tdir / "hostfile"
+            if write:
+                tdir.mkdir(parents=True, exist_ok=True)
+                thost.write_text(f"{addrs[i]} slots={study.ranks_per_node}\n")
+            targs = study.train_args(cell, tdir.resolve(), ds_json)
+            cmds += local_ranks.node_commands(1, study.ranks_per_node, ["--module", "ds_tools.study.cell", *targs],
+                                              master_port=free_port() if write else 29500 + i, hostfile=thost,
+                                              master_addr=addrs[i])
         return [["ip", "netns", "exec", ns, *c] for ns, c in zip(spaces, cmds)]
     # hostfile: launch.run (pdsh by default) on the first N hosts; it passes --deepspeed_config and --preset itself
     hostfile = _hostfile_slice(study, nodes, run_dir / "hostfile") if write else run_dir / "hostfile"
@@ -142,14 +161,15 @@ def _log_tail(path: Path) -> str:
         return ""
 
 
-def _move_aside(out: Path, d: Path, say: Callable[[str], None]) -> None:
+def _move_aside(out: Path, d: Path, say: Callable[[str], None], name: str = "") -> None:
     prev = out / "previous"
     prev.mkdir(parents=True, exist_ok=True)
+    name = name or d.name
     n = 0
-    while (prev / f"{d.name}.{n}").exists():
+    while (prev / f"{name}.{n}").exists():
         n += 1
-    shutil.move(str(d), prev / f"{d.name}.{n}")
-    say(f"  earlier attempt moved to {prev / f'{d.name}.{n}'}")
+    shutil.move(str(d), prev / f"{name}.{n}")
+    say(f"  earlier attempt moved to {prev / f'{name}.{n}'}")
 
 
 class _Progress:
@@ -173,6 +193,15 @@ class _Progress:
                 self.say(f"  step {rec['step']}: {rec['samples_per_s']:.2f} samples/s")
 
 
+def max_nodes(study: Study) -> int:
+    return max(study.nodes_of(c) for c in study.cells())
+
+
+def twin_dir(out: Path, cell: Cell, node: int) -> Path:
+    """Run directory of an emulated cell's independent twin in namespace `node` (outside cells/: not a cell)."""
+    return out / "twins" / cell.key / f"node{node}"
+
+
 def fabric_key(out: Path) -> int:
     """Namespace names and subnet of an emulated-fabric study: stable per output directory (a rerun's commands
     compare equal), distinct between studies run side by side."""
@@ -183,7 +212,32 @@ def _fabric(study: Study, cell: Cell, out: Path):
     if study.launcher != "emulated_fabric":
         return nullcontext()
     f = study.fabric_of(cell)
-    return netns.emulated_fabric(study.nodes_of(cell), mbit=f["mbit"], delay_ms=f["delay_ms"], key=fabric_key(out))
+    return netns.emulated_fabric(max_nodes(study), mbit=f["mbit"], delay_ms=f["delay_ms"], key=fabric_key(out))
+
+
+def _probe_bytes(mbit: float) -> int:
+    """The probe's bandwidth message: ~40 ms of the link at its rate (bandwidth-bound, not latency-bound),
+    at least 256 KiB."""
+    return max(1 << 18, int(mbit * 1e6 / 8 * 0.04))
+
+
+def _probe_link(study: Study, cell: Cell, fab, d: Path, env, cwd, say) -> None:
+    """ds_tools.study.linkprobe between the cell's nodes, before it trains: the link's per-call cost, measured, in
+    d/link_probe.json (a failed probe is said and left out: the comparison then says the cost was not measured)."""
+    nodes, port = study.nodes_of(cell), free_port()
+    cmds = [fab.wrap(i, [sys.executable, "-u", "-m", "ds_tools.study.linkprobe", "--rank", str(i), "--world_size",
+                         str(nodes), "--master_addr", fab.addresses[0], "--master_port", str(port), "--out",
+                         str((d / "link_probe.json").resolve()), "--nbytes", str(_probe_bytes(fab.mbit))])
+            for i in range(nodes)]
+    res = local_ranks.run_launchers(cmds, env=env, cwd=cwd or Path.cwd(), timeout_s=180,
+                                    log_path=d / "link_probe.log")
+    try:
+        r = json.loads((d / "link_probe.json").read_text())
+        say(f"  link probe: a tiny all_reduce takes {1e3 * r['alpha_all_reduce_s']:.3f} ms, an all_gather "
+            f"{1e3 * r['alpha_all_gather_s']:.3f} ms (median of {r['calls']}); a {r['big_nbytes'] / 1e6:.2f} MB "
+            f"all_reduce {1e3 * r['big_all_reduce_s']:.1f} ms: bus bandwidth {r['busbw_Bps'] * 8 / 1e6:.1f} Mbit/s")
+    except (OSError, ValueError, KeyError):
+        say(f"  link probe FAILED (exit {res.exit_code}); see {d / 'link_probe.log'}")
 
 
 def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None = None,
@@ -222,6 +276,8 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
         say(f"{head}: {cell.label()}")
         if d.exists():
             _move_aside(out, d, say)
+        if (out / "twins" / cell.key).exists():   # a twin must train afresh, not resume its finished earlier run
+            _move_aside(out, out / "twins" / cell.key, say, name=f"twins-{cell.key}")
         cmds = commands_for(study, cell, out, write=True)
         log = d / "log.txt"
         with _fabric(study, cell, out) as fab:
@@ -230,7 +286,13 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
                     + ("" if fab.latency_emulated else "(latency NOT emulated: no sch_netem in this kernel) ")
                     + f"between {len(fab.namespaces)} namespace(s)")
                 atomic_write_text(d / "fabric.json", dump_json({**study.fabric_of(cell),
-                                                                "latency_emulated": fab.latency_emulated}))
+                                                                "latency_emulated": fab.latency_emulated,
+                                                                "twins": len(cmds) - study.nodes_of(cell)}))
+                if len(cmds) > study.nodes_of(cell):
+                    say(f"  beside {len(cmds) - study.nodes_of(cell)} independent twin(s) in the other namespace(s), "
+                        "so that every cell loads the host's CPUs alike")
+                if study.nodes_of(cell) > 1:
+                    _probe_link(study, cell, fab, d, env, cwd, say)
             res = local_ranks.run_launchers(cmds, env=env, cwd=cwd or Path.cwd(), timeout_s=study.timeout_s,
                                             log_path=log, on_poll=_Progress(d, say), poll_s=2.0)
         summary = read_summary(d)
