@@ -12,6 +12,11 @@ from collections.abc import Callable
 from typing import NoReturn
 
 
+# the status end_process is ending this process with, for atexit handlers that record how a run ended (None: not
+# ending through end_process)
+exit_status: int | None = None
+
+
 def end_process(status: int = 0) -> NoReturn:
     """End this process now with `status`, after doing what Python's own exit does while the interpreter is whole
     (Py_FinalizeEx's first steps, in its order), and without the finalisation that follows.
@@ -27,6 +32,8 @@ def end_process(status: int = 0) -> NoReturn:
     concurrent.futures pools down), atexit handlers run (the run_dir lock, logging, multiprocessing's children,
     tensorboard writers), stdout/stderr are flushed, MPI is finalised. What is skipped: module teardown and
     garbage collection, i.e. flushing files that nobody closed (ours are closed explicitly)."""
+    global exit_status
+    exit_status = status
     threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -62,13 +62,15 @@ def _run(tmp_path, how: str, status: int) -> subprocess.CompletedProcess:
 def test_plain_exit_aborts_where_run_main_exits_with_the_rank_status(tmp_path):
     plain = _run(tmp_path, "plain", 0)
     # the control: without run_main this torch + CPython aborts (if a future version stops doing so, this says it)
+    # (the thread is ended one of two ways, depending on where it meets the finalising interpreter)
     assert plain.returncode in (-signal.SIGABRT, 128 + signal.SIGABRT), (plain.returncode, plain.stderr[-2000:])
-    assert "terminate called without an active exception" in plain.stderr
+    assert ("terminate called without an active exception" in plain.stderr
+            or "Fatal Python error" in plain.stderr), plain.stderr[-2000:]
 
     for status in (0, 75):  # 75: the trainer's planned stop (SystemExit) keeps its status
         res = _run(tmp_path, "run_main", status)
         assert res.returncode == status, (res.returncode, res.stderr[-2000:])
-        assert "terminate called" not in res.stderr
+        assert "terminate called" not in res.stderr and "Fatal Python error" not in res.stderr
         assert res.stdout == "main done"
         out = tmp_path / f"run_main_{status}"
         assert (out / "atexit").read_text() == "ran"

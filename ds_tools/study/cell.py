@@ -10,6 +10,7 @@ runs, and because the logger's records are complete only once the module has fin
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import resource
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     # returns, before what an entry point does after training (BridgeTower's fp32 save_model gathers every parameter
     # with one all-reduce each under ZeRO-1: ~200 on the debug model, which once read as 66 "gradient collectives per
     # step").
+    from ds_core import process_end
     from ds_core.trainer import Trainer
 
     taken: dict = {}
@@ -95,24 +97,33 @@ def main(argv: list[str] | None = None) -> None:
         return summary
 
     Trainer.fit = fit_then_take_comms  # every entry point trains through Trainer.fit
+    written: list[bool] = []
+
+    def write_stats(completed: bool) -> None:
+        if written or not run_dir:
+            return
+        written.append(True)
+        rank = int(os.environ.get("RANK", "0"))
+        out = Path(run_dir) / "cell_stats"
+        out.mkdir(parents=True, exist_ok=True)
+        rec = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+               "comms": taken.get("comms") or comms_records(), "comms_window": "training" if taken else "run",
+               "memory": peak_memory(), "completed": completed,
+               "params": taken.get("params"), "param_groups": taken.get("param_groups")}
+        tmp = out / f".rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(rec, indent=1) + "\n")
+        os.replace(tmp, out / f"rank{rank}.json")
+
+    # A target whose __main__ ends through ds_core.process_end.run_main (every training entry) leaves with os._exit
+    # after the atexit handlers, so the `finally` below never runs there: the handler writes the stats instead.
+    atexit.register(lambda: write_stats(process_end.exit_status == 0))
     try:
         if target.endswith(".py"):  # a script path, as `deepspeed script.py` would run it
             runpy.run_path(target, run_name="__main__")
         else:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
     finally:
-        if run_dir:
-            rank = int(os.environ.get("RANK", "0"))
-            out = Path(run_dir) / "cell_stats"
-            out.mkdir(parents=True, exist_ok=True)
-            rec = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-                   "comms": taken.get("comms") or comms_records(), "comms_window": "training" if taken else "run",
-                   "memory": peak_memory(), "completed": sys.exc_info()[0] is None,
-                   "params": taken.get("params"), "param_groups": taken.get("param_groups")}
-            tmp = out / f".rank{rank}.json.tmp"
-            tmp.write_text(json.dumps(rec, indent=1) + "\n")
-            os.replace(tmp, out / f"rank{rank}.json")
-
+        write_stats(sys.exc_info()[0] is None)
 
 if __name__ == "__main__":
     main()
