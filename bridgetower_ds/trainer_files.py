@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_core import hf_outputs
-from ds_core.config import precision_of
+from ds_core.config import atomic_write_bytes, precision_of
 from ds_core.results import save_metrics, train_metrics
 from ds_core.settings import OptimArgs
 from ds_core.setup import Run
@@ -97,7 +97,7 @@ class TrainerFiles:
             self._args_tried = True
             self._args = self._pickled_args()
         if self._args is not None:
-            _atomic_write_bytes(out_dir / ARGS_NAME, self._args)
+            atomic_write_bytes(out_dir / ARGS_NAME, self._args)
 
     def _pickled_args(self) -> bytes | None:
         """torch.save(TrainingArguments) as Trainer.save_model writes it, built once. Without it (no accelerate, a
@@ -194,15 +194,6 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
 def _count(x: float) -> float | int:
     """A float setting that holds a count (>= 1, whole) as the int Trainer's parser gives."""
     return int(x) if x >= 1 and x == int(x) else x
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 __all__ = ["ARGS_NAME", "TrainerFiles", "training_args"]

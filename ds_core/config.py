@@ -239,11 +239,16 @@ def save_run_config(run_dir: str | os.PathLike, *instances: Any, rank: int = 0) 
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """atomic_write_bytes of the text in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary name in the same directory, fsync, then rename: readers never see a partial file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
