@@ -19,7 +19,7 @@
    natively, fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured
    matmul peak of that dtype (ds_core.metrics).
 2. Bound (after 1, --skip_bound): mfu_upper_bound, the MFU our step would have if only its linear layers' GEMMs and
-   the LAMB update cost anything (see bound_part), in the same dtype and thread count.
+   the LAMB update cost anything (see bench.mfu_bound), in the same dtype and thread count.
 3. Memory (--memory, off by default to keep the bench within 10 minutes on a 2-core CPU): two ranks, a
    BERT-1.5B-shaped slice (hidden 1600, 25 heads, 2 layers), LANS, one launch with ZeRO-0 and one with ZeRO-1: per
    rank optimizer-state bytes (fp32 master weights + moments) and the process peak RSS.
@@ -41,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import REPO, bench_env, run_local_ranks
+from bench.mfu_bound import bound_part
 from ds_core.process_end import run_main
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -280,87 +281,6 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     return {"samples_per_s": rate, "cpu_samples_per_s": _cpu_rate(cpu, a),
             "samples_per_step": (fed[-1] - fed[a.warmup - 1]) / steps,
             "optimizer": type(opt).__name__, "trust_ratio_tensors": _trust_keys(opt), "threads": _threads()}
-
-
-def bound_part(a: argparse.Namespace, peak: float, dtype: str) -> dict:
-    """What this CPU allows at all: the MFU the step would have if everything but its linear layers' GEMMs and the
-    optimizer's own update were free (attention, softmax, LayerNorm, GELU, dropout, embeddings, loss, DeepSpeed's
-    bf16 <-> fp32 copies and clipping cost nothing). Same threads, shapes, micro batch, accumulation and dtype as
-    ours_part.
-
-    t_linear: forward + backward (input and weight gradients) of every nn.Linear of the slice at its real row count
-    (B*S rows in the encoder, B*P in the sparse MLM head, B in pooler/NSP), bf16, median of 5.
-    t_opt: one step of the bench's LAMB over two flat fp32 tensors holding the slice's parameters (the decay and
-    no-decay groups: the layout DeepSpeed's bf16 optimizer hands it), median of 3.
-    mfu_upper_bound = step FLOPs / (accum * t_linear + t_opt) / peak; linear_only_mfu = linear FLOPs / t_linear /
-    peak."""
-    import statistics
-    import time
-
-    import torch
-
-    from bert_ref.model import flops_per_sequence, hf_config
-    from bert_ref.optim import build_optimizer, param_groups
-    from ds_core.settings import OptimArgs
-
-    preset = _slice(a.model)
-    h, inter, B = preset.hidden_size, preset.intermediate_size, a.micro_batch
-    P = preset.seq_len if a.dense_mlm else preset.max_predictions_per_seq
-    rows_in_out = ([(B * preset.seq_len, h, h)] * 4 + [(B * preset.seq_len, h, inter), (B * preset.seq_len, inter, h)]
-                   ) * preset.num_hidden_layers + [(B * P, h, h), (B * P, h, preset.vocab_size), (B, h, h), (B, h, 2)]
-    g = torch.Generator().manual_seed(0)
-    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
-    layers = [(torch.randn(r, k, generator=g).to(dt), torch.nn.Linear(k, n).to(dt),
-               torch.randn(r, n, generator=g).to(dt)) for r, k, n in rows_in_out]
-    for _, lin, _ in layers:
-        lin.requires_grad_(True)
-    linear_flops = sum(6 * r * k * n for r, k, n in rows_in_out)
-
-    def linear_pass() -> float:
-        t0 = time.perf_counter()
-        for x, lin, dy in layers:
-            xg = x.requires_grad_(True)
-            lin(xg).backward(dy)
-            xg.grad = None
-            lin.weight.grad = lin.bias.grad = None
-        return time.perf_counter() - t0
-
-    linear_pass()
-    t_linear = statistics.median(linear_pass() for _ in range(5))
-    del layers
-
-    # the slice's parameters as DeepSpeed's bf16 optimizer holds them: one flat fp32 tensor per weight-decay group
-    from transformers import BertForPreTraining
-
-    with torch.device("meta"):
-        groups = param_groups(BertForPreTraining(hf_config(preset)), 0.01)
-    sizes = [sum(prm.numel() for prm in grp["params"]) for grp in groups]
-    model = torch.nn.Module()
-    model.weight = torch.nn.Parameter(torch.zeros(sizes[0]))
-    model.bias = torch.nn.Parameter(torch.zeros(sizes[1]))
-    opt = build_optimizer(model, OptimArgs(optimizer="lamb", learning_rate=1e-4, warmup_ratio=0.0))
-    for prm in (model.weight, model.bias):
-        prm.grad = torch.randn(prm.shape, generator=g)
-
-    def opt_step() -> float:
-        t0 = time.perf_counter()
-        opt.step()
-        return time.perf_counter() - t0
-
-    opt_step()
-    t_opt = statistics.median(opt_step() for _ in range(3))
-    step_flops = flops_per_sequence(preset, mlm_positions=0 if a.dense_mlm else P) * B * a.grad_accum
-    bound = step_flops / (a.grad_accum * t_linear + t_opt) / 1e12 / peak
-    linear_only = linear_flops / t_linear / 1e12 / peak
-    print(f"[bound] linear layers fwd+bwd {t_linear:.3f} s per micro batch ({linear_flops / t_linear / 1e12:.3f} "
-          f"TFLOPs, {linear_only:.3f} of peak), LAMB update {t_opt:.3f} s per step over "
-          f"{sum(sizes) / 1e6:.1f}M params -> MFU upper bound {bound:.3f}", flush=True)
-    out = {"mfu_upper_bound": bound, "linear_only_mfu": linear_only, "linear_fwd_bwd_s_per_micro": t_linear,
-           "optimizer_update_s_per_step": t_opt}
-    if linear_only > 1:  # GEMMs faster than the "peak": the probe ran in a busy moment, the MFU figures read high
-        out["bound_note"] = (f"linear layers ran at {linear_only:.2f} of the {peak:.4f} TFLOPs peak: that peak probe "
-                             "read low (a busy machine); mfu and mfu_upper_bound are not meaningful in this run")
-    return out
 
 
 def side_worker(a: argparse.Namespace, side: str, shards: Path, out: Path) -> None:
@@ -616,7 +536,7 @@ def main() -> None:
                              min(30522, preset.vocab_size))
             result.update(interleaved(a, tmp, shards, dtype))
             if not a.skip_bound:
-                result.update(bound_part(a, result["peak_tflops"], dtype))
+                result.update(bound_part(a, _slice(a.model), result["peak_tflops"], dtype))
     result["targets"] = ({} if a.memory_only else {"step_ratio": 1.3}) | \
         ({"zero1_over_zero0_optimizer_memory": 0.55} if a.memory else {})
     if "step_ratio" in result:

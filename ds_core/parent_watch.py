@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from ds_core import run_lock
+
 # Variables a launcher sets in each rank: DeepSpeed's launch.py / torchrun / launch.local_ranks (LOCAL_RANK), Open MPI,
 # MPICH / Intel MPI (PMI_RANK), PMIx, MVAPICH, Slurm's srun (SLURM_STEP_ID is set for srun steps).
 LAUNCHER_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_STEP_ID")
@@ -51,11 +53,7 @@ def pdeathsig_preexec(sig: int = signal.SIGTERM):
 
 
 def _ppid_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+    return run_lock.proc_stat_field(pid, 1)
 
 
 def _cmdline(pid: int) -> str:
@@ -99,8 +97,6 @@ def _watch(parent: int, grand: int | None) -> None:
           f"the step if training, then exit; forced exit in {GRACE_S:.0f} s)", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(GRACE_S)
-    from ds_core import run_lock
-
     run_lock.release_all()
     print(f"[ds_core] rank pid {os.getpid()}: still running {GRACE_S:.0f} s after its launcher died; exiting",
           file=sys.stderr, flush=True)

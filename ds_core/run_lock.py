@@ -41,13 +41,19 @@ class RunDirLocked(ConfigError):
     """Another live run holds run_dir."""
 
 
-def _start_ticks(pid: int) -> int | None:
-    """Process start time (clock ticks since boot, /proc/PID/stat field 22); None where unknown (no procfs)."""
+def proc_stat_field(pid: int, index: int) -> int | None:
+    """A numeric field of /proc/PID/stat, counted from the one after the command name (0: state, 1: ppid, 19: start
+    time; proc_pid_stat(5) fields 3, 4, 22); None where unknown (no such process, no procfs)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    return int(stat[stat.rindex(")") + 2:].split()[index])
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Process start time (clock ticks since boot); None where unknown."""
+    return proc_stat_field(pid, 19)
 
 
 def _pid_alive(pid: int, start: int | None) -> bool:
