@@ -1,4 +1,4 @@
-"""BERT training-step benchmark: our step (bert_ref + ds_core.loop) against transformers' Trainer, in one run.
+"""BERT training-step benchmark: our step (bert_ref + ds_core.run.loop) against transformers' Trainer, in one run.
 
 1. step_ratio: DeepSpeed ZeRO-1 for both, the same BertForPreTraining-shaped BERT-Large slice (hidden 1024, 16
    heads, 4 layers, seq 128, vocab 30528), the same generated h5 shard (one epoch per window: each side trains on
@@ -10,14 +10,14 @@
    run_pretraining.py `pretraining_dataset` (whole file in numpy, labels built per sample) with the default collator.
    Each window is its own process (start-up not timed) and the sides alternate ABBA over --rounds rounds, so load on
    a shared machine falls on both; a side's rate is over the steps after --warmup, data loading included (ours from
-   ds_core.metrics, the Trainer's from on_step_end timestamps). step_ratio = median over rounds of our samples/s /
+   ds_core.outputs.metrics, the Trainer's from on_step_end timestamps). step_ratio = median over rounds of our samples/s /
    the Trainer's in the same round, with min and max; the bench refuses a ratio when the sides differ in samples per
    step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same ratio per CPU-second of each side's
    process (all its threads, data loading included), which other processes' load inflates far less than wall time
    on a shared machine; step_ratio (wall clock) is the figure a user sees and the target. The precision is the
-   run's rule (ds_core.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has it
+   run's rule (ds_core.device.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has it
    natively, fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured
-   matmul peak of that dtype (ds_core.metrics).
+   matmul peak of that dtype (ds_core.outputs.metrics).
 2. Bound (after 1, --skip_bound): mfu_upper_bound, the MFU our step would have if only its linear layers' GEMMs and
    the LAMB update cost anything (see bench.mfu_bound), in the same dtype and thread count.
 3. Memory (--memory, off by default to keep the bench within 10 minutes on a 2-core CPU): two ranks, a
@@ -42,7 +42,7 @@ from pathlib import Path
 
 from bench.common import REPO, bench_env, run_local_ranks
 from bench.mfu_bound import bound_part
-from ds_core.process_end import run_main
+from ds_core.rank.process_end import run_main
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -52,9 +52,9 @@ LR = 1e-4
 
 
 def _ds_config(micro: int, accum: int, stage: int, dtype: str, world: int = 1) -> dict:
-    """The one DeepSpeed config both sides get; its precision section set by ds_core.precision (the run's rule).
+    """The one DeepSpeed config both sides get; its precision section set by ds_core.device.precision (the run's rule).
     train_batch_size counts every rank (the memory launch has 2: DeepSpeed asserts micro x accum x world)."""
-    from ds_core.precision import apply_precision
+    from ds_core.device.precision import apply_precision
 
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, "train_batch_size":
            micro * accum * world, "gradient_clipping": 1.0, "bf16": {"enabled": True},
@@ -76,8 +76,8 @@ def _engine(preset, ds_config: dict, optimizer: str, sparse_mlm: bool = False, f
     from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import build_model
     from bert_ref.optim import bert_defaults, build_optimizer
-    from ds_core.settings import OptimArgs, schedule_for
-    from ds_core.engine import build_engine
+    from ds_core.config.optim import OptimArgs, schedule_for
+    from ds_core.rank.engine import build_engine
 
     model = build_model(preset, sparse_mlm=sparse_mlm, fast_dropout=fast_dropout)
     args = OptimArgs(optimizer=optimizer, learning_rate=LR, warmup_ratio=0.0, lr_scheduler_type="poly_warmup")
@@ -109,14 +109,14 @@ def _trust_keys(opt) -> int:
 
 
 def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dict:
-    """Our whole training step through ds_core.trainer: block loader, forward, backward, ZeRO-1 reduce, clip, LAMB."""
+    """Our whole training step through ds_core.run.trainer: block loader, forward, backward, ZeRO-1 reduce, clip, LAMB."""
     from bert_ref.data import build_data
     from bert_ref.model import flops_per_sequence
     from bert_ref.step import make_step_fn
     from ds_core.config import TrainConfig
-    from ds_core.engine import set_seed
-    from ds_core.setup import Run
-    from ds_core.trainer import Trainer
+    from ds_core.rank.engine import set_seed
+    from ds_core.run.setup import Run
+    from ds_core.run.trainer import Trainer
 
     preset = _slice(a.model)
     set_seed(0)
@@ -224,8 +224,8 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import hf_config
     from bert_ref.optim import build_optimizer
-    from ds_core.settings import OptimArgs
-    from ds_core.engine import set_seed
+    from ds_core.config.optim import OptimArgs
+    from ds_core.rank.engine import set_seed
 
     preset = _slice(a.model)
     set_seed(0)
@@ -287,7 +287,7 @@ def side_worker(a: argparse.Namespace, side: str, shards: Path, out: Path) -> No
     """One measurement window in its own process: build `side` (ours / trainer), train warm-up + --steps optimizer
     steps, write its numbers to `out`. A fresh process per window: neither side inherits the other's heap, caches or
     threads, and a window's numbers are not skewed by which side happened to run first in one process."""
-    from ds_core.engine import init_distributed, shutdown_distributed
+    from ds_core.rank.engine import init_distributed, shutdown_distributed
 
     global _DIST
     if a.threads:
@@ -399,7 +399,7 @@ def memory_worker(stage: int, out: Path) -> None:
     """One rank of the memory launch: build the 1.5B slice engine, run 2 optimizer steps, write this rank's numbers."""
     from bert_ref.data import build_data
     from bert_ref.step import step_fn
-    from ds_core.engine import init_distributed, set_seed, shutdown_distributed
+    from ds_core.rank.engine import init_distributed, set_seed, shutdown_distributed
 
     preset = _memory_slice(os.environ.get("BENCH_MEMORY_MODEL", BIG_SLICE["name"]))
     dist = init_distributed()
@@ -476,7 +476,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (0: torch's default); the peak probe uses the same count")
     ap.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
-                    help="the run's precision rule (ds_core.precision.resolve_precision)")
+                    help="the run's precision rule (ds_core.device.precision.resolve_precision)")
     ap.add_argument("--dense_mlm", action="store_true",
                     help="our MLM decoder at all seq_len positions (transformers' default) instead of the sparse head")
     ap.add_argument("--torch_dropout", action="store_true",
@@ -513,7 +513,7 @@ def main() -> None:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from ds_core.precision import resolve_precision
+    from ds_core.device.precision import resolve_precision
 
     t0 = time.perf_counter()
     if a.threads:
@@ -547,7 +547,7 @@ def main() -> None:
     print(json.dumps(result))
 
 
-_DIST = None  # ds_core.engine.DistInfo of this process, set in main()
+_DIST = None  # ds_core.rank.engine.DistInfo of this process, set in main()
 
 if __name__ == "__main__":
-    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end
+    run_main(main)  # ends without interpreter finalisation: see ds_core.rank.process_end

@@ -7,7 +7,7 @@ own processes, each under 9 minutes, and writes what it found to gpu_check_out/r
   tests        `pytest -m gpu tests`: the CUDA tests (tests/test_gpu_*.py); passed / skipped / failed and the reasons.
   bert_large   BERT-Large phase 1 (seq 128, bf16, ZeRO-1, NVLAMB) at micro batch 64, or 32 / 16 when 64 does not
                fit: bench.bert_step with --model bert_large on the GPU: our seq/s, TFLOPs and MFU against
-               ds_core.accelerators' peak, and transformers Trainer + DeepSpeed on the same model, data and
+               ds_core.device.accelerators' peak, and transformers Trainer + DeepSpeed on the same model, data and
                optimizer in the same call (step_ratio).
   bridgetower  BridgeTower-Large architecture (random init, 294 px, bf16, ZeRO-1, batch 48) through
                `python -m bridgetower_ds.train`: samples/s for dataloader workers 0/1/2 x host/device image pipeline,
@@ -99,10 +99,10 @@ def _summary(run_dir: Path) -> dict:
 
 
 def device_info() -> dict:
-    """The device this check ran on: torch's name for it and ds_core.accelerators' row (None: no peak, no MFU)."""
+    """The device this check ran on: torch's name for it and ds_core.device.accelerators' row (None: no peak, no MFU)."""
     import torch
 
-    from ds_core.accelerators import from_device_name
+    from ds_core.device.accelerators import from_device_name
 
     info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
@@ -292,7 +292,7 @@ def part_bert_1p5b(ctx: Ctx) -> dict:
     if row is None:
         row = device_info()["accelerator_row"]
         if row is None:
-            raise PartFailed("this GPU has no row in ds_core.accelerators: no ds-tune prediction to compare")
+            raise PartFailed("this GPU has no row in ds_core.device.accelerators: no ds-tune prediction to compare")
     p = bert_preset(name)
     shards = ctx.work / f"shards_{name}"
     if not (shards / "part-00000.hdf5").exists():

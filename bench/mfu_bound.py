@@ -24,7 +24,7 @@ def bound_part(a: argparse.Namespace, preset, peak: float, dtype: str) -> dict:
 
     from bert_ref.model import flops_per_sequence, hf_config
     from bert_ref.optim import build_optimizer, param_groups
-    from ds_core.settings import OptimArgs
+    from ds_core.config.optim import OptimArgs
 
     h, inter, B = preset.hidden_size, preset.intermediate_size, a.micro_batch
     P = preset.seq_len if a.dense_mlm else preset.max_predictions_per_seq

@@ -1,4 +1,4 @@
-"""What sampled phase timing (ds_core.phases) costs a run: 2 CPU ranks train the tiny model of tests/tiny_train.py
+"""What sampled phase timing (ds_core.outputs.phases) costs a run: 2 CPU ranks train the tiny model of tests/tiny_train.py
 (fp32, ZeRO-1, accumulation 2; steps of a few ms, so the timer's fixed cost weighs as much as it ever will) with
 --phase_timing_every 0 (off), the default 10, and 1 (every step), in interleaved rounds, and reports per setting:
 

@@ -9,7 +9,7 @@ one synthetic batch of the same shape), both measured in this run. The same run 
 The sides alternate within each repeat (ours, plain, deepspeed launcher; each repeat starts with the next side) and
 each side's median over the repeats is kept (the machine may be shared; interleaving spreads other load over all
 sides, and the rotation the first launch's cold caches). Ours is read from the first step record's wall time in
-metrics.jsonl (ds_core.metrics writes `time`); the plain script prints its own. The last line is one JSON object:
+metrics.jsonl (ds_core.outputs.metrics writes `time`); the plain script prints its own. The last line is one JSON object:
 ours_s, plain_s, startup_ratio = ours / plain (target <= 1.5), deepspeed_launcher_s and its ratio.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, bench_env
-from ds_core.process_end import run_main
-from ds_core.rendezvous import free_port
+from ds_core.rank.process_end import run_main
+from ds_core.rank.rendezvous import free_port
 from launch.local_ranks import deepspeed_launcher
 
 
@@ -161,4 +161,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end
+    run_main(main)  # ends without interpreter finalisation: see ds_core.rank.process_end

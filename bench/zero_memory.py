@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from bench.common import bench_env, run_local_ranks
-from ds_core.process_end import run_main
+from ds_core.rank.process_end import run_main
 
 
 BERT = {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 768, "num_hidden_layers": 12,
@@ -124,7 +124,7 @@ def worker(cases: list, out: Path) -> None:
     import deepspeed
     from transformers import BertConfig, BertForPreTraining
 
-    from ds_core.engine import init_distributed, shutdown_distributed
+    from ds_core.rank.engine import init_distributed, shutdown_distributed
 
     init_distributed()  # DeepSpeed's, plus the release of its CPU allreduce workspace name in /dev/shm
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -282,4 +282,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end
+    run_main(main)  # ends without interpreter finalisation: see ds_core.rank.process_end

@@ -1,7 +1,7 @@
 """BERT presets (functions deriving from each other) and the run arguments of bert_ref.train.
 
 A preset fixes the architecture (incl. Post-LN / Pre-LN) and the phase's sequence shape; it never fixes DeepSpeed
-settings (those live in ds_configs/*.json) or optimizer settings (ds_core.settings.OptimArgs, whose BERT defaults
+settings (those live in ds_configs/*.json) or optimizer settings (ds_core.config.optim.OptimArgs, whose BERT defaults
 follow the preset's published recipe: bert_ref.optim.PUBLISHED).
 
 Phases follow the published two-phase recipe (NVIDIA / Habana BERT pretraining): phase 1 trains on sequences of 128
@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bert_ref.habana_ckpt import is_habana_checkpoint
-from ds_core.config import ConfigError, arg
+from ds_core.config import arg
+from ds_core.errors import ConfigError
 
 BERT_VOCAB = 30522  # the uncased WordPiece vocabulary of the original BERT release
 PHASES = {1: (128, 20), 2: (512, 80)}  # phase -> (max_seq_length, max_predictions_per_seq)
@@ -140,7 +141,7 @@ def tuning_spec(preset: BertPreset) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BertArgs:
-    """Model and data settings of bert_ref.train (optimizer settings: ds_core.settings.OptimArgs)."""
+    """Model and data settings of bert_ref.train (optimizer settings: ds_core.config.optim.OptimArgs)."""
 
     preset: str = arg(f"Model preset: one of {', '.join(PRESETS)}.", default="bert_large")
     phase: int = arg("1: seq 128 / 20 masked positions; 2: seq 512 / 80 (usually with --init_checkpoint).",

@@ -46,7 +46,7 @@ to the new ranks in consecutive ranges of blocks (bert_ref.data_resize: the pool
 than one micro batch per rank, how the epoch's step count follows). Same world size: exactly the resume above.
 
 Sample log: with `DS_CORE_SAMPLE_LOG=<dir>` set, each rank appends {"epoch", "indices"} per yielded micro batch to
-`<dir>/rank{r}.jsonl` (ds_core.sample_log); an index is the sample's position in the concatenation of the sorted
+`<dir>/rank{r}.jsonl` (ds_core.outputs.sample_log); an index is the sample's position in the concatenation of the sorted
 training files (file i's row k is sum(sizes of files before i) + k), the same on any world size.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from ds_core.sample_log import SampleLog
+from ds_core.outputs.sample_log import SampleLog
 
 from .data_resize import Piece, deal, starts_of, unconsumed, whole
 from .shards import DataDirError, ShardError, check_arrays, inspect_shards, list_shards, read_rows
@@ -224,7 +224,7 @@ def files_fingerprint(sizes: dict[str, int]) -> str:
 
 # ------------------------------------------------------------------------------------------------ the source
 class PretrainingData:
-    """Per-rank BERT pretraining batches (implements ds_core.loop.DataSource).
+    """Per-rank BERT pretraining batches (implements ds_core.run.loop.DataSource).
 
     Yields dicts of int64 CPU tensors: input_ids, token_type_ids, attention_mask, labels [B, L] and
     next_sentence_label [B]. Every rank yields `len(self)` batches per epoch.

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds_core.rendezvous import rank_env
+from ds_core.rank.rendezvous import rank_env
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,10 +23,10 @@ from bert_ref.data import DEFAULT_BLOCK_SAMPLES, IGNORE_INDEX, Segment, load_blo
 from bert_ref.shards import inspect_shards, list_test_shards
 from bert_ref.configs import BertPreset, check_data_matches
 from bert_ref.step import forward
-from ds_core.components import EvalTask, Evaluation
-from ds_core.config import ConfigError
-from ds_core.loop import EvalFn
-from ds_core.setup import Run
+from ds_core.run.components import EvalTask, Evaluation
+from ds_core.errors import ConfigError
+from ds_core.run.loop import EvalFn
+from ds_core.run.setup import Run
 
 
 def eval_ranges(sizes: list[int], rank: int, world_size: int) -> list[tuple[int, int, int]]:

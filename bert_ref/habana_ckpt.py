@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where a checkpoint is read: bert_ref.configs imports this module for the check
     import torch

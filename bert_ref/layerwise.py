@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 
 @dataclass

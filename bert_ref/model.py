@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 from .configs import BertPreset
 from .habana_ckpt import is_habana_checkpoint, load_habana_state_dict, read_habana_checkpoint

@@ -1,5 +1,5 @@
 """Optimizers (NVLAMB, LANS, AdamW) with the published recipes' defaults per preset, weight-decay groups and LR scaling
-with the global batch. The settings are ds_core.settings.OptimArgs (shared with BridgeTower); BERT's defaults and the
+with the global batch. The settings are ds_core.config.optim.OptimArgs (shared with BridgeTower); BERT's defaults and the
 recipes fill it here (for_preset). The warm-up / constant / polynomial-decay LR schedule is ds_core.schedule's
 poly_warmup kind.
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 import torch
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 from ds_core.schedule import poly_warmup_factor
-from ds_core.settings import OPTIMIZERS, OptimArgs
+from ds_core.config.optim import OPTIMIZERS, OptimArgs
 
 from .layerwise import LANS, NVLAMB
 
@@ -27,7 +27,7 @@ class Recipe:
     learning_rate: float
     global_batch: int
     source: str
-    schedule: str = "nvidia_poly"  # ds_core.schedules_ref kind (bert_ref.recipes has the full published recipes)
+    schedule: str = "nvidia_poly"  # ds_core.schedule.published kind (bert_ref.recipes has the full published recipes)
 
 
 # NVIDIA DeepLearningExamples PyTorch/LanguageModeling/BERT scripts/run_pretraining.sh (h5 era): FusedLAMB, phase 1
@@ -126,8 +126,8 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, global_batch: int =
     raise ConfigError(f"--optimizer {args.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
 
 
-# The schedules (nvidia_poly, habana_poly: ds_core.schedules_ref; poly_warmup, this project's earlier Habana-like one)
-# are kinds of ds_core.schedule, shared with BridgeTower; ds_core.settings.schedule_for builds them from OptimArgs.
+# The schedules (nvidia_poly, habana_poly: ds_core.schedule.published; poly_warmup, this project's earlier Habana-like one)
+# are kinds of ds_core.schedule, shared with BridgeTower; ds_core.config.optim.schedule_for builds them from OptimArgs.
 # poly_warmup is kept under its old name for callers of lr_factor. Step is 0-based.
 lr_factor = poly_warmup_factor
 

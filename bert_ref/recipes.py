@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 
 @dataclass(frozen=True)

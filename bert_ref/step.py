@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from bert_ref.data import IGNORE_INDEX
-from ds_core.config import ConfigError
-from ds_core.loop import StepOutput
+from ds_core.errors import ConfigError
+from ds_core.run.loop import StepOutput
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 

@@ -20,11 +20,11 @@ from bert_ref.recipes import check_recipe_batch, expand_recipe  # noqa: E402
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
 from ds_core.config import TrainConfig  # noqa: E402
-from ds_core.engine import build_engine, shutdown_distributed  # noqa: E402
-from ds_core.process_end import run_main  # noqa: E402
-from ds_core.settings import OptimArgs, schedule_for  # noqa: E402
-from ds_core.setup import RunSpec, start_run  # noqa: E402
-from ds_core.trainer import Trainer  # noqa: E402
+from ds_core.rank.engine import build_engine, shutdown_distributed  # noqa: E402
+from ds_core.rank.process_end import run_main  # noqa: E402
+from ds_core.config.optim import OptimArgs, schedule_for  # noqa: E402
+from ds_core.run.setup import RunSpec, start_run  # noqa: E402
+from ds_core.run.trainer import Trainer  # noqa: E402
 
 # bert_ref's one default DeepSpeed JSON (the default preset, bert_large phase 1). It has no "optimizer" section: the
 # optimizer (LAMB / LANS / AdamW) is built in code from --optimizer.
@@ -77,4 +77,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end
+    run_main(main)  # ends without interpreter finalisation: see ds_core.rank.process_end

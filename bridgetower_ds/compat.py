@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 
-from ds_core.config import ConfigError, TrainConfig
+from ds_core.config import TrainConfig
+from ds_core.errors import ConfigError
 from ds_core.schedule import param_groups
-from ds_core.settings import OptimArgs, schedule_for
+from ds_core.config.optim import OptimArgs, schedule_for
 
 from .configs import HPU_NOTICES, CompatArgs
 from .images import CLIP_MEAN, CLIP_STD, SIZE_DIVISOR
 
-# --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.metrics reports).
+# --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.outputs.metrics reports).
 MONITORS = {"tensorboard": "tensorboard", "csv": "csv_monitor", "wandb": "wandb", "comet": "comet"}
 TRAINER_DEFAULT_LR = 5e-5  # transformers.TrainingArguments.learning_rate
 TRAINER_DEFAULT_WD = 0.0

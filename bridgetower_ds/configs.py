@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from transformers import BridgeTowerConfig
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 # The published checkpoint's contrastive head width and initial logit scale (log(1/0.07) = 2.6592).
 CONTRASTIVE_HIDDEN_SIZE = 512

@@ -16,7 +16,7 @@ batch with batching.BatchAssembler. The position saved in checkpoints is a point
 `load_state_dicts` (the states of all ranks) resumes on another world size by dealing the rest of the epoch's order
 to the new ranks (batching.resume_window). With `DS_CORE_SAMPLE_LOG=<dir>`, each rank appends {"epoch", "indices":
 the plan's dataset rows of each training micro batch it consumed, "trained": the rows in the batch when bad images
-removed some} to `<dir>/rank{r}.jsonl` (ds_core.sample_log).
+removed some} to `<dir>/rank{r}.jsonl` (ds_core.outputs.sample_log).
 
 Pipelines: "host" decodes/resizes/crops in DataLoader workers and ships uint8 [B,S,S,3]; normalization happens on
 the training device. "device-*" pipelines ship encoded bytes from the workers and decode on the accelerator
@@ -34,8 +34,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from ds_core.config import ConfigError
-from ds_core.sample_log import SampleLog
+from ds_core.errors import ConfigError
+from ds_core.outputs.sample_log import SampleLog
 
 from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length,
                        resume_window)
@@ -328,7 +328,7 @@ def select_split(args: DataArgs, split: str, tables: dict[str, CaptionTable] | N
 
 # ---------------------------------------------------------------------------------------------------- data source
 class CaptionData:
-    """ds_core.loop.DataSource over one split for one rank; yields BatchAssembler's batch dicts on `device`.
+    """ds_core.run.loop.DataSource over one split for one rank; yields BatchAssembler's batch dicts on `device`.
 
     The rows come from a `BatchPlan` (train: shuffled, equal share per rank, a last one-row batch dropped; eval:
     batch c on rank c mod W). Bad images are dropped (a batch may be smaller). In training, a batch left with fewer

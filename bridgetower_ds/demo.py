@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_core.rendezvous import rank_env
+from ds_core.rank.rendezvous import rank_env
 
 REPO = Path(__file__).resolve().parents[1]
 # jmhessel/newyorker_caption_contest, configuration "matching": its columns and types (the published command reads

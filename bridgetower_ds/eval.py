@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as torch_dist
 
-from ds_core.components import EvalTask, Evaluation
+from ds_core.run.components import EvalTask, Evaluation
 
 from .batching import MIN_CONTRASTIVE_ROWS
 from .configs import RunArgs

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 try:  # libjpeg-turbo straight into a numpy array: bit-identical to PIL's decode, ~40% less CPU per 640x480 image
     import simplejpeg

@@ -9,7 +9,7 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 from .configs import CONTRASTIVE_HIDDEN_SIZE, LOGIT_SCALE_INIT, ModelArgs, preset
 

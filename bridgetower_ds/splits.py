@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from .table import CaptionTable

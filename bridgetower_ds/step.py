@@ -1,13 +1,13 @@
-"""The training step: batch -> BridgeTower contrastive loss and counts (ds_core.loop does backward/step/timing)."""
+"""The training step: batch -> BridgeTower contrastive loss and counts (ds_core.run.loop does backward/step/timing)."""
 from __future__ import annotations
 
 import torch
 
-from ds_core.loop import StepOutput
+from ds_core.run.loop import StepOutput
 
 
 def step_fn(engine, batch: dict) -> StepOutput:
-    """StepFn for ds_core.trainer.Trainer: forward with return_loss=True (fp32 ITC loss, see
+    """StepFn for ds_core.run.trainer.Trainer: forward with return_loss=True (fp32 ITC loss, see
     model.BridgeTowerContrastive).
 
     Negatives are the other samples of this rank's micro batch (or every rank's, with global negatives on).

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 from .configs import DEBUG_VOCAB_SIZE, ModelArgs
 

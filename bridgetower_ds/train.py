@@ -10,13 +10,14 @@ import json
 import sys
 from pathlib import Path
 
-from ds_core.config import ConfigError, TrainConfig, read_ds_json, resolve_ds_path
-from ds_core.engine import build_engine, shutdown_distributed
-from ds_core.process_end import run_main
-from ds_core.results import keep_frozen_fp32, save_metrics, save_model
-from ds_core.settings import OptimArgs
-from ds_core.setup import Run, RunSpec, start_run
-from ds_core.trainer import Trainer
+from ds_core.config import TrainConfig, read_ds_json, resolve_ds_path
+from ds_core.errors import ConfigError
+from ds_core.rank.engine import build_engine, shutdown_distributed
+from ds_core.rank.process_end import run_main
+from ds_core.outputs.results import keep_frozen_fp32, save_metrics, save_model
+from ds_core.config.optim import OptimArgs
+from ds_core.run.setup import Run, RunSpec, start_run
+from ds_core.run.trainer import Trainer
 
 from bridgetower_ds import compat, trainer_files, trainer_flags
 from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
@@ -149,4 +150,4 @@ def _export(run: Run, engine, frozen: dict, tokenizer, processor) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end
+    run_main(main)  # ends without interpreter finalisation: see ds_core.rank.process_end

@@ -1,5 +1,5 @@
 """What run_bridgetower.py's Trainer leaves in --output_dir after training, written from our run (issue 26):
-train_results.json with Trainer's keys (ds_core.hf_outputs says each definition) plus ours, eval_results.json AND
+train_results.json with Trainer's keys (ds_core.outputs.hf_trainer says each definition) plus ours, eval_results.json AND
 validation_results.json (run_bridgetower.py's name), all_results.json, trainer_state.json, training_args.bin (a
 pickled transformers.TrainingArguments of the settings that ran) and Trainer's final TensorBoard scalars; and in
 every checkpoint-N, as Trainer's _save_checkpoint writes them, trainer_state.json at step N and training_args.bin.
@@ -13,11 +13,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from ds_core import hf_outputs
+from ds_core.outputs import hf_trainer
 from ds_core.config import atomic_write_bytes, precision_of
-from ds_core.results import save_metrics, train_metrics
-from ds_core.settings import OptimArgs
-from ds_core.setup import Run
+from ds_core.outputs.results import save_metrics, train_metrics
+from ds_core.config.optim import OptimArgs
+from ds_core.run.setup import Run
 
 from .configs import CompatArgs, RunArgs
 from .data import DataArgs
@@ -48,7 +48,7 @@ class TrainerFiles:
         return float(self.flops_per_sample) * int(self.run.ds_config["train_batch_size"]) * step
 
     def checkpoint(self, tag_dir: Path, step: int) -> None:
-        """ds_core.trainer.Trainer's checkpoint_files hook (rank 0, before COMPLETE): checkpoint-N's trainer_state.json
+        """ds_core.run.trainer.Trainer's checkpoint_files hook (rank 0, before COMPLETE): checkpoint-N's trainer_state.json
         (the state at step N: log_history up to N, no final entry) and training_args.bin. Both are outside the
         checkpoint's MANIFEST.json: a resume never reads them."""
         self._state(step, final=None, out_dir=tag_dir)

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ds_core.config import ConfigError, TrainConfig
+from ds_core.config import TrainConfig
+from ds_core.errors import ConfigError
 
 from .configs import CompatArgs, ModelArgs
 
@@ -169,7 +170,7 @@ def _resume(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
 
 def steps_per_epoch(micro_batches_per_epoch: int, grad_accum: int) -> int:
     """Optimizer steps of one epoch, for --eval_strategy / --save_strategy epoch (accumulation carries across an
-    epoch's end in ds_core.loop, so with a remainder an "epoch" event lands on the nearest step before its end)."""
+    epoch's end in ds_core.run.loop, so with a remainder an "epoch" event lands on the nearest step before its end)."""
     return max(1, micro_batches_per_epoch // max(1, grad_accum))
 
 

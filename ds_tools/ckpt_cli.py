@@ -23,7 +23,7 @@ from typing import Any
 
 from ds_core import checkpoint as ckpt
 from ds_core.cli import ArgumentParser, cli_main
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 
 def _root(run_dir: str) -> Path:

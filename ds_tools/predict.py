@@ -13,7 +13,7 @@ The model, per optimizer step and rank (B = micro_batch x grad_accum sequences):
     accumulation, as NVIDIA's and Habana's BERT recipes do); without it, B stays the measured one.
   * comm(N): the collectives DeepSpeed 0.19 issues for the stage (`collectives`, file:line cited), costed by
     ds_tools.fabrics (hierarchical ring, NCCL bus bandwidth, one efficiency factor per fabric).
-  * overlap: from the measured run's phase timing (ds_core.phases: phase_comm_s is the exposed part of the modelled
+  * overlap: from the measured run's phase timing (ds_core.outputs.phases: phase_comm_s is the exposed part of the modelled
     comm at the measured scale); without phase timing, 0 (stage 0/1 reduce after backward, at the accumulation
     boundary: engine.py:3089, nothing to hide behind) and the output says it was assumed.
 """
@@ -111,7 +111,7 @@ class Measured:
     per_node: int
     seq_per_s: float                 # whole job
     grad_accum: int
-    phases: dict | None = None       # ds_core.phases summary seconds
+    phases: dict | None = None       # ds_core.outputs.phases summary seconds
 
 
 def _accum(micro: int, per_node: int, nodes: int, grad_accum: int, global_batch: int | None) -> int:

@@ -1,7 +1,7 @@
 """Scaling-efficiency reporter: how well did throughput scale from the smallest run to N nodes.
 
 Reads only machine-readable outputs: the final ``{"type": "summary"}`` record of each run's ``metrics.jsonl``
-(written by ``ds_core.metrics`` through the loop), or a CSV of published numbers (``--from_table``, columns
+(written by ``ds_core.outputs.metrics`` through the loop), or a CSV of published numbers (``--from_table``, columns
 ``nodes,accelerators,throughput``). Runs are grouped by everything that changes what one sample costs (model,
 accelerator type, micro batch, sequence length, precision, ZeRO stage); groups are never merged or averaged, and
 every group after the first says how it differs.
@@ -43,7 +43,7 @@ class Run:
     source: str
     config: dict = field(default_factory=dict)   # GROUP_KEYS values (None when unknown)
     extra: dict = field(default_factory=dict)    # shown, not grouped on: grad_accum, global_batch, mfu ...
-    phases: dict | None = None                   # sampled phase seconds (ds_core.phases), None without them
+    phases: dict | None = None                   # sampled phase seconds (ds_core.outputs.phases), None without them
 
 
 @dataclass
@@ -88,9 +88,9 @@ def summary_of(path: Path) -> dict:
 
 
 def _canonical_accelerator(name):
-    """Runs written before ds_core.accelerators named devices by alias (`a100`, `h100`): group them with the runs that
+    """Runs written before ds_core.device.accelerators named devices by alias (`a100`, `h100`): group them with the runs that
     write the table's name. A name the table does not know (cpu, a new device) is kept as written."""
-    from ds_core import accelerators
+    from ds_core.device import accelerators
 
     if not isinstance(name, str):
         return name

@@ -1,6 +1,6 @@
 """Where the scaling efficiency went: per larger run, the points of efficiency lost to each phase of the step.
 
-Reads the sampled phase timing each run writes into its metrics.jsonl summary (ds_core.phases: ``phase_data_s``,
+Reads the sampled phase timing each run writes into its metrics.jsonl summary (ds_core.outputs.phases: ``phase_data_s``,
 ``phase_forward_s``, ``phase_backward_s``, ``phase_comm_s``, ``phase_step_s``, ``phase_wait_s``). The split is exact,
 not a fit: with t the time one accelerator spends per sample (accelerators / sequences per second) and t_k its part in
 phase k (t times phase k's share of the sampled step),

@@ -3,7 +3,7 @@
 Per rank, with Adam(W): every buffer DeepSpeed 0.19 allocates for the configuration, held between steps plus the
 largest phase of a step (ds_tools.zero_memory_model.estimate; each component names its deepspeed/runtime/ file and
 line; bench/zero_memory.py measures it), and activations per micro batch (zero_memory_model.activation_bytes).
-Usable memory: the capacity (ds_core.accelerators' table; cpu: the node's RAM over its ranks) minus 8 % for allocator
+Usable memory: the capacity (ds_core.device.accelerators' table; cpu: the node's RAM over its ranks) minus 8 % for allocator
 fragmentation and runtime context.
 
 Models: the presets' descriptions in ds_configs/models/ (written by the model packages, see MODEL_DIR) or any HF
@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
-from ds_core import accelerators
+from ds_core.device import accelerators
 from ds_core.config import DS_CONFIG_DIR
 from ds_core.cli import ArgumentParser, cli_main, flag
 from ds_core.cli import error as cli_error
@@ -29,7 +29,7 @@ from ds_tools.zero_memory_model import (DEFAULT_BUCKETS, STAGES, Estimate, Model
                                       estimate, grad_accum_dtype_for)
 
 GB = 1e9
-# cpu is not in ds_core.accelerators (no vendor figure): its "memory" is the machine's RAM shared by the node's ranks.
+# cpu is not in ds_core.device.accelerators (no vendor figure): its "memory" is the machine's RAM shared by the node's ranks.
 CPU = "cpu"
 USABLE_FRACTION = 0.92
 # Tokens per micro batch beyond which a bigger micro batch buys little more accelerator efficiency; used only to
@@ -163,7 +163,7 @@ def model_shape(model: str, seq_len: int = 0) -> ModelShape:
 
 
 def capacity_bytes(accelerator: str, ranks_per_node: int) -> float:
-    """Memory of one rank: the ds_core.accelerators row's capacity, or on cpu the node's RAM over its ranks."""
+    """Memory of one rank: the ds_core.device.accelerators row's capacity, or on cpu the node's RAM over its ranks."""
     if accelerator == CPU:
         import psutil
 
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"{' | '.join(shipped_models())} (ds_configs/models/, written from the presets; also "
                         f"{', '.join(MODEL_ALIASES)}) | PATH_TO_HF_CONFIG.json")
     p.add_argument("--accelerator", required=True,
-                   help=f"{' | '.join(a.name for a in accelerators.ACCELERATORS)} (ds_core.accelerators; aliases "
+                   help=f"{' | '.join(a.name for a in accelerators.ACCELERATORS)} (ds_core.device.accelerators; aliases "
                         f"{', '.join(x for a in accelerators.ACCELERATORS for x in a.aliases)}) | {CPU}")
     p.add_argument(*flag("--accelerators_per_node"), type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)

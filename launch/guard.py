@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     try:  # no orphans: this guard (hence, by SIGTERM forwarded, its rank) ends when its launcher dies
-        from ds_core.parent_watch import watch_parent
+        from ds_core.rank.parent_watch import watch_parent
 
         watch_parent()
     except ImportError:  # run by path without the repository importable: the rank's own watch still runs

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from ds_core.parent_watch import pdeathsig_preexec
-from ds_core.rendezvous import LOOPBACK, free_port, rank_env, rank_variables
+from ds_core.rank.parent_watch import pdeathsig_preexec
+from ds_core.rank.rendezvous import LOOPBACK, free_port, rank_env, rank_variables
 
 def deepspeed_launcher() -> list[str]:
     """DeepSpeed's launcher of this interpreter's environment (the `deepspeed` script beside it, else its module)."""
@@ -58,7 +58,7 @@ def rank_commands(num_ranks: int, target: Sequence[str], *, master_port: int, en
     deepspeed/launcher/launch.py sets for a one-node world (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, CROSS_RANK=0,
     CROSS_SIZE=1, LOCAL_SIZE, RANK, LOCAL_RANK, and `--local_rank=N` after the target unless `local_rank_arg` is
     false) and runs unbuffered (`python -u`), as there. launch.py also narrows CUDA_VISIBLE_DEVICES to the ranks'
-    devices; each rank here picks device LOCAL_RANK itself (ds_core.engine.init_distributed), which is the same.
+    devices; each rank here picks device LOCAL_RANK itself (ds_core.rank.engine.init_distributed), which is the same.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks = {num_ranks}: expected >= 1")
@@ -253,7 +253,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _ds_json_arg(target: Sequence[str]) -> str:
-    from ds_core.ds_json_check import ds_config_in
+    from ds_core.config.ds_json import ds_config_in
 
     return ds_config_in(target)
 
@@ -286,8 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(e))
     ds_json = _ds_json_arg(target)
     if ds_json:  # the whole DeepSpeed JSON, before any rank is spawned (the ranks would find it after init)
-        from ds_core.config import ConfigError
-        from ds_core.ds_json_check import check_before_spawn
+        from ds_core.errors import ConfigError
+        from ds_core.config.ds_json import check_before_spawn
 
         try:
             check_before_spawn(ds_json, a.num_ranks)

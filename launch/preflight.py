@@ -159,7 +159,8 @@ def probe_remote(host: str, args, names: Sequence[str], port: int) -> tuple[dict
 
 def ds_config_check(path: str, world: int) -> tuple[bool, str]:
     try:
-        from ds_core.config import ConfigError, load_ds_config
+        from ds_core.config import load_ds_config
+        from ds_core.errors import ConfigError
     except ImportError as e:
         return False, f"cannot import ds_core.config ({e})"
     try:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ds_core.cli import cli_main
-from ds_core.venv import torch_extensions_env
+from ds_core.rank.venv import torch_extensions_env
 from launch.local_ranks import deepspeed_launcher
 from launch import env as envmod
 from launch import hostfile as hf
@@ -355,9 +355,9 @@ def build_command(s: LaunchSettings, environ: Mapping[str, str] | None = None, c
 
 def check_ds_json_before_spawn(s: LaunchSettings) -> None:
     """The whole DeepSpeed JSON (nested keys, by DeepSpeed's own classes) and its batch arithmetic for this world,
-    before any node starts a rank (ds_core.ds_json_check); deepspeed is imported here only when a JSON is given."""
-    from ds_core.config import ConfigError
-    from ds_core.ds_json_check import check_before_spawn, ds_config_in
+    before any node starts a rank (ds_core.config.ds_json); deepspeed is imported here only when a JSON is given."""
+    from ds_core.errors import ConfigError
+    from ds_core.config.ds_json import check_before_spawn, ds_config_in
 
     path = s.deepspeed_config or ds_config_in(s.module_args)
     if not path:

@@ -90,7 +90,7 @@ def main(argv=None) -> None:
         return
     import tempfile
 
-    from ds_core.rendezvous import free_port, rank_env
+    from ds_core.rank.rendezvous import free_port, rank_env
     from launch import local_ranks
 
     env = rank_env(pythonpath=[REPO], threads=1)

@@ -1,7 +1,7 @@
 """Shared test helpers: run a real DeepSpeed job (CPU accelerator, gloo) on N local ranks.
 
 Starting ranks belongs to launch.local_ranks (the project's one starter), their environment and free ports to
-ds_core.rendezvous; these helpers only add what a test needs on top: captured text output and a failed test, with
+ds_core.rank.rendezvous; these helpers only add what a test needs on top: captured text output and a failed test, with
 the output, on a timeout.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_core.rendezvous import free_port, rank_env  # noqa: F401 - tests import free_port from here
+from ds_core.rank.rendezvous import free_port, rank_env  # noqa: F401 - tests import free_port from here
 from launch import local_ranks
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,11 +1,11 @@
-"""ds_core.accelerators is the one table: metrics (MFU peak) and tuning (memory) both read it, old names stay
+"""ds_core.device.accelerators is the one table: metrics (MFU peak) and tuning (memory) both read it, old names stay
 accepted as aliases, device names map to the right row (never SXM figures for a PCIe or NVL part), and an unknown
 name fails listing the known ones."""
 import pytest
 
-from ds_core import accelerators
+from ds_core.device import accelerators
 from ds_tools import tuning
-from ds_core.metrics import peak_tflops_for
+from ds_core.outputs.metrics import peak_tflops_for
 
 
 def test_names_and_aliases_resolve_case_insensitively():

@@ -16,7 +16,7 @@ import torch
 from bert_ref.configs import BertArgs, bert_1p5b, bert_1p5b_habana, debug_habana, debug_pre_ln
 from bert_ref.habana_ckpt import habana_to_ours, load_habana_state_dict, read_habana_checkpoint
 from bert_ref.model import build_model
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 DATA = Path(__file__).parent / "data" / "habana_bert"
 _spec = importlib.util.spec_from_file_location("habana_make_reference", DATA / "make_reference.py")

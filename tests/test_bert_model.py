@@ -11,7 +11,7 @@ from bert_ref.configs import (BertArgs, InputDirError, PhaseMismatchError, Unkno
 from bert_ref.model import build_model, flops_per_sequence, param_counts
 from bert_ref.data import IGNORE_INDEX
 from bert_ref.step import pretraining_losses
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 
 def test_presets_shapes_and_phases():

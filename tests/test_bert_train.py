@@ -217,7 +217,7 @@ def test_zero3_lans_activation_checkpointing_overfits_and_exports(shards, tmp_pa
 @pytest.mark.slow
 def test_run_by_epochs_ends_its_lr_schedule_on_the_last_step(tmp_path):
     """10 micro batches per epoch, accumulation 4, 3 epochs: 30 micro batches make 7 optimizer steps (a partial
-    accumulation carries over the epoch ends). The LR schedule is built for the same 7 steps (ds_core.setup decides
+    accumulation carries over the epoch ends). The LR schedule is built for the same 7 steps (ds_core.run.setup decides
     them once): linear decay without warm-up, so step k (1-based) uses lr x (1 - (k-1)/7) and the last step's LR is
     not 0 (before, bert_ref.train counted (10 // 4) x 3 = 6 steps and the 7th update ran at LR 0)."""
     from bert_ref.prep.h5io import synthetic_arrays, write_shard

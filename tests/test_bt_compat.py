@@ -16,10 +16,11 @@ import pytest
 
 from conftest import REPO
 
-from ds_core.config import ConfigError, TrainConfig, parse_args
+from ds_core.config import TrainConfig, parse_args
+from ds_core.errors import ConfigError
 from bridgetower_ds import compat, trainer_flags
 from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
-from ds_core.settings import OptimArgs
+from ds_core.config.optim import OptimArgs
 from bridgetower_ds.data import DataArgs
 
 TYPES = [TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs]

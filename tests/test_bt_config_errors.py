@@ -10,7 +10,7 @@ from bridgetower_ds.data import DataArgs
 from bridgetower_ds.images import resolve_pipeline
 from bridgetower_ds.model import apply_freezing, build_model
 from bridgetower_ds.tokenizer import load_tokenizer
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 
 @pytest.mark.parametrize("change,flag", [

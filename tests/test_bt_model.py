@@ -10,7 +10,7 @@ from bridgetower_ds.configs import ModelArgs
 from bridgetower_ds.model import (BridgeTowerContrastive, apply_freezing, build_model, flops_per_sample,
                                   forward_flops, load_config)
 from bridgetower_ds.tokenizer import debug_tokenizer, load_tokenizer
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 
 def _batch(tok, n=4, size=32, seed=0):

@@ -114,17 +114,17 @@ def test_unexpected_error_in_a_worker_becomes_a_named_bad_image(tmp_path, monkey
 
 def test_missing_dataset_refused_before_distributed_init(tmp_path, monkeypatch):
     import bridgetower_ds.train as T
-    import ds_core.setup
+    import ds_core.run.setup
 
     def reached(*a, **k):
         raise AssertionError("init_distributed reached")
 
-    monkeypatch.setattr(ds_core.setup, "init_distributed", reached)  # start_run starts the process group
+    monkeypatch.setattr(ds_core.run.setup, "init_distributed", reached)  # start_run starts the process group
     with pytest.raises(FileNotFoundError, match="--dataset_path .*nowhere"):
         T.main(["--do_train", "--dataset_path", str(tmp_path / "nowhere.jsonl"), "--run_dir", str(tmp_path / "r")])
     assert not (tmp_path / "r").exists()
     # a hub dataset/config absent from the offline cache: a fresh interpreter (datasets reads the cache path on import)
-    code = ("import bridgetower_ds.train as T, ds_core.setup as S\n"
+    code = ("import bridgetower_ds.train as T, ds_core.run.setup as S\n"
             "S.init_distributed = lambda *a, **k: (_ for _ in ()).throw(SystemExit('REACHED init_distributed'))\n"
             "T.main(['--do_eval', '--dataset_name', 'jmhessel/newyorker_caption_contest',\n"
             "        '--dataset_config_name', 'matching', '--run_dir', %r])\n" % str(tmp_path / "r2"))
@@ -148,7 +148,7 @@ def test_carving_sizes_follow_datasets_rounding():
 def _two_rank_counts(rank: int, world: int, port: int, path, q) -> None:
     import torch.distributed as dist
 
-    from ds_core.loop import reduce_summary_stats
+    from ds_core.run.loop import reduce_summary_stats
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -157,7 +157,7 @@ def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(capti
 
 
 def test_nothing_to_do_is_an_error(tmp_path):
-    from ds_core.config import ConfigError
+    from ds_core.errors import ConfigError
 
     from bridgetower_ds.train import main
 

@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from ds_core.config import ConfigError, TrainConfig, parse_args
-from ds_core.settings import OptimArgs
+from ds_core.config import TrainConfig, parse_args
+from ds_core.errors import ConfigError
+from ds_core.config.optim import OptimArgs
 from bridgetower_ds import compat, trainer_flags
 from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
 from bridgetower_ds.data import DataArgs
@@ -177,7 +178,7 @@ def test_train_validation_test_files_are_the_splits_as_run_bridgetower_reads_the
 
 
 def test_checkpoint_links_follow_complete_checkpoints_and_pruning(tmp_path):
-    from ds_core.hf_outputs import link_checkpoints
+    from ds_core.outputs.hf_trainer import link_checkpoints
 
     root = tmp_path / "checkpoints"
     for step, complete in ((2, True), (4, True), (6, False)):

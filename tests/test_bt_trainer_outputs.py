@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dist_env, run_deepspeed
-from ds_core.loop import EXIT_STOPPED
+from ds_core.run.loop import EXIT_STOPPED
 
 STEPS, MICRO, EVAL_STEPS = 4, 4, 2
 
@@ -229,9 +229,9 @@ def _run_of(tmp_path: Path, argv: list[str], ds: dict):
     from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
     from bridgetower_ds.data import DataArgs
     from ds_core.config import TrainConfig, parse_args
-    from ds_core.engine import DistInfo
-    from ds_core.settings import OptimArgs
-    from ds_core.setup import Run
+    from ds_core.rank.engine import DistInfo
+    from ds_core.config.optim import OptimArgs
+    from ds_core.run.setup import Run
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True)

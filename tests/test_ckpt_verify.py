@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, dist_env, run_deepspeed
 from ds_core.checkpoint import manifest as mf
-from ds_core.divergence import DivergenceGuard
+from ds_core.run.divergence import DivergenceGuard
 from ds_tools.scaling import summary_of
 from test_ds_core_train import ds_json, losses, records
 

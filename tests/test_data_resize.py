@@ -15,7 +15,7 @@ import pytest
 
 from bert_ref.data import DataStateError, PretrainingData
 from bert_ref.prep.h5io import synthetic_arrays, write_shard
-from ds_core.sample_log import ENV, read_sample_log
+from ds_core.outputs.sample_log import ENV, read_sample_log
 
 L, P, V = 32, 5, 300
 SIZES = (70, 55, 90, 23)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-import ds_core.setup
+import ds_core.run.setup
 from ds_core.cli import split_passthrough
 
 REPO = Path(__file__).resolve().parents[1]
@@ -190,8 +190,8 @@ def _run_parse(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
         # bench/bert_step.py re-executes itself once to set malloc tunables; that branch is not argument parsing
         m.setenv("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES", "glibc.malloc.arena_max=2"))
         m.setattr(sys, "argv", [module, *argv])
-        # an entry point parses in its own module or through ds_core.setup.start_run: patch whichever it uses
-        for where in (mod, ds_core.setup) if hasattr(mod, "start_run") else (mod,):
+        # an entry point parses in its own module or through ds_core.run.setup.start_run: patch whichever it uses
+        for where in (mod, ds_core.run.setup) if hasattr(mod, "start_run") else (mod,):
             if hasattr(where, "parse_args") and getattr(where.parse_args, "__module__", "") == "ds_core.config":
                 real = where.parse_args
 

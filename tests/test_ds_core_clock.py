@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import REPO, dist_env, run_deepspeed
-from ds_core.precision import resolve_precision
+from ds_core.device.precision import resolve_precision
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "tests" / "tiny_train.py")

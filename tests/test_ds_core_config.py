@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from ds_core.config import (DS_CONFIG_DIR, ConfigError, TrainConfig, check_batch_arithmetic, load_ds_config,
-                            parse_args, save_run_config)
-from ds_core.settings import OptimArgs
+from ds_core.config import DS_CONFIG_DIR, TrainConfig, check_batch_arithmetic, load_ds_config, parse_args, save_run_config
+from ds_core.errors import ConfigError
+from ds_core.config.optim import OptimArgs
 
 
 def test_missing_batch_number_is_derived_like_deepspeed():
@@ -173,7 +173,7 @@ def test_each_model_package_has_one_default_ds_config():
     import bert_ref.train
     import bridgetower_ds.train
     from ds_core import config as dsc
-    from ds_core.ds_json_check import check_ds_json
+    from ds_core.config.ds_json import check_ds_json
 
     assert not hasattr(dsc, "DEFAULT_DS_CONFIG")  # ds_core picks none
     with pytest.raises(ConfigError, match="--deepspeed_config"):

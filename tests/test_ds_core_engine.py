@@ -1,8 +1,8 @@
-"""ds_core.engine helpers that need no process group."""
+"""ds_core.rank.engine helpers that need no process group."""
 import os
 import time
 
-from ds_core.engine import cpu_shm_buffer_name, stale_build_locks
+from ds_core.rank.engine import cpu_shm_buffer_name, stale_build_locks
 
 
 def test_stale_build_locks_finds_old_locks_only(tmp_path, monkeypatch):

@@ -1,10 +1,10 @@
-"""ds_core.metrics with a controllable clock: warm-up exclusion, per-accelerator figures, summary fields."""
+"""ds_core.outputs.metrics with a controllable clock: warm-up exclusion, per-accelerator figures, summary fields."""
 import json
 
 import pytest
 
-from ds_core.metrics import Metrics, RunInfo
-from ds_core.precision import cpu_peak_tflops
+from ds_core.outputs.metrics import Metrics, RunInfo
+from ds_core.device.precision import cpu_peak_tflops
 
 SUMMARY_FIELDS = ["model", "world_size", "nodes", "accelerators_per_node", "accelerator", "micro_batch", "grad_accum",
                   "zero_stage", "precision", "warmup_steps_excluded", "samples_per_s", "seqs_per_s_per_accelerator",

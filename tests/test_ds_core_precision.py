@@ -1,10 +1,11 @@
-"""ds_core.precision: the auto rule, the DeepSpeed JSON switch, and the per-machine peak cache."""
+"""ds_core.device.precision: the auto rule, the DeepSpeed JSON switch, and the per-machine peak cache."""
 import json
 
 import pytest
 
-from ds_core import precision as prec
-from ds_core.config import ConfigError, TrainConfig, ds_config_for
+from ds_core.device import precision as prec
+from ds_core.config import TrainConfig, ds_config_for
+from ds_core.errors import ConfigError
 
 
 def test_auto_is_bf16_on_accelerators_and_native_bf16_cpus():

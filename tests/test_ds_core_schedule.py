@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 from ds_core.schedule import (LRSchedule, decay_parameter_names, lr_schedule, param_groups, poly_warmup_factor,
                               total_optimizer_steps, warmup_steps_for)
 

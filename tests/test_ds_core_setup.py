@@ -1,13 +1,14 @@
-"""ds_core.setup's Run without a process group: the total optimizer steps are decided once, from the data, and the
+"""ds_core.run.setup's Run without a process group: the total optimizer steps are decided once, from the data, and the
 run's settings cannot be edited afterwards (start_run itself runs in every multi-rank test through the entry points)."""
 import dataclasses
 import json
 
 import pytest
 
-from ds_core.config import ConfigError, TrainConfig
-from ds_core.engine import DistInfo
-from ds_core.setup import Run
+from ds_core.config import TrainConfig
+from ds_core.errors import ConfigError
+from ds_core.rank.engine import DistInfo
+from ds_core.run.setup import Run
 
 DIST = DistInfo(rank=1, local_rank=1, world_size=2, local_world_size=2, nodes=1, accelerator="cpu", device=None,
                 backend="gloo")

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, dist_env, run_deepspeed, run_group
 from ds_core.config import DS_CONFIG_DIR
-from ds_core.engine import SHM_DIR
+from ds_core.rank.engine import SHM_DIR
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "tests" / "tiny_train.py")
@@ -122,8 +122,8 @@ SHM_WORKER = """
 import os
 import deepspeed
 import torch
-from ds_core.engine import SHM_DIR, cpu_shm_buffer_name, init_distributed, shutdown_distributed
-from ds_core.process_end import end_process
+from ds_core.rank.engine import SHM_DIR, cpu_shm_buffer_name, init_distributed, shutdown_distributed
+from ds_core.rank.process_end import end_process
 
 deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed alone: its CPU allreduce workspace is created
 rank = torch.distributed.get_rank()
@@ -138,7 +138,7 @@ shutdown_distributed()  # a second call is a no-op
 down = not torch.distributed.is_initialized()
 print(f"SHM rank={rank} port={os.environ['MASTER_PORT']} existed={existed} gone={gone} sum={x[0].item()} "
       f"down={down}", flush=True)
-end_process(0)  # as every rank entry ends (ds_core.process_end.run_main)
+end_process(0)  # as every rank entry ends (ds_core.rank.process_end.run_main)
 """
 
 

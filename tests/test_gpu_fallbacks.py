@@ -48,7 +48,7 @@ def test_cuda_device_pipeline_without_torchvision_is_a_named_error_and_auto_fall
 
 
 def test_no_nvcc_gives_torch_adamw_with_the_reason(tmp_path):
-    from ds_core.ops_check import apply_ops_fallback, fused_adam_problem
+    from ds_core.device.ops_check import apply_ops_fallback, fused_adam_problem
 
     env = {"CUDA_HOME": str(tmp_path), "PATH": str(tmp_path)}  # a CUDA_HOME without bin/nvcc, no ninja on PATH
     problem = fused_adam_problem(env)

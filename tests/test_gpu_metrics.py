@@ -43,7 +43,7 @@ print("PROFILE " + json.dumps(counts))
 
 
 def test_accelerator_row_from_device_name():
-    from ds_core.accelerators import from_device_name, get
+    from ds_core.device.accelerators import from_device_name, get
 
     name = torch.cuda.get_device_name(0)
     row = from_device_name(name)
@@ -51,8 +51,8 @@ def test_accelerator_row_from_device_name():
     if any(k in name for k in ("H100", "H200", "A100")) and "NVL" not in name:
         assert row is not None, f"{name!r} is one of the table's GPUs but no row was found"
         assert get(row).bf16_tflops > 0
-    # the same lookup the metrics use: ds_core.metrics.accelerator_kind
-    from ds_core.metrics import accelerator_kind
+    # the same lookup the metrics use: ds_core.outputs.metrics.accelerator_kind
+    from ds_core.outputs.metrics import accelerator_kind
 
     assert accelerator_kind("cuda") == (row or "cuda")
 
@@ -68,7 +68,7 @@ def test_mfu_at_most_one_and_no_host_sync_per_step(shards, tmp_path):
     counts = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("PROFILE "))[8:])
     print(json.dumps(counts, indent=1))
     s = summary(run)
-    from ds_core.accelerators import from_device_name
+    from ds_core.device.accelerators import from_device_name
 
     row = from_device_name(torch.cuda.get_device_name(0))
     if row is not None:

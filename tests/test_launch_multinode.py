@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO, dist_env, free_port
-from ds_core.precision import resolve_precision
+from ds_core.device.precision import resolve_precision
 
 pytestmark = pytest.mark.slow
 

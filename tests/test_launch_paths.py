@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 from launch.local_ranks import rank_env
-from ds_core.venv import torch_extensions_env
+from ds_core.rank.venv import torch_extensions_env
 from launch import run as runmod
 
 

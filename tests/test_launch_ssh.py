@@ -213,15 +213,15 @@ def test_launch_run_openmpi_over_ssh(tmp_path, private_sshd):
 
 
 # ------------------------------------------------------------------------------------------------ MPI rendezvous, hangs
-RDV_PROBE = '''"""Rendezvous through ds_core.engine, one all-reduce, record it; with --hold keep all-reducing until killed.
+RDV_PROBE = '''"""Rendezvous through ds_core.rank.engine, one all-reduce, record it; with --hold keep all-reducing until killed.
 The rendezvous may take 20 s on a loaded 2-core machine: it gets --init_timeout_s, and only the held all-reduces the
 short --dist_timeout_s (their own group), so a frozen peer is noticed after that and not after the init's bound."""
 import argparse, json, os, time
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-from ds_core.engine import init_distributed, shutdown_distributed
-from ds_core.process_end import end_process
+from ds_core.rank.engine import init_distributed, shutdown_distributed
+from ds_core.rank.process_end import end_process
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--dist_timeout_s", type=int, default=60)
@@ -241,7 +241,7 @@ while args.hold:
     dist.all_reduce(t, group=hold_group)
     time.sleep(0.2)
 shutdown_distributed()
-end_process(0)  # as every rank entry ends (ds_core.process_end.run_main)
+end_process(0)  # as every rank entry ends (ds_core.rank.process_end.run_main)
 '''
 # the held all-reduces' timeout (the rendezvous has its own, long one: RDV_PROBE) and launch.guard's grace
 HOLD_TIMEOUT_S, GRACE_S = 20, 10

@@ -72,7 +72,7 @@ def _bench_modules_imported(path: Path) -> set[str]:
 # Run as the training rank's program: bert_ref.train itself (runpy), then the top-level packages it loaded.
 _PROBE = """
 import atexit, json, runpy, sys
-# at exit: the rank's __main__ ends through ds_core.process_end.run_main, which runs atexit handlers, then os._exit
+# at exit: the rank's __main__ ends through ds_core.rank.process_end.run_main, which runs atexit handlers, then os._exit
 atexit.register(lambda: print("LOADED " + json.dumps(sorted({m.split(".")[0] for m in list(sys.modules)})),
                               flush=True))
 runpy.run_module("bert_ref.train", run_name="__main__", alter_sys=True)

@@ -5,7 +5,7 @@ released) when the main thread returns. Python then finalises, the callback thre
 ends it with pthread_exit through torch's noexcept C++ frames: "terminate called without an active exception",
 SIGABRT. In real runs the same happens, rarely, when gloo's thread drops the last reference to a collective's tensors
 late (a loaded machine): one 2-rank run per full CI suite failed so, in a different test each time.
-`ds_core.process_end.run_main` (every rank entry's `__main__`) ends the process without finalising, after what Python's
+`ds_core.rank.process_end.run_main` (every rank entry's `__main__`) ends the process without finalising, after what Python's
 exit does first: joining non-daemon threads, atexit handlers, flushing stdout.
 """
 import signal
@@ -20,8 +20,8 @@ RANK = """
 import atexit, sys, threading, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from ds_core.engine import shutdown_distributed
-from ds_core.process_end import run_main
+from ds_core.rank.engine import shutdown_distributed
+from ds_core.rank.process_end import run_main
 
 out = Path(sys.argv[1])
 HELD = []
@@ -83,4 +83,4 @@ def test_plain_exit_aborts_where_run_main_exits_with_the_rank_status(tmp_path):
 def test_every_rank_entry_ends_through_run_main(module):
     src = (REPO / module).read_text()
     main_block = src[src.index('if __name__ == "__main__":'):]
-    assert "run_main(main)" in main_block, f"{module}: its __main__ must call ds_core.process_end.run_main(main)"
+    assert "run_main(main)" in main_block, f"{module}: its __main__ must call ds_core.rank.process_end.run_main(main)"

@@ -23,9 +23,10 @@ import pytest
 
 from bert_ref.configs import BertArgs
 from bert_ref.optim import for_preset
-from ds_core.settings import OptimArgs
+from ds_core.config.optim import OptimArgs
 from bert_ref.recipes import RECIPES, check_recipe_batch, expand_recipe
-from ds_core.config import ConfigError, TrainConfig, ds_config_for, parse_args
+from ds_core.config import TrainConfig, ds_config_for, parse_args
+from ds_core.errors import ConfigError
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bert_pretraining.md"
 

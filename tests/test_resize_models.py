@@ -1,6 +1,6 @@
 """BERT and BridgeTower debug presets resumed on another number of ranks (real engine, CPU, ZeRO-1): a 2-rank run
 checkpoints mid-epoch, its checkpoint is resumed on 1 rank to the end of the epoch. Over the epoch every sample is
-seen once (ds_core.sample_log; the resized part may drop a tail of fewer than ranks x micro samples, as
+seen once (ds_core.outputs.sample_log; the resized part may drop a tail of fewer than ranks x micro samples, as
 bert_ref/bridgetower_ds document), and the loss right after the resize is within LOSS_REL of the uninterrupted run's.
 ds_core's own resize tests (ZeRO-3, 1 -> 2, scale_lr, refusals, exact optimizer state) are in test_resize.py."""
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dist_env, run_deepspeed
-from ds_core.sample_log import read_sample_log
+from ds_core.outputs.sample_log import read_sample_log
 from test_bt_train import ds_json as bt_ds_json, make_caption_set
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,8 @@ import pytest
 
 from ds_core import checkpoint as ckpt
 from ds_core.checkpoint.resize import plan_resize, saved_layout
-from ds_core.config import ConfigError, TrainConfig, load_ds_config
+from ds_core.config import TrainConfig, load_ds_config
+from ds_core.errors import ConfigError
 
 
 def fake_checkpoint(run_dir, step=4, world=2, tb=32, mb=8, ga=2):

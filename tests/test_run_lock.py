@@ -1,4 +1,4 @@
-"""One live run per run_dir (ds_core.run_lock) and no orphaned ranks (ds_core.parent_watch): lock holders and
+"""One live run per run_dir (ds_core.rank.run_lock) and no orphaned ranks (ds_core.rank.parent_watch): lock holders and
 launchers are real processes, killed with SIGKILL; the end-to-end case runs the real DeepSpeed launcher on 2 ranks."""
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dist_env
-from ds_core import run_lock
+from ds_core.rank import run_lock
 from ds_core.config import TrainConfig
 from launch.local_ranks import LauncherGroup, free_port, local_command
-from ds_core.run_dir import prepare_run_dir
+from ds_core.run.run_dir import prepare_run_dir
 
 
 def gone(pid: int) -> bool:
@@ -39,7 +39,7 @@ def wait_for(cond, timeout_s: float, what: str) -> None:
 
 def hold_lock(run_dir: Path) -> subprocess.Popen:
     """Another process holding run_dir's lock, as rank 0 of a live run does."""
-    code = ("import sys, time; from ds_core import run_lock; run_lock.acquire(sys.argv[1]); print('held', flush=True);"
+    code = ("import sys, time; from ds_core.rank import run_lock; run_lock.acquire(sys.argv[1]); print('held', flush=True);"
             " time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -122,7 +122,7 @@ def test_local_starter_killed_takes_its_ranks_down(tmp_path):
 
 def test_rank_started_by_a_launcher_ends_when_the_launcher_dies(tmp_path):
     """A launcher we did not write (here a shell) is killed: the rank notices its new parent and stops itself."""
-    child = ("import os, sys, time; from ds_core import parent_watch; assert parent_watch.watch_parent();"
+    child = ("import os, sys, time; from ds_core.rank import parent_watch; assert parent_watch.watch_parent();"
              f" open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid())); time.sleep(600)")
     launcher = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "{child}" & wait'], cwd=REPO,
                                 env={**os.environ, "PYTHONPATH": str(REPO), "OMPI_COMM_WORLD_RANK": "0"},
@@ -142,7 +142,7 @@ def test_rank_started_by_a_launcher_ends_when_the_launcher_dies(tmp_path):
 
 def test_hand_started_process_is_not_watched(monkeypatch):
     """`nohup python -m bert_ref.train &` must outlive its shell: no launcher variable, no watch."""
-    from ds_core import parent_watch
+    from ds_core.rank import parent_watch
 
     for var in parent_watch.LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)

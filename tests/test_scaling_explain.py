@@ -1,5 +1,5 @@
 """ds-scaling-report's breakdown of the efficiency lost between the smallest and each larger run, on synthetic
-metrics.jsonl files carrying ds_core.phases' summary fields (phase_*_s)."""
+metrics.jsonl files carrying ds_core.outputs.phases' summary fields (phase_*_s)."""
 import json
 
 import pytest

@@ -1,5 +1,5 @@
 """ds_tools.scaling: the published BERT-Large table, hand-written metrics.jsonl fixtures (grouping, baseline, broken
-runs), --plot, and (slow) real metrics.jsonl written by ds_core.loop on 1 and 2 ranks."""
+runs), --plot, and (slow) real metrics.jsonl written by ds_core.run.loop on 1 and 2 ranks."""
 import json
 from pathlib import Path
 
@@ -126,7 +126,7 @@ def test_plot_writes_a_png_that_opens(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_real_metrics_from_two_small_ds_core_runs(tmp_path, capsys):
-    """tests/tiny_train.py trains through ds_core.trainer.Trainer on 1 and then 2 ranks; the reporter reads what the loop
+    """tests/tiny_train.py trains through ds_core.run.trainer.Trainer on 1 and then 2 ranks; the reporter reads what the loop
     wrote (no hand-made numbers)."""
     for ranks in (1, 2):
         run_deepspeed([str(REPO / "tests" / "tiny_train.py"), "--run_dir", str(tmp_path / f"r{ranks}"),

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bert_ref.optim import for_preset
-from ds_core.settings import OptimArgs, schedule_for
-from ds_core.config import ConfigError
+from ds_core.config.optim import OptimArgs, schedule_for
+from ds_core.errors import ConfigError
 
 REF = Path(__file__).parent / "data" / "lr_reference.npz"
 

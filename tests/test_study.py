@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from conftest import REPO
-from ds_core.rendezvous import rank_env
+from ds_core.rank.rendezvous import rank_env
 from ds_tools.study import StudyError, load_study, runner
 from ds_tools.study.__main__ import main as study_main
 from launch import local_ranks

@@ -3,7 +3,7 @@
 Run as `deepspeed --num_gpus 2 tests/tiny_train.py --run_dir R --deepspeed_config zero1_bf16.json ...`.
 Test-only switches (env): TINY_NAN_AT_STEP=k makes the loss NaN at optimizer step k; TINY_KILL_IN_SAVE=k makes
 rank 0 kill -9 itself inside the save of step k, after DeepSpeed wrote its files and before the save completed;
-TINY_FAKE_CLOCK=1 drives ds_core.metrics with a clock that moves 1.0 per micro-step, 100.0 per checkpoint save and
+TINY_FAKE_CLOCK=1 drives ds_core.outputs.metrics with a clock that moves 1.0 per micro-step, 100.0 per checkpoint save and
 50.0 per eval (so the throughput window can be checked exactly); TINY_EVAL=1 adds an eval hook; TINY_STATS=1 makes
 the data source report per-rank summary statistics (rank r: bad_rows = r + 1).
 TINY_SIGNAL_AT_STEP=k (with TINY_SIGNAL_RANK=r, TINY_SIGNAL=SIGTERM|SIGUSR1) makes rank r send itself the signal
@@ -13,7 +13,7 @@ TINY_SAMPLE_LOG=DIR appends each rank's trained sample indices to DIR/samples_ra
 the full fp32 master weights and Adam moments after training (rank 0), TINY_DUMP_OPT_ON_RESUME=FILE right after a
 resume loaded the checkpoint; TINY_NO_RESIZE=1 uses a data source without
 load_state_dicts. TINY_SLOW_RANK=r (with TINY_SLOW_S=seconds, default 0.2) makes rank r sleep that long in each
-forward: a straggler the other ranks wait for (ds_core.phases' wait_s).
+forward: a straggler the other ranks wait for (ds_core.outputs.phases' wait_s).
 TINY_NAN_GRAD_STEPS="3,7-" makes the gradients (not the loss) NaN at optimizer step 3 and from step 7 on;
 TINY_KILL_AFTER_COMPLETE=k makes rank 0 kill -9 itself right after the checkpoint of step k is complete.
 """
@@ -28,13 +28,13 @@ import numpy as np
 import torch
 
 from ds_core import checkpoint as ckpt
-from ds_core.components import EvalTask, Evaluation
+from ds_core.run.components import EvalTask, Evaluation
 from ds_core.config import TrainConfig
-from ds_core.engine import build_engine, shutdown_distributed
-from ds_core.process_end import run_main
-from ds_core.loop import StepOutput
-from ds_core.setup import Run, RunSpec, start_run
-from ds_core.trainer import Trainer
+from ds_core.rank.engine import build_engine, shutdown_distributed
+from ds_core.rank.process_end import run_main
+from ds_core.run.loop import StepOutput
+from ds_core.run.setup import Run, RunSpec, start_run
+from ds_core.run.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class SyntheticData:
         self.epoch, self.offset, self.dealt = epoch, 0, None
 
     def __len__(self) -> int:
-        """Micro batches of a full epoch on this rank (ds_core.setup counts the run's optimizer steps with it)."""
+        """Micro batches of a full epoch on this rank (ds_core.run.setup counts the run's optimizer steps with it)."""
         return len(range(self.rank, len(self.ids), self.world)) // self.mb
 
     def __iter__(self):
@@ -280,4 +280,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end
+    run_main(main)  # ends without interpreter finalisation: see ds_core.rank.process_end

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from ds_core.process_end import run_main
+from ds_core.rank.process_end import run_main
 
 STEPS = 3
 
@@ -47,10 +47,10 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
     from bert_ref.layerwise import FlatLayout, attach_zero_layout, zero_layouts
     from bert_ref.model import build_model
     from bert_ref.optim import build_optimizer
-    from ds_core.settings import OptimArgs
+    from ds_core.config.optim import OptimArgs
     from bert_ref.prep.h5io import synthetic_arrays
     from bert_ref.step import step_fn
-    from ds_core.engine import build_engine
+    from ds_core.rank.engine import build_engine
 
     accum = 2 // dist.world_size
     ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
@@ -67,7 +67,7 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
     opt = build_optimizer(model, OptimArgs(optimizer=optimizer, learning_rate=0.01))
     engine = build_engine(model, ds_config, optimizer=opt)
     if noclip:
-        from ds_core.config import ConfigError
+        from ds_core.errors import ConfigError
 
         try:
             attach_zero_layout(engine, opt)
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher adds it
     a = ap.parse_args()
 
-    from ds_core.engine import init_distributed, shutdown_distributed
+    from ds_core.rank.engine import init_distributed, shutdown_distributed
 
     dist = init_distributed(600)
     for spec in a.runs.split(","):
@@ -127,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)  # ends without interpreter finalisation: see ds_core.process_end
+    run_main(main)  # ends without interpreter finalisation: see ds_core.rank.process_end

@@ -12,7 +12,7 @@ requirement graph itself, one `pip download --no-deps` per package (for the targ
 wheels only), reads each wheel's Requires-Dist, evaluates the markers for the target and stops at every name in the
 base list (a name, or name==version: a pinned base version that does not satisfy a requirement is downloaded too,
 and pip upgrades it there). DeepSpeed ships only an sdist: it is built here into a wheel with DS_BUILD_OPS=0 (its ops
-are built just in time on the target, or ds_core.ops_check falls back to torch's AdamW where no compiler is there).
+are built just in time on the target, or ds_core.device.ops_check falls back to torch's AdamW where no compiler is there).
 The toolkit's own build requirements (setuptools, wheel) go in too unless the base has them. MANIFEST.json lists
 every file, its size, why it is there, and the base names that were left out.
 """

@@ -33,7 +33,8 @@ from ds_core.checkpoint import manifest as ckpt_manifest
 from ds_core.checkpoint.collective import any_rank, barrier, rank, world_size
 from ds_core.checkpoint.resize import ensure_universal
 from ds_core.checkpoint.tags import COMPLETE, LATEST, is_complete, latest_tag, step_tags, tag_for
-from ds_core.config import ConfigError, atomic_write_text
+from ds_core.config import atomic_write_text
+from ds_core.errors import ConfigError
 
 HF_MODEL = "hf_model.json"
 
@@ -312,11 +313,11 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
     The returned state also holds "data_states": the data states of ALL saved ranks in rank order (for a data source's
     load_state_dicts), and "saved_world_size". On another data-parallel size (a resize) a ZeRO >= 1 checkpoint is
     converted once to DeepSpeed's universal format (ds_core.checkpoint.resize.ensure_universal) and loaded from it: the
-    engine must have been built with checkpoint.load_universal (ds_core.setup.start_run's resize plan sets it). RNG on a
+    engine must have been built with checkpoint.load_universal (ds_core.run.setup.start_run's resize plan sets it). RNG on a
     resize: a rank that existed in the saved run gets its own streams back; a new rank r gets
-    ds_core.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at step 0.
+    ds_core.rank.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at step 0.
     "data" of a new rank is None. tag: the checkpoint select_resume_tag chose (default: latest_tag)."""
-    from ds_core.engine import set_seed
+    from ds_core.rank.engine import set_seed
 
     root = Path(ckpt_root)
     tag = tag or latest_tag(root)
@@ -339,7 +340,7 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
             if not engine.load_universal_checkpoint():
                 raise ConfigError(f"checkpoint {root / tag}: saved by {saved_world} ranks, this run has {world}, and "
                                   f"the engine was built without checkpoint.load_universal: the entry point must call "
-                                  f"build_engine with run.ds_config of ds_core.setup.start_run")
+                                  f"build_engine with run.ds_config of ds_core.run.setup.start_run")
 
             load_tag = ensure_universal(root, tag).name
     load_path, _ = engine.load_checkpoint(str(root), tag=load_tag, load_module_strict=True, load_optimizer_states=True,

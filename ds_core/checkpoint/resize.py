@@ -26,7 +26,8 @@ from pathlib import Path
 
 from ds_core.checkpoint.collective import any_rank, barrier, rank
 from ds_core.checkpoint.tags import COMPLETE, is_complete, latest_tag
-from ds_core.config import ConfigError, TrainConfig, atomic_write_text, settle_grad_accum_dtype
+from ds_core.config import TrainConfig, atomic_write_text, settle_grad_accum_dtype
+from ds_core.errors import ConfigError
 
 ON_RESIZE = ("keep_batch", "scale_lr")
 UNIVERSAL_SUFFIX = "_universal"
@@ -105,7 +106,7 @@ def saved_layout(ckpt_root: str | os.PathLike, tag: str) -> Layout:
 
 
 def plan_resize(cfg: TrainConfig, ds_config: dict, world_size: int) -> ResizePlan | None:
-    """Before deepspeed.initialize (every rank, once: ds_core.setup.start_run): when --resume finds a checkpoint of
+    """Before deepspeed.initialize (every rank, once: ds_core.run.setup.start_run): when --resume finds a checkpoint of
     another data-parallel size, the plan (ResizePlan.ds_config gives the DeepSpeed config it needs); None when
     nothing changes. Refuses, naming the numbers, what cannot be kept. `ds_config` is not modified."""
     if not cfg.resume:

@@ -5,7 +5,7 @@
 `--study_target M` (anywhere in the arguments, so every launcher's own argument order works) names the module; it is
 run with runpy as `python -m M` would run it (a path ending in .py: as `python PATH`). Afterwards each rank writes `R/cell_stats/rank<RANK>.json`:
 DeepSpeed's communication-logger records (`comms_logger` in the DeepSpeed JSON; deepspeed.comm.comms_logger) up to the
-end of ds_core.trainer.Trainer.fit (the whole run where the module never calls it), and the process's peak memory. Done here rather than in ds_core.trainer so that the trainer stays the same for study and non-study
+end of ds_core.run.trainer.Trainer.fit (the whole run where the module never calls it), and the process's peak memory. Done here rather than in ds_core.run.trainer so that the trainer stays the same for study and non-study
 runs, and because the logger's records are complete only once the module has finished.
 """
 from __future__ import annotations
@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("ds_tools.study.cell: --study_target MODULE is required")
     run_dir, _ = _take(rest, "--run_dir")
     sys.argv = [target, *rest]
-    # The comms counts a study reports are per optimizer step, so they are taken when ds_core.trainer.Trainer.fit
+    # The comms counts a study reports are per optimizer step, so they are taken when ds_core.run.trainer.Trainer.fit
     # returns, before what an entry point does after training (BridgeTower's fp32 save_model gathers every parameter
     # with one all-reduce each under ZeRO-1: ~200 on the debug model, which once read as 66 "gradient collectives per
     # step").
-    from ds_core import process_end
-    from ds_core.trainer import Trainer
+    from ds_core.rank import process_end
+    from ds_core.run.trainer import Trainer
 
     taken: dict = {}
     real_fit = Trainer.fit
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         tmp.write_text(json.dumps(rec, indent=1) + "\n")
         os.replace(tmp, out / f"rank{rank}.json")
 
-    # A target whose __main__ ends through ds_core.process_end.run_main (every training entry) leaves with os._exit
+    # A target whose __main__ ends through ds_core.rank.process_end.run_main (every training entry) leaves with os._exit
     # after the atexit handlers, so the `finally` below never runs there: the handler writes the stats instead.
     atexit.register(lambda: write_stats(process_end.exit_status == 0))
     try:

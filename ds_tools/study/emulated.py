@@ -10,7 +10,7 @@ factor = bandwidth / tbf rate) and per-call cost from the link probe that ran ov
 (ds_tools.study.linkprobe, link_probe.json), the collective calls per step from DeepSpeed's code and the 1-node run
 (parameter groups, scalar all-reduces counted by DeepSpeed's comms logger), the compute from the 1-node run.
 
-Measured exposed communication: the run's sampled phase timing (`phase_comm_s`, ds_core.phases) where the run has
+Measured exposed communication: the run's sampled phase timing (`phase_comm_s`, ds_core.outputs.phases) where the run has
 it; otherwise DeepSpeed's comms logger, or the growth of the step over the 1-node cell; the table says which. Of
 repeated cells the fastest is compared (the least disturbed on a shared machine). Beside the raw efficiency, a
 compute-matched one: the emulated nodes share the host's CPUs (and with other jobs), so compute per rank differs

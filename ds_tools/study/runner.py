@@ -28,8 +28,8 @@ from typing import Callable, TextIO
 
 import ds_core
 from ds_core.config import atomic_write_text
-from ds_core.metrics import last_summary
-from ds_core.rendezvous import free_port, rank_env
+from ds_core.outputs.metrics import last_summary
+from ds_core.rank.rendezvous import free_port, rank_env
 from launch import local_ranks
 from ds_tools.study import netns
 from ds_tools.study.spec import Cell, Study, StudyError, dump_json

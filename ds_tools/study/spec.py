@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds_core.config import ConfigError, read_ds_json, resolve_ds_path
+from ds_core.config import read_ds_json, resolve_ds_path
+from ds_core.errors import ConfigError
 
 LAUNCHERS = ("local", "simulated_nodes", "hostfile", "emulated_fabric")
 SPECIAL_AXES = ("nodes", "allreduce", "zero_stage", "micro_batch_size", "fabric")

@@ -2,7 +2,7 @@
 
 Schedules: `transformers.get_scheduler`'s LambdaLR kinds (linear, cosine, cosine_with_restarts, polynomial, constant,
 constant_with_warmup, inverse_sqrt) plus "poly_warmup" (linear warm-up, constant phase, polynomial decay: a
-Habana-like BERT schedule; NVIDIA's and Habana's own are in ds_core.schedules_ref). For the HF kinds
+Habana-like BERT schedule; NVIDIA's and Habana's own are in ds_core.schedule.published). For the HF kinds
 the per-step multiplier is transformers' own lambda, taken from a LambdaLR built on a one-tensor probe optimizer, so
 the values are transformers' by construction rather than a copy that could drift.
 
@@ -20,13 +20,13 @@ from typing import Any, Callable
 
 import torch
 
-from ds_core.config import ConfigError
-from ds_core.schedules_ref import REF_KINDS, ref_schedule_factor
+from ds_core.errors import ConfigError
+from ds_core.schedule.published import REF_KINDS, ref_schedule_factor
 
 # transformers' LambdaLR-based kinds (reduce_lr_on_plateau and greedy react to metrics; wsd needs its own knobs).
 HF_KINDS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
             "inverse_sqrt")
-# + this project's earlier BERT schedule, and NVIDIA's and Habana's own (ds_core.schedules_ref)
+# + this project's earlier BERT schedule, and NVIDIA's and Habana's own (ds_core.schedule.published)
 KINDS = HF_KINDS + ("poly_warmup",) + REF_KINDS
 
 # transformers' Trainer.get_decay_parameter_names: parameters of nn.LayerNorm modules and names matching these
@@ -51,7 +51,7 @@ def warmup_steps_for(total_steps: int, warmup_steps: float = 0, warmup_ratio: fl
 
 
 def total_optimizer_steps(max_steps: int, max_epochs: int, micro_batches_per_epoch: int, grad_accum: int) -> int:
-    """Optimizer steps ds_core.loop will run: max_steps when set, else epochs x micro batches / accumulation (the loop
+    """Optimizer steps ds_core.run.loop will run: max_steps when set, else epochs x micro batches / accumulation (the loop
     counts accumulation boundaries across epoch ends, so a partial accumulation carries into the next epoch)."""
     if max_steps:
         return max_steps
@@ -60,7 +60,7 @@ def total_optimizer_steps(max_steps: int, max_epochs: int, micro_batches_per_epo
 
 def poly_warmup_factor(step: int, total_steps: int, warmup_proportion: float, constant_proportion: float = 0.0,
                        degree: float = 1.0) -> float:
-    """poly_warmup, a Habana-like BERT schedule (not NVIDIA's: ds_core.schedules_ref). Step is 0-based.
+    """poly_warmup, a Habana-like BERT schedule (not NVIDIA's: ds_core.schedule.published). Step is 0-based.
 
     Linear warm-up reaching 1 at the last warm-up step ((step + 1) / warm, so the first update is not wasted at
     LR 0), a constant phase, then (1 - progress)^degree towards 0; steps past total_steps use 0."""

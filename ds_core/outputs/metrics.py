@@ -17,13 +17,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ds_core import accelerators
-from ds_core.accelerators import from_device_name
-from ds_core.precision import cached_cpu_peak, cpu_peak_tflops, update_cpu_peak
+from ds_core.device import accelerators
+from ds_core.device.accelerators import from_device_name
+from ds_core.device.precision import cached_cpu_peak, cpu_peak_tflops, update_cpu_peak
 
 
 def accelerator_kind(accelerator: str, device: torch.device | None = None) -> str:
-    """Row of ds_core.accelerators for the running device; otherwise the accelerator type ("cuda", "hpu", "cpu"),
+    """Row of ds_core.device.accelerators for the running device; otherwise the accelerator type ("cuda", "hpu", "cpu"),
     which has no peak, so MFU is null rather than taken against another device's figure."""
     if accelerator == "cuda" and torch.cuda.is_available():
         return from_device_name(torch.cuda.get_device_name(device)) or "cuda"
@@ -40,7 +40,7 @@ def accelerator_kind(accelerator: str, device: torch.device | None = None) -> st
 
 
 def peak_tflops_for(kind: str, dtype: str = "bf16") -> float | None:
-    """The dense peak MFU is taken against: DS_CORE_PEAK_TFLOPS, ds_core.accelerators' row for `kind` in the dtype
+    """The dense peak MFU is taken against: DS_CORE_PEAK_TFLOPS, ds_core.device.accelerators' row for `kind` in the dtype
     the run computes in, or on CPU the cached probe in `dtype`. None (no MFU) for a device or dtype without a
     published figure."""
     if os.environ.get("DS_CORE_PEAK_TFLOPS"):
@@ -97,7 +97,7 @@ class RunInfo:
     world_size: int
     nodes: int
     accelerators_per_node: int
-    accelerator: str  # a row of ds_core.accelerators, or "cpu" / "cuda" / "hpu"
+    accelerator: str  # a row of ds_core.device.accelerators, or "cpu" / "cuda" / "hpu"
     micro_batch: int
     grad_accum: int
     zero_stage: int
@@ -170,7 +170,7 @@ class Metrics:
         self.last_log = None  # (training time, samples, tokens) at the previous log, inside the window
         self.last_loss = None
         self.last_step = 0
-        # Trainer's figures (ds_core.hf_outputs): samples and the loss sum of every step, and the loop's wall span
+        # Trainer's figures (ds_core.outputs.hf_trainer): samples and the loss sum of every step, and the loop's wall span
         self.samples_total, self.loss_sum, self.loss_steps = 0, 0.0, 0
         self.t_begin, self.runtime = None, 0.0
         self.excluded = 0.0  # seconds spent in timed() sections: not training time

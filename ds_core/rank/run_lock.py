@@ -1,7 +1,7 @@
 """One live run per run_dir: a lock file that global rank 0 holds for the run's life.
 
 Two runs in one run_dir write the same checkpoint directories and metrics.jsonl; a second run (with or without
---resume) is refused here, before it writes anything (ds_core.run_dir.prepare_run_dir takes the lock first).
+--resume) is refused here, before it writes anything (ds_core.run.run_dir.prepare_run_dir takes the lock first).
 
 Mechanism: `run_dir/.run.lock` created with O_CREAT|O_EXCL, holding the owner's host, pid, process start time and a
 heartbeat counter that a daemon thread bumps every HEARTBEAT_S seconds. Why not fcntl/lockf or flock: POSIX locks are
@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 LOCK_NAME = ".run.lock"
 HEARTBEAT_S = 10.0
@@ -129,7 +129,7 @@ _HELD: set[RunLock] = set()
 
 @atexit.register
 def release_all() -> None:
-    """Release every lock this process holds (at exit, or from ds_core.parent_watch before it ends the process)."""
+    """Release every lock this process holds (at exit, or from ds_core.rank.parent_watch before it ends the process)."""
     for lock in list(_HELD):
         lock.release()
 

@@ -2,9 +2,9 @@
 save_pretrained format with fp32 master weights.
 
 The results files follow `Trainer.save_metrics` (trainer_pt_utils.save_metrics): one JSON per split, indent 4, sorted
-keys, merged into all_results.json; written by rank 0, atomically. The training figures come from ds_core.metrics'
+keys, merged into all_results.json; written by rank 0, atomically. The training figures come from ds_core.outputs.metrics'
 summary record, the one clock. Trainer's own keys (train_runtime, train_samples_per_second over the whole runtime,
-train_loss, total_flos, epoch) come from ds_core.hf_outputs.train_metrics; the warm-up-excluded figures are ours:
+train_loss, total_flos, epoch) come from ds_core.outputs.hf_trainer.train_metrics; the warm-up-excluded figures are ours:
 `train_samples_per_second_measured` is the same number as `samples_per_s` in metrics.jsonl (optimum-habana's
 --throughput_warmup_steps semantics).
 """
@@ -21,7 +21,7 @@ import torch
 
 from ds_core.config import atomic_write_text
 
-# summary record key -> our name in train_results.json (the post-warm-up window; Trainer's keys: ds_core.hf_outputs)
+# summary record key -> our name in train_results.json (the post-warm-up window; Trainer's keys: ds_core.outputs.hf_trainer)
 _TRAIN_KEYS = {
     "samples_per_s": "train_samples_per_second_measured",
     "seqs_per_s_per_accelerator": "train_samples_per_second_per_accelerator",
@@ -41,7 +41,7 @@ _TRAIN_KEYS = {
 
 
 def train_metrics(summary: dict, **extra: Any) -> dict:
-    """Trainer-style train metrics from a ds_core.metrics summary record (plus e.g. train_samples=N)."""
+    """Trainer-style train metrics from a ds_core.outputs.metrics summary record (plus e.g. train_samples=N)."""
     out = {new: summary[old] for old, new in _TRAIN_KEYS.items() if summary.get(old) is not None}
     steps, seconds = summary.get("measured_steps"), summary.get("measured_seconds")
     if steps and seconds:

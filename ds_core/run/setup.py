@@ -2,7 +2,7 @@
 group, seeds, resolves the DeepSpeed config and plans a resize, and returns ONE frozen Run. The total optimizer steps
 depend on the training data, which the model package builds with the run's numbers: `run.with_data(data)` decides them,
 once (a second call is refused), before the engine and its LR schedule are built. Nothing edits the settings after
-start_run returns; the LR schedule and ds_core.trainer.Trainer read the same `run.total_steps`.
+start_run returns; the LR schedule and ds_core.run.trainer.Trainer read the same `run.total_steps`.
 
 A model package describes itself with a RunSpec: its settings sections, its default DeepSpeed JSON, and two hooks
 (resolve its sections before any rank starts; add its own values to the resolved DeepSpeed config).
@@ -17,10 +17,11 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from ds_core.checkpoint import select_resume_tag
 from ds_core.checkpoint.resize import ResizePlan, plan_resize
-from ds_core.config import ConfigError, TrainConfig, ds_config_for, parse_args, save_run_config
-from ds_core.ds_json_check import check_ds_json
-from ds_core.engine import DistInfo, init_distributed, set_seed
-from ds_core.run_dir import prepare_run_dir
+from ds_core.config import TrainConfig, ds_config_for, parse_args, save_run_config
+from ds_core.errors import ConfigError
+from ds_core.config.ds_json import check_ds_json
+from ds_core.rank.engine import DistInfo, init_distributed, set_seed
+from ds_core.run.run_dir import prepare_run_dir
 from ds_core.schedule import total_optimizer_steps
 
 T = TypeVar("T")
@@ -32,7 +33,7 @@ class RunSpec:
 
     types: Sequence[type]
     default_ds_config: str  # a file name in ds_configs/ used when --deepspeed_config is not given
-    optimizer_in_code: bool | None  # ds_core.ds_json_check.check_ds_json: True, False, or None (either)
+    optimizer_in_code: bool | None  # ds_core.config.ds_json.check_ds_json: True, False, or None (either)
     description: str | None = None
     # sections -> (sections, notices), before any rank starts (presets resolved, paths looked up, flags mapped):
     # new instances (dataclasses.replace), the parsed ones are frozen; notices are one-line messages for rank 0

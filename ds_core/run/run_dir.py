@@ -7,7 +7,7 @@ aside, never deleted.
 
 Called by each entry point right after parsing, before distributed init: every rank of a job reads the same directory
 and refuses alike, and only global rank 0 (known from the launcher's environment) moves it, which is safe because no
-rank can pass distributed init before rank 0 joins it. ds_core.setup.start_run calls it for every entry point.
+rank can pass distributed init before rank 0 joins it. ds_core.run.setup.start_run calls it for every entry point.
 """
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import os
 import time
 from pathlib import Path
 
-from ds_core import run_lock
-from ds_core.config import ConfigError, TrainConfig
+from ds_core.rank import run_lock
+from ds_core.config import TrainConfig
+from ds_core.errors import ConfigError
 
 # Launchers' names for the global rank before torch.distributed exists (deepspeed/torchrun, Open MPI, MPICH/PMIx,
-# MVAPICH, Slurm). The same list as ds_core.engine._MPI_RANK_VARS plus RANK and SLURM_PROCID.
+# MVAPICH, Slurm). The same list as ds_core.rank.engine._MPI_RANK_VARS plus RANK and SLURM_PROCID.
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 
 
@@ -76,7 +77,7 @@ def prepare_run_dir(cfg: TrainConfig, rank: int | None = None) -> Path | None:
     """Refuse a used run_dir, or move it aside for --overwrite_run_dir (rank 0 only). Returns where the old run went.
 
     Call before distributed init. `rank` defaults to the launcher's environment (env_rank). Rank 0 first takes the
-    run_dir lock for the life of this process (ds_core.run_lock): a run_dir in use by a live run is refused, with or
+    run_dir lock for the life of this process (ds_core.rank.run_lock): a run_dir in use by a live run is refused, with or
     without --resume, before anything is written."""
     rank0 = (env_rank() if rank is None else rank) == 0
     lock = run_lock.acquire(cfg.run_dir) if rank0 else None

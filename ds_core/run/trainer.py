@@ -1,8 +1,8 @@
-"""THE training loop, shared by every model, as a Trainer made of components: the step (ds_core.loop.Step: micro-steps,
-accumulation, one all-reduce per optimizer step, NaN guard), checkpointing and evaluation (ds_core.components), metrics
-(ds_core.metrics, built from one RunInfo) and stop requests (ds_core.loop.StopRequest).
+"""THE training loop, shared by every model, as a Trainer made of components: the step (ds_core.run.loop.Step: micro-steps,
+accumulation, one all-reduce per optimizer step, NaN guard), checkpointing and evaluation (ds_core.run.components), metrics
+(ds_core.outputs.metrics, built from one RunInfo) and stop requests (ds_core.run.loop.StopRequest).
 
-An entry point: run = start_run(spec) (ds_core.setup); build model and engine; Trainer(run, engine, step_fn, ...)
+An entry point: run = start_run(spec) (ds_core.run.setup); build model and engine; Trainer(run, engine, step_fn, ...)
 .fit(); export. Total optimizer steps come from run.total_steps, decided once by start_run, the same number the LR
 schedule was built with.
 """
@@ -15,17 +15,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_core import checkpoint as ckpt
-from ds_core.components import Checkpointing, Evaluation, EvalTask, Position
+from ds_core.run.components import Checkpointing, Evaluation, EvalTask, Position
 from ds_core.config import atomic_write_text, precision_of
-from ds_core.divergence import DivergenceGuard
-from ds_core.engine import shutdown_distributed
-from ds_core.loop import EXIT_STOPPED, Step, StepFn, StopRequest, TrainingDiverged, reduce_summary_stats
-from ds_core.metrics import (Metrics, RunInfo, accelerator_kind, last_summary, peak_memory_bytes, peak_probe_for,
+from ds_core.run.divergence import DivergenceGuard
+from ds_core.rank.engine import shutdown_distributed
+from ds_core.run.loop import EXIT_STOPPED, Step, StepFn, StopRequest, TrainingDiverged, reduce_summary_stats
+from ds_core.outputs.metrics import (Metrics, RunInfo, accelerator_kind, last_summary, peak_memory_bytes, peak_probe_for,
                              peak_tflops_for)
-from ds_core.phases import PhaseTimer, console_line, record_fields, summary_fields
-from ds_core.precision import resolve_precision
-from ds_core.results import save_metrics
-from ds_core.setup import Run
+from ds_core.outputs.phases import PhaseTimer, console_line, record_fields, summary_fields
+from ds_core.device.precision import resolve_precision
+from ds_core.outputs.results import save_metrics
+from ds_core.run.setup import Run
 
 _END = object()  # end-of-epoch sentinel of the timed next(batch)
 
@@ -125,7 +125,7 @@ class Trainer:
                           peak_probe=peak_probe_for(info.accelerator, info.precision) if dist.rank == 0 else None)
         stop_request = StopRequest()
         stop_request.install()
-        # sampled phase timing (ds_core.phases): data, forward, backward, exposed communication, optimizer step, wait
+        # sampled phase timing (ds_core.outputs.phases): data, forward, backward, exposed communication, optimizer step, wait
         phases = PhaseTimer(cfg.phase_timing_every, rank=dist.rank, world_size=dist.world_size, device=dist.device,
                             accelerator=get_accelerator())
         phases.next_step = pos.step + 1

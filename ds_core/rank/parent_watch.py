@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from ds_core import run_lock
+from ds_core.rank import run_lock
 
 # Variables a launcher sets in each rank: DeepSpeed's launch.py / torchrun / launch.local_ranks (LOCAL_RANK), Open MPI,
 # MPICH / Intel MPI (PMI_RANK), PMIx, MVAPICH, Slurm's srun (SLURM_STEP_ID is set for srun steps).

@@ -26,7 +26,8 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
-from ds_core.config import ConfigError, check_ds_keys, check_ds_values, read_ds_json, resolve_ds_path
+from ds_core.config import check_ds_keys, check_ds_values, read_ds_json, resolve_ds_path
+from ds_core.errors import ConfigError
 
 # DeepSpeed's pydantic model (class name) -> where its section sits in the JSON ("" = top level, several keys)
 _SECTION_OF = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
@@ -165,7 +166,7 @@ def check_with_deepspeed(cfg: dict, source: str) -> None:
 # ------------------------------------------------------------------------------------------- before spawning ranks
 def _verdict_dir() -> Path:
     """Where passed checks are remembered: this venv (beside its torch_extensions), else the user's cache."""
-    from ds_core.venv import venv_dir
+    from ds_core.rank.venv import venv_dir
 
     venv = venv_dir()
     if venv is not None:
@@ -227,7 +228,7 @@ def ds_config_in(args: Sequence[str]) -> str:
 def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | None) -> None:
     """Before distributed init (the world size, hence the batch arithmetic, comes later in load_ds_config): the JSON
     reads, its values pass check_ds_values, and the optimizer is built either in code or from the JSON's "optimizer"
-    section, never both and never neither (ds_core.engine.build_engine checks the same, but only after init and
+    section, never both and never neither (ds_core.rank.engine.build_engine checks the same, but only after init and
     model build). optimizer_in_code None: the model takes either (BridgeTower builds AdamW in code when the JSON
     has no "optimizer"), so only the values are checked."""
     cfg = read_ds_json(ds_config_path)

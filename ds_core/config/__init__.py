@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-DS_CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
+from ds_core.errors import ConfigError
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 # No default DeepSpeed JSON here: each model package declares its own (bert_ref.train, bridgetower_ds.train), because
 # whether the JSON may hold an "optimizer" section depends on whether the model builds its optimizer in code.
-
-
-class ConfigError(ValueError):
-    """A config problem; the message names the file, the key and what was expected."""
 
 
 def arg(text: str, *, aliases: Sequence[str] = (), **kw: Any) -> Any:
@@ -78,7 +76,7 @@ class TrainConfig:
     throughput_warmup_steps: int = arg("Optimizer steps excluded from throughput (compilation, caches).",
                                          default=3)
     phase_timing_every: int = arg("Time the phases of every N-th optimizer step (data, forward, backward, exposed "
-                                  "communication, optimizer step, wait for the slowest rank: ds_core.phases); 0 "
+                                  "communication, optimizer step, wait for the slowest rank: ds_core.outputs.phases); 0 "
                                   "turns it off.", default=10)
     seed: int = arg("Seed for python, numpy and torch.", default=42)
     micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
@@ -90,7 +88,7 @@ class TrainConfig:
                                 default=1800, aliases=["--ddp_timeout"])
     progress_bar: bool = arg("Show a rank-0 tqdm progress bar.", default=True)
     precision: str = arg("Compute dtype: auto (bf16 on CUDA/HPU and on CPUs with native bf16, else fp32), bf16 or "
-                         "fp32; switches the DeepSpeed JSON's bf16 section (ds_core.precision).", default="auto")
+                         "fp32; switches the DeepSpeed JSON's bf16 section (ds_core.device.precision).", default="auto")
 
     def validate(self) -> None:
         checks = [
@@ -344,7 +342,7 @@ def check_batch_arithmetic(tb: int | None, mb: int | None, ga: int | None, world
 
 
 def check_ds_keys(cfg: dict, source: str = "DeepSpeed config") -> None:
-    """Unknown top-level keys refused with a did-you-mean (nested keys: ds_core.ds_json_check)."""
+    """Unknown top-level keys refused with a did-you-mean (nested keys: ds_core.config.ds_json)."""
     unknown = sorted(set(cfg) - DS_TOP_LEVEL_KEYS)
     if unknown:
         hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, DS_TOP_LEVEL_KEYS, 1))
@@ -399,9 +397,9 @@ def ds_config_for(cfg: TrainConfig, world_size: int, accelerator: str | None = N
 
 def resolve_ds_precision(ds: dict, precision: str, accelerator: str | None = None,
                          source: str = "DeepSpeed config") -> dict:
-    """Apply ds_core.precision's rule to a resolved DeepSpeed config; rank 0 prints the one-line notice when auto
+    """Apply ds_core.device.precision's rule to a resolved DeepSpeed config; rank 0 prints the one-line notice when auto
     falls back to fp32. An fp16 JSON is kept under auto (the user chose it); bf16/fp32 against it is refused."""
-    from ds_core import precision as prec
+    from ds_core.device import precision as prec
 
     if precision == "auto" and ds.get("fp16", {}).get("enabled"):
         return ds

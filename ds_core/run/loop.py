@@ -1,6 +1,6 @@
 """The step of THE training loop, shared by every model: micro-steps through the DeepSpeed engine, gradient
 accumulation with one all-reduce per optimizer step, the NaN/inf guard and stop requests (signals). The loop around it
-(epochs, checkpoints, evaluation, metrics) is ds_core.trainer.Trainer.
+(epochs, checkpoints, evaluation, metrics) is ds_core.run.trainer.Trainer.
 
 A model package supplies a step function (batch -> StepOutput) and a DataSource; behaviour that differs between
 models goes into those or into a Trainer component, never into a second loop.
@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.distributed as tdist
 
-from ds_core.config import ConfigError
-from ds_core.phases import PhaseTimer
+from ds_core.errors import ConfigError
+from ds_core.outputs.phases import PhaseTimer
 
 
 class TrainingDiverged(RuntimeError):
@@ -78,7 +78,7 @@ class DataSource(Protocol):
         load_state_dict(states[rank]) did (bitwise on CPU). A source without it resumes on the same world size only:
         ds_core refuses a resize naming the source's class, before any loading.
     RNG on a resize (ds_core.checkpoint.load): a rank that existed in the saved run gets its own python / numpy /
-    torch streams back; a new rank r gets ds_core.engine.set_seed(seed + step, r). Data order never comes from these
+    torch streams back; a new rank r gets ds_core.rank.engine.set_seed(seed + step, r). Data order never comes from these
     streams (each source seeds its own generators from the global seed), so they only drive dropout and the like.
     """
 
@@ -177,7 +177,7 @@ class StepResult:
     lr: float | None  # the LR this update used
     grad_norm: float | None
     stop: bool  # some rank was asked to stop (signal): every rank stops after this step
-    skipped: bool = False  # DeepSpeed skipped the update (non-finite gradient norm): see ds_core.divergence
+    skipped: bool = False  # DeepSpeed skipped the update (non-finite gradient norm): see ds_core.run.divergence
 
 
 class Step:
@@ -191,7 +191,7 @@ class Step:
                  phases: Any = None):
         self.engine, self.step_fn, self.world_size = engine, step_fn, world_size
         self.stop = stop
-        self.phases = phases or PhaseTimer(0)  # ds_core.phases: marks around forward, backward and engine.step
+        self.phases = phases or PhaseTimer(0)  # ds_core.outputs.phases: marks around forward, backward and engine.step
         self.acc = Accumulator(engine.device)
 
     def __call__(self, batch: Any, diverged: Callable[[float], str]) -> StepResult | None:

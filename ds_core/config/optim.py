@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ds_core.config import ConfigError, arg
+from ds_core.config import arg
+from ds_core.errors import ConfigError
 from ds_core.schedule import KINDS, LRSchedule, lr_schedule, warmup_steps_for
-from ds_core.schedules_ref import REF_KINDS
+from ds_core.schedule.published import REF_KINDS
 
 # Optimizers a model may build from OptimArgs.optimizer (bert_ref.optim builds all three; BridgeTower AdamW only).
 OPTIMIZERS = ("lamb", "lans", "adamw")
@@ -101,7 +102,7 @@ def warmup_for(args: OptimArgs, total_steps: int) -> int:
 
 
 def schedule_for(args: OptimArgs, total_steps: int) -> Callable[[Any], LRSchedule]:
-    """callable(optimizer) -> ds_core.schedule.LRSchedule over total_steps (the run's, ds_core.setup), the form
+    """callable(optimizer) -> ds_core.schedule.LRSchedule over total_steps (the run's, ds_core.run.setup), the form
     DeepSpeed's `lr_scheduler=` argument accepts. args.lr_scheduler_type must be resolved (not '')."""
     if not args.lr_scheduler_type:
         raise ConfigError("schedule_for: lr_scheduler_type unset; the model's RunSpec.resolve fills it")

@@ -4,7 +4,7 @@ A DeepSpeed JSON with an Adam / AdamW "optimizer" section makes DeepSpeed build 
 (ninja + nvcc) at deepspeed.initialize. On a GPU image without a CUDA compiler (a runtime-only image, an air-gapped
 cluster's minimal container) that build fails deep inside torch.utils.cpp_extension with a compiler traceback.
 DeepSpeed's documented switch `"torch_adam": true` (in the optimizer's params) selects torch.optim.AdamW instead:
-the same update, unfused. ds_core.engine.build_engine applies it, saying why, when the op is neither pre-built into
+the same update, unfused. ds_core.rank.engine.build_engine applies it, saying why, when the op is neither pre-built into
 the installed DeepSpeed nor buildable here.
 """
 from __future__ import annotations

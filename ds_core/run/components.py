@@ -1,5 +1,5 @@
-"""The Trainer's components besides the step (ds_core.loop.Step): checkpointing (save / resume / resize) and
-evaluation (when and what, for every model). ds_core.trainer.Trainer wires them; each is small enough to read alone.
+"""The Trainer's components besides the step (ds_core.run.loop.Step): checkpointing (save / resume / resize) and
+evaluation (when and what, for every model). ds_core.run.trainer.Trainer wires them; each is small enough to read alone.
 """
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ds_core import checkpoint as ckpt
-from ds_core.config import ConfigError
-from ds_core.engine import set_seed
-from ds_core.loop import EvalFn, apply_lr_factor
-from ds_core.setup import Run
+from ds_core.errors import ConfigError
+from ds_core.rank.engine import set_seed
+from ds_core.run.loop import EvalFn, apply_lr_factor
+from ds_core.run.setup import Run
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Checkpointing:
                                                  "phase_start": pos.phase_start},
                   self.fingerprint, keep=self.train.save_total_limit, before_complete=before_complete)
         if self.run.dist.rank == 0:  # Trainer's names beside ours: run_dir/checkpoint-N -> checkpoints/global_stepN
-            from ds_core.hf_outputs import link_checkpoints
+            from ds_core.outputs.hf_trainer import link_checkpoints
 
             link_checkpoints(self.train.run_dir, self.root)
 
@@ -92,7 +92,7 @@ class Checkpointing:
         return pos
 
     def _rewrite_metrics(self, step: int) -> None:
-        """On --resume (rank 0, before ds_core.metrics opens the file): the steps between the checkpoint and the
+        """On --resume (rank 0, before ds_core.outputs.metrics opens the file): the steps between the checkpoint and the
         interruption run again, so their records go; a resize record precedes the resumed steps."""
         path = Path(self.train.run_dir) / "metrics.jsonl"
         dropped = ckpt.trim_metrics(path, step)
@@ -121,7 +121,7 @@ class Evaluation:
         (an eval-only run) it is evaluated once.
     after: evaluated once after training (or instead of it), e.g. a test split (predict).
     save_results: write each task's last results as transformers' Trainer does (<name>_results.json and
-        all_results.json in run_dir, ds_core.results.save_metrics).
+        all_results.json in run_dir, ds_core.outputs.results.save_metrics).
     close: releases what the tasks hold (prefetch threads of eval data sources)."""
 
     during: EvalTask | None = None

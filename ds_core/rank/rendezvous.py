@@ -2,7 +2,7 @@
 environment a started rank needs (rank_env).
 
 Here, not in launch/local_ranks.py (which starts ranks with them), because a training process needs them too (a
-single process started by hand makes itself a world of one: ds_core.engine.init_distributed) and so does a model
+single process started by hand makes itself a world of one: ds_core.rank.engine.init_distributed) and so does a model
 package's demo (bert_ref.demo), and neither imports the launchers. Kept free of torch and deepspeed imports: the
 local starter uses it before any rank exists.
 """
@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ds_core.venv import torch_extensions_env
+from ds_core.rank.venv import torch_extensions_env
 
 LOOPBACK = "127.0.0.1"
 
@@ -62,7 +62,7 @@ def rank_env(base: Mapping[str, str] | None = None, *, threads: int | None = Non
       would otherwise try CUDA first and fail on a CPU-only host);
     - OMP_NUM_THREADS=threads when given (ranks sharing few cores must not each start one thread per core);
     - `pythonpath` entries in front of PYTHONPATH (a checkout that is not the installed one);
-    - TORCH_EXTENSIONS_DIR under this venv unless set (ds_core.venv.torch_extensions_env);
+    - TORCH_EXTENSIONS_DIR under this venv unless set (ds_core.rank.venv.torch_extensions_env);
     - `extra` last, so a caller's explicit value always wins.
     """
     env = dict(os.environ if base is None else base)

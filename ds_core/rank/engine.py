@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ds_core.config import ConfigError
-from ds_core.rendezvous import free_port, rank_variables
-from ds_core.parent_watch import watch_parent
-from ds_core.venv import torch_extensions_env
+from ds_core.errors import ConfigError
+from ds_core.rank.rendezvous import free_port, rank_variables
+from ds_core.rank.parent_watch import watch_parent
+from ds_core.rank.venv import torch_extensions_env
 
 # Per-launcher names of "how many ranks share this node". DeepSpeed's launcher also sets CROSS_SIZE (= nodes).
 _LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
@@ -78,7 +78,7 @@ def shutdown_distributed() -> None:
     called on the error path, where a dead peer could make a collective-style shutdown wait. For gloo it does NOT
     stop the group's threads while anything still holds the group (DeepSpeed's engine does, until the process
     ends): ProcessGroupGloo.shutdown() is a no-op, its work and transport threads live until the C++ object dies.
-    That is why a rank ends through ds_core.process_end.run_main, not through interpreter finalisation."""
+    That is why a rank ends through ds_core.rank.process_end.run_main, not through interpreter finalisation."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -111,7 +111,7 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    watch_parent()  # a rank started by a launcher ends when the launcher dies (ds_core.parent_watch)
+    watch_parent()  # a rank started by a launcher ends when the launcher dies (ds_core.rank.parent_watch)
     if "RANK" not in os.environ and not _in_mpi():
         # A single process started by hand: a world of one, on a free local port.
         os.environ.update(rank_variables(0, 1, master_port=int(os.environ.get("MASTER_PORT") or free_port())))
@@ -158,8 +158,8 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
 def set_seed(seed: int, rank: int = 0) -> None:
     """Seed python, numpy, torch and the accelerator with seed + rank.
 
-    ds_core.setup.start_run calls set_seed(seed) before the model is built, so every rank builds the same initial
-    weights. ds_core.components.Checkpointing.start then calls set_seed(seed, rank) for a fresh run, so dropout and
+    ds_core.run.setup.start_run calls set_seed(seed) before the model is built, so every rank builds the same initial
+    weights. ds_core.run.components.Checkpointing.start then calls set_seed(seed, rank) for a fresh run, so dropout and
     other model randomness differ per data-parallel rank, as NVIDIA's and Habana's BERT recipes do (seed + rank): with one seed everywhere the ranks
     draw identical dropout masks. Data order never comes from these streams (the data modules use their own
     generators built from the global seed), and a resume restores each rank's own streams from its checkpoint."""
@@ -193,7 +193,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, optimizer=None, lr_
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     from deepspeed.accelerator import get_accelerator
 
-    from ds_core.ops_check import apply_ops_fallback
+    from ds_core.device.ops_check import apply_ops_fallback
 
     # a CUDA machine that cannot build DeepSpeed's fused_adam: a named reason and torch's AdamW, not a compiler crash
     ds_config, note = apply_ops_fallback(ds_config, get_accelerator().device_name())

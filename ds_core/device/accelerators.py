@@ -1,4 +1,4 @@
-"""The one accelerator table: dense peak TFLOPs (MFU in ds_core.metrics), memory (ds_tools.tuning), interconnect.
+"""The one accelerator table: dense peak TFLOPs (MFU in ds_core.outputs.metrics), memory (ds_tools.tuning), interconnect.
 
 Every figure is the vendor's published number for the dense case (NVIDIA's datasheets print Tensor Core rates "with
 sparsity": the dense rate is half of that). A figure the vendor does not publish is None, never a borrowed one: MFU
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def get(name: str) -> Accelerator:
         return _BY_NAME[name.strip().lower()]
     except KeyError:
         listed = ", ".join(f"{a.name}" + (f" ({', '.join(a.aliases)})" if a.aliases else "") for a in ACCELERATORS)
-        raise UnknownAcceleratorError(f"accelerator {name!r}: not in ds_core.accelerators; known (aliases): "
+        raise UnknownAcceleratorError(f"accelerator {name!r}: not in ds_core.device.accelerators; known (aliases): "
                                       f"{listed}") from None
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 # The kinds defined here; ds_core.schedule adds them to its one vocabulary (KINDS). This module imports no schedule
 # code, so ds_core.schedule can import it without a circle.
