@@ -60,7 +60,7 @@ class TrainerFiles:
         scalars (train/train_runtime, ..., train/epoch at the last step). Returns the train metrics."""
         cfg, rank = self.run.train, self.run.dist.rank
         steps = int(summary.get("steps") or 0)
-        trainer_keys = hf_outputs.train_metrics(summary, steps_per_epoch=self.per_epoch,
+        trainer_keys = hf_trainer.train_metrics(summary, steps_per_epoch=self.per_epoch,
                                                 total_flos=self.total_flos(steps))
         train = {**train_metrics(summary, train_samples=train_samples), **trainer_keys}
         save_metrics(cfg.run_dir, "train", train, rank)
@@ -71,13 +71,13 @@ class TrainerFiles:
         self._state(steps, final=trainer_keys)
         if rank == 0:
             self._write_args(Path(cfg.run_dir))
-            hf_outputs.write_events(monitor, trainer_keys, steps)
+            hf_trainer.write_events(monitor, trainer_keys, steps)
         return train
 
     # -- trainer_state.json ----------------------------------------------------------------------------------------
     def _state(self, step: int, *, final: dict | None, out_dir: Path | str = "") -> None:
         cfg, compat = self.run.train, self.run.section(CompatArgs)
-        hf_outputs.write_trainer_state(
+        hf_trainer.write_trainer_state(
             cfg.run_dir, step=step, epoch=final["epoch"] if final else self.epoch_of(step),
             total_flos=final["total_flos"] if final else self.total_flos(step), final=final,
             steps_per_epoch=self.per_epoch, max_steps=self.run.total_steps, num_train_epochs=self._epochs(),
