@@ -1,9 +1,9 @@
-"""Resuming a data epoch on another world size (issue 16, data side), both loaders, pure data (no engine).
+"""Resuming a data epoch on another world size (the data side), both loaders, pure data (no engine).
 
 For W -> W' at several positions (mid-block / mid-file, epoch end): the samples consumed before the checkpoint and
 after the resume are each seen once, and together they are the uninterrupted run's epoch, less a dropped tail of
-fewer than W' x micro batch samples. Same W: exactly the order the code before the change produced (digests
-recorded on main by running the same loops)."""
+fewer than W' x micro batch samples. Same W: exactly the order the loaders produced before resizing was
+supported (digests of it, recorded by running the same loops)."""
 from __future__ import annotations
 
 import hashlib
