@@ -27,7 +27,7 @@ PATTERNS: dict[str, tuple[str, str]] = {
     "issue number": (r"\bissues? #?\d{1,4}(?=\s*(?:[,;:.)(]|item\b|and\b|$))", "a ticket number"),
     # "(#26)", "PR #12"; not "##98" (a WordPiece token), "&#123;" (an HTML entity), "#fff" / "#123456" (colours),
     # "# noqa" or "## Heading" (a space follows the hash)
-    "hash number": (r"(?<![\w#&])#\d{1,4}\b", "a ticket or pull-request number"),
+    "hash number": (r"(?<![\w#&])#\d{2,4}\b", "a ticket or pull-request number"),
     "lent machine": (r"\blent\b|\bloans?\b|\bdevice (?:command|time)\b",
                      "that a machine was lent to the developers, and the terms of the loan"),
     "half an hour": (r"half an hour", "how long a machine was lent"),
@@ -146,7 +146,7 @@ def test_each_pattern_finds_what_it_is_for(line, pattern):
     "the collectives DeepSpeed 0.19 issues for the stage",
     "LANS issues two such exchanges per step; DeepSpeed issues 2 all-reduces per step",
     'tokens += ["run", "##ning", "##98"]',
-    "color: #1f77b4; #123456; &#123;",
+    "color: #1f77b4; #123456; &#123;; rank #0 of 2",
     "x = 1  # noqa: E501",
     "## 2. Install",
     "Run cmd in a session of its own; the ssh session of a remote launcher; same session; the session's leader",
