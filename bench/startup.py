@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         launch = {"ours": lambda i: ours(tmp, data, a.ranks, i), "plain": lambda i: plain(tmp, a.ranks, i),
                   "deepspeed_launcher": lambda i: ours(tmp, data, a.ranks, i, via_deepspeed=True)}
         for i in range(a.repeats):
-            # the first launch of a session pays cold caches (page cache, .pyc): each repeat starts with another side
+            # the first launch pays cold caches (page cache, .pyc): each repeat starts with another side
             for side in sides[i % len(sides):] + sides[:i % len(sides)]:
                 runs[side].append(launch[side](i))
             print(f"repeat {i}: " + ", ".join(f"{k} {v[-1][0]:.1f} s to first step ({v[-1][1]:.1f} s in all)"

@@ -1,5 +1,6 @@
-"""What run_bridgetower.py's Trainer leaves in --output_dir after training, written from our run (issue 26):
-train_results.json with Trainer's keys (ds_core.outputs.hf_trainer says each definition) plus ours, eval_results.json AND
+"""What run_bridgetower.py's Trainer leaves in --output_dir after training, written from our run:
+train_results.json with Trainer's keys (ds_core.outputs.hf_trainer says each definition) plus ours,
+eval_results.json AND
 validation_results.json (run_bridgetower.py's name), all_results.json, trainer_state.json, training_args.bin (a
 pickled transformers.TrainingArguments of the settings that ran) and Trainer's final TensorBoard scalars; and in
 every checkpoint-N, as Trainer's _save_checkpoint writes them, trainer_state.json at step N and training_args.bin.

@@ -1,4 +1,4 @@
-"""transformers Trainer's and run_bridgetower.py's flags with their meaning here (issue 26): strategies, gradient
+"""transformers Trainer's and run_bridgetower.py's flags with their meaning here: strategies, gradient
 clipping, --resume_from_checkpoint, per-split manifest files, revisions and the offline cache. Each flag is honoured,
 accepted with a one-line notice (it changes nothing here), or refused naming the flag to use instead; nothing is
 silently dropped. tests/test_bt_trainer_flags.py holds run_bridgetower.py's argument names and checks each.

@@ -1,7 +1,7 @@
 """bench.zero_memory (run as `python -m bench.zero_memory`, nothing imports bench: tests/test_layering.py): a small
-slice of the measured-vs-predicted memory table on the real 2-rank CPU engine. The slice is the gap of issue 27
-(bf16 ZeRO-1 with fp32 accumulation: BF16_Optimizer and its unpartitioned fp32 gradient buffer, accumulation 2) and
-a ZeRO-2 path (fp32, DeepSpeedZeroOptimizer with partitioned gradients); the whole table is the bench's."""
+slice of the measured-vs-predicted memory table on the real 2-rank CPU engine. The slice is the case the memory model
+once missed (bf16 ZeRO-1 with fp32 accumulation: BF16_Optimizer and its unpartitioned fp32 gradient buffer, accumulation
+2) and a ZeRO-2 path (fp32, DeepSpeedZeroOptimizer with partitioned gradients); the whole table is the bench's."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """Every argument of run_bridgetower.py and the common TrainingArguments is accepted (parsed and mapped) or refused
-with the flag to use instead (issue 26 item 2); no prefix is ever taken for a flag; --max_grad_norm is DeepSpeed's
+with the flag to use instead; no prefix is ever taken for a flag; --max_grad_norm is DeepSpeed's
 gradient_clipping; --resume_from_checkpoint takes the run's newest checkpoint by any of its names."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Our run's --output_dir beside a real transformers.Trainer's (issue 26 item 1): the same debug BridgeTower, the same
+"""Our run's --output_dir beside a real transformers.Trainer's: the same debug BridgeTower, the same
 strategy flags, the steps run_bridgetower.py takes after training (save_model, tokenizer and image processor,
 save_metrics("train"), save_state, evaluate -> save_metrics("validation")) plus predict. File names (of the output
 directory and of each checkpoint-N), trainer_state.json keys (final and per checkpoint), log_history entry keys,

@@ -1,4 +1,4 @@
-"""Issue 29: checkpoints that prove themselves (manifest, verification before anything is loaded, fallback, strict),
+"""Checkpoints that prove themselves (manifest, verification before anything is loaded, fallback, strict),
 a step's record durable before its checkpoint completes, a no-op resume adds nothing, and divergence that stops.
 
 The unit tests check the manifest and the divergence verdicts without DeepSpeed; the two end-to-end tests run the

@@ -1,9 +1,9 @@
-"""Resuming a data epoch on another world size (issue 16, data side), both loaders, pure data (no engine).
+"""Resuming a data epoch on another world size (the data side), both loaders, pure data (no engine).
 
 For W -> W' at several positions (mid-block / mid-file, epoch end): the samples consumed before the checkpoint and
 after the resume are each seen once, and together they are the uninterrupted run's epoch, less a dropped tail of
-fewer than W' x micro batch samples. Same W: exactly the order the code before the change produced (digests
-recorded on main by running the same loops)."""
+fewer than W' x micro batch samples. Same W: exactly the order the loaders produced before resizing was
+supported (digests of it, recorded by running the same loops)."""
 from __future__ import annotations
 
 import hashlib
@@ -64,8 +64,8 @@ def flat(per_rank: list[list[int]]) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- same world size
-# sha1 of the index sequences the loaders yielded before the resize change (recorded on main at 5b34ada with the
-# same loops): a same-size resume and a normal epoch must not move a single sample.
+# sha1 of the index sequences the loaders yielded before resizing was supported (recorded at commit 5b34ada with
+# the same loops): a same-size resume and a normal epoch must not move a single sample.
 BERT_MAIN = {(1, 4, 16, 11): "17d60ab8facac6e1", (1, 5, 1000, 3): "9333e5f2979e8816",
              (1, 3, 7, 0): "6ab06ed46f5fb3de", (2, 4, 16, 11): "8e73aafafb530d38",
              (2, 5, 1000, 3): "0259fccbe218697c", (2, 3, 7, 0): "c9fdbb4f9937f7f6",
@@ -240,7 +240,7 @@ from bridgetower_ds import data as D  # noqa: E402
 
 from test_bt_data import S, args_for, make_manifest, tiny_tokenizer  # noqa: E402
 
-# sha1 of BatchPlan.rank_batches of epochs 0 and 1 on every rank (seed 7), recorded on main at 5b34ada
+# sha1 of BatchPlan.rank_batches of epochs 0 and 1 on every rank (seed 7), recorded at commit 5b34ada
 BT_MAIN = {(12, 1, 2): "fc38d2c2784db02e", (12, 1, 3): "a045d5c2a74dc931", (12, 1, 4): "3d7db377464f86b9",
            (12, 2, 2): "c7244ad315328a93", (12, 2, 3): "cc6717afaa744386", (12, 2, 4): "1360a4f3dd464642",
            (12, 3, 2): "b10f329f8f2d9b8c", (12, 3, 3): "fa2b0b50e561d1c6", (12, 3, 4): "ba92043c2b2389d2",

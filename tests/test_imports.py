@@ -1,4 +1,4 @@
-"""Import hygiene of the whole project (issue 24): no import circle between our modules, and no private name
+"""Import hygiene of the whole project: no import circle between our modules, and no private name
 (`_x`) imported from another module.
 
 Read from the source with `ast`, not by importing, so an import inside a function, under `if TYPE_CHECKING:` or in a

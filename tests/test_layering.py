@@ -1,10 +1,10 @@
-"""The layering of ../shared/STYLE.md: model packages import ds_core, never each other; ds_core imports neither.
-The offline tools (ds_tools) may import ds_core, launch and the model packages; nothing but tests and bench imports
-them, so no training process (ds_core, a model package, launch) pulls them in.
-bench/ may import any package but no test code, and nothing imports bench to reuse its code (a test needing bench code
-means that code belongs in the library or in the test helpers). Tests of bench's own command lines (tests/test_cli.py,
-tests/test_docs.py) load its modules by name through importlib to parse their flags; that is testing bench, not
-depending on it, and is the one exception."""
+"""The layering that docs/development.md describes ("The layout, by who imports whom"): model packages import ds_core,
+never each other; ds_core imports neither. The offline tools (ds_tools) may import ds_core, launch and the model
+packages; nothing but tests and bench imports them, so no training process (ds_core, a model package, launch) pulls them
+in. bench/ may import any package but no test code, and nothing imports bench to reuse its code (a test needing bench
+code means that code belongs in the library or in the test helpers). Tests of bench's own command lines
+(tests/test_cli.py, tests/test_docs.py) load its modules by name through importlib to parse their flags; that is testing
+bench, not depending on it, and is the one exception."""
 import ast
 import json
 from pathlib import Path

@@ -85,7 +85,7 @@ def test_the_optimizer_deepspeed_picks_and_its_buffers():
     assert e.optimizer == "BF16_Optimizer"
     assert e.model_states == pytest.approx(6 * P + 12 * P / 64) and 9.3 * GBy < e.model_states < 9.6 * GBy
     assert any("NOT partitioned" in k for k in e.parts)
-    # + the bf16 gradients of forward/backward: the ~12.6 GB of the issue, before activations
+    # + the bf16 gradients of forward/backward: ~12.6 GiB (13.5 GB) per rank before activations
     assert e.total - e.activations == pytest.approx(8 * P + 12 * P / 64 + 2 * min(P, 5e8), rel=0.02)
     # bf16 accumulation (DeepSpeed's default) keeps DeepSpeedZeroOptimizer: gradients in bf16, 4 B/param less
     e_bf16 = zmm.estimate(big, 1, 32, 8, 8, grad_accum=2, grad_accum_dtype="bf16")

@@ -1,4 +1,4 @@
-"""transformers Trainer's files beside ours (issue 26): trainer_state.json (Trainer's own TrainerState class writes it,
+"""transformers Trainer's files beside ours: trainer_state.json (Trainer's own TrainerState class writes it,
 so the schema is Trainer's whatever its version), the train metrics under Trainer's keys, and `checkpoint-N` links to
 our `checkpoints/global_stepN` directories. Every number comes from ds_core.outputs.metrics (metrics.jsonl and its summary):
 one clock, one loss record.

@@ -13,9 +13,9 @@ factor = bandwidth / tbf rate) and per-call cost from the link probe that ran ov
 Measured exposed communication: the run's sampled phase timing (`phase_comm_s`, ds_core.outputs.phases) where the run has
 it; otherwise DeepSpeed's comms logger, or the growth of the step over the 1-node cell; the table says which. Of
 repeated cells the fastest is compared (the least disturbed on a shared machine). Beside the raw efficiency, a
-compute-matched one: the emulated nodes share the host's CPUs (and with other jobs), so compute per rank differs
-between cells, which no network model predicts; it takes the baseline's compute plus the cell's measured
-non-compute time. Targets (issue 27): efficiency within 5 points, communication within 25 %.
+compute-matched one: the emulated nodes share the host's CPUs (with each other and any other load), so compute per
+rank differs between cells, which no network model predicts; it takes the baseline's compute plus the cell's
+measured non-compute time. Targets: efficiency within 5 points, communication within 25 %.
 """
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def compare(out: str | Path, efficiency: float | None = None) -> list[dict]:
                 how = "step growth over 1 node"
             meas_eff = (s["samples_per_s"] / s["world_size"]) / (s0["samples_per_s"] / s0["world_size"])
             # the same, had this cell's ranks computed as fast as the baseline's (the emulated nodes share the host's
-            # CPUs with other jobs: compute per rank varies between cells, which no network model predicts): the
+            # CPUs with any other load: compute per rank varies between cells, which no network model predicts): the
             # baseline's compute plus this cell's measured non-compute time (exposed comm, wait, timing overhead)
             matched = None
             if ph and explain.phases_of(s0):
