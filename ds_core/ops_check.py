@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 ADAM_TYPES = ("adam", "adamw")
 # DeepSpeed's op builder class for each op its Adam optimizers load (deepspeed.ops.op_builder, per accelerator)
