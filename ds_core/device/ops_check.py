@@ -1,21 +1,65 @@
-"""DeepSpeed's compiled ops on a CUDA machine that cannot build them: a named reason and torch's optimizer instead.
+"""DeepSpeed's compiled optimizer ops: a TORCH_CUDA_ARCH_LIST DeepSpeed can parse, and torch's optimizer, with a
+named reason, wherever the op cannot be had.
 
-A DeepSpeed JSON with an Adam / AdamW "optimizer" section makes DeepSpeed build its fused_adam CUDA op just in time
-(ninja + nvcc) at deepspeed.initialize. On a GPU image without a CUDA compiler (a runtime-only image, an air-gapped
-cluster's minimal container) that build fails deep inside torch.utils.cpp_extension with a compiler traceback.
-DeepSpeed's documented switch `"torch_adam": true` (in the optimizer's params) selects torch.optim.AdamW instead:
-the same update, unfused. ds_core.rank.engine.build_engine applies it, saying why, when the op is neither pre-built into
-the installed DeepSpeed nor buildable here.
+A DeepSpeed JSON with an Adam / AdamW "optimizer" section makes deepspeed.initialize load a compiled op: fused_adam
+(DeepSpeed's FusedAdam: a CUDA build with ninja + nvcc, a C++ build on the CPU accelerator) or, with ZeRO's optimizer
+offload, cpu_adam. Unless the installed DeepSpeed has it pre-built, the op is built just in time, and that build can
+fail in several ways deep inside deepspeed.initialize: no compiler (a runtime-only image, an air-gapped cluster's
+minimal container), a compile error, or DeepSpeed 0.19's own parsing of TORCH_CUDA_ARCH_LIST, which reads each entry
+as two integers and raises `ValueError: invalid literal for int()` on the arch suffixes that NVIDIA's and PyTorch's
+CUDA images set (`9.0a`, `10.0a`, `10.0f`).
+
+prepare_optimizer_ops (ds_core.rank.engine.build_engine calls it on every rank, before deepspeed.initialize):
+1. on CUDA, rewrites TORCH_CUDA_ARCH_LIST to the same architectures without those suffixes (arch_list_for_deepspeed)
+   and says so once;
+2. loads the op as DeepSpeed will (`get_accelerator().create_op_builder(...).load()`: the pre-built op or the JIT
+   build; DeepSpeed's FusedAdam / DeepSpeedCPUAdam then find it loaded), on every accelerator;
+3. if the op failed on any rank, gives every rank DeepSpeed's documented switch `"torch_adam": true` (in the
+   optimizer's params), which selects torch.optim.AdamW / Adam (the same update, unfused), with one line naming why.
 """
 from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Callable, Mapping
 
 ADAM_TYPES = ("adam", "adamw")
+# DeepSpeed's op builder class for each op its Adam optimizers load (deepspeed.ops.op_builder, per accelerator)
+BUILDERS = {"fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder"}
+# One TORCH_CUDA_ARCH_LIST entry as torch.utils.cpp_extension reads it: major.minor, an optional arch-specific ("a",
+# sm_90a) or family-specific ("f", CUDA 12.9+) suffix, an optional +PTX.
+_ARCH = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$")
+
+
+def arch_list_for_deepspeed(value: str | None) -> tuple[str | None, str | None]:
+    """(a TORCH_CUDA_ARCH_LIST that DeepSpeed 0.19's op builder parses, a note saying what changed, or None).
+
+    `9.0a` -> `9.0`, `10.0f` -> `10.0`, `9.0a+PTX` -> `9.0+PTX`; plain entries, and entries this does not know (named
+    arches such as `Hopper`), are kept as written; a duplicate left by the rewrite is dropped.
+
+    What the suffix gave up does not matter to DeepSpeed's optimizer ops: `a` code may use an architecture's own
+    instructions (Hopper's wgmma and setmaxnreg, for instance) and `f` a family's, which only hand-written tensor-core
+    kernels (CUTLASS, FlashAttention-3) use; fused_adam is an elementwise multi-tensor loop. Plain `sm_90` code runs
+    on the same GPUs (and `sm_90a` code on exactly that architecture only). The variable steers the JIT builds of this
+    process only; torch's own kernels are compiled already."""
+    if not value or not value.strip():
+        return value, None
+    entries = [e.strip() for e in value.replace(" ", ";").split(";") if e.strip()]
+    out: list[str] = []
+    for entry in entries:
+        m = _ARCH.match(entry)
+        plain = f"{m[1]}.{m[2]}{m[4] or ''}" if m else entry
+        if plain not in out:
+            out.append(plain)
+    if out == entries:
+        return value, None
+    new = ";".join(out)
+    return new, (f"TORCH_CUDA_ARCH_LIST {value!r} -> {new!r} for DeepSpeed's op builds: the same architectures "
+                 f"without the a/f suffixes, which DeepSpeed 0.19's op builder cannot parse and its elementwise "
+                 f"optimizer ops do not use")
 
 
 def cuda_compiler(env: Mapping[str, str] | None = None) -> str | None:
@@ -34,7 +78,8 @@ def cuda_compiler(env: Mapping[str, str] | None = None) -> str | None:
 
 
 def fused_adam_problem(env: Mapping[str, str] | None = None) -> str | None:
-    """Why DeepSpeed's fused_adam op cannot be had on this machine, or None (pre-built, or ninja and nvcc found)."""
+    """Why DeepSpeed's CUDA fused_adam op cannot be built here, from the tools alone (ninja, nvcc), or None
+    (pre-built, or both found): a plain reason before a build would fail with a compiler traceback."""
     try:
         from deepspeed.git_version_info import installed_ops
 
@@ -54,22 +99,112 @@ def fused_adam_problem(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-def apply_ops_fallback(ds_config: dict, accelerator: str, problem: str | None = None,
-                       env: Mapping[str, str] | None = None) -> tuple[dict, str | None]:
-    """(config, note): on CUDA, an Adam/AdamW optimizer section that would need the fused_adam build gets
-    `"torch_adam": true` when the op cannot be had (`problem`, else fused_adam_problem()); the note says what and why.
-    The config is copied, never changed in place; other accelerators and optimizers pass through untouched."""
+def needed_op(ds_config: dict) -> str | None:
+    """The compiled op deepspeed.initialize will load for this JSON's optimizer section ("fused_adam", "cpu_adam"),
+    or None (no section, torch_adam already, or an optimizer this module does not handle)."""
     opt = ds_config.get("optimizer")
-    if accelerator != "cuda" or not isinstance(opt, dict) or str(opt.get("type", "")).lower() not in ADAM_TYPES:
-        return ds_config, None
+    if not isinstance(opt, dict) or str(opt.get("type", "")).lower() not in ADAM_TYPES:
+        return None
     if (opt.get("params") or {}).get("torch_adam"):
-        return ds_config, None
-    problem = problem or fused_adam_problem(env)
-    if problem is None:
-        return ds_config, None
+        return None
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    # DeepSpeedConfig.zero_use_cpu_optimizer: an optimizer offloaded to cpu or nvme steps in DeepSpeedCPUAdam
+    return "cpu_adam" if str(offload.get("device", "none")).lower() in ("cpu", "nvme") else "fused_adam"
+
+
+def _one_line(err: BaseException) -> str:
+    """A build error in one line: the head of its first line (torch's "Error building extension 'x'"), plus the first
+    compiler diagnostic of the build log (`file:line:col: error: ...`, its directory left out)."""
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [""]
+    head = lines[0].split(": [", 1)[0]  # torch appends the build log to its first line after ": [1/3] <command>"
+    text = f"{type(err).__name__}: {head[:160]}"
+    for line in lines:
+        m = re.search(r"([^/\s]+:\d+(?::\d+)?: (?:fatal )?error: .*)", line)
+        if m:
+            return f"{text} ... {m[1][:200]}"
+    return text
+
+
+def load_op(op: str) -> str | None:
+    """Load `op` the way deepspeed.initialize will (this accelerator's builder; pre-built or JIT); None when it
+    loaded, else why not, in one line. Any failure counts: a missing compiler, a compile error, DeepSpeed's own
+    parsing of the build settings."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    builder = accel.create_op_builder(BUILDERS[op])
+    if builder is None:
+        return f"DeepSpeed has no {op} op for the {accel.device_name()} accelerator"
+    try:
+        builder.load()  # cached in DeepSpeed's OpBuilder._loaded_ops: deepspeed.initialize does not build again
+    except Exception as err:  # noqa: BLE001 - every way a build fails means the same here: torch's optimizer
+        return _one_line(err)
+    return None
+
+
+def with_torch_optimizer(ds_config: dict, op: str, problem: str) -> tuple[dict, str]:
+    """(a copy of the config with `"torch_adam": true` in the optimizer params, the one-line note naming why)."""
     out = copy.deepcopy(ds_config)
     out["optimizer"].setdefault("params", {})["torch_adam"] = True
-    return out, (f"DeepSpeed's fused_adam op cannot be built here: {problem}. Falling back to torch.optim's "
-                 f"{opt['type']} (the DeepSpeed JSON's optimizer params get \"torch_adam\": true; same update, "
-                 f"unfused). Install the CUDA toolkit's nvcc and ninja, or a DeepSpeed wheel built with "
-                 f"DS_BUILD_FUSED_ADAM=1, to use the fused op.")
+    kind = out["optimizer"]["type"]
+    return out, (f"DeepSpeed's {op} op cannot be had here ({problem}); using torch.optim's {kind} instead "
+                 f"(\"torch_adam\": true in the DeepSpeed JSON's optimizer params; the same update, unfused). "
+                 f"To get the fused op: a DeepSpeed built with its ops (DS_BUILD_OPS=1), or a working ninja and "
+                 f"compiler for JIT builds.")
+
+
+def op_problem(op: str, accelerator: str, env: Mapping[str, str] | None = None,
+               load: Callable[[str], str | None] = load_op) -> str | None:
+    """Why `op` cannot be had on this rank, or None: on CUDA the tools check first (a plain reason instead of a
+    compiler traceback), then the load itself."""
+    if accelerator == "cuda" and op == "fused_adam":
+        problem = fused_adam_problem(env)
+        if problem:
+            return problem
+    return load(op)
+
+
+def apply_ops_fallback(ds_config: dict, accelerator: str, problem: str | None = None,
+                       env: Mapping[str, str] | None = None,
+                       load: Callable[[str], str | None] = load_op) -> tuple[dict, str | None]:
+    """(config, note) for one rank: with `"torch_adam": true` and a note when the op its optimizer needs cannot be had
+    (`problem` if given, else op_problem); otherwise the config unchanged and None. Never changed in place."""
+    op = needed_op(ds_config)
+    if op is None:
+        return ds_config, None
+    problem = problem or op_problem(op, accelerator, env, load)
+    return (ds_config, None) if problem is None else with_torch_optimizer(ds_config, op, problem)
+
+
+def agreed_problem(problem: str | None) -> str | None:
+    """The first rank's problem (with its rank) when any rank has one, on every rank: ranks that step different
+    optimizers would not be one data-parallel run. Without a process group, this rank's own."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return problem
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    return next((f"rank {r}: {p}" for r, p in enumerate(everyone) if p is not None), None)
+
+
+def prepare_optimizer_ops(ds_config: dict, accelerator: str, rank: int = 0,
+                          say: Callable[[str], None] = print) -> dict:
+    """The config this rank gives deepspeed.initialize (see the module docstring); on CUDA the process's
+    TORCH_CUDA_ARCH_LIST is rewritten first. Rank 0 says what changed, one line each."""
+    if accelerator == "cuda":
+        value, note = arch_list_for_deepspeed(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        if note:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = value
+            if rank == 0:
+                say(f"[ds_core] {note}")
+    op = needed_op(ds_config)
+    if op is None:
+        return ds_config
+    problem = agreed_problem(op_problem(op, accelerator))
+    if problem is None:
+        return ds_config
+    out, note = with_torch_optimizer(ds_config, op, problem)
+    if rank == 0:
+        say(f"[ds_core] warning: {note}")
+    return out

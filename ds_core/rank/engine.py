@@ -193,12 +193,13 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, optimizer=None, lr_
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     from deepspeed.accelerator import get_accelerator
 
-    from ds_core.device.ops_check import apply_ops_fallback
+    from ds_core.device.ops_check import prepare_optimizer_ops
 
-    # a CUDA machine that cannot build DeepSpeed's fused_adam: a named reason and torch's AdamW, not a compiler crash
-    ds_config, note = apply_ops_fallback(ds_config, get_accelerator().device_name())
-    if note:
-        print(f"[ds_core] warning: {note}", flush=True)
+    # the optimizer's compiled op loaded (or built) here, on every rank: where it cannot be, torch's AdamW with the
+    # reason in one line, never a build error inside deepspeed.initialize
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    ds_config = prepare_optimizer_ops(ds_config, get_accelerator().device_name(), rank,
+                                      say=lambda line: print(line, flush=True))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, optimizer=optimizer,
                                            lr_scheduler=lr_scheduler, config=ds_config)
     return engine

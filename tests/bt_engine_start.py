@@ -1,0 +1,77 @@
+"""Start the debug BridgeTower on the real DeepSpeed engine through ds_core.rank.engine.build_engine and take 2 optimizer
+steps; each rank writes what happened to OUT_DIR/rank<R>.json.
+
+Driven by tests/test_ops_check.py and tests/test_bt_logit_scale_ds.py:
+    python -m launch.local_ranks -n 2 tests/bt_engine_start.py --ds_json J --out_dir D [--logit_scale 0d|1d]
+--logit_scale 0d keeps transformers' 0-dim `logit_scale` (the control: DeepSpeed 0.19's parameter broadcast refuses
+it); 1d is what bridgetower_ds.train does (BridgeTowerContrastive.logit_scale_as_1d). A failure inside
+deepspeed.initialize is recorded, not raised, so the test reads DeepSpeed's own message."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ds_core.rank.process_end import run_main
+
+
+def _batch(tok, n: int = 4, size: int = 32) -> dict:
+    g = torch.Generator().manual_seed(0)
+    caps = ["a red circle on a blue background", "two dogs playing in the snow", "a man riding a horse",
+            "a pizza on a white plate"][:n]
+    enc = tok(caps, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+            "pixel_values": torch.randn(n, 3, size, size, generator=g), "pixel_mask": torch.ones(n, size, size)}
+
+
+def start(args) -> dict:
+    from bridgetower_ds.configs import ModelArgs
+    from bridgetower_ds.model import build_model
+    from bridgetower_ds.tokenizer import debug_tokenizer
+    from ds_core.rank.engine import build_engine, init_distributed, set_seed
+
+    dist = init_distributed()
+    set_seed(1)
+    model = build_model(ModelArgs(preset="debug"))
+    if args.logit_scale == "1d":
+        model.logit_scale_as_1d()
+    out: dict = {"rank": dist.rank, "world": dist.world_size, "logit_scale_shape": list(model.logit_scale.shape)}
+    try:
+        engine = build_engine(model, json.loads(Path(args.ds_json).read_text()))
+    except Exception as err:  # noqa: BLE001 - the control records DeepSpeed's refusal
+        return {**out, "error": f"{type(err).__name__}: {err}"}
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)  # DeepSpeed's bf16 / ZeRO wrappers hold the basic optimizer
+    out.update(optimizer=f"{type(inner).__module__}.{type(inner).__name__}", bf16=engine.bfloat16_enabled(),
+               param_dtype=str(next(engine.module.parameters()).dtype).replace("torch.", ""))
+    batch = {k: v.to(dist.device) for k, v in _batch(debug_tokenizer()).items()}
+    losses = []
+    for _ in range(2):
+        loss = engine(**batch, return_loss=True).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    sd = engine.module.state_dict()
+    return {**out, "losses": losses, "saved_logit_scale_shape": list(sd["logit_scale"].shape),
+            "logit_scale_after": float(engine.module.logit_scale.float().reshape(()))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ds_json", required=True)
+    p.add_argument("--out_dir", required=True)
+    p.add_argument("--logit_scale", choices=("0d", "1d"), default="1d")
+    p.add_argument("--local_rank", type=int, default=0)  # what the DeepSpeed-style launchers pass
+    args = p.parse_args()
+    out = start(args)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.out_dir) / f"rank{out['rank']}.json").write_text(json.dumps(out))
+    from ds_core.rank.engine import shutdown_distributed
+
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    run_main(main)

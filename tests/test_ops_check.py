@@ -1,0 +1,127 @@
+"""DeepSpeed's op builds never end a run: a TORCH_CUDA_ARCH_LIST that DeepSpeed's own parser reads (the same
+architectures), and torch's AdamW with one named line wherever the optimizer's op fails to build, on every rank,
+before deepspeed.initialize. The arch-list half calls DeepSpeed's own parsing (CUDAOpBuilder.compute_capability_args,
+which needs no GPU); the build half makes a real JIT build fail (a C++ compiler that rejects every source file)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from conftest import REPO, dist_env, run_deepspeed
+from ds_core.device.ops_check import apply_ops_fallback, arch_list_for_deepspeed, needed_op, prepare_optimizer_ops
+
+
+def deepspeed_archs(value: str, jit: bool, monkeypatch) -> set[tuple[int, int, bool]]:
+    """{(major, minor, ptx)} that DeepSpeed 0.19's CUDA fused_adam builder makes of TORCH_CUDA_ARCH_LIST=value, by
+    its own parser: cross-compile mode returns the -gencode flags, JIT mode the list it hands on to torch."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA builder, whatever the accelerator
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+    builder = FusedAdamBuilder()
+    builder.jit_mode, builder._jit_arch_list = jit, value  # what OpBuilder.jit_load sets before it builds
+    flags = builder.compute_capability_args()
+    if jit:  # JIT: DeepSpeed rewrites the variable and lets torch make the flags (adding +PTX to the highest arch)
+        return {(int(m[1]), int(m[2]), bool(m[3])) for m in
+                re.finditer(r"(\d+)\.(\d+)(\+PTX)?", os.environ["TORCH_CUDA_ARCH_LIST"])}
+    sm = {(int(m[1][:-1]), int(m[1][-1])) for m in re.finditer(r"code=sm_(\d+)", " ".join(flags))}
+    ptx = {(int(m[1][:-1]), int(m[1][-1])) for m in re.finditer(r"code=compute_(\d+)", " ".join(flags))}
+    return {(a, b, (a, b) in ptx) for a, b in sm}
+
+
+# raw value -> {(major, minor, +PTX)} it names
+ARCH_LISTS = {"9.0a": {(9, 0, False)}, "10.0f": {(10, 0, False)}, "9.0a+PTX": {(9, 0, True)},
+              "8.0;9.0a;10.0a+PTX": {(8, 0, False), (9, 0, False), (10, 0, True)}, "9.0a 9.0": {(9, 0, False)}}
+
+
+@pytest.mark.parametrize("raw", ARCH_LISTS)
+@pytest.mark.parametrize("jit", [False, True])
+def test_deepspeed_parses_the_rewritten_arch_list_as_the_same_architectures(raw, jit, monkeypatch):
+    with pytest.raises(ValueError, match="invalid literal for int"):  # DeepSpeed 0.19.8 on the raw value
+        deepspeed_archs(raw, jit, monkeypatch)
+    fixed, note = arch_list_for_deepspeed(raw)
+    got = deepspeed_archs(fixed, jit, monkeypatch)
+    want = ARCH_LISTS[raw]
+    if jit:  # JIT mode also marks the highest arch +PTX when none is
+        top = max(want)
+        want = want if any(p for *_, p in want) else (want - {top}) | {(top[0], top[1], True)}
+    assert got == want
+    assert raw in note and fixed in note and "DeepSpeed" in note and "\n" not in note
+
+
+@pytest.mark.parametrize("plain", ["9.0", "9.0+PTX", "8.0;8.6;9.0+PTX", "7.5 8.0"])
+def test_lists_deepspeed_already_parses_are_left_alone(plain, monkeypatch):
+    """`9.0+PTX` and plain entries: DeepSpeed 0.19.8 parses them as they are, so nothing is rewritten or said."""
+    assert arch_list_for_deepspeed(plain) == (plain, None)
+    assert deepspeed_archs(plain, False, monkeypatch)
+    assert arch_list_for_deepspeed("") == ("", None) and arch_list_for_deepspeed(None) == (None, None)
+
+
+def test_prepare_rewrites_the_variable_on_cuda_and_rank_0_says_it_once(monkeypatch):
+    said: list[str] = []
+    no_opt = {"train_micro_batch_size_per_gpu": 1}  # nothing to build: only the variable is at stake
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    assert prepare_optimizer_ops(no_opt, "cuda", rank=1, say=said.append) is no_opt
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0" and said == []  # every rank rewrites, only rank 0 speaks
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "10.0a")
+    prepare_optimizer_ops(no_opt, "cuda", rank=0, say=said.append)
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "10.0" and len(said) == 1 and "'10.0a' -> '10.0'" in said[0]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    prepare_optimizer_ops(no_opt, "cpu", rank=0, say=said.append)  # only CUDA builds read it
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a" and len(said) == 1
+
+
+def test_needed_op_follows_deepspeeds_choice():
+    cfg = json.loads((REPO / "ds_configs" / "bridgetower_zero1_bf16.json").read_text())
+    assert needed_op(cfg) == "fused_adam"
+    offload = {**cfg, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert needed_op(offload) == "cpu_adam"  # DeepSpeedCPUAdam
+    torch_adam = json.loads(json.dumps(cfg))
+    torch_adam["optimizer"]["params"]["torch_adam"] = True
+    assert needed_op(torch_adam) is None and needed_op({"train_batch_size": 8}) is None
+    assert needed_op({**cfg, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}) is None  # torch.optim's own
+
+
+def test_a_failed_load_gives_torch_adamw_with_the_reason_on_any_accelerator():
+    cfg = json.loads((REPO / "ds_configs" / "bridgetower_zero1_bf16.json").read_text())
+    for accel in ("cpu", "hpu", "cuda"):
+        got, note = apply_ops_fallback(cfg, accel, env={"PATH": ""}, load=lambda op: f"{op} failed to compile")
+        assert got["optimizer"]["params"]["torch_adam"] is True and "torch_adam" not in cfg["optimizer"]["params"]
+        assert "fused_adam" in note and "\n" not in note
+    got, note = apply_ops_fallback(cfg, "cpu", load=lambda op: None)  # loaded: nothing changes
+    assert (got, note) == (cfg, None)
+
+
+# A C++ compiler (g++) that rejects the Adam ops' sources: a real JIT build of the optimizer's op that fails to
+# compile, while DeepSpeed's CPU communication op (built at init_distributed) still compiles.
+FAILING_CXX = """#!/bin/sh
+for a in "$@"; do case "$a" in *adam*.cpp|*adam*.cu)
+  echo "$a:1:1: error: this compiler rejects the Adam sources" >&2; exit 1;; esac; done
+exec g++ "$@"
+"""
+
+
+@pytest.mark.slow
+def test_a_build_that_fails_on_two_ranks_trains_with_torch_adamw_and_says_why_once(tmp_path):
+    """The shipped BridgeTower JSON (AdamW, DeepSpeed's FusedAdam) on 2 gloo ranks whose fused_adam JIT build fails
+    to compile (an empty op cache, the compiler above): both ranks reach deepspeed.initialize with torch's AdamW and
+    take optimizer steps; one line names the op and the compiler's error. (Without the fallback this run ends in
+    deepspeed.initialize with "Error building extension 'fused_adam'".)"""
+    cxx = tmp_path / "cxx"
+    cxx.write_text(FAILING_CXX)
+    cxx.chmod(0o755)
+    cfg = json.loads((REPO / "ds_configs" / "bridgetower_zero1_bf16.json").read_text())
+    cfg["optimizer"]["params"]["lr"] = 1e-3
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    env = dist_env(CXX=str(cxx), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    out = run_deepspeed(["tests/bt_engine_start.py", "--ds_json", str(tmp_path / "ds.json"), "--out_dir",
+                         str(tmp_path / "out")], env=env, timeout=600).stdout
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r.get("error") for r in ranks] == [None, None], ranks
+    assert {r["optimizer"] for r in ranks} == {"torch.optim.adamw.AdamW"}, ranks
+    assert all(len(r["losses"]) == 2 for r in ranks)
+    lines = [x for x in out.splitlines() if "DeepSpeed's fused_adam op cannot be had here" in x]
+    assert len(lines) == 1, out[-6000:]
+    assert "rejects the Adam sources" in lines[0] and "torch.optim's AdamW" in lines[0]
