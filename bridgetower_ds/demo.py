@@ -125,7 +125,8 @@ def loader_table(out: Path, n_images: int = 64, size: int = 294, micro: int = 16
     workers' start)."""
     import torch  # noqa: PLC0415
 
-    from bridgetower_ds.data import DataArgs, build_data, open_dataset  # noqa: PLC0415
+    from bridgetower_ds.configs import DataArgs  # noqa: PLC0415
+    from bridgetower_ds.data import build_data, open_dataset  # noqa: PLC0415
     from bridgetower_ds.tokenizer import debug_tokenizer  # noqa: PLC0415
 
     rng, names = np.random.default_rng(1), list(COLORS)

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from bridgetower_ds import data as D
+from bridgetower_ds.configs import DataArgs
 from bridgetower_ds.images import CLIP_MEAN, CLIP_STD, BadImage
 
 S = 32  # tiny images keep the suite fast on 2 shared cores
@@ -63,7 +64,7 @@ def args_for(path, **kw):
     base = dict(dataset_path=str(path), dataloader_num_workers=0, validation_fraction=0.0, test_fraction=0.0,
                 missing_splits="fractions")
     base.update(kw)
-    return D.DataArgs(**base)
+    return DataArgs(**base)
 
 
 def collect(data):
@@ -266,18 +267,18 @@ def test_all_bad_batch_skipped_alone_or_filled_in_with_several_ranks(tmp_path):
 
 def test_data_args_validation():
     with pytest.raises(ValueError, match="image_pipeline"):
-        D.DataArgs(dataset_path="x", image_pipeline="gpu").validate()
+        DataArgs(dataset_path="x", image_pipeline="gpu").validate()
     with pytest.raises(ValueError, match="bad_image"):
-        D.DataArgs(dataset_path="x", bad_image="ignore").validate()
-    assert D.DataArgs(mediapipe_dataloader=True).requested_pipeline == "device"
-    for f in D.DataArgs.__dataclass_fields__.values():
+        DataArgs(dataset_path="x", bad_image="ignore").validate()
+    assert DataArgs(mediapipe_dataloader=True).requested_pipeline == "device"
+    for f in DataArgs.__dataclass_fields__.values():
         assert f.metadata.get("help"), f.name
 
 
 def test_data_args_parse_with_hf_argument_parser():
     from transformers import HfArgumentParser
 
-    (a,) = HfArgumentParser([D.DataArgs], allow_abbrev=False).parse_args_into_dataclasses(
+    (a,) = HfArgumentParser([DataArgs], allow_abbrev=False).parse_args_into_dataclasses(
         ["--dataset_path", "d.jsonl", "--mediapipe_dataloader", "--bad_image", "error", "--image_size", "64"])
     assert a.mediapipe_dataloader and a.bad_image == "error" and a.image_size == 64
 
