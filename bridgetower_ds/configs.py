@@ -150,6 +150,10 @@ class RunArgs:
         "help": "after the run, write the model (ZeRO-3 partitions gathered) and tokenizer here in "
                 "save_pretrained format; empty -> no export"})
 
+    def eval_micro_batch(self, train_micro: int) -> int:
+        """The per-rank evaluation batch: --eval_micro_batch_size, else the training micro batch."""
+        return self.eval_micro_batch_size or train_micro
+
 
 FORMATS = ("auto", "hf", "imagefolder", "json", "jsonl", "csv")
 SPLIT_POLICIES = ("run_bridgetower", "fractions")

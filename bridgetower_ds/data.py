@@ -41,8 +41,9 @@ from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchP
 from .fetch import FetchBatch, PlanSampler, identity
 from .splits import (carve_splits, check_dataset, drop_bad_captions, limit_rows, run_bridgetower_splits,  # noqa: F401
                      take_rows)
+from .image_pipeline import HOST, ImagePipeline, PixelSource
 from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, TRANSFORMS, BadImage, host_transform,  # noqa: F401
-                     make_device_decoder, normalize, read_bytes, resolve_pipeline)
+                     normalize, read_bytes)
 from .configs import DataArgs
 from .table import CaptionTable
 
@@ -262,7 +263,8 @@ class CaptionData:
     def __init__(self, args: DataArgs, table: CaptionTable, tokenizer, image_size: int, rank: int, world_size: int,
                  micro_batch: int, seed: int, device, shuffle: bool = True, pipeline: str | None = None,
                  media_pipe_iterator=None, bad_captions: Sequence[str] = ()):
-        """media_pipe_iterator: with pipeline "device-hpu", what builds the pipe's output iterator (default: the
+        """pipeline: the run's ImagePipeline (bridgetower_ds.image_pipeline), decided once for every split, or its
+        name; None: resolved here from args. media_pipe_iterator: with pipeline "device-hpu", what builds the pipe's output iterator (default: the
         Habana media pipe; tests pass a stand-in decoder, see hpu_media.HpuMediaLoader). bad_captions: names of the
         split's rows dropped for their caption (drop_bad_captions), counted in the results."""
         self.args, self.table, self.tokenizer = args, table, tokenizer
@@ -276,10 +278,8 @@ class CaptionData:
             self.plan = BatchPlan(len(table), rank, world_size, micro_batch, seed, train=shuffle)
         except ValueError as e:
             raise ValueError(f"{table.source}: {e}") from None
-        if pipeline is None:
-            pipeline, why = resolve_pipeline(args.requested_pipeline, self.device)
-            if rank == 0:
-                print(f"[bridgetower_ds] image pipeline: {pipeline} ({why})", flush=True)
+        if not isinstance(pipeline, ImagePipeline):  # a name (tests), or decided here for a source built alone
+            pipeline = ImagePipeline(pipeline, "given") if pipeline else self._resolve_pipeline(args, rank)
         self.pipeline = pipeline
         self.epoch, self.batches_done = 0, 0
         self.window: tuple[int, int] | None = None  # self.epoch's rest after a resize (batching.resume_window)
@@ -291,18 +291,22 @@ class CaptionData:
                                         pad_to_max=self.pad_to_max,
                                         min_rows=min(MIN_CONTRASTIVE_ROWS, micro_batch) if shuffle else 1,
                                         fill_in=shuffle, bad=self.bad, first_valid=self._first_valid_batch)
-        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft,
+        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline, args.jpeg_draft,
                                  args.max_image_pixels, args.max_seq_length, self.pad_to_max, args.image_transform)
-        self._decoder = None
+        self._pixels: PixelSource | None = None
         self._hpu = None
-        if pipeline == "device-hpu":
+        if pipeline.media_pipe:
             from .hpu_media import HpuMediaLoader  # noqa: PLC0415
 
             self._hpu = HpuMediaLoader(self, media_pipe_iterator)
-        elif pipeline != "host":
-            self._decoder = make_device_decoder(pipeline, self.size, self.device, args.jpeg_draft,
-                                                args.max_image_pixels, args.decode_threads, args.image_transform)
+        else:
+            self._pixels = pipeline.pixel_source(self.size, self.device, args)
         self._loader = None
+
+    def _resolve_pipeline(self, args: DataArgs, rank: int) -> ImagePipeline:
+        pipeline = ImagePipeline.resolve(args.requested_pipeline, self.device)
+        pipeline.announce(rank)
+        return pipeline
 
     # -- the plan, as every pipeline reads it
     def pending_batches(self) -> list[tuple[int, np.ndarray]]:
@@ -430,22 +434,15 @@ class CaptionData:
             yield raw["end"], self._decode_and_assemble(raw, self.assembler)
 
     def _decode_and_assemble(self, raw: dict, assembler: BatchAssembler, remember: bool = True) -> dict | None:
-        bad = list(raw["bad"])
-        if self._decoder is not None and raw.get("encoded"):
-            pixel_values, keep, dbad = self._decoder(raw["encoded"], raw["names"])
-            bad.extend((b.name, b.reason) for b in dbad)
-        elif self._decoder is None and raw.get("pixels_u8") is not None:
-            pixel_values = normalize(raw["pixels_u8"], self.device)
-            keep = list(range(pixel_values.shape[0]))
-        else:
-            pixel_values, keep = None, []
+        pixel_values, keep, failed = self._pixels(raw)
+        bad = list(raw["bad"]) + failed
         tokens = {k: raw[k] for k in ("input_ids", "attention_mask") if k in raw}
         return assembler.assemble(pixel_values, keep, tokens, raw["index"], bad, remember=remember)
 
     def _first_valid_batch(self) -> dict:
         """The epoch's first rows of this rank that decode (host path, bad images not counted twice), enough for a
         contrastive batch: the fill-in before any good batch was seen."""
-        host = FetchBatch(self.table, self.tokenizer, self.size, True, self.args.jpeg_draft, self.args.max_image_pixels,
+        host = FetchBatch(self.table, self.tokenizer, self.size, HOST, self.args.jpeg_draft, self.args.max_image_pixels,
                           self.args.max_seq_length, self.pad_to_max, self.args.image_transform)
         need = self.assembler.min_rows
         order = np.concatenate(self._batches) if self._batches else self.plan.order(self.epoch)
@@ -463,15 +460,17 @@ class CaptionData:
                            f"epoch {self.epoch}; see the bad-image log lines")
 
     def close(self) -> None:
-        if self._decoder is not None:
-            self._decoder.close()
+        if self._pixels is not None:
+            self._pixels.close()
         self._loader = None
 
 
 def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int, world_size: int,
-               micro_batch: int, seed: int, device, shuffle: bool = True) -> CaptionData:
+               micro_batch: int, seed: int, device, shuffle: bool = True,
+               pipeline: ImagePipeline | None = None) -> CaptionData:
     """The per-rank DataSource for `split` (train|validation|test or the configured split names) of the run's
-    dataset (open it once with open_dataset)."""
+    dataset (open it once with open_dataset); pipeline: the run's image pipeline, resolved once for every split
+    (None: resolved from the data settings here)."""
     table, bad_captions = drop_bad_captions(limit_rows(splits.args, split, splits.get(split)))
     where = splits.args.dataset_path or splits.args.dataset_name
     if bad_captions and rank == 0:
@@ -481,4 +480,4 @@ def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int
         raise ValueError(f"{where}: split {split!r} is empty" +
                          (f" ({len(bad_captions)} rows without a caption)" if bad_captions else ""))
     return CaptionData(splits.args, table, tokenizer, image_size, rank, world_size, micro_batch, seed, device,
-                       shuffle, bad_captions=bad_captions)
+                       shuffle, pipeline=pipeline, bad_captions=bad_captions)

@@ -154,7 +154,7 @@ def loader_table(out: Path, n_images: int = 64, size: int = 294, micro: int = 16
                 n += batch["pixel_values"].shape[0]
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             data.close()
-            table.append({"workers": workers, "pipeline": data.pipeline, "samples_per_s": n / wall,
+            table.append({"workers": workers, "pipeline": data.pipeline.name, "samples_per_s": n / wall,
                           "main_cpu_s_per_100": 100 * cpu / n})
     return table
 

@@ -23,6 +23,7 @@ from bridgetower_ds import compat, trainer_files, trainer_flags
 from bridgetower_ds.configs import BridgeTowerSettings
 from bridgetower_ds.data import build_data, check_dataset, open_dataset
 from bridgetower_ds.eval import evaluation_for
+from bridgetower_ds.image_pipeline import ImagePipeline
 from bridgetower_ds.hub import resolve_pretrained
 from bridgetower_ds.model import build_model, flops_per_sample, load_config, model_summary
 from bridgetower_ds.step import step_fn
@@ -81,7 +82,7 @@ def main(argv=None) -> dict:
     eval_every = per_epoch if cfg.compat.eval_strategy == "epoch" else cfg.train.eval_every
     model, engine, frozen = _engine(run, sources.image_size)
     evaluation = evaluation_for(cfg.task, eval_every, lambda split: sources.data(
-        split, cfg.task.eval_micro_batch_size or micro, shuffle=False))
+        split, cfg.task.eval_micro_batch(micro), shuffle=False))
     seq_len = expected_padded_length(sources.tokenizer, run.data.table.captions, micro, cfg.data.max_seq_length,
                                      run.data.pad_to_max) if run.data is not None else 0  # the data's padding
     fps = flops_per_sample(model.config, seq_len, freeze_vision=cfg.model.freeze_vision_model,
@@ -100,13 +101,15 @@ def main(argv=None) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Sources:
-    """What every split's data source is built from, opened once: the tokenizer, the model's image size and the
-    splits (--train_file/--validation_file/--test_file, or the dataset); every evaluation reuses them."""
+    """What every split's data source is built from, opened and decided once: the tokenizer, the model's image size,
+    the splits (--train_file/--validation_file/--test_file, or the dataset) and the image pipeline (--image_pipeline
+    on this rank's device); every evaluation reuses them."""
 
     run: Run
     tokenizer: Any
     image_size: int
     splits: Any
+    pipeline: ImagePipeline
 
     @classmethod
     def open(cls, run: Run) -> "Sources":
@@ -117,12 +120,15 @@ class Sources:
             raise ConfigError(f"--image_size {cfg.data.image_size} != the model's vision image_size {image_size}")
         seed = cfg.train.seed
         splits = trainer_flags.open_files(cfg.compat, cfg.data, seed) or open_dataset(cfg.data, seed)
-        return cls(run, tokenizer, image_size, splits)
+        pipeline = ImagePipeline.resolve(cfg.data.requested_pipeline, run.dist.device)
+        pipeline.announce(run.dist.rank)
+        return cls(run, tokenizer, image_size, splits, pipeline)
 
     def data(self, split: str, micro: int, shuffle: bool):
         dist = self.run.dist
         return build_data(self.splits, split, self.tokenizer, self.image_size, dist.rank, dist.world_size,
-                          micro_batch=micro, seed=self.run.train.seed, device=dist.device, shuffle=shuffle)
+                          micro_batch=micro, seed=self.run.train.seed, device=dist.device, shuffle=shuffle,
+                          pipeline=self.pipeline)
 
 
 def _model_name(model_args) -> str:

@@ -147,7 +147,7 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
         do_eval=run_args.do_eval, do_predict=run_args.do_predict,
         eval_strategy=compat.eval_strategy, eval_steps=eval_every if compat.eval_strategy == "steps" else None,
         per_device_train_batch_size=run.batch.micro,
-        per_device_eval_batch_size=run_args.eval_micro_batch_size or run.batch.micro,
+        per_device_eval_batch_size=run_args.eval_micro_batch(run.batch.micro),
         gradient_accumulation_steps=run.batch.accumulation,
         learning_rate=optim.learning_rate, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
         adam_beta2=optim.beta2, adam_epsilon=optim.eps, max_grad_norm=float(ds.get("gradient_clipping", 0.0)),

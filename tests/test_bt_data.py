@@ -189,7 +189,7 @@ def test_host_and_device_cpu_pipelines_give_the_same_tensors(tmp_path):
     host = D.CaptionData(host_args, table, tok, S, 0, 1, 4, 0, "cpu")
     dev_args = args_for(path, mediapipe_dataloader=True)  # the alias of --image_pipeline device
     dev = D.CaptionData(dev_args, table, tok, S, 0, 1, 4, 0, "cpu")
-    assert host.pipeline == "host" and dev.pipeline == "device-cpu"
+    assert host.pipeline.name == "host" and dev.pipeline.name == "device-cpu"
     hb, db = collect(host), collect(dev)
     assert len(hb) == len(db) == 2
     for a, b in zip(hb, db):
