@@ -73,7 +73,8 @@ def _engine(run: Run):
     model = build_model(args.model_preset(), hf_init, args.activation_checkpointing, args.attn_implementation,
                         sparse_mlm=args.sparse_mlm, fast_dropout=args.fast_dropout)
     optimizer = build_optimizer(model, opt_args, global_batch=run.batch.global_size)
-    engine = build_engine(model, run.ds_config, optimizer=optimizer, lr_scheduler=schedule_for(opt_args, run.total_steps))
+    engine = build_engine(model, run.ds_config, optimizer=optimizer,
+                          lr_scheduler=schedule_for(opt_args, run.total_steps))
     attach_zero_layout(engine, optimizer)  # LAMB / LANS trust ratios per tensor, not per ZeRO partition
     return engine
 

@@ -261,12 +261,14 @@ class CaptionData:
     shared_summary_stats = ("bad_captions", "bad_images")
 
     def __init__(self, args: DataArgs, table: CaptionTable, tokenizer, image_size: int, rank: int, world_size: int,
-                 micro_batch: int, seed: int, device, shuffle: bool = True, pipeline: str | None = None,
+                 micro_batch: int, seed: int, device, shuffle: bool = True,
+                 pipeline: ImagePipeline | str | None = None,
                  media_pipe_iterator=None, bad_captions: Sequence[str] = ()):
         """pipeline: the run's ImagePipeline (bridgetower_ds.image_pipeline), decided once for every split, or its
-        name; None: resolved here from args. media_pipe_iterator: with pipeline "device-hpu", what builds the pipe's output iterator (default: the
-        Habana media pipe; tests pass a stand-in decoder, see hpu_media.HpuMediaLoader). bad_captions: names of the
-        split's rows dropped for their caption (drop_bad_captions), counted in the results."""
+        name; None: resolved here from args. media_pipe_iterator: with pipeline "device-hpu", what builds the pipe's
+        output iterator (default: the Habana media pipe; tests pass a stand-in decoder, see hpu_media.HpuMediaLoader).
+        bad_captions: names of the split's rows dropped for their caption (drop_bad_captions), counted in the
+        results."""
         self.args, self.table, self.tokenizer = args, table, tokenizer
         self.bad_captions = list(bad_captions)
         self.size = int(args.image_size or image_size)

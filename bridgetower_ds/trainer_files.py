@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_core.outputs import hf_trainer
-from ds_core.config import atomic_write_bytes, precision_of
+from ds_core.config import atomic_write_bytes
 from ds_core.outputs.results import save_metrics, train_metrics
 from ds_core.run.components import Callback
 from ds_core.run.setup import Run
@@ -141,7 +141,7 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
     optim, compat, run_args, data_args = run.cfg.optim, run.cfg.compat, run.cfg.task, run.cfg.data
     if optim.lr_scheduler_type not in {s.value for s in SchedulerType}:
         raise ValueError(f"--lr_scheduler_type {optim.lr_scheduler_type} has no transformers SchedulerType")
-    precision = precision_of(ds)
+    precision = run.precision
     kw = dict(
         output_dir=cfg.run_dir, do_train=run_args.do_train,
         do_eval=run_args.do_eval, do_predict=run_args.do_predict,

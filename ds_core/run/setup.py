@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from ds_core.checkpoint import select_resume_tag
 from ds_core.checkpoint.resize import ResizePlan, plan_resize
-from ds_core.config import Batch, TrainConfig, ds_config_for, parse_settings, save_run_config, sections_of
+from ds_core.config import (Batch, TrainConfig, ds_config_for, parse_settings, precision_of, save_run_config,
+                            sections_of)
 from ds_core.errors import ConfigError
 from ds_core.config.ds_json import check_ds_json
 from ds_core.rank.engine import DistInfo, init_distributed, set_seed
@@ -68,11 +69,13 @@ class Run:
     total_steps: int = 0  # optimizer steps of this run (its LR schedule and the trainer's end): with_data decides
     data: Any = None  # the training data source (None when the run does not train): with_data sets it
     notices: tuple[str, ...] = field(default_factory=tuple)
+    precision: str = "fp32"  # the compute dtype the resolved DeepSpeed config runs: bf16, fp16 or fp32 (Run.of decides)
 
     @classmethod
     def of(cls, cfg: Any, dist: DistInfo, ds_config: dict, **kw: Any) -> "Run":
-        """A run of a resolved DeepSpeed config whose batch numbers are decided here (start_run's own way)."""
-        return cls(cfg, dist, ds_config, Batch.of(ds_config, dist.world_size), **kw)
+        """A run of a resolved DeepSpeed config whose batch numbers and precision are decided here (start_run's own
+        way)."""
+        return cls(cfg, dist, ds_config, Batch.of(ds_config, dist.world_size), precision=precision_of(ds_config), **kw)
 
     @property
     def train(self) -> TrainConfig:

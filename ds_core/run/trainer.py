@@ -1,11 +1,13 @@
-"""THE training loop, shared by every model, as a Trainer made of components: the step (ds_core.run.loop.Step: micro-steps,
-accumulation, one all-reduce per optimizer step, NaN guard), checkpointing and evaluation (ds_core.run.components), metrics
-(ds_core.outputs.metrics, built from one RunInfo) and stop requests (ds_core.run.loop.StopRequest).
+"""THE training loop, shared by every model, as a Trainer made of components: the step (ds_core.run.loop.Step:
+micro-steps, accumulation, one all-reduce per optimizer step, NaN guard), checkpointing and evaluation
+(ds_core.run.components), metrics (ds_core.outputs.metrics, built from one RunInfo) and stop requests
+(ds_core.run.loop.StopRequest).
 
 An entry point: run = start_run(spec) (ds_core.run.setup); build model and engine; Trainer(run, engine, step_fn,
 ModelInfo(...), evaluation=..., checkpoints=..., callbacks=[...]).fit(); export. What one model needs that another does
-not (Trainer's files beside each checkpoint, an epoch in every record) comes in as a Callback, never as a loop argument. Total optimizer steps come from run.total_steps, decided once by start_run, the same number the LR
-schedule was built with.
+not (Trainer's files beside each checkpoint, an epoch in every record) comes in as a Callback, never as a loop argument.
+Total optimizer steps come from run.total_steps, decided once by start_run, the same number the LR schedule was built
+with.
 """
 from __future__ import annotations
 
@@ -17,13 +19,13 @@ from typing import Any, Callable, Sequence
 
 from ds_core import checkpoint as ckpt
 from ds_core.run.components import Callback, Checkpointing, Evaluation, EvalTask, ModelInfo, Position
-from ds_core.config import atomic_write_text, precision_of
+from ds_core.config import atomic_write_text
 from ds_core.run.divergence import DivergenceGuard
 from ds_core.rank.engine import shutdown_distributed
 from ds_core.run.loop import (EXIT_STOPPED, Step, StepFn, StepResult, StopRequest, TrainingDiverged,
                               reduce_summary_stats)
-from ds_core.outputs.metrics import (Metrics, RunInfo, accelerator_kind, last_summary, peak_memory_bytes, peak_probe_for,
-                             peak_tflops_for)
+from ds_core.outputs.metrics import (Metrics, RunInfo, accelerator_kind, last_summary, peak_memory_bytes,
+                                     peak_probe_for, peak_tflops_for)
 from ds_core.outputs.phases import PhaseTimer, console_line, record_fields, summary_fields
 from ds_core.device.precision import resolve_precision
 from ds_core.outputs.results import save_metrics
@@ -76,7 +78,7 @@ class Trainer:
     def run_info(self, start_step: int) -> RunInfo:
         engine, dist, cfg = self.engine, self.dist, self.cfg
         kind = accelerator_kind(dist.accelerator, dist.device)
-        precision = precision_of(self.run.resolved_ds_config)
+        precision = self.run.precision
         note = None
         if dist.rank == 0 and cfg.precision == "auto" and dist.accelerator == "cpu" and precision == "fp32":
             note = resolve_precision("auto", "cpu")[1]  # why fp32 (cached speeds), written into the summary
@@ -302,7 +304,8 @@ class Trainer:
     def _exit_stopped(self, reason: str, step: int) -> None:
         """End the process after an early stop: the checkpoint is saved and every rank is here (same verdict)."""
         if self.dist.rank == 0:
-            # the last line of ours: DeepSpeed's launcher then logs "[ERROR] ... exits with return code = 75" (its words)
+            # the last line of ours: DeepSpeed's launcher then logs "[ERROR] ... exits with return code = 75"
+            # (its words)
             print(f"[ds_core] stopped after optimizer step {step} ({reason}); checkpoint "
                   f"{self.checkpoints.root / ckpt.tag_for(step)} saved; exit status {EXIT_STOPPED} is a planned stop, "
                   f"not a failure (DeepSpeed's launcher reports it as '[ERROR] ... return code = {EXIT_STOPPED}'): "
