@@ -181,6 +181,33 @@ def test_exact_resume_mid_epoch(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- pipelines
+def test_the_image_pipeline_is_decided_once_and_handed_to_every_split(tmp_path, capsys):
+    """build_data with the run's ImagePipeline uses it as given: the flag in the data settings is not read again (a
+    host pipeline handed over where the settings say device decodes in the workers), and nothing is announced per
+    split; a source built alone resolves and announces it itself."""
+    from bridgetower_ds.image_pipeline import HOST, DevicePixels, HostPixels, ImagePipeline
+
+    path = make_manifest(tmp_path, n=6)
+    args = args_for(path, image_pipeline="device", missing_splits="fractions", validation_fraction=0.5,
+                    test_fraction=0.0)
+    splits = D.open_dataset(args)
+    built = [D.build_data(splits, split, tiny_tokenizer(), S, 0, 1, 2, 0, "cpu", shuffle=False, pipeline=HOST)
+             for split in ("train", "validation")]
+    assert capsys.readouterr().out == ""
+    for data in built:
+        assert data.pipeline is HOST and data._fetch.host and isinstance(data._pixels, HostPixels)
+        assert all(b["pixel_values"].shape[1:] == (3, S, S) for b in collect(data))
+    alone = D.build_data(splits, "train", tiny_tokenizer(), S, 0, 1, 2, 0, "cpu", shuffle=False)
+    assert alone.pipeline == ImagePipeline("device-cpu", alone.pipeline.reason) and not alone._fetch.host
+    assert isinstance(alone._pixels, DevicePixels)
+    assert "image pipeline: device-cpu" in capsys.readouterr().out
+    alone.close()
+    with pytest.raises(ValueError, match="image pipeline 'gpu'"):
+        ImagePipeline("gpu")
+    with pytest.raises(ValueError, match="no per-batch PixelSource"):
+        ImagePipeline("device-hpu").pixel_source(S, torch.device("cpu"), args)
+
+
 def test_host_and_device_cpu_pipelines_give_the_same_tensors(tmp_path):
     path = make_manifest(tmp_path, n=6)
     tok = tiny_tokenizer()
