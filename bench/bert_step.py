@@ -115,8 +115,8 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     from bert_ref.step import make_step_fn
     from ds_core.config import TrainConfig
     from ds_core.rank.engine import set_seed
-    from ds_core.run.setup import Run
-    from ds_core.run.trainer import Trainer
+    from ds_core.run.setup import LoopSettings, Run
+    from ds_core.run.trainer import ModelInfo, Trainer
 
     preset = _slice(a.model)
     set_seed(0)
@@ -128,9 +128,8 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     cpu = _cpu_clock_at_step_end(engine)
     cfg = TrainConfig(run_dir=str(tmp / "ours_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
                       save_final_checkpoint=False, progress_bar=False, precision=dtype)
-    run = Run((cfg,), _DIST, json.dumps(ds_config)).with_data(data)  # the settings start_run would resolve
-    s = Trainer(run, engine, make_step_fn(preds), model_name=preset.name, flops_per_sample=flops,
-                seq_len=preset.seq_len).fit()
+    run = Run.of(LoopSettings(cfg), _DIST, ds_config).with_data(data)  # the settings start_run would resolve
+    s = Trainer(run, engine, make_step_fn(preds), ModelInfo(preset.name, flops, preset.seq_len)).fit()
     data.close()
     head = "dense" if a.dense_mlm else f"sparse ({preds}/seq)"
     opt = engine.optimizer.optimizer

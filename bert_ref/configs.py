@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bert_ref.habana_ckpt import is_habana_checkpoint
-from ds_core.config import arg
+from ds_core.config import TrainConfig, arg
+from ds_core.config.optim import OptimArgs
 from ds_core.errors import ConfigError
 
 BERT_VOCAB = 30522  # the uncased WordPiece vocabulary of the original BERT release
@@ -196,6 +197,15 @@ class BertArgs:
 
     def model_preset(self) -> BertPreset:
         return get_preset(self.preset, self.phase)
+
+
+@dataclass(frozen=True)
+class BertSettings:
+    """The settings tree of bert_ref.train: the loop, the model and its data, the optimizer and LR schedule."""
+
+    train: TrainConfig
+    model: BertArgs
+    optim: OptimArgs
 
 
 def check_data_matches(preset: BertPreset, data: Any, input_dir: str = "") -> None:

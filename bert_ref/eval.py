@@ -141,7 +141,7 @@ def held_out_evaluation(run: Run, input_dir: str, preset: BertPreset, sparse_pre
                           "(bert-prep shards --num_test_shards K writes them)")
     if not tests:
         return Evaluation()
-    data = EvalData(tests, dist.rank, dist.world_size, run.ds_config["train_micro_batch_size_per_gpu"],
+    data = EvalData(tests, dist.rank, dist.world_size, run.batch.micro,
                     vocab_size=preset.vocab_size)
     check_data_matches(preset, data, input_dir)
     return Evaluation(during=EvalTask("eval", make_eval_fn(data, sparse_predictions)), every=train.eval_every)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ds_core.config import Batch
 from ds_core.errors import ConfigError
 
 
@@ -91,23 +92,22 @@ def expand_recipe(argv: list[str]) -> tuple[list[str], str]:
     return (list(RECIPES[name].flags) + out if name else out), name
 
 
-def check_recipe_batch(name: str, ds_config: dict) -> None:
+def check_recipe_batch(name: str, batch: Batch) -> None:
     """A recipe's LR and step count hold for its global batch only: refuse another one (a different world size
     changes micro x accumulation x world), naming the numbers and the accumulation that would restore it."""
     if not name:
         return
     run = RECIPES[name]
-    got = ds_config["train_batch_size"]
+    got = batch.global_size
     if got == run.global_batch:
         return
-    micro = ds_config["train_micro_batch_size_per_gpu"]
-    world = got // (micro * ds_config["gradient_accumulation_steps"])
+    micro, world = batch.micro, batch.data_parallel
     fix = run.global_batch / (micro * world)
     hint = (f"--gradient_accumulation_steps {int(fix)}" if fix == int(fix) else
             f"a micro batch and accumulation whose product with world size {world} is {run.global_batch}")
     raise ConfigError(f"--recipe {name}: {run.source} trains with a global batch of {run.global_batch} sequences "
                       f"(world size {run.world_size}); this run's is {got} (micro {micro} x accumulation "
-                      f"{ds_config['gradient_accumulation_steps']} x world size {world}): use {hint}")
+                      f"{batch.accumulation} x world size {world}): use {hint}")
 
 
 __all__ = ["PublishedRun", "RECIPES", "expand_recipe", "check_recipe_batch"]

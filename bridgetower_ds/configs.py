@@ -12,7 +12,11 @@ from typing import Callable, Optional
 
 from transformers import BridgeTowerConfig
 
+from ds_core.config import TrainConfig
+from ds_core.config.optim import OptimArgs
 from ds_core.errors import ConfigError
+
+from .images import DEFAULT_MAX_PIXELS, TRANSFORMS
 
 # The published checkpoint's contrastive head width and initial logit scale (log(1/0.07) = 2.6592).
 CONTRASTIVE_HIDDEN_SIZE = 512
@@ -146,6 +150,94 @@ class RunArgs:
         "help": "after the run, write the model (ZeRO-3 partitions gathered) and tokenizer here in "
                 "save_pretrained format; empty -> no export"})
 
+    def eval_micro_batch(self, train_micro: int) -> int:
+        """The per-rank evaluation batch: --eval_micro_batch_size, else the training micro batch."""
+        return self.eval_micro_batch_size or train_micro
+
+
+FORMATS = ("auto", "hf", "imagefolder", "json", "jsonl", "csv")
+SPLIT_POLICIES = ("run_bridgetower", "fractions")
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    dataset_path: str = field(default="", metadata={
+        "help": "Image-caption data: a save_to_disk directory, an imagefolder directory, or a .json/.jsonl/.csv "
+                "manifest (image path relative to the manifest, caption)."})
+    dataset_format: str = field(default="auto", metadata={"help": "auto|hf|imagefolder|json|csv|jsonl."})
+    dataset_name: str = field(default="", metadata={
+        "help": "Hub dataset (e.g. jmhessel/newyorker_caption_contest), loaded from the local datasets cache "
+                "offline (bridgetower_ds.hub); instead of --dataset_path."})
+    dataset_config_name: str = field(default="", metadata={"help": "Configuration of --dataset_name (e.g. matching)."})
+    max_train_samples: int = field(default=0, metadata={
+        "help": "Use only the first N rows of the train split (after any carve-out); 0: all."})
+    max_eval_samples: int = field(default=0, metadata={"help": "Use only the first N rows of validation; 0: all."})
+    max_predict_samples: int = field(default=0, metadata={"help": "Use only the first N rows of test; 0: all."})
+    image_column: str = field(default="image", metadata={"help": "Column with the image (path, bytes or HF Image)."})
+    caption_column: str = field(default="caption", metadata={
+        "help": "Column with the caption text (a list of captions uses its first entry)."})
+    train_split: str = field(default="train", metadata={"help": "Name of the training split."})
+    validation_split: str = field(default="validation", metadata={"help": "Name of the validation split."})
+    test_split: str = field(default="test", metadata={"help": "Name of the test split."})
+    validation_fraction: float = field(default=0.1, metadata={
+        "help": "Share of train carved out as validation when the data has no validation split."})
+    test_fraction: float = field(default=0.1, metadata={
+        "help": "Share of train carved out as test when the data has no test split."})
+    split_seed: int = field(default=42, metadata={"help": "Seed of the deterministic carve-out of missing splits."})
+    missing_splits: str = field(default="run_bridgetower", metadata={
+        "help": "run_bridgetower: no test split -> 40 % of train held out with the training seed, halved into "
+                "validation and test when there is no validation split either (run_bridgetower.py's "
+                "train_test_split calls); fractions: --validation_fraction / --test_fraction with --split_seed."})
+    image_transform: str = field(default="run_bridgetower", metadata={
+        "help": "run_bridgetower: torchvision Resize([S], bicubic) + CenterCrop(S) as run_bridgetower.py trains; "
+                "processor: BridgeTowerImageProcessor's geometry (size divisor 32, long-side cap, zero padding)."})
+    image_pipeline: str = field(default="host", metadata={
+        "help": "host: decode/resize/crop in DataLoader workers, normalize on the accelerator; device: decode on "
+                "the accelerator (HPU media pipe, CUDA nvJPEG, or a CPU thread pool); auto: best available."})
+    mediapipe_dataloader: bool = field(default=False, metadata={"help": "Alias for --image_pipeline device."})
+    dataloader_num_workers: int = field(default=2, metadata={"help": "DataLoader worker processes per rank."})
+    bad_image: str = field(default="skip", metadata={
+        "help": "skip: drop unreadable images (counted in metrics, first paths logged); error: stop with the path."})
+    max_seq_length: int = field(default=128, metadata={"help": "Caption token limit (truncation)."})
+    image_size: int = field(default=0, metadata={"help": "Image side S; 0 -> the model's vision image size."})
+    pad_to_max_length: bool = field(default=False, metadata={
+        "help": "Pad captions to max_seq_length (static shapes; always on for HPU) instead of the batch's longest."})
+    jpeg_draft: bool = field(default=True, metadata={
+        "help": "Decode large JPEGs at a reduced DCT scale (1/2, 1/4, 1/8) that still covers the resize target."})
+    decode_threads: int = field(default=0, metadata={
+        "help": "Threads of the device pipeline's CPU decoder (0 -> min(8, cores))."})
+    max_image_pixels: int = field(default=DEFAULT_MAX_PIXELS, metadata={
+        "help": "Images with more pixels (from the header) are bad images: decompression-bomb guard."})
+    image_cache_dir: str = field(default="", metadata={
+        "help": "HPU media pipe only: where images stored as bytes in the dataset are written as files (it reads "
+                "files); empty -> a folder under the system temp dir named after the dataset."})
+    dataloader_timeout_s: int = field(default=600, metadata={
+        "help": "Seconds to wait for one batch from a worker before failing (instead of hanging)."})
+
+    def validate(self) -> None:
+        if self.dataset_format not in FORMATS:
+            raise ConfigError(f"--dataset_format must be one of {FORMATS}, got {self.dataset_format!r}")
+        if self.image_pipeline not in ("host", "device", "auto"):
+            raise ConfigError(f"--image_pipeline must be host, device or auto, got {self.image_pipeline!r}")
+        if self.missing_splits not in SPLIT_POLICIES:
+            raise ConfigError(f"--missing_splits must be one of {SPLIT_POLICIES}, got {self.missing_splits!r}")
+        if self.image_transform not in TRANSFORMS:
+            raise ConfigError(f"--image_transform must be one of {TRANSFORMS}, got {self.image_transform!r}")
+        if self.bad_image not in ("skip", "error"):
+            raise ConfigError(f"--bad_image must be skip or error, got {self.bad_image!r}")
+        for name in ("validation_fraction", "test_fraction"):
+            v = getattr(self, name)
+            if not 0.0 <= v < 1.0:
+                raise ConfigError(f"--{name} must be in [0, 1), got {v}")
+        if self.validation_fraction + self.test_fraction >= 1.0:
+            raise ConfigError("--validation_fraction + --test_fraction must leave some training data")
+        if self.max_seq_length < 2 or self.dataloader_num_workers < 0 or self.image_size < 0:
+            raise ConfigError("max_seq_length >= 2, dataloader_num_workers >= 0, image_size >= 0 expected")
+
+    @property
+    def requested_pipeline(self) -> str:
+        return "device" if self.mediapipe_dataloader else self.image_pipeline
+
 
 # Where optimum-habana's HPU-only flags point a user of this toolkit instead (one line each, printed on rank 0).
 HPU_NOTICES = {
@@ -232,6 +324,19 @@ class CompatArgs:
         "help": "HPU-only flag, accepted: " + HPU_NOTICES["distribution_strategy"]})
     sdp_on_bf16: bool = field(default=False, metadata={"help": "HPU-only flag, accepted: "
                                                                + HPU_NOTICES["sdp_on_bf16"]})
+
+
+@dataclass(frozen=True)
+class BridgeTowerSettings:
+    """The settings tree of bridgetower_ds.train: the loop, the model, the data, what the run does (train / eval /
+    predict), the optimizer and LR schedule, and the transformers Trainer flags that have no setting of their own."""
+
+    train: TrainConfig
+    model: ModelArgs
+    data: DataArgs
+    task: RunArgs
+    optim: OptimArgs
+    compat: CompatArgs
 
 
 def main(argv: list[str] | None = None) -> int:

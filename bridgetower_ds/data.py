@@ -27,7 +27,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -42,93 +41,13 @@ from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchP
 from .fetch import FetchBatch, PlanSampler, identity
 from .splits import (carve_splits, check_dataset, drop_bad_captions, limit_rows, run_bridgetower_splits,  # noqa: F401
                      take_rows)
+from .image_pipeline import HOST, ImagePipeline, PixelSource
 from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, TRANSFORMS, BadImage, host_transform,  # noqa: F401
-                     make_device_decoder, normalize, read_bytes, resolve_pipeline)
+                     normalize, read_bytes)
+from .configs import DataArgs
 from .table import CaptionTable
 
-FORMATS = ("auto", "hf", "imagefolder", "json", "jsonl", "csv")
-SPLIT_POLICIES = ("run_bridgetower", "fractions")
 ROLES = ("train", "validation", "test")
-
-
-@dataclass(frozen=True)
-class DataArgs:
-    dataset_path: str = field(default="", metadata={
-        "help": "Image-caption data: a save_to_disk directory, an imagefolder directory, or a .json/.jsonl/.csv "
-                "manifest (image path relative to the manifest, caption)."})
-    dataset_format: str = field(default="auto", metadata={"help": "auto|hf|imagefolder|json|csv|jsonl."})
-    dataset_name: str = field(default="", metadata={
-        "help": "Hub dataset (e.g. jmhessel/newyorker_caption_contest), loaded from the local datasets cache "
-                "offline (bridgetower_ds.hub); instead of --dataset_path."})
-    dataset_config_name: str = field(default="", metadata={"help": "Configuration of --dataset_name (e.g. matching)."})
-    max_train_samples: int = field(default=0, metadata={
-        "help": "Use only the first N rows of the train split (after any carve-out); 0: all."})
-    max_eval_samples: int = field(default=0, metadata={"help": "Use only the first N rows of validation; 0: all."})
-    max_predict_samples: int = field(default=0, metadata={"help": "Use only the first N rows of test; 0: all."})
-    image_column: str = field(default="image", metadata={"help": "Column with the image (path, bytes or HF Image)."})
-    caption_column: str = field(default="caption", metadata={
-        "help": "Column with the caption text (a list of captions uses its first entry)."})
-    train_split: str = field(default="train", metadata={"help": "Name of the training split."})
-    validation_split: str = field(default="validation", metadata={"help": "Name of the validation split."})
-    test_split: str = field(default="test", metadata={"help": "Name of the test split."})
-    validation_fraction: float = field(default=0.1, metadata={
-        "help": "Share of train carved out as validation when the data has no validation split."})
-    test_fraction: float = field(default=0.1, metadata={
-        "help": "Share of train carved out as test when the data has no test split."})
-    split_seed: int = field(default=42, metadata={"help": "Seed of the deterministic carve-out of missing splits."})
-    missing_splits: str = field(default="run_bridgetower", metadata={
-        "help": "run_bridgetower: no test split -> 40 % of train held out with the training seed, halved into "
-                "validation and test when there is no validation split either (run_bridgetower.py's "
-                "train_test_split calls); fractions: --validation_fraction / --test_fraction with --split_seed."})
-    image_transform: str = field(default="run_bridgetower", metadata={
-        "help": "run_bridgetower: torchvision Resize([S], bicubic) + CenterCrop(S) as run_bridgetower.py trains; "
-                "processor: BridgeTowerImageProcessor's geometry (size divisor 32, long-side cap, zero padding)."})
-    image_pipeline: str = field(default="host", metadata={
-        "help": "host: decode/resize/crop in DataLoader workers, normalize on the accelerator; device: decode on "
-                "the accelerator (HPU media pipe, CUDA nvJPEG, or a CPU thread pool); auto: best available."})
-    mediapipe_dataloader: bool = field(default=False, metadata={"help": "Alias for --image_pipeline device."})
-    dataloader_num_workers: int = field(default=2, metadata={"help": "DataLoader worker processes per rank."})
-    bad_image: str = field(default="skip", metadata={
-        "help": "skip: drop unreadable images (counted in metrics, first paths logged); error: stop with the path."})
-    max_seq_length: int = field(default=128, metadata={"help": "Caption token limit (truncation)."})
-    image_size: int = field(default=0, metadata={"help": "Image side S; 0 -> the model's vision image size."})
-    pad_to_max_length: bool = field(default=False, metadata={
-        "help": "Pad captions to max_seq_length (static shapes; always on for HPU) instead of the batch's longest."})
-    jpeg_draft: bool = field(default=True, metadata={
-        "help": "Decode large JPEGs at a reduced DCT scale (1/2, 1/4, 1/8) that still covers the resize target."})
-    decode_threads: int = field(default=0, metadata={
-        "help": "Threads of the device pipeline's CPU decoder (0 -> min(8, cores))."})
-    max_image_pixels: int = field(default=DEFAULT_MAX_PIXELS, metadata={
-        "help": "Images with more pixels (from the header) are bad images: decompression-bomb guard."})
-    image_cache_dir: str = field(default="", metadata={
-        "help": "HPU media pipe only: where images stored as bytes in the dataset are written as files (it reads "
-                "files); empty -> a folder under the system temp dir named after the dataset."})
-    dataloader_timeout_s: int = field(default=600, metadata={
-        "help": "Seconds to wait for one batch from a worker before failing (instead of hanging)."})
-
-    def validate(self) -> None:
-        if self.dataset_format not in FORMATS:
-            raise ConfigError(f"--dataset_format must be one of {FORMATS}, got {self.dataset_format!r}")
-        if self.image_pipeline not in ("host", "device", "auto"):
-            raise ConfigError(f"--image_pipeline must be host, device or auto, got {self.image_pipeline!r}")
-        if self.missing_splits not in SPLIT_POLICIES:
-            raise ConfigError(f"--missing_splits must be one of {SPLIT_POLICIES}, got {self.missing_splits!r}")
-        if self.image_transform not in TRANSFORMS:
-            raise ConfigError(f"--image_transform must be one of {TRANSFORMS}, got {self.image_transform!r}")
-        if self.bad_image not in ("skip", "error"):
-            raise ConfigError(f"--bad_image must be skip or error, got {self.bad_image!r}")
-        for name in ("validation_fraction", "test_fraction"):
-            v = getattr(self, name)
-            if not 0.0 <= v < 1.0:
-                raise ConfigError(f"--{name} must be in [0, 1), got {v}")
-        if self.validation_fraction + self.test_fraction >= 1.0:
-            raise ConfigError("--validation_fraction + --test_fraction must leave some training data")
-        if self.max_seq_length < 2 or self.dataloader_num_workers < 0 or self.image_size < 0:
-            raise ConfigError("max_seq_length >= 2, dataloader_num_workers >= 0, image_size >= 0 expected")
-
-    @property
-    def requested_pipeline(self) -> str:
-        return "device" if self.mediapipe_dataloader else self.image_pipeline
 
 
 # ---------------------------------------------------------------------------------------------------- tables
@@ -342,11 +261,14 @@ class CaptionData:
     shared_summary_stats = ("bad_captions", "bad_images")
 
     def __init__(self, args: DataArgs, table: CaptionTable, tokenizer, image_size: int, rank: int, world_size: int,
-                 micro_batch: int, seed: int, device, shuffle: bool = True, pipeline: str | None = None,
+                 micro_batch: int, seed: int, device, shuffle: bool = True,
+                 pipeline: ImagePipeline | str | None = None,
                  media_pipe_iterator=None, bad_captions: Sequence[str] = ()):
-        """media_pipe_iterator: with pipeline "device-hpu", what builds the pipe's output iterator (default: the
-        Habana media pipe; tests pass a stand-in decoder, see hpu_media.HpuMediaLoader). bad_captions: names of the
-        split's rows dropped for their caption (drop_bad_captions), counted in the results."""
+        """pipeline: the run's ImagePipeline (bridgetower_ds.image_pipeline), decided once for every split, or its
+        name; None: resolved here from args. media_pipe_iterator: with pipeline "device-hpu", what builds the pipe's
+        output iterator (default: the Habana media pipe; tests pass a stand-in decoder, see hpu_media.HpuMediaLoader).
+        bad_captions: names of the split's rows dropped for their caption (drop_bad_captions), counted in the
+        results."""
         self.args, self.table, self.tokenizer = args, table, tokenizer
         self.bad_captions = list(bad_captions)
         self.size = int(args.image_size or image_size)
@@ -358,10 +280,8 @@ class CaptionData:
             self.plan = BatchPlan(len(table), rank, world_size, micro_batch, seed, train=shuffle)
         except ValueError as e:
             raise ValueError(f"{table.source}: {e}") from None
-        if pipeline is None:
-            pipeline, why = resolve_pipeline(args.requested_pipeline, self.device)
-            if rank == 0:
-                print(f"[bridgetower_ds] image pipeline: {pipeline} ({why})", flush=True)
+        if not isinstance(pipeline, ImagePipeline):  # a name (tests), or decided here for a source built alone
+            pipeline = ImagePipeline(pipeline, "given") if pipeline else self._resolve_pipeline(args, rank)
         self.pipeline = pipeline
         self.epoch, self.batches_done = 0, 0
         self.window: tuple[int, int] | None = None  # self.epoch's rest after a resize (batching.resume_window)
@@ -373,18 +293,22 @@ class CaptionData:
                                         pad_to_max=self.pad_to_max,
                                         min_rows=min(MIN_CONTRASTIVE_ROWS, micro_batch) if shuffle else 1,
                                         fill_in=shuffle, bad=self.bad, first_valid=self._first_valid_batch)
-        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline == "host", args.jpeg_draft,
+        self._fetch = FetchBatch(table, tokenizer, self.size, pipeline, args.jpeg_draft,
                                  args.max_image_pixels, args.max_seq_length, self.pad_to_max, args.image_transform)
-        self._decoder = None
+        self._pixels: PixelSource | None = None
         self._hpu = None
-        if pipeline == "device-hpu":
+        if pipeline.media_pipe:
             from .hpu_media import HpuMediaLoader  # noqa: PLC0415
 
             self._hpu = HpuMediaLoader(self, media_pipe_iterator)
-        elif pipeline != "host":
-            self._decoder = make_device_decoder(pipeline, self.size, self.device, args.jpeg_draft,
-                                                args.max_image_pixels, args.decode_threads, args.image_transform)
+        else:
+            self._pixels = pipeline.pixel_source(self.size, self.device, args)
         self._loader = None
+
+    def _resolve_pipeline(self, args: DataArgs, rank: int) -> ImagePipeline:
+        pipeline = ImagePipeline.resolve(args.requested_pipeline, self.device)
+        pipeline.announce(rank)
+        return pipeline
 
     # -- the plan, as every pipeline reads it
     def pending_batches(self) -> list[tuple[int, np.ndarray]]:
@@ -512,22 +436,15 @@ class CaptionData:
             yield raw["end"], self._decode_and_assemble(raw, self.assembler)
 
     def _decode_and_assemble(self, raw: dict, assembler: BatchAssembler, remember: bool = True) -> dict | None:
-        bad = list(raw["bad"])
-        if self._decoder is not None and raw.get("encoded"):
-            pixel_values, keep, dbad = self._decoder(raw["encoded"], raw["names"])
-            bad.extend((b.name, b.reason) for b in dbad)
-        elif self._decoder is None and raw.get("pixels_u8") is not None:
-            pixel_values = normalize(raw["pixels_u8"], self.device)
-            keep = list(range(pixel_values.shape[0]))
-        else:
-            pixel_values, keep = None, []
+        pixel_values, keep, failed = self._pixels(raw)
+        bad = list(raw["bad"]) + failed
         tokens = {k: raw[k] for k in ("input_ids", "attention_mask") if k in raw}
         return assembler.assemble(pixel_values, keep, tokens, raw["index"], bad, remember=remember)
 
     def _first_valid_batch(self) -> dict:
         """The epoch's first rows of this rank that decode (host path, bad images not counted twice), enough for a
         contrastive batch: the fill-in before any good batch was seen."""
-        host = FetchBatch(self.table, self.tokenizer, self.size, True, self.args.jpeg_draft, self.args.max_image_pixels,
+        host = FetchBatch(self.table, self.tokenizer, self.size, HOST, self.args.jpeg_draft, self.args.max_image_pixels,
                           self.args.max_seq_length, self.pad_to_max, self.args.image_transform)
         need = self.assembler.min_rows
         order = np.concatenate(self._batches) if self._batches else self.plan.order(self.epoch)
@@ -545,15 +462,17 @@ class CaptionData:
                            f"epoch {self.epoch}; see the bad-image log lines")
 
     def close(self) -> None:
-        if self._decoder is not None:
-            self._decoder.close()
+        if self._pixels is not None:
+            self._pixels.close()
         self._loader = None
 
 
 def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int, world_size: int,
-               micro_batch: int, seed: int, device, shuffle: bool = True) -> CaptionData:
+               micro_batch: int, seed: int, device, shuffle: bool = True,
+               pipeline: ImagePipeline | None = None) -> CaptionData:
     """The per-rank DataSource for `split` (train|validation|test or the configured split names) of the run's
-    dataset (open it once with open_dataset)."""
+    dataset (open it once with open_dataset); pipeline: the run's image pipeline, resolved once for every split
+    (None: resolved from the data settings here)."""
     table, bad_captions = drop_bad_captions(limit_rows(splits.args, split, splits.get(split)))
     where = splits.args.dataset_path or splits.args.dataset_name
     if bad_captions and rank == 0:
@@ -563,4 +482,4 @@ def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int
         raise ValueError(f"{where}: split {split!r} is empty" +
                          (f" ({len(bad_captions)} rows without a caption)" if bad_captions else ""))
     return CaptionData(splits.args, table, tokenizer, image_size, rank, world_size, micro_batch, seed, device,
-                       shuffle, bad_captions=bad_captions)
+                       shuffle, pipeline=pipeline, bad_captions=bad_captions)

@@ -125,7 +125,8 @@ def loader_table(out: Path, n_images: int = 64, size: int = 294, micro: int = 16
     workers' start)."""
     import torch  # noqa: PLC0415
 
-    from bridgetower_ds.data import DataArgs, build_data, open_dataset  # noqa: PLC0415
+    from bridgetower_ds.configs import DataArgs  # noqa: PLC0415
+    from bridgetower_ds.data import build_data, open_dataset  # noqa: PLC0415
     from bridgetower_ds.tokenizer import debug_tokenizer  # noqa: PLC0415
 
     rng, names = np.random.default_rng(1), list(COLORS)
@@ -153,7 +154,7 @@ def loader_table(out: Path, n_images: int = 64, size: int = 294, micro: int = 16
                 n += batch["pixel_values"].shape[0]
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             data.close()
-            table.append({"workers": workers, "pipeline": data.pipeline, "samples_per_s": n / wall,
+            table.append({"workers": workers, "pipeline": data.pipeline.name, "samples_per_s": n / wall,
                           "main_cpu_s_per_100": 100 * cpu / n})
     return table
 

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from .batching import tokenize
+from .image_pipeline import ImagePipeline
 from .images import BadImage, host_transform
 from .table import CaptionTable
 
@@ -28,9 +29,10 @@ class FetchBatch(torch.utils.data.Dataset):
     """Worker side: one call builds one batch's candidates (host: decoded uint8 pixels; device: encoded bytes) and
     their tokens; rows whose image is already known bad are dropped here and reported."""
 
-    def __init__(self, table: CaptionTable, tokenizer, size: int, host: bool, draft: bool, max_pixels: int,
-                 max_len: int, pad_to_max: bool, transform: str = "processor"):
-        self.table, self.tokenizer, self.size, self.host = table, tokenizer, size, host
+    def __init__(self, table: CaptionTable, tokenizer, size: int, pipeline: ImagePipeline, draft: bool,
+                 max_pixels: int, max_len: int, pad_to_max: bool, transform: str = "processor"):
+        self.table, self.tokenizer, self.size = table, tokenizer, size
+        self.host = pipeline.decodes_in_workers  # decided once, by the run's ImagePipeline
         self.draft, self.max_pixels, self.max_len, self.pad_to_max = draft, max_pixels, max_len, pad_to_max
         self.transform = transform
 

@@ -11,8 +11,8 @@ import numpy as np
 from ds_core.errors import ConfigError
 
 if TYPE_CHECKING:
+    from .configs import DataArgs
     from .table import CaptionTable
-# `DataArgs` in annotations is bridgetower_ds.data.DataArgs; not imported here, as data imports this module
 
 
 def carve_splits(n: int, need_val: bool, need_test: bool, val_fraction: float, test_fraction: float,

@@ -12,25 +12,23 @@ import io
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ds_core.outputs import hf_trainer
-from ds_core.config import atomic_write_bytes, precision_of
+from ds_core.config import atomic_write_bytes
 from ds_core.outputs.results import save_metrics, train_metrics
-from ds_core.config.optim import OptimArgs
+from ds_core.run.components import Callback
 from ds_core.run.setup import Run
-
-from .configs import CompatArgs, RunArgs
-from .data import DataArgs
 
 ARGS_NAME = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME
 
 
 @dataclasses.dataclass
-class TrainerFiles:
-    """Trainer's files of one run (rank 0 writes; every rank may call). per_epoch: optimizer steps of an epoch;
-    eval_every / save_every: the steps the run evaluated / saved at (0: never); flops_per_sample: the model's
-    forward + backward count (total_flos = it x samples trained)."""
+class TrainerFiles(Callback):
+    """Trainer's files of one run (rank 0 writes; every rank may call), and the loop's callback that writes them
+    into every checkpoint-N and puts Trainer's fractional "epoch" into every step and eval record. per_epoch:
+    optimizer steps of an epoch; eval_every / save_every: the steps the run evaluated / saved at (0: never);
+    flops_per_sample: the model's forward + backward count (total_flos = it x samples trained)."""
 
     run: Run
     per_epoch: int
@@ -46,12 +44,18 @@ class TrainerFiles:
 
     def total_flos(self, step: int) -> float:
         # every optimizer step trains a global batch (a resumed run counts its earlier steps too)
-        return float(self.flops_per_sample) * int(self.run.ds_config["train_batch_size"]) * step
+        return float(self.flops_per_sample) * self.run.batch.global_size * step
 
-    def checkpoint(self, tag_dir: Path, step: int) -> None:
-        """ds_core.run.trainer.Trainer's checkpoint_files hook (rank 0, before COMPLETE): checkpoint-N's trainer_state.json
-        (the state at step N: log_history up to N, no final entry) and training_args.bin. Both are outside the
-        checkpoint's MANIFEST.json: a resume never reads them."""
+    def on_step_end(self, step: int, logs: dict) -> None:
+        logs["epoch"] = self.epoch_of(step)  # transformers' Trainer logs it with every entry
+
+    def on_evaluate(self, step: int, logs: dict) -> None:
+        logs["epoch"] = self.epoch_of(step)
+
+    def on_save(self, tag_dir: Path, step: int) -> None:
+        """Rank 0, before the checkpoint's COMPLETE: checkpoint-N's trainer_state.json (the state at step N:
+        log_history up to N, no final entry) and training_args.bin. Both are outside the checkpoint's MANIFEST.json:
+        a resume never reads them."""
         self._state(step, final=None, out_dir=tag_dir)
         self._write_args(tag_dir)
 
@@ -77,13 +81,13 @@ class TrainerFiles:
 
     # -- trainer_state.json ----------------------------------------------------------------------------------------
     def _state(self, step: int, *, final: dict | None, out_dir: Path | str = "") -> None:
-        cfg, compat = self.run.train, self.run.section(CompatArgs)
+        cfg, compat = self.run.train, self.run.cfg.compat
         hf_trainer.write_trainer_state(
             cfg.run_dir, step=step, epoch=final["epoch"] if final else self.epoch_of(step),
             total_flos=final["total_flos"] if final else self.total_flos(step), final=final,
             steps_per_epoch=self.per_epoch, max_steps=self.run.total_steps, num_train_epochs=self._epochs(),
             logging_steps=cfg.log_every, eval_steps=self.eval_every or cfg.log_every, save_steps=self.save_every,
-            train_batch_size=int(self.run.ds_config["train_micro_batch_size_per_gpu"]),
+            train_batch_size=self.run.batch.micro,
             metric=compat.metric_for_best_model, greater_is_better=compat.greater_is_better, out_dir=out_dir,
             rank=self.run.dist.rank)
 
@@ -135,18 +139,17 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
     from transformers.trainer_utils import SchedulerType
 
     cfg, dist, ds = run.train, run.dist, run.ds_config
-    optim, compat, run_args, data_args = (run.section(OptimArgs), run.section(CompatArgs), run.section(RunArgs),
-                                          run.section(DataArgs))
+    optim, compat, run_args, data_args = run.cfg.optim, run.cfg.compat, run.cfg.task, run.cfg.data
     if optim.lr_scheduler_type not in {s.value for s in SchedulerType}:
         raise ValueError(f"--lr_scheduler_type {optim.lr_scheduler_type} has no transformers SchedulerType")
-    precision = precision_of(ds)
+    precision = run.precision
     kw = dict(
         output_dir=cfg.run_dir, do_train=run_args.do_train,
         do_eval=run_args.do_eval, do_predict=run_args.do_predict,
         eval_strategy=compat.eval_strategy, eval_steps=eval_every if compat.eval_strategy == "steps" else None,
-        per_device_train_batch_size=ds["train_micro_batch_size_per_gpu"],
-        per_device_eval_batch_size=run_args.eval_micro_batch_size or ds["train_micro_batch_size_per_gpu"],
-        gradient_accumulation_steps=ds["gradient_accumulation_steps"],
+        per_device_train_batch_size=run.batch.micro,
+        per_device_eval_batch_size=run_args.eval_micro_batch(run.batch.micro),
+        gradient_accumulation_steps=run.batch.accumulation,
         learning_rate=optim.learning_rate, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
         adam_beta2=optim.beta2, adam_epsilon=optim.eps, max_grad_norm=float(ds.get("gradient_clipping", 0.0)),
         num_train_epochs=float(cfg.max_epochs), max_steps=cfg.max_steps or -1,

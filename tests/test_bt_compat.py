@@ -16,14 +16,11 @@ import pytest
 
 from conftest import REPO
 
-from ds_core.config import TrainConfig, parse_args
+from ds_core.config import TrainConfig, parse_settings
+from ds_core.config.optim import OptimArgs
 from ds_core.errors import ConfigError
 from bridgetower_ds import compat, trainer_flags
-from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
-from ds_core.config.optim import OptimArgs
-from bridgetower_ds.data import DataArgs
-
-TYPES = [TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs]
+from bridgetower_ds.configs import BridgeTowerSettings, CompatArgs, DataArgs, ModelArgs
 
 # optimum-habana examples/contrastive-image-text/README.md, "BridgeTower" (the published Gaudi benchmark), as a user
 # pastes it after `run_bridgetower.py`, with the blog's --report_to tensorboard and Trainer flags users add to it;
@@ -53,7 +50,8 @@ EXTRA = ["--gradient_accumulation_steps", "2", "--max_steps", "0", "--weight_dec
 
 
 def test_published_command_parses_into_the_toolkits_settings():
-    tc, ma, da, ra, oa, ca = parse_args(TYPES, PUBLISHED + EXTRA)
+    cfg = parse_settings(BridgeTowerSettings, PUBLISHED + EXTRA)
+    tc, ma, da, ra, oa, ca = cfg.train, cfg.model, cfg.data, cfg.task, cfg.optim, cfg.compat
     assert tc.run_dir == "/tmp/bridgetower-test" and tc.overwrite_run_dir and tc.max_epochs == 5
     assert tc.micro_batch_size == 40 and ra.eval_micro_batch_size == 16 and tc.gradient_accumulation_steps == 2
     assert tc.throughput_warmup_steps == 3 and tc.log_every == 10 and tc.save_total_limit == 2 and tc.seed == 7
@@ -76,7 +74,8 @@ def test_published_command_parses_into_the_toolkits_settings():
 
 
 def test_push_to_hub_is_refused_with_the_reason():
-    tc, _, _, _, _, ca = parse_args(TYPES, ["--push_to_hub", "--hub_model_id", "me/bt", "--do_train"])
+    cfg = parse_settings(BridgeTowerSettings, ["--push_to_hub", "--hub_model_id", "me/bt", "--do_train"])
+    tc, ca = cfg.train, cfg.compat
     with pytest.raises(ConfigError, match="never uploads.*hf upload"):
         compat.check_flags(ca, tc)
     with pytest.raises(ConfigError, match="save_strategy 'hourly'"):
@@ -96,7 +95,7 @@ def test_push_to_hub_is_refused_with_the_reason():
 ])
 def test_unknown_flags_get_a_hint_only_when_close(flag, hint):
     with pytest.raises(ConfigError) as e:
-        parse_args(TYPES, ["--do_train", flag, "1"])
+        parse_settings(BridgeTowerSettings, ["--do_train", flag, "1"])
     msg = str(e.value)
     assert f"'{flag}'" in msg
     if hint:
@@ -126,7 +125,7 @@ def test_learning_rate_rule_against_a_deepspeed_json_optimizer_section():
     with pytest.raises(ConfigError, match="scheduler"):
         compat.engine_kwargs(None, OptimArgs(), {"scheduler": {}}, 1e-5, 0.0, 10)
     with pytest.raises(ConfigError, match="lr_scheduler_type"):
-        parse_args(TYPES, ["--do_train", "--lr_scheduler_type", "exponential"])
+        parse_settings(BridgeTowerSettings, ["--do_train", "--lr_scheduler_type", "exponential"])
 
 
 def test_report_to_turns_on_deepspeeds_monitor(tmp_path):
@@ -214,7 +213,8 @@ def _in_subprocess(code: str, cache: Path) -> subprocess.CompletedProcess:
 def test_dataset_name_loads_from_the_local_cache_offline_else_says_how_to_save_it(tmp_path):
     cache = make_newyorker_cache(tmp_path / "hf_datasets", {"train": 12, "validation": 4, "test": 4})
     out = _in_subprocess(
-        "from bridgetower_ds.data import DataArgs, load_tables, build_data, select_split, limit_rows\n"
+        "from bridgetower_ds.configs import DataArgs\n"
+        "from bridgetower_ds.data import load_tables, build_data, select_split, limit_rows\n"
         "a = DataArgs(dataset_name='jmhessel/newyorker_caption_contest', dataset_config_name='matching',\n"
         "             caption_column='image_description', max_eval_samples=3)\n"
         "t = load_tables(a)\n"
@@ -227,7 +227,8 @@ def test_dataset_name_loads_from_the_local_cache_offline_else_says_how_to_save_i
     assert "SPLITS [('test', 4), ('train', 12), ('validation', 4)]" in out.stdout
     assert "CAPTION a " in out.stdout and "BYTES bytes" in out.stdout and "LIMIT 3 4" in out.stdout
     missing = _in_subprocess(
-        "from bridgetower_ds.data import DataArgs, load_tables\n"
+        "from bridgetower_ds.configs import DataArgs\n"
+        "from bridgetower_ds.data import load_tables\n"
         "load_tables(DataArgs(dataset_name='jmhessel/newyorker_caption_contest', dataset_config_name='ranking'))\n",
         cache)
     assert missing.returncode != 0

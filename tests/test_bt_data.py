@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from bridgetower_ds import data as D
+from bridgetower_ds.configs import DataArgs
 from bridgetower_ds.images import CLIP_MEAN, CLIP_STD, BadImage
 
 S = 32  # tiny images keep the suite fast on 2 shared cores
@@ -63,7 +64,7 @@ def args_for(path, **kw):
     base = dict(dataset_path=str(path), dataloader_num_workers=0, validation_fraction=0.0, test_fraction=0.0,
                 missing_splits="fractions")
     base.update(kw)
-    return D.DataArgs(**base)
+    return DataArgs(**base)
 
 
 def collect(data):
@@ -180,6 +181,33 @@ def test_exact_resume_mid_epoch(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- pipelines
+def test_the_image_pipeline_is_decided_once_and_handed_to_every_split(tmp_path, capsys):
+    """build_data with the run's ImagePipeline uses it as given: the flag in the data settings is not read again (a
+    host pipeline handed over where the settings say device decodes in the workers), and nothing is announced per
+    split; a source built alone resolves and announces it itself."""
+    from bridgetower_ds.image_pipeline import HOST, DevicePixels, HostPixels, ImagePipeline
+
+    path = make_manifest(tmp_path, n=6)
+    args = args_for(path, image_pipeline="device", missing_splits="fractions", validation_fraction=0.5,
+                    test_fraction=0.0)
+    splits = D.open_dataset(args)
+    built = [D.build_data(splits, split, tiny_tokenizer(), S, 0, 1, 2, 0, "cpu", shuffle=False, pipeline=HOST)
+             for split in ("train", "validation")]
+    assert capsys.readouterr().out == ""
+    for data in built:
+        assert data.pipeline is HOST and data._fetch.host and isinstance(data._pixels, HostPixels)
+        assert all(b["pixel_values"].shape[1:] == (3, S, S) for b in collect(data))
+    alone = D.build_data(splits, "train", tiny_tokenizer(), S, 0, 1, 2, 0, "cpu", shuffle=False)
+    assert alone.pipeline == ImagePipeline("device-cpu", alone.pipeline.reason) and not alone._fetch.host
+    assert isinstance(alone._pixels, DevicePixels)
+    assert "image pipeline: device-cpu" in capsys.readouterr().out
+    alone.close()
+    with pytest.raises(ValueError, match="image pipeline 'gpu'"):
+        ImagePipeline("gpu")
+    with pytest.raises(ValueError, match="no per-batch PixelSource"):
+        ImagePipeline("device-hpu").pixel_source(S, torch.device("cpu"), args)
+
+
 def test_host_and_device_cpu_pipelines_give_the_same_tensors(tmp_path):
     path = make_manifest(tmp_path, n=6)
     tok = tiny_tokenizer()
@@ -188,7 +216,7 @@ def test_host_and_device_cpu_pipelines_give_the_same_tensors(tmp_path):
     host = D.CaptionData(host_args, table, tok, S, 0, 1, 4, 0, "cpu")
     dev_args = args_for(path, mediapipe_dataloader=True)  # the alias of --image_pipeline device
     dev = D.CaptionData(dev_args, table, tok, S, 0, 1, 4, 0, "cpu")
-    assert host.pipeline == "host" and dev.pipeline == "device-cpu"
+    assert host.pipeline.name == "host" and dev.pipeline.name == "device-cpu"
     hb, db = collect(host), collect(dev)
     assert len(hb) == len(db) == 2
     for a, b in zip(hb, db):
@@ -266,18 +294,18 @@ def test_all_bad_batch_skipped_alone_or_filled_in_with_several_ranks(tmp_path):
 
 def test_data_args_validation():
     with pytest.raises(ValueError, match="image_pipeline"):
-        D.DataArgs(dataset_path="x", image_pipeline="gpu").validate()
+        DataArgs(dataset_path="x", image_pipeline="gpu").validate()
     with pytest.raises(ValueError, match="bad_image"):
-        D.DataArgs(dataset_path="x", bad_image="ignore").validate()
-    assert D.DataArgs(mediapipe_dataloader=True).requested_pipeline == "device"
-    for f in D.DataArgs.__dataclass_fields__.values():
+        DataArgs(dataset_path="x", bad_image="ignore").validate()
+    assert DataArgs(mediapipe_dataloader=True).requested_pipeline == "device"
+    for f in DataArgs.__dataclass_fields__.values():
         assert f.metadata.get("help"), f.name
 
 
 def test_data_args_parse_with_hf_argument_parser():
     from transformers import HfArgumentParser
 
-    (a,) = HfArgumentParser([D.DataArgs], allow_abbrev=False).parse_args_into_dataclasses(
+    (a,) = HfArgumentParser([DataArgs], allow_abbrev=False).parse_args_into_dataclasses(
         ["--dataset_path", "d.jsonl", "--mediapipe_dataloader", "--bad_image", "error", "--image_size", "64"])
     assert a.mediapipe_dataloader and a.bad_image == "error" and a.image_size == 64
 

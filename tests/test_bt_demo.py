@@ -3,6 +3,7 @@ image and one empty caption per split that the demo's results report."""
 from __future__ import annotations
 
 from bridgetower_ds import data as D
+from bridgetower_ds.configs import DataArgs
 from bridgetower_ds import demo
 from test_bt_compat import NEWYORKER_FEATURES
 from test_bt_data import collect, tiny_tokenizer
@@ -11,8 +12,8 @@ from test_bt_data import collect, tiny_tokenizer
 def test_demo_set_has_the_newyorker_schema_and_its_odd_rows_are_counted(tmp_path):
     assert demo.NEWYORKER_FEATURES == NEWYORKER_FEATURES
     path = demo.make_newyorker_set(tmp_path, {"train": 6, "validation": 5})
-    args = D.DataArgs(dataset_path=str(path), image_column="image", caption_column="image_description",
-                      dataloader_num_workers=0)
+    args = DataArgs(dataset_path=str(path), image_column="image", caption_column="image_description",
+                    dataloader_num_workers=0)
     splits = D.open_dataset(args)
     assert set(splits.tables) == {"train", "validation"} and len(splits.get("validation")) == 5
     data = D.build_data(splits, "validation", tiny_tokenizer(), 32, 0, 1, 2, 0, "cpu", shuffle=False)

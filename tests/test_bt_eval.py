@@ -124,14 +124,14 @@ def test_global_negatives_across_ranks_with_unequal_batches():
 
 def _eval_split(root, rank: int, world: int) -> dict:
     from bridgetower_ds import data as D
-    from bridgetower_ds.configs import ModelArgs
+    from bridgetower_ds.configs import DataArgs, ModelArgs
     from bridgetower_ds.model import build_model
     from bridgetower_ds.tokenizer import debug_tokenizer
 
     torch.manual_seed(0)
     model = build_model(ModelArgs(preset="debug"))
-    args = D.DataArgs(dataset_path=str(root / "data.jsonl"), dataloader_num_workers=0, validation_fraction=0.0,
-                      test_fraction=0.0, max_seq_length=16, missing_splits="fractions")
+    args = DataArgs(dataset_path=str(root / "data.jsonl"), dataloader_num_workers=0, validation_fraction=0.0,
+                    test_fraction=0.0, max_seq_length=16, missing_splits="fractions")
     source = D.build_data(D.open_dataset(args), "train", debug_tokenizer(), model.config.vision_config.image_size,
                           rank, world, micro_batch=4, seed=0, device="cpu", shuffle=False)
     return evaluate(model, iter(source), prefix="eval")

@@ -3,20 +3,17 @@ with the flag to use instead; no prefix is ever taken for a flag; --max_grad_nor
 gradient_clipping; --resume_from_checkpoint takes the run's newest checkpoint by any of its names."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 
-from ds_core.config import TrainConfig, parse_args
+from ds_core.config import TrainConfig, parse_settings, sections_of
 from ds_core.errors import ConfigError
-from ds_core.config.optim import OptimArgs
 from bridgetower_ds import compat, trainer_flags
-from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
-from bridgetower_ds.data import DataArgs
+from bridgetower_ds.configs import BridgeTowerSettings, CompatArgs, DataArgs
 from bridgetower_ds.train import DEFAULT_DS_CONFIG
-
-TYPES = [TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs]
 
 # huggingface/optimum-habana examples/contrastive-image-text/run_bridgetower.py at commit
 # 1d8504c6c7666a19d71968dba50976dceaf7c6b6: the fields of its ModelArguments and DataTrainingArguments (names only)
@@ -61,11 +58,13 @@ REFUSED = {"data_dir": "--dataset_path", "dataset_revision": "--dataset_path", "
 
 
 def _resolve(argv: list[str]) -> tuple:
-    """parse_args, then what bridgetower_ds.train.resolve does before any rank starts (without the hub look-up)."""
-    tc, ma, da, ra, oa, ca = parse_args(TYPES, argv)
-    tc = compat.check_flags(ca, tc)
+    """parse_settings, then what bridgetower_ds.train.resolve does before any rank starts (without the hub look-up):
+    (map_flags' (train, model, data, notes), the parsed settings tree)."""
+    cfg = parse_settings(BridgeTowerSettings, argv)
+    tc = compat.check_flags(cfg.compat, cfg.train)
     tc = tc if tc.deepspeed_config else TrainConfig(**{**tc.__dict__, "deepspeed_config": DEFAULT_DS_CONFIG})
-    return trainer_flags.map_flags(ca, tc, ma, da, DEFAULT_DS_CONFIG, oa.max_grad_norm), (tc, ma, da, ra, oa, ca)
+    cfg = dataclasses.replace(cfg, train=tc)
+    return trainer_flags.map_flags(cfg.compat, tc, cfg.model, cfg.data, DEFAULT_DS_CONFIG, cfg.optim.max_grad_norm), cfg
 
 
 @pytest.mark.parametrize("name", RUN_BRIDGETOWER_MODEL + RUN_BRIDGETOWER_DATA + TRAINING_ARGS)
@@ -87,8 +86,8 @@ def test_every_run_bridgetower_and_trainer_flag_is_accepted_or_refused_with_the_
             _resolve(argv)
         assert REFUSED[name] in str(e.value) and f"--{name}" in str(e.value)
         return
-    (tc, ma, da, notes), sections = _resolve(argv)
-    parsed = {k: v for s in sections for k, v in s.__dict__.items()}
+    (tc, ma, da, notes), cfg = _resolve(argv)
+    parsed = {k: v for s in sections_of(cfg) for k, v in s.__dict__.items()}
     assert all(len(n.splitlines()) == 1 for n in notes)
     if name == "resume_from_checkpoint":
         assert tc.resume
@@ -103,15 +102,16 @@ def test_every_run_bridgetower_and_trainer_flag_is_accepted_or_refused_with_the_
 
 
 def test_use_hpu_graphs_is_its_own_flag_not_a_prefix():
-    *_, ca = parse_args(TYPES, ["--use_hpu_graphs"])
+    ca = parse_settings(BridgeTowerSettings, ["--use_hpu_graphs"]).compat
     assert ca.use_hpu_graphs and not ca.use_hpu_graphs_for_inference
     assert compat.flag_notices(ca)[0].startswith("--use_hpu_graphs: (optimum-habana's deprecated name")
 
 
 def test_trainer_spellings_are_aliases_of_our_settings():
-    tc, ma, _, ra, oa, _ = parse_args(TYPES, ["--deepspeed", "x.json", "--tokenizer_name", "tok", "--adam_beta2",
-                                              "0.98", "--adam_epsilon", "1e-6", "--ddp_timeout", "60",
-                                              "--evaluation_strategy", "epoch"])
+    cfg = parse_settings(BridgeTowerSettings, ["--deepspeed", "x.json", "--tokenizer_name", "tok", "--adam_beta2",
+                                               "0.98", "--adam_epsilon", "1e-6", "--ddp_timeout", "60",
+                                               "--evaluation_strategy", "epoch"])
+    tc, ma, oa = cfg.train, cfg.model, cfg.optim
     assert (tc.deepspeed_config, ma.tokenizer_name_or_path, oa.beta2, oa.eps, tc.dist_timeout_s) == \
         ("x.json", "tok", 0.98, 1e-6, 60)
 
@@ -120,15 +120,15 @@ def test_trainer_spellings_are_aliases_of_our_settings():
                                   ["--per_device_train", "8"]])
 def test_no_prefix_is_taken_for_a_flag(argv):
     with pytest.raises(ConfigError, match="unknown command-line argument"):
-        parse_args(TYPES, argv)
+        parse_settings(BridgeTowerSettings, argv)
 
 
 def test_max_grad_norm_is_gradient_clipping_and_a_conflict_with_the_users_json_is_refused(tmp_path):
     from bridgetower_ds.train import adjust_ds_config
 
-    sections = _resolve(["--do_train", "--dataset_path", str(tmp_path), "--max_grad_norm", "0.25"])[1]
+    cfg = _resolve(["--do_train", "--dataset_path", str(tmp_path), "--max_grad_norm", "0.25"])[1]
     ds = {"gradient_clipping": 1.0}
-    adjust_ds_config(sections, ds)
+    adjust_ds_config(cfg, ds)
     assert ds["gradient_clipping"] == 0.25
     mine = tmp_path / "mine.json"
     mine.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -166,8 +166,8 @@ def test_train_validation_test_files_are_the_splits_as_run_bridgetower_reads_the
     (tmp_path / "test.jsonl").write_text(json.dumps({"image": "t.jpg", "caption": "test cap"}) + "\n")
     argv = ["--do_train", "--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "val.json"),
             "--test_file", str(tmp_path / "test.jsonl")]
-    (_, _, da, _), sections = _resolve(argv)
-    splits = trainer_flags.open_files(sections[5], da)
+    (_, _, da, _), cfg = _resolve(argv)
+    splits = trainer_flags.open_files(cfg.compat, da)
     assert [len(splits.get(s)) for s in ("train", "validation", "test")] == [6, 1, 1]  # nothing carved out of train
     assert splits.get("validation").captions[0] == "val cap" and splits.get("test").captions[0] == "test cap"
     with pytest.raises(ConfigError, match="give one"):

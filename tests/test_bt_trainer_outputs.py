@@ -226,22 +226,20 @@ def _run_of(tmp_path: Path, argv: list[str], ds: dict):
     import torch
 
     from bridgetower_ds import compat
-    from bridgetower_ds.configs import CompatArgs, ModelArgs, RunArgs
-    from bridgetower_ds.data import DataArgs
-    from ds_core.config import TrainConfig, parse_args
+    from bridgetower_ds.configs import BridgeTowerSettings
+    from ds_core.config import parse_settings
     from ds_core.rank.engine import DistInfo
-    from ds_core.config.optim import OptimArgs
     from ds_core.run.setup import Run
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True)
     (run_dir / "ds_config.json").write_text(json.dumps(ds))
-    sections = list(parse_args([TrainConfig, ModelArgs, DataArgs, RunArgs, OptimArgs, CompatArgs],
-                               ["--output_dir", str(run_dir), *argv]))
-    optim = sections[4]
-    sections[4] = dataclasses.replace(compat.trainer_defaults(optim), weight_decay=optim.weight_decay or 0.0)
+    cfg = parse_settings(BridgeTowerSettings, ["--output_dir", str(run_dir), *argv])
+    optim = cfg.optim
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(compat.trainer_defaults(optim),
+                                                             weight_decay=optim.weight_decay or 0.0))
     dist = DistInfo(0, 0, 1, 1, 1, "cpu", torch.device("cpu"), "gloo")
-    return Run(settings=tuple(sections), dist=dist, ds_config_json=json.dumps(ds), total_steps=30)
+    return Run.of(cfg, dist, ds, total_steps=30)
 
 
 def test_training_args_hold_the_settings_and_leave_the_process_as_it_was(tmp_path, capsys):

@@ -191,9 +191,10 @@ def _run_parse(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
         m.setenv("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES", "glibc.malloc.arena_max=2"))
         m.setattr(sys, "argv", [module, *argv])
         # an entry point parses in its own module or through ds_core.run.setup.start_run: patch whichever it uses
-        for where in (mod, ds_core.run.setup) if hasattr(mod, "start_run") else (mod,):
-            if hasattr(where, "parse_args") and getattr(where.parse_args, "__module__", "") == "ds_core.config":
-                real = where.parse_args
+        for where, parser in [(w, p) for w in ((mod, ds_core.run.setup) if hasattr(mod, "start_run") else (mod,))
+                              for p in ("parse_args", "parse_settings")]:
+            if hasattr(where, parser) and getattr(getattr(where, parser), "__module__", "") == "ds_core.config":
+                real = getattr(where, parser)
 
                 def parse_then_validate(*a, _real=real, **k):
                     # paths in docs are examples: validate() answers "exists" for them, everything else is checked
@@ -202,7 +203,7 @@ def _run_parse(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
                             fs.setattr(Path, attr, lambda self: True)
                         return _real(*a, **k)
 
-                m.setattr(where, "parse_args", parse_then_validate)
+                m.setattr(where, parser, parse_then_validate)
                 for name in ("prepare_run_dir", "init_distributed"):
                     if hasattr(where, name):
                         m.setattr(where, name, stop)

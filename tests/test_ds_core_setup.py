@@ -1,21 +1,21 @@
 """ds_core.run.setup's Run without a process group: the total optimizer steps are decided once, from the data, and the
 run's settings cannot be edited afterwards (start_run itself runs in every multi-rank test through the entry points)."""
 import dataclasses
-import json
 
 import pytest
 
 from ds_core.config import TrainConfig
 from ds_core.errors import ConfigError
 from ds_core.rank.engine import DistInfo
-from ds_core.run.setup import Run
+from ds_core.run.setup import LoopSettings, Run
 
 DIST = DistInfo(rank=1, local_rank=1, world_size=2, local_world_size=2, nodes=1, accelerator="cpu", device=None,
                 backend="gloo")
 
 
 def run_for(accum: int, **train) -> Run:
-    return Run((TrainConfig(**train),), DIST, json.dumps({"gradient_accumulation_steps": accum}))
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accum}
+    return Run.of(LoopSettings(TrainConfig(**train)), DIST, ds)
 
 
 def test_total_steps_count_accumulation_across_epochs_and_are_decided_once():

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from bert_ref.configs import BertArgs
+from bert_ref.configs import BertSettings
 from bert_ref.optim import for_preset
-from ds_core.config.optim import OptimArgs
 from bert_ref.recipes import RECIPES, check_recipe_batch, expand_recipe
-from ds_core.config import TrainConfig, ds_config_for, parse_args
+from ds_core.config import Batch, ds_config_for, parse_settings
 from ds_core.errors import ConfigError
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bert_pretraining.md"
@@ -82,10 +81,11 @@ def test_documented_command_resolves_to_the_published_settings(name, tmp_path):
         argv[argv.index("--init_checkpoint") + 1] = str(tmp_path / "p1")
     expanded, recipe = expand_recipe(argv)
     assert recipe == name
-    train_cfg, args, opt = parse_args([TrainConfig, BertArgs, OptimArgs], expanded)
+    cfg = parse_settings(BertSettings, expanded)
+    train_cfg, args = cfg.train, cfg.model
     ds = ds_config_for(train_cfg, world)
-    check_recipe_batch(recipe, ds)
-    opt = for_preset(opt, args.preset, args.phase)
+    check_recipe_batch(recipe, Batch.of(ds, world))
+    opt = for_preset(cfg.optim, args.preset, args.phase)
     assert (args.preset, args.phase) == (pub["preset"], pub["phase"])
     assert ds["train_batch_size"] == pub["train_batch_size"]
     assert ds["train_micro_batch_size_per_gpu"] == pub["micro"] and ds["gradient_accumulation_steps"] == pub["accum"]
@@ -102,11 +102,11 @@ def test_documented_command_resolves_to_the_published_settings(name, tmp_path):
 
 def test_a_recipe_refuses_another_global_batch_naming_the_fix(tmp_path):
     argv, name = expand_recipe(["--recipe=habana_1p5b_8n", "--input_dir", str(tmp_path)])
-    train_cfg, _, _ = parse_args([TrainConfig, BertArgs, OptimArgs], argv)
+    train_cfg = parse_settings(BertSettings, argv).train
     with pytest.raises(ConfigError, match=r"12288 .*this run's is 3072 .*--gradient_accumulation_steps 24"):
-        check_recipe_batch(name, ds_config_for(train_cfg, 16))
+        check_recipe_batch(name, Batch.of(ds_config_for(train_cfg, 16), 16))
     with pytest.raises(ConfigError, match=re.escape("--recipe 'nvidia': unknown")):
         expand_recipe(["--recipe", "nvidia"])
     # a flag given with the recipe wins
     argv, _ = expand_recipe(["--max_steps", "10", "--recipe", "nvidia_large_p1", "--input_dir", str(tmp_path)])
-    assert parse_args([TrainConfig, BertArgs, OptimArgs], argv)[0].max_steps == 10
+    assert parse_settings(BertSettings, argv).train.max_steps == 10

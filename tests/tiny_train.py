@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ds_core import checkpoint as ckpt
-from ds_core.run.components import EvalTask, Evaluation
+from ds_core.run.components import EvalTask, Evaluation, ModelInfo
 from ds_core.config import TrainConfig
 from ds_core.rank.engine import build_engine, shutdown_distributed
 from ds_core.rank.process_end import run_main
@@ -182,12 +182,18 @@ DEFAULT_DS_CONFIG = "zero1_bf16.json"  # has an optimizer section: the tiny mode
 
 
 def build_data(run: Run) -> SyntheticData:
-    args, dist = run.section(TinyArgs), run.dist
+    args, dist = run.cfg.model, run.dist
     cls = SyntheticData if os.environ.get("TINY_NO_RESIZE") else ResizableData
-    return cls(args, dist.rank, dist.world_size, run.ds_config["train_micro_batch_size_per_gpu"], run.train.seed)
+    return cls(args, dist.rank, dist.world_size, run.batch.micro, run.train.seed)
 
 
-SPEC = RunSpec(types=(TrainConfig, TinyArgs), default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=False)
+@dataclass(frozen=True)
+class TinySettings:
+    train: TrainConfig
+    model: TinyArgs
+
+
+SPEC = RunSpec(settings=TinySettings, default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=False)
 
 
 def main(argv=None) -> dict:
@@ -195,7 +201,7 @@ def main(argv=None) -> dict:
 
     run = start_run(SPEC, argv)
     run = run.with_data(build_data(run))
-    args, dist, data = run.section(TinyArgs), run.dist, run.data
+    args, dist, data = run.cfg.model, run.dist, run.data
     model = BertForSequenceClassification(BertConfig(vocab_size=args.vocab, hidden_size=32, num_hidden_layers=2,
                                                      num_attention_heads=2, intermediate_size=64,
                                                      max_position_embeddings=args.seq_len, num_labels=2))
@@ -269,8 +275,8 @@ def main(argv=None) -> dict:
 
         data.load_state_dicts = dump_then_load
     per_sample = 6 * sum(p.numel() for p in model.parameters()) * args.seq_len  # ~6 N T training FLOPs
-    summary = Trainer(run, engine, step_fn, model_name="tiny-bert", flops_per_sample=per_sample, seq_len=args.seq_len,
-                      evaluation=evaluation, clock=FAKE_CLOCK).fit()
+    summary = Trainer(run, engine, step_fn, ModelInfo("tiny-bert", per_sample, args.seq_len), evaluation=evaluation,
+                      clock=FAKE_CLOCK).fit()
     if args.export_dir:
         ckpt.export_hf(engine, args.export_dir)
     if os.environ.get("TINY_DUMP_OPT"):  # full fp32 master weights and Adam moments per parameter (collective)

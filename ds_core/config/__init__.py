@@ -12,11 +12,14 @@ import json
 import math
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 from ds_core.errors import ConfigError
+
+T = TypeVar("T")
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 # No default DeepSpeed JSON here: each model package declares its own (bert_ref.train, bridgetower_ds.train), because
@@ -186,6 +189,26 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     return tuple(out)
 
 
+def section_types(tree: type) -> dict[str, type]:
+    """The sections of a settings tree (a frozen dataclass whose fields are settings dataclasses), by field name."""
+    hints = typing.get_type_hints(tree)
+    return {f.name: hints[f.name] for f in dataclasses.fields(tree)}
+
+
+def sections_of(cfg: Any) -> list:
+    """The section instances of a settings tree, in field order (what save_run_config writes, by class name)."""
+    return [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]
+
+
+def parse_settings(tree: type[T], argv: Sequence[str] | None = None, description: str | None = None) -> T:
+    """One settings tree from flags and `--config FILE.json` (parse_args, one section per field of `tree`): a run
+    reads a setting by name, `cfg.train.max_steps`, never by position. The JSON format is parse_args': flat, or
+    sectioned by class name, as run_config.json is written (so files written before the tree existed still load)."""
+    types = section_types(tree)
+    sections = parse_args(list(types.values()), argv, description=description)
+    return tree(**dict(zip(types, sections)))
+
+
 def _flag_hint(given: str, known: Sequence[str]) -> str:
     """'--flag' plus a hint only when one is close (ratio >= 0.8: '--learning_rte' -> '--learning_rate', but
     '--eval_strategy' is not offered '--save_strategy'); a transformers TrainingArguments flag that this toolkit does
@@ -339,6 +362,28 @@ def check_batch_arithmetic(tb: int | None, mb: int | None, ga: int | None, world
     else:
         raise ConfigError(f"{source}: give train_batch_size or train_micro_batch_size_per_gpu ({numbers})")
     return tb, mb, ga
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A run's batch numbers, decided once from its resolved DeepSpeed config (load_ds_config fills them in):
+    micro batch per rank, micro batches accumulated per optimizer step, data-parallel ranks, and the global batch
+    (micro x accumulation x data-parallel ranks), in samples."""
+
+    micro: int
+    accumulation: int
+    data_parallel: int
+    global_size: int
+
+    @classmethod
+    def of(cls, ds_config: dict, data_parallel: int) -> "Batch":
+        """The numbers of a resolved DeepSpeed config (load_ds_config's, after any resize) on `data_parallel` ranks,
+        checked against each other once more: a config edited after resolving would fail here, naming them."""
+        tb, mb, ga = check_batch_arithmetic(ds_config.get("train_batch_size"),
+                                            ds_config.get("train_micro_batch_size_per_gpu"),
+                                            ds_config.get("gradient_accumulation_steps"), data_parallel,
+                                            "resolved DeepSpeed config")
+        return cls(micro=mb, accumulation=ga, data_parallel=data_parallel, global_size=tb)
 
 
 def check_ds_keys(cfg: dict, source: str = "DeepSpeed config") -> None:

@@ -1,5 +1,7 @@
-"""The Trainer's components besides the step (ds_core.run.loop.Step): checkpointing (save / resume / resize) and
-evaluation (when and what, for every model). ds_core.run.trainer.Trainer wires them; each is small enough to read alone.
+"""The Trainer's components besides the step (ds_core.run.loop.Step): what the metrics know of the model (ModelInfo),
+checkpointing (save / resume / resize, and when to save), evaluation (when and what, for every model), and the
+callbacks through which a model package adds its own behaviour at the loop's named points (transformers'
+TrainerCallback style). ds_core.run.trainer.Trainer wires them; each is small enough to read alone.
 """
 from __future__ import annotations
 
@@ -26,17 +28,53 @@ class Position:
     resumed: bool = False
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the metrics know of the model: its name in the records, its FLOPs per sample (forward + backward: the
+    throughput in TFLOPs and the MFU) and its sequence length (0 where it means nothing)."""
+
+    name: str
+    flops_per_sample: float
+    seq_len: int = 0
+
+
+class Callback:
+    """A model's own behaviour at the loop's named points (transformers' TrainerCallback style); every hook does
+    nothing unless overridden. Hooks run on every rank unless their docstring says otherwise."""
+
+    def on_step_end(self, step: int, logs: dict) -> None:
+        """After optimizer step `step`, before its metrics record is written: add keys to `logs` (in place)."""
+
+    def on_evaluate(self, step: int, logs: dict) -> None:
+        """After an evaluation at `step`, before its eval record is written: add keys to `logs` (a copy of the
+        evaluation's results, in place)."""
+
+    def on_save(self, checkpoint_dir: Path, step: int) -> None:
+        """Rank 0, while checkpoint `step` is saved, after the step's metrics record is durable and before COMPLETE:
+        files of the model's own beside the checkpoint's (e.g. transformers' trainer_state.json)."""
+
+
 class Checkpointing:
-    """Save, resume (same or another data-parallel size: the run's ResizePlan, decided once by start_run), and start
-    from another run's checkpoint (init_from). Every method is collective."""
+    """Save (every `every` optimizer steps: cfg.num_steps_per_checkpoint unless the model decides it, e.g. at each
+    epoch's end; 0: none), resume (same or another data-parallel size: the run's ResizePlan, decided once by
+    start_run), and start from another run's checkpoint (init_from). Every method is collective.
+
+    fingerprint: extra keys a checkpoint must match on resume (preset, optimizer).
+    init_from: a run directory whose latest checkpoint this run starts from when it has none of its own to resume
+        (ds_core.checkpoint.init_from: weights and optimizer state; a new phase with its own schedule and data); step
+        numbers continue from that checkpoint's step, and the run's total steps count the steps of this phase."""
 
     def __init__(self, run: Run, engine: Any, fingerprint: dict | None = None, *, init_from: str | None = None,
-                 reset_optimizer: bool = False):
+                 reset_optimizer: bool = False, every: int | None = None):
         self.run, self.engine = run, engine
         self.train = run.train
         self.root = Path(self.train.run_dir) / "checkpoints"
         self.fingerprint = dict(ckpt.model_fingerprint(engine, engine.zero_optimization_stage()), **(fingerprint or {}))
         self.init_from, self.reset_optimizer = init_from, reset_optimizer
+        self.every = self.train.num_steps_per_checkpoint if every is None else every
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
 
     def latest(self) -> str:
         return ckpt.latest_tag(self.root) or "none"
@@ -144,4 +182,4 @@ class Evaluation:
         return logs
 
 
-__all__ = ["Position", "Checkpointing", "EvalTask", "Evaluation"]
+__all__ = ["Position", "ModelInfo", "Callback", "Checkpointing", "EvalTask", "Evaluation"]

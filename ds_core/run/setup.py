@@ -4,20 +4,21 @@ depend on the training data, which the model package builds with the run's numbe
 once (a second call is refused), before the engine and its LR schedule are built. Nothing edits the settings after
 start_run returns; the LR schedule and ds_core.run.trainer.Trainer read the same `run.total_steps`.
 
-A model package describes itself with a RunSpec: its settings sections, its default DeepSpeed JSON, and two hooks
-(resolve its sections before any rank starts; add its own values to the resolved DeepSpeed config).
+A model package describes itself with a RunSpec: its settings tree, its default DeepSpeed JSON, and two hooks
+(resolve its settings before any rank starts; add its own values to the resolved DeepSpeed config).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
 from ds_core.checkpoint import select_resume_tag
 from ds_core.checkpoint.resize import ResizePlan, plan_resize
-from ds_core.config import TrainConfig, ds_config_for, parse_args, save_run_config
+from ds_core.config import (Batch, TrainConfig, ds_config_for, parse_settings, precision_of, save_run_config,
+                            sections_of)
 from ds_core.errors import ConfigError
 from ds_core.config.ds_json import check_ds_json
 from ds_core.rank.engine import DistInfo, init_distributed, set_seed
@@ -29,54 +30,72 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What a model package tells start_run. `types` are its settings sections; TrainConfig must be among them."""
+    """What a model package tells start_run. `settings` is its settings tree: a frozen dataclass whose fields are the
+    settings sections (ds_core.config.parse_settings), one of them `train: TrainConfig`."""
 
-    types: Sequence[type]
+    settings: type
     default_ds_config: str  # a file name in ds_configs/ used when --deepspeed_config is not given
     optimizer_in_code: bool | None  # ds_core.config.ds_json.check_ds_json: True, False, or None (either)
     description: str | None = None
-    # sections -> (sections, notices), before any rank starts (presets resolved, paths looked up, flags mapped):
-    # new instances (dataclasses.replace), the parsed ones are frozen; notices are one-line messages for rank 0
-    resolve: Callable[[tuple], tuple[tuple, list[str]]] | None = None
-    # sections -> whether this run trains (an eval-only run leaves run_dir as it is: nothing of a run is written)
-    trains: Callable[[tuple], bool] = lambda sections: True
-    # (sections, ds_config) -> notices: the model's own values written into the resolved DeepSpeed config (a copy)
-    adjust_ds_config: Callable[[tuple, dict], list[str]] | None = None
+    # cfg -> (cfg, notices), before any rank starts (presets resolved, paths looked up, flags mapped): a new tree
+    # (dataclasses.replace), the parsed one is frozen; notices are one-line messages for rank 0
+    resolve: Callable[[Any], tuple[Any, list[str]]] | None = None
+    # cfg -> whether this run trains (an eval-only run leaves run_dir as it is: nothing of a run is written)
+    trains: Callable[[Any], bool] = lambda cfg: True
+    # (cfg, ds_config) -> notices: the model's own values written into the resolved DeepSpeed config (a copy)
+    adjust_ds_config: Callable[[Any, dict], list[str]] | None = None
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The settings tree of a run with the loop's settings only (benchmarks and tests that drive the Trainer
+    without a model package's sections)."""
+
+    train: TrainConfig
 
 
 @dataclass(frozen=True)
 class Run:
-    """Everything decided before the model is built. Frozen: settings sections are frozen dataclasses and the
-    DeepSpeed config is kept as JSON text (`ds_config` hands out a fresh copy)."""
+    """Everything decided before the model is built. Frozen: `cfg` is the settings tree (frozen dataclasses, read by
+    name: run.cfg.train, run.cfg.optim, ...), `batch` the batch numbers decided once from the resolved DeepSpeed
+    config, which is parsed once and handed out as a fresh copy (`ds_config`: DeepSpeed may edit what it is given)."""
 
-    settings: tuple
+    cfg: Any
     dist: DistInfo
-    ds_config_json: str
+    resolved_ds_config: dict = field(repr=False)
+    batch: Batch
     resize: ResizePlan | None = None
     resume_tag: str | None = None  # the checkpoint --resume loads (ds_core.checkpoint.select_resume_tag), or None
     total_steps: int = 0  # optimizer steps of this run (its LR schedule and the trainer's end): with_data decides
     data: Any = None  # the training data source (None when the run does not train): with_data sets it
     notices: tuple[str, ...] = field(default_factory=tuple)
+    precision: str = "fp32"  # the compute dtype the resolved DeepSpeed config runs: bf16, fp16 or fp32 (Run.of decides)
+
+    @classmethod
+    def of(cls, cfg: Any, dist: DistInfo, ds_config: dict, **kw: Any) -> "Run":
+        """A run of a resolved DeepSpeed config whose batch numbers and precision are decided here (start_run's own
+        way)."""
+        return cls(cfg, dist, ds_config, Batch.of(ds_config, dist.world_size), precision=precision_of(ds_config), **kw)
 
     @property
     def train(self) -> TrainConfig:
-        return self.section(TrainConfig)
+        return self.cfg.train
 
     @property
     def ds_config(self) -> dict:
-        return json.loads(self.ds_config_json)
+        return copy.deepcopy(self.resolved_ds_config)
 
     def with_data(self, data: Any) -> "Run":
         """The run with its training data and the total optimizer steps decided from it (len(data): micro batches
         per epoch on this rank), the one decision the LR schedule and the trainer share. Called once."""
         if self.data is not None:
             raise RuntimeError("Run.with_data: this run already has its data and total steps")
-        ds = self.ds_config
-        total = decide_total_steps(self.train, len(data), ds["gradient_accumulation_steps"], self.dist.rank)
+        total = decide_total_steps(self.train, len(data), self.batch.accumulation, self.dist.rank)
         return dataclasses.replace(self, data=data, total_steps=total)
 
     def section(self, cls: type[T]) -> T:
-        for s in self.settings:
+        """The settings section of type `cls` (for code that serves several models' trees, e.g. TrainConfig)."""
+        for s in sections_of(self.cfg):
             if isinstance(s, cls):
                 return s
         raise KeyError(f"run settings have no {cls.__name__} section")
@@ -94,17 +113,16 @@ def decide_total_steps(train: TrainConfig, micro_batches_per_epoch: int, grad_ac
 
 def start_run(spec: RunSpec, argv: Sequence[str] | None = None) -> Run:
     """Parse and resolve the settings, then start this rank: see the module docstring. Every rank calls it."""
-    sections = parse_args(spec.types, argv, description=spec.description)  # each section validated
-    sections = tuple(dataclasses.replace(s, deepspeed_config=s.deepspeed_config or spec.default_ds_config)
-                     if isinstance(s, TrainConfig) else s for s in sections)
+    cfg = parse_settings(spec.settings, argv, description=spec.description)  # each section validated
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, deepspeed_config=cfg.train.deepspeed_config or spec.default_ds_config))
     notices: list[str] = []
     if spec.resolve is not None:
-        sections, notices = spec.resolve(sections)
-        sections, notices = tuple(sections), list(notices)
-    train = next(s for s in sections if isinstance(s, TrainConfig))
+        cfg, notices = spec.resolve(cfg)
+        notices = list(notices)
+    train = cfg.train
     check_ds_json(train.deepspeed_config, optimizer_in_code=spec.optimizer_in_code)  # before distributed init
-    trains = spec.trains(sections)
-    if trains:
+    if spec.trains(cfg):
         prepare_run_dir(train)  # a used run_dir is refused (or moved aside) before any rank starts
     dist = init_distributed(train.dist_timeout_s)
     set_seed(train.seed)
@@ -115,9 +133,9 @@ def start_run(spec: RunSpec, argv: Sequence[str] | None = None) -> Run:
     if resize is not None:
         ds_config = resize.ds_config(ds_config)
     if spec.adjust_ds_config is not None:
-        notices += spec.adjust_ds_config(sections, ds_config)
-    save_run_config(train.run_dir, *sections, rank=dist.rank)
-    return Run(tuple(sections), dist, json.dumps(ds_config), resize, resume_tag, 0, None, tuple(notices))
+        notices += spec.adjust_ds_config(cfg, ds_config)
+    save_run_config(train.run_dir, *sections_of(cfg), rank=dist.rank)
+    return Run.of(cfg, dist, ds_config, resize=resize, resume_tag=resume_tag, notices=tuple(notices))
 
 
-__all__ = ["RunSpec", "Run", "start_run", "decide_total_steps"]
+__all__ = ["RunSpec", "LoopSettings", "Run", "start_run", "decide_total_steps"]

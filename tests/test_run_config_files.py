@@ -1,0 +1,38 @@
+"""`--config run_config.json` of a run written before the settings became one named tree still loads: every value of
+the file lands in the section and field of the same name, and the tree writes the file back unchanged (the format of
+run_config.json did not change). The files are in tests/data/run_config_v1 (tests/data/README.md says what wrote
+them)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO
+from ds_core.config import parse_settings, save_run_config, sections_of
+
+OLD = REPO / "tests" / "data" / "run_config_v1"
+
+
+def _trees():
+    from bert_ref.configs import BertSettings
+    from bridgetower_ds.configs import BridgeTowerSettings
+
+    return {"bert_ref.json": BertSettings, "bridgetower_ds.json": BridgeTowerSettings}
+
+
+@pytest.mark.parametrize("name", ["bert_ref.json", "bridgetower_ds.json"])
+def test_an_older_run_config_loads_into_the_tree_and_writes_back_the_same(name, tmp_path):
+    tree = _trees()[name]
+    old = json.loads((OLD / name).read_text())
+    argv = ["--config", str(OLD / name)]
+    if "BertArgs" in old:  # validate() wants the shards directory to exist: the one setting given again
+        (tmp_path / "shards").mkdir()
+        argv += ["--input_dir", str(tmp_path / "shards")]
+        old["BertArgs"]["input_dir"] = str(tmp_path / "shards")
+    cfg = parse_settings(tree, argv)
+    assert sorted(type(s).__name__ for s in sections_of(cfg)) == sorted(old)
+    for section in sections_of(cfg):
+        assert vars(section) == old[type(section).__name__], type(section).__name__
+    written = save_run_config(tmp_path / "again", *sections_of(cfg))
+    assert json.loads(written.read_text()) == old
