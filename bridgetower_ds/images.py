@@ -24,9 +24,9 @@ support scaled when downsampling), within 2 grey levels of it (rounding), severa
 
 Device pipelines (`--image_pipeline device`) take encoded bytes from the loader workers and decode on the accelerator:
 CUDA uses torchvision's batched nvJPEG decoder (chroma upsampled as libjpeg does it: `jpeg_chroma.py`), HPU a
-Habana media pipe (see `hpu_media.py`), and CPU a thread pool in the training process. Every decode failure becomes a `BadImage` naming the file and the reason; callers decide
-whether to skip or raise (`--bad_image`). 16-bit grayscale images are scaled to 8 bits (`to_8bit`; transformers'
-processor refuses them).
+Habana media pipe (see `hpu_media.py`), and CPU a thread pool in the training process. Every decode failure
+becomes a `BadImage` naming the file and the reason; callers decide whether to skip or raise (`--bad_image`).
+16-bit grayscale images are scaled to 8 bits (`to_8bit`; transformers' processor refuses them).
 """
 from __future__ import annotations
 

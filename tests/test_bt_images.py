@@ -359,9 +359,9 @@ def test_chroma_upsampled_as_libjpeg_from_nvjpeg_output():
     comes from its own 2 x 2 block and the neighbouring one, and a block holding a clamped pixel has lost part of
     its chroma. Box-upsampled chroma itself is tens of levels off at colour edges."""
     import simplejpeg
+    from test_gpu_images import photo_like
 
     from bridgetower_ds.jpeg_chroma import chroma_factors, fancy_upsample_chroma, needs_fancy
-    from test_gpu_images import photo_like
 
     rng = np.random.default_rng(5)
     for sub, w, h in (("4:2:0", 300, 300), ("4:2:2", 301, 203), ("4:2:0", 97, 61)):
@@ -405,6 +405,7 @@ def test_cuda_pipeline_with_nvjpeg_chroma_matches_host(transform, monkeypatch):
         diff = _grey_levels(pix[row], host[0])
         report[names[i]] = round(float(diff.max()), 1)
     print(transform, "max grey-level difference per file:", report)
+    assert [b.name for b in bad] == ["truncated_640x480.jpg"]
     assert "small_300x300.jpg" in report and "baseline_640x480.jpg" in report
     for n, worst in report.items():
         assert worst <= 12, (n, worst)
