@@ -19,6 +19,8 @@ whose Y and D are no longer recoverable exactly (saturated colours at an edge: a
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,13 @@ LUMA = (0.299, 0.587, 0.114)
 # (horizontal, vertical) chroma block factors whose libjpeg upsampling is the triangle filter (jdsample.c:
 # h2v1, h2v2, h1v2 fancy upsamplers). (1, 1) needs nothing; others (4:1:1) libjpeg upsamples by repetition too.
 FANCY = ((2, 1), (2, 2), (1, 2))
+
+
+@functools.lru_cache(maxsize=8)
+def _luma(device: torch.device) -> torch.Tensor:
+    """The luma weights as a [1, 3, 1, 1] float32 tensor on `device`, made once (not a host-to-device copy per
+    image)."""
+    return torch.tensor(LUMA, dtype=torch.float32).view(1, 3, 1, 1).to(device)
 
 
 def chroma_factors(im) -> tuple[int, int] | None:
@@ -61,8 +70,7 @@ def fancy_upsample_chroma(rgb: torch.Tensor, factors: tuple[int, int]) -> torch.
     pad_h, pad_w = -h % fv, -w % fh
     if pad_h or pad_w:  # a partial block at the right / bottom edge: its pixels repeat, as libjpeg's padding does
         x = F.pad(x, (0, pad_w, 0, pad_h), mode="replicate")
-    luma = torch.tensor(LUMA, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-    y = (x * luma).sum(1, keepdim=True)
+    y = (x * _luma(x.device)).sum(1, keepdim=True)
     stored = F.avg_pool2d(x - y, (fv, fh))
     up = F.interpolate(stored, scale_factor=(fv, fh), mode="bilinear", align_corners=False)
     return (y + up)[0, :, :h, :w].round_().clamp_(0, 255)
