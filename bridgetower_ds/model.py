@@ -149,7 +149,36 @@ def build_model(args: ModelArgs) -> BridgeTowerContrastive:
         model = BridgeTowerContrastive(cfg)
     apply_freezing(model, args)
     model.global_negatives = args.global_negatives
+    if args.attn_implementation == "sdpa":
+        use_sdpa(model)
+    elif args.attn_implementation != "eager":
+        raise ConfigError(f"--attn_implementation must be sdpa or eager, got {args.attn_implementation!r}")
     return model
+
+
+def use_sdpa(model: BridgeTowerForContrastiveLearning) -> bool:
+    """Run the text and cross-modal attention through torch's scaled_dot_product_attention (fused kernels, a few
+    aten ops per layer instead of matmul + mask + softmax + dropout + matmul); the vision tower's
+    nn.MultiheadAttention already calls it (need_weights=False). False (eager kept, logged) where the installed
+    transformers' BridgeTower has no attention-function switch.
+
+    transformers declares no SDPA support for BridgeTower, and switching naively would change the function: the
+    cross-modal layers' self-attention is constructed with is_causal=True, which eager ignores (it only adds the
+    padding mask) but SDPA honours when no mask is given, which is always the case for the image stream. BridgeTower
+    is an encoder everywhere, so is_causal is set False on every attention module; the outputs then equal eager's
+    within float rounding (tests/test_bt_model.py).
+    """
+    from transformers.models.bridgetower import modeling_bridgetower as mb  # noqa: PLC0415
+
+    kinds = tuple(getattr(mb, n) for n in ("BridgeTowerSelfAttention", "BridgeTowerCrossAttention") if hasattr(mb, n))
+    if not hasattr(mb, "ALL_ATTENTION_FUNCTIONS") or len(kinds) != 2:
+        log.warning("this transformers' BridgeTower has no attention-function switch: attention stays eager")
+        return False
+    for module in model.modules():
+        if isinstance(module, kinds):
+            module.is_causal = False
+    model.config._attn_implementation = "sdpa"  # the setter passes it on to text_config and vision_config
+    return True
 
 
 def apply_freezing(model: BridgeTowerForContrastiveLearning, args: ModelArgs) -> dict[str, int]:
