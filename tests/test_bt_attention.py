@@ -116,3 +116,32 @@ def test_step_reads_no_count_back_from_the_device():
              "pixel_values": torch.zeros(4, 3, 8, 8), "index": torch.tensor([5, 6, -1, 7])}
     out = step_fn(MetaEngine(), batch)
     assert out.samples == 3 and out.tokens == 6 + 3 + 6 and out.loss.device.type == "meta"
+
+
+def test_vision_self_attention_forward_equals_torchs_and_falls_back():
+    """SelfAttentionMHA (use_sdpa swaps it in for the vision blocks' nn.MultiheadAttention): the same outputs and
+    gradients as torch's forward on the same weights, fewer aten ops; masked or weight-returning calls take
+    torch's own forward."""
+    from bridgetower_ds.model import SelfAttentionMHA
+
+    torch.manual_seed(0)
+    stock = torch.nn.MultiheadAttention(64, 4)
+    lean = copy.deepcopy(stock)
+    lean.__class__ = SelfAttentionMHA
+    x = torch.randn(17, 3, 64)
+    counts = []
+    for mha in (stock, lean):
+        xi = x.clone().requires_grad_()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = mha(xi, xi, xi, need_weights=False)[0]
+            out.square().sum().backward()
+        counts.append(sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")))
+        mha.result = (out.detach(), xi.grad, mha.in_proj_weight.grad, mha.out_proj.weight.grad)
+    for a, b in zip(stock.result, lean.result):
+        assert (a - b).abs().max() <= TOL * a.abs().max()
+    assert counts[1] < counts[0] - 40, counts
+    mask = torch.zeros(3, 17, dtype=torch.bool)
+    mask[0, 10:] = True
+    want = stock(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+    assert torch.equal(lean(x, x, x, key_padding_mask=mask, need_weights=False)[0], want)
+    assert lean(x, x, x)[1] is not None  # need_weights=True: torch's forward, attention weights returned
