@@ -73,22 +73,9 @@ def reference_images(transform: str, size: int):
         return lambda path: processor(images=Image.open(path).convert("RGB"), return_tensors="pt")["pixel_values"][0]
     if transform != "run_bridgetower":
         raise ValueError(f"--transform must be processor or run_bridgetower, got {transform!r}")
-    try:
-        import torch
-        from torchvision.io import ImageReadMode, read_image
-        from torchvision.transforms import CenterCrop, ConvertImageDtype, InterpolationMode, Normalize, Resize
-    except ImportError as e:
-        raise RuntimeError(f"the run_bridgetower baseline transform is torchvision's (as run_bridgetower.py), and "
-                           f"torchvision is not importable here ({e}); use --transform processor") from None
-    from bridgetower_ds.images import CLIP_MEAN, CLIP_STD  # BridgeTowerImageProcessor's image_mean / image_std
+    from bridgetower_ds.compat import torchvision_transform
 
-    pipeline = torch.nn.Sequential(Resize([size], interpolation=InterpolationMode.BICUBIC), CenterCrop(size),
-                                   ConvertImageDtype(torch.float), Normalize(CLIP_MEAN, CLIP_STD))
-
-    def run(path):
-        with torch.no_grad():
-            return pipeline(read_image(path, mode=ImageReadMode.RGB))
-    return run
+    return torchvision_transform(size)  # RuntimeError naming torchvision where it is missing
 
 
 def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: int, out: str, preset: str = "debug",
