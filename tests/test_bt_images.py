@@ -272,7 +272,7 @@ def test_default_pixel_limit_rejects_a_bomb_from_its_header():
 class _FakeTvio:
     """Stands in for torchvision.io on this CPU-only machine: decode_jpeg as nvJPEG decodes on the GPU, same call
     shapes. libjpeg-turbo with fancy upsampling off repeats each stored chroma sample, as nvJPEG does; this stand-in
-    reproduces the first GPU run's differences from the host pipeline exactly (4:2:0 640x480 baseline 9, progressive
+    reproduces nvJPEG's measured differences from the host pipeline exactly (4:2:0 640x480 baseline 9, progressive
     11, 4:4:4 and grayscale 1, 300x300 33 grey levels, before bridgetower_ds.jpeg_chroma)."""
 
     class ImageReadMode:

@@ -30,8 +30,9 @@ def test_bench_e2e_toy(tmp_path):
 @pytest.mark.gpu  # torchvision comes with the CUDA images (none for this CPU torch); the check itself runs on the CPU
 def test_run_bridgetower_baseline_transform_is_torchvisions_and_equals_ours(tmp_path):
     """The Trainer baseline's run_bridgetower transform (compat.torchvision_transform: torchvision read_image +
-    run_bridgetower.py's Transform) against our host pipeline's run_bridgetower geometry, normalized: equal within float32 rounding of the two
-    normalizations (and 1 grey level where the float resize rounds a .5 the other way on another CPU)."""
+    run_bridgetower.py's Transform) against our host pipeline's run_bridgetower geometry, normalized: equal within
+    float32 rounding of the two normalizations (and 1 grey level where the float resize rounds a .5 the other way
+    on another CPU). Both decode with libjpeg-turbo (torchvision's read_image, simplejpeg)."""
     pytest.importorskip("torchvision", reason="the run_bridgetower baseline transform is torchvision's")
     import numpy as np
     import torch
