@@ -77,7 +77,7 @@ class DataArgs:
         "help": "Share of train carved out as test when the data has no test split."})
     split_seed: int = field(default=42, metadata={"help": "Seed of the deterministic carve-out of missing splits."})
     missing_splits: str = field(default="run_bridgetower", metadata={
-        "help": "run_bridgetower: no test split -> 40 percent of train held out with the training seed, halved into "
+        "help": "run_bridgetower: no test split -> 40 % of train held out with the training seed, halved into "
                 "validation and test when there is no validation split either (run_bridgetower.py's "
                 "train_test_split calls); fractions: --validation_fraction / --test_fraction with --split_seed."})
     image_transform: str = field(default="run_bridgetower", metadata={
