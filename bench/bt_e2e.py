@@ -6,9 +6,15 @@ clipping 1.0, fp32, one process on the CPU, OMP_NUM_THREADS=1, the same number o
 number of warm-up steps, which are excluded from the timing on both sides. The sides alternate for `rounds` rounds
 and each keeps its best round (the machine this runs on may be shared).
 
-  baseline: transformers `Trainer` with the reference-style transform, i.e. a torch Dataset whose __getitem__ opens
-            the image with PIL and runs BridgeTowerImageProcessor on it (per sample) and tokenizes the caption; the
-            DataLoader has the same workers (persistent, to give the baseline its best case).
+  baseline: plain transformers `Trainer` (no DeepSpeed; DDP when started by torchrun, one process otherwise, as the
+            published GPU runs of run_bridgetower.py trained) with a per-sample transform in a torch Dataset's
+            __getitem__, which also tokenizes the caption; the DataLoader has the same workers (persistent, to give
+            the baseline its best case). The transform (`--transform`, baseline process only): "processor" (this
+            bench's CPU case) opens the image with PIL and runs BridgeTowerImageProcessor on it; "run_bridgetower"
+            is optimum-habana's run_bridgetower.py (examples/contrastive-image-text, huggingface/optimum-habana
+            1d8504c6c7666a19d71968dba50976dceaf7c6b6) exactly: torchvision `read_image(path, RGB)`, then its
+            Transform, Resize([S], bicubic) + CenterCrop(S) + ConvertImageDtype(float) + Normalize(CLIP); it needs
+            torchvision.
   ours:     `python -m bridgetower_ds.train` (our data pipeline: JPEG draft decode, uint8 resize/crop in workers,
             normalization in the training process; the DeepSpeed engine with ZeRO-0), throughput from its
             metrics.jsonl summary (ds_core's clock, warm-up excluded).
@@ -57,15 +63,28 @@ def make_manifest(image_dir: Path, out_dir: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- baseline
+def reference_images(transform: str, size: int):
+    """path -> normalized [3, S, S] float32, the baseline's per-sample image transform (see the module docstring)."""
+    if transform == "processor":
+        from PIL import Image
+        from transformers import BridgeTowerImageProcessor
+
+        processor = BridgeTowerImageProcessor(size={"shortest_edge": size}, crop_size={"shortest_edge": size})
+        return lambda path: processor(images=Image.open(path).convert("RGB"), return_tensors="pt")["pixel_values"][0]
+    if transform != "run_bridgetower":
+        raise ValueError(f"--transform must be processor or run_bridgetower, got {transform!r}")
+    from bridgetower_ds.compat import torchvision_transform
+
+    return torchvision_transform(size)  # RuntimeError naming torchvision where it is missing
+
+
 def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: int, out: str, preset: str = "debug",
-                 image_size: int = 0, bf16: bool = False, deepspeed: str | None = None) -> None:
-    """transformers Trainer + per-sample BridgeTowerImageProcessor (runs in its own process). The defaults are this
-    bench's CPU case; bench.gpu_check passes the BridgeTower-Large preset, 294 px, bf16 and a DeepSpeed JSON, and then
-    the Trainer runs on the GPU when one is visible."""
+                 image_size: int = 0, bf16: bool = False, transform: str = "processor") -> None:
+    """Plain transformers Trainer + a per-sample image transform (runs in its own process). The defaults are this
+    bench's CPU case; bench.gpu_check passes the BridgeTower-Large preset, 294 px, bf16 and run_bridgetower.py's
+    transform, and then the Trainer runs on the GPU when one is visible."""
     import torch
-    from PIL import Image
-    from transformers import (BridgeTowerForContrastiveLearning, BridgeTowerImageProcessor, Trainer,
-                              TrainerCallback, TrainingArguments)
+    from transformers import BridgeTowerForContrastiveLearning, Trainer, TrainerCallback, TrainingArguments
 
     from bridgetower_ds.configs import preset as bt_preset
     from bridgetower_ds.tokenizer import debug_tokenizer
@@ -74,8 +93,7 @@ def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: in
     cfg = bt_preset(preset)
     if image_size:
         cfg.vision_config.image_size = image_size
-    size = int(cfg.vision_config.image_size)
-    processor = BridgeTowerImageProcessor(size={"shortest_edge": size}, crop_size={"shortest_edge": size})
+    image = reference_images(transform, int(cfg.vision_config.image_size))
     tokenizer = debug_tokenizer()
 
     class ReferenceDataset(torch.utils.data.Dataset):
@@ -84,11 +102,9 @@ def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: in
 
         def __getitem__(self, i):
             r = rows[i]
-            image = Image.open(r["image"]).convert("RGB")
-            pixels = processor(images=image, return_tensors="pt")
             enc = tokenizer(r["caption"], padding="max_length", max_length=MAX_SEQ, truncation=True,
                             return_tensors="pt")
-            return {"pixel_values": pixels["pixel_values"][0], "input_ids": enc["input_ids"][0],
+            return {"pixel_values": image(r["image"]), "input_ids": enc["input_ids"][0],
                     "attention_mask": enc["attention_mask"][0]}
 
     def collate(items):
@@ -106,7 +122,7 @@ def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: in
     model = BridgeTowerForContrastiveLearning(cfg)
     args = TrainingArguments(
         output_dir=str(Path(out).parent / "trainer_out"), use_cpu=not torch.cuda.is_available(),
-        per_device_train_batch_size=batch, bf16=bf16, deepspeed=deepspeed,
+        per_device_train_batch_size=batch, bf16=bf16,
         max_steps=warmup + steps, learning_rate=1e-5, weight_decay=0.0, lr_scheduler_type="constant",
         optim="adamw_torch", max_grad_norm=1.0, dataloader_num_workers=workers,
         dataloader_persistent_workers=workers > 0, dataloader_drop_last=True, remove_unused_columns=False,
@@ -116,7 +132,8 @@ def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: in
     measured = times[-1] - times[warmup - 1] if warmup else times[-1] - times[0]
     n_steps = len(times) - warmup if warmup else len(times) - 1
     Path(out).write_text(json.dumps({"samples_per_s": n_steps * batch / measured, "steps": n_steps,
-                                     "seconds": measured}))
+                                     "seconds": measured, "transform": transform, "bf16": bf16,
+                                     "world_size": args.world_size, "device": str(args.device)}))
 
 
 # ------------------------------------------------------------------------------------------------- ours
@@ -196,15 +213,16 @@ def main(argv=None) -> None:
     ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)  # internal: the baseline process
     ap.add_argument("--manifest", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    # the baseline process only (bench.gpu_check): model preset, image size, bf16, DeepSpeed JSON for the Trainer
+    # the baseline process only (bench.gpu_check): model preset, image size, bf16, the per-sample image transform
     ap.add_argument("--preset", default="debug", help=argparse.SUPPRESS)
     ap.add_argument("--image_size", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--deepspeed", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--transform", choices=("processor", "run_bridgetower"), default="processor",
+                    help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.baseline:
         run_baseline(a.manifest, a.steps, a.warmup, a.batch, a.workers, a.out, a.preset, a.image_size, a.bf16,
-                     a.deepspeed)
+                     a.transform)
         return
     print(json.dumps(bench_e2e(a.image_dir, a.steps, a.warmup, a.batch, a.workers, rounds=a.rounds)))
 

@@ -131,3 +131,25 @@ def image_processor(source_dir: str, image_size: int):
     return proc
 
 
+
+
+def torchvision_transform(size: int):
+    """path -> normalized [3, S, S] float32 exactly as run_bridgetower.py makes pixels from an image file
+    (examples/contrastive-image-text/run_bridgetower.py, huggingface/optimum-habana
+    1d8504c6c7666a19d71968dba50976dceaf7c6b6): torchvision `read_image(path, RGB)`, then its Transform,
+    Resize([S], bicubic) + CenterCrop(S) + ConvertImageDtype(float) + Normalize(CLIP mean, std). The reference
+    itself, for baselines and for checking images.host_transform(transform="run_bridgetower"); needs torchvision."""
+    try:
+        from torchvision.io import ImageReadMode, read_image  # noqa: PLC0415 - optional: the reference only
+        from torchvision.transforms import (CenterCrop, ConvertImageDtype, InterpolationMode,  # noqa: PLC0415
+                                            Normalize, Resize)
+    except ImportError as e:
+        raise RuntimeError(f"run_bridgetower.py's image transform is torchvision's, and torchvision is not importable "
+                           f"here ({e})") from None
+    pipeline = torch.nn.Sequential(Resize([size], interpolation=InterpolationMode.BICUBIC), CenterCrop(size),
+                                   ConvertImageDtype(torch.float), Normalize(CLIP_MEAN, CLIP_STD))
+
+    def run(path: str) -> torch.Tensor:
+        with torch.no_grad():
+            return pipeline(read_image(path, mode=ImageReadMode.RGB))
+    return run

@@ -132,6 +132,9 @@ class ModelArgs:
         "help": "freeze the text tower's pooler (unused by the contrastive loss, so it gets no gradient)"})
     global_negatives: bool = field(default=False, metadata={
         "help": "contrastive negatives from every rank's micro batch (all-gather) instead of this rank's only"})
+    attn_implementation: str = field(default="sdpa", metadata={
+        "help": "text and cross-modal attention: sdpa (torch's fused scaled_dot_product_attention, the same "
+                "function) | eager (transformers' matmul + softmax + matmul)"})
 
 
 @dataclass(frozen=True)

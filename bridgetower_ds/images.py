@@ -23,13 +23,14 @@ bicubic antialias kernel (channels-last, vectorized): same geometry and filter a
 support scaled when downsampling), within 2 grey levels of it (rounding), several times faster on the CPU.
 
 Device pipelines (`--image_pipeline device`) take encoded bytes from the loader workers and decode on the accelerator:
-CUDA uses torchvision's batched nvJPEG decoder, HPU a Habana media pipe (see `hpu_media.py`), and CPU a thread pool in
-the training process. Every decode failure becomes a `BadImage` naming the file and the reason; callers decide
-whether to skip or raise (`--bad_image`). 16-bit grayscale images are scaled to 8 bits (`to_8bit`; transformers'
-processor refuses them).
+CUDA uses torchvision's batched nvJPEG decoder (chroma upsampled as libjpeg does it: `jpeg_chroma.py`), HPU a
+Habana media pipe (see `hpu_media.py`), and CPU a thread pool in the training process. Every decode failure
+becomes a `BadImage` naming the file and the reason; callers decide whether to skip or raise (`--bad_image`).
+16-bit grayscale images are scaled to 8 bits (`to_8bit`; transformers' processor refuses them).
 """
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import math
@@ -43,6 +44,8 @@ import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
 from ds_core.errors import ConfigError
+
+from .jpeg_chroma import chroma_factors, fancy_upsample_chroma, needs_fancy
 
 try:  # libjpeg-turbo straight into a numpy array: bit-identical to PIL's decode, ~40% less CPU per 640x480 image
     import simplejpeg
@@ -327,10 +330,18 @@ def normalize(u8: torch.Tensor, device: torch.device | str | None = None) -> tor
     One fused scale-and-shift, x * 1/(255 std) - mean/std: within 1e-6 of the reference's (x/255 - mean)/std.
     """
     x = u8.to(device, non_blocking=True) if device is not None else u8
-    std = torch.tensor(CLIP_STD, dtype=torch.float64)
-    scale = (1.0 / (255.0 * std)).float().view(1, 3, 1, 1).to(x.device)
-    shift = (-torch.tensor(CLIP_MEAN, dtype=torch.float64) / std).float().view(1, 3, 1, 1).to(x.device)
+    scale, shift = _clip_affine(x.device)
     return torch.addcmul(shift, x.float(), scale)
+
+
+@functools.lru_cache(maxsize=8)
+def _clip_affine(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """normalize's scale and shift on `device`, made once per device: building them per batch costs ~10 host ops
+    and two blocking host-to-device copies every step."""
+    std = torch.tensor(CLIP_STD, dtype=torch.float64)
+    scale = (1.0 / (255.0 * std)).float().view(1, 3, 1, 1).to(device)
+    shift = (-torch.tensor(CLIP_MEAN, dtype=torch.float64) / std).float().view(1, 3, 1, 1).to(device)
+    return scale, shift
 
 
 # ---------------------------------------------------------------------------------------------------- device decoders
@@ -409,6 +420,10 @@ def _torchvision_io():
 class CudaDecoder(DeviceDecoder):
     """CUDA device pipeline: batched nvJPEG decode (torchvision.io.decode_jpeg on the GPU) + GPU resize/crop/normalize.
 
+    nvJPEG repeats subsampled chroma where libjpeg (the host pipeline's and the reference's decoder) interpolates it;
+    jpeg_chroma redoes the interpolation on the GPU, so the pixels equal the host pipeline's up to rounding (and a
+    few grey levels next to colours nvJPEG clamped). JPEGs whose chroma planes it cannot describe go to the CPU.
+
     Images nvJPEG should not take go to a CPU thread pool with the host path's semantics: non-JPEG content (a PNG named
     .jpg), CMYK JPEGs, JPEGs without an end marker (truncated: PIL decides and words the error), and JPEGs that
     `draft` would reduce >= 2x (8000 x 8000 photos: decoding them at full size on the
@@ -424,7 +439,8 @@ class CudaDecoder(DeviceDecoder):
         self.cpu = ThreadDecoder(size, "cpu", draft, max_pixels, threads, transform)
 
     def _gpu_eligible(self, data: bytes, name: str) -> tuple[int, int] | None:
-        """(h, w) when nvJPEG should decode it; None -> CPU fallback. Raises BadImage on header problems."""
+        """The chroma factors (jpeg_chroma.chroma_factors; (1, 1) for grayscale) when nvJPEG should decode it;
+        None -> CPU fallback. Raises BadImage on header problems."""
         im = open_image(data, name, self.max_pixels)
         if im.format != "JPEG" or im.mode not in ("RGB", "L"):
             return None
@@ -433,20 +449,32 @@ class CudaDecoder(DeviceDecoder):
         w, h = im.size
         if self.draft and draft_scale(h, w, self.size, self.transform) >= 2:
             return None
-        return h, w
+        return chroma_factors(im) if im.mode == "RGB" else (1, 1)
+
+    def _resize_crop(self, img: torch.Tensor, factors: tuple[int, int]) -> torch.Tensor:
+        """One nvJPEG-decoded [3, H, W] uint8 image -> [3, S, S] (float or uint8, integer grey levels): the chroma
+        upsampled as libjpeg does it (jpeg_chroma), then the host pipeline's float resize and crop."""
+        th, tw, top, left = geometry(img.shape[-2], img.shape[-1], self.size, self.transform)
+        x = fancy_upsample_chroma(img, factors) if needs_fancy(factors, img.shape[-1]) else img
+        x = x.unsqueeze(0)
+        if x.shape[-2:] != (th, tw):
+            x = resize_float(x.float(), (th, tw))
+        return crop_at(x, top, left, self.size, self.transform)[0]
 
     def __call__(self, items, names):
         out: dict[int, torch.Tensor] = {}
         bad: list[BadImage] = []
-        gpu_rows, cpu_rows = [], []
+        gpu_rows, cpu_rows, factors = [], [], {}
         for i, (item, name) in enumerate(zip(items, names)):
             if isinstance(item, BadImage):
                 bad.append(item)
                 continue
             try:
-                (gpu_rows if self._gpu_eligible(item, name) else cpu_rows).append(i)
+                factors[i] = self._gpu_eligible(item, name)
             except BadImage as e:
                 bad.append(e)
+                continue
+            (gpu_rows if factors[i] else cpu_rows).append(i)
         if gpu_rows:
             datas = [torch.frombuffer(bytearray(items[i]), dtype=torch.uint8) for i in gpu_rows]
             try:
@@ -463,12 +491,8 @@ class CudaDecoder(DeviceDecoder):
             for i, img in zip(gpu_rows, decoded):
                 if img is None:
                     continue
-                th, tw, top, left = geometry(img.shape[-2], img.shape[-1], self.size, self.transform)
-                x = img.unsqueeze(0)
                 try:
-                    if x.shape[-2:] != (th, tw):
-                        x = resize_float(x.float(), (th, tw))
-                    out[i] = crop_at(x, top, left, self.size, self.transform)[0]
+                    out[i] = self._resize_crop(img, factors[i])
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory on one huge image: named, not a crash
                     bad.append(BadImage(names[i], f"resize/crop on {self.device} failed: {type(e).__name__}: {e}"))
         if cpu_rows:

@@ -14,10 +14,13 @@ def step_fn(engine, batch: dict) -> StepOutput:
     Samples and tokens count real rows only: a fill-in batch (index -1, data.CaptionData on several ranks) repeats
     seen samples to keep the ranks in step and counts 0. Tokens are the non-padding caption tokens.
     """
+    # Counted from the batch as the loader made it (index and tokens are CPU tensors): reading a count back from the
+    # accelerator would stop the host until the device caught up, twice a step.
+    mask = batch["attention_mask"]
+    real = batch["index"] >= 0 if "index" in batch else torch.ones(mask.shape[0], dtype=torch.bool)
+    samples, tokens = int(real.sum()), int(mask[real.to(mask.device)].sum())
     device = engine.device
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
     out = engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"], pixel_values=b["pixel_values"],
                  return_loss=True)
-    real = b["index"] >= 0 if "index" in b else torch.ones(b["input_ids"].shape[0], dtype=torch.bool, device=device)
-    return StepOutput(loss=out.loss, samples=int(real.sum().item()),
-                      tokens=int(b["attention_mask"][real].sum().item()))
+    return StepOutput(loss=out.loss, samples=samples, tokens=tokens)

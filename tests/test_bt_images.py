@@ -33,12 +33,13 @@ def photo(w: int, h: int, seed: int = 0) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def jpeg_bytes(arr: np.ndarray, mode: str = "RGB", fmt: str = "JPEG", quality: int = 90) -> bytes:
+def jpeg_bytes(arr: np.ndarray, mode: str = "RGB", fmt: str = "JPEG", quality: int = 90, **jpeg) -> bytes:
+    """Encoded bytes; `jpeg` goes to PIL's JPEG writer (e.g. subsampling=0: 4:4:4, no chroma upsampling to decode)."""
     im = Image.fromarray(arr)
     if mode != "RGB":
         im = im.convert(mode)
     buf = io.BytesIO()
-    im.save(buf, fmt, **({"quality": quality} if fmt == "JPEG" else {}))
+    im.save(buf, fmt, **({"quality": quality, **jpeg} if fmt == "JPEG" else {}))
     return buf.getvalue()
 
 
@@ -269,7 +270,10 @@ def test_default_pixel_limit_rejects_a_bomb_from_its_header():
 
 
 class _FakeTvio:
-    """Stands in for torchvision.io on this CPU-only machine: decode_jpeg with PIL, same call shapes."""
+    """Stands in for torchvision.io on this CPU-only machine: decode_jpeg as nvJPEG decodes on the GPU, same call
+    shapes. libjpeg-turbo with fancy upsampling off repeats each stored chroma sample, as nvJPEG does; this stand-in
+    reproduces nvJPEG's measured differences from the host pipeline exactly (4:2:0 640x480 baseline 9, progressive
+    11, 4:4:4 and grayscale 1, 300x300 33 grey levels, before bridgetower_ds.jpeg_chroma)."""
 
     class ImageReadMode:
         RGB = "RGB"
@@ -278,18 +282,20 @@ class _FakeTvio:
 
     @classmethod
     def decode_jpeg(cls, data, mode=None, device=None):
+        import simplejpeg
+
         cls.calls += 1
         if isinstance(data, list):
             return [cls.decode_jpeg(d, mode, device) for d in data]
-        im = Image.open(io.BytesIO(data.numpy().tobytes()))
-        im.load()
-        return torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1).contiguous().to(device)
+        arr = simplejpeg.decode_jpeg(data.numpy().tobytes(), "RGB", fastupsample=True)
+        return torch.from_numpy(arr).permute(2, 0, 1).contiguous().to(device)
 
 
 def test_cuda_decoder_logic_with_a_stand_in_decoder(monkeypatch):
-    """Routing (GPU batch vs CPU fallback), float resize, crop and normalize of CudaDecoder, run on the CPU."""
+    """Routing (GPU batch vs CPU fallback), float resize, crop and normalize of CudaDecoder, run on the CPU. The
+    nvJPEG rows are 4:4:4 (both decoders give the same pixels; chroma upsampling is tested below)."""
     monkeypatch.setattr(I, "_torchvision_io", lambda: _FakeTvio)
-    ok = [jpeg_bytes(photo(640, 480, seed=s)) for s in range(2)]
+    ok = [jpeg_bytes(photo(640, 480, seed=s), subsampling=0) for s in range(2)]
     png = jpeg_bytes(photo(120, 90, seed=3), fmt="PNG")
     cmyk = jpeg_bytes(photo(120, 90, seed=4), mode="CMYK")
     big = jpeg_bytes(photo(1400, 1000, seed=5))  # draft 1/4 -> CPU path
@@ -340,3 +346,66 @@ def test_images_without_a_defined_8_bit_range_are_bad():
     Image.fromarray(np.full((8, 8), 1 << 20, dtype=np.int32), "I").save(buf, "TIFF")
     with pytest.raises(I.BadImage, match=r"i.tif: 32-bit integer image with values in \[1048576, 1048576\]"):
         I.decode(buf.getvalue(), "i.tif", 32)
+
+
+def _grey_levels(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-value |a - b| of two normalized [3, S, S] images, in grey levels (0..255 units)."""
+    return (a - b).abs() * 255 * torch.tensor(I.CLIP_STD).view(3, 1, 1)
+
+
+def test_chroma_upsampled_as_libjpeg_from_nvjpeg_output():
+    """jpeg_chroma on what nvJPEG returns equals libjpeg's fancy-upsampled decode (the reference's) up to rounding
+    (<= 2 grey levels) on every pixel farther than 3 px from a pixel nvJPEG clamped to 0 or 255: a pixel's chroma
+    comes from its own 2 x 2 block and the neighbouring one, and a block holding a clamped pixel has lost part of
+    its chroma. Box-upsampled chroma itself is tens of levels off at colour edges."""
+    import simplejpeg
+    from test_gpu_images import photo_like
+
+    from bridgetower_ds.jpeg_chroma import chroma_factors, fancy_upsample_chroma, needs_fancy
+
+    rng = np.random.default_rng(5)
+    for sub, w, h in (("4:2:0", 300, 300), ("4:2:2", 301, 203), ("4:2:0", 97, 61)):
+        buf = io.BytesIO()
+        photo_like(rng, w, h).save(buf, "JPEG", quality=90, subsampling=sub)
+        data = buf.getvalue()
+        factors = chroma_factors(Image.open(io.BytesIO(data)))
+        assert factors == {"4:2:0": (2, 2), "4:2:2": (2, 1)}[sub] and needs_fancy(factors, w)
+        box = simplejpeg.decode_jpeg(data, "RGB", fastupsample=True)
+        want = simplejpeg.decode_jpeg(data, "RGB").astype(np.int16)
+        got = fancy_upsample_chroma(torch.from_numpy(box).permute(2, 0, 1), factors).permute(1, 2, 0).numpy()
+        clamped = torch.from_numpy(((box == 0) | (box == 255)).any(-1).astype(np.float32))[None, None]
+        far = (torch.nn.functional.max_pool2d(clamped, 7, 1, 3)[0, 0] == 0).numpy()
+        assert far.mean() > 0.5, sub  # the check covers most of the image
+        assert np.abs(got.astype(np.int16) - want).max(-1)[far].max() <= 2, sub
+        assert np.abs(box.astype(np.int16) - want).max(-1)[far].max() > 10, sub  # what the correction removes
+    assert chroma_factors(Image.open(io.BytesIO(jpeg_bytes(photo(64, 48), mode="L")))) is None  # grayscale
+
+
+@pytest.mark.parametrize("transform", I.TRANSFORMS)
+def test_cuda_pipeline_with_nvjpeg_chroma_matches_host(transform, monkeypatch):
+    """The CUDA decoder's tensor ops (chroma upsampling as libjpeg's, float resize, crop, normalize) on the CPU, fed
+    what nvJPEG returns, against the host pipeline on the GPU test's images. Left after the chroma correction:
+    rounding (IDCT, chroma before colour conversion, float vs uint8 resize kernel: <= 2 grey levels) everywhere but
+    near pixels nvJPEG clamped to 0 or 255 (saturated colours), where the stored chroma is not recoverable: up to 9
+    levels (the test above bounds the rest). Box-upsampled chroma as nvJPEG gives it is 33 levels off on the
+    300 x 300 photo."""
+    from test_gpu_images import SIZE, corpus
+
+    monkeypatch.setattr(I, "_torchvision_io", lambda: _FakeTvio)
+    files = {n: d for n, d in corpus().items() if not n.startswith("huge")}  # huge: the CPU fallback, tested above
+    names = list(files)
+    dec = I.CudaDecoder(SIZE, "cpu", threads=1, transform=transform)
+    try:
+        pix, keep, bad = dec([files[n] for n in names], names)
+    finally:
+        dec.close()
+    report = {}
+    for row, i in enumerate(keep):
+        host = I.normalize(torch.from_numpy(I.host_transform(files[names[i]], names[i], SIZE, transform=transform)))
+        diff = _grey_levels(pix[row], host[0])
+        report[names[i]] = round(float(diff.max()), 1)
+    print(transform, "max grey-level difference per file:", report)
+    assert [b.name for b in bad] == ["truncated_640x480.jpg"]
+    assert "small_300x300.jpg" in report and "baseline_640x480.jpg" in report
+    for n, worst in report.items():
+        assert worst <= 12, (n, worst)

@@ -92,8 +92,9 @@ def test_alpha_dropped_as_run_bridgetower_composited_as_processor():
 @pytest.mark.parametrize("transform", I.TRANSFORMS)
 def test_host_and_device_pipelines_equal(transform, monkeypatch):
     """Both geometries: the CPU device pipeline (thread pool) is the host pipeline bit for bit; the CUDA decoder's
-    logic (stand-in nvJPEG decode on the CPU) resizes in float: equal for run_bridgetower, rounding for processor."""
-    datas = [jpeg_bytes(photo(w, h, seed=w)) for w, h in ((160, 120), (120, 160), (300, 70), (653, 480))]
+    logic (stand-in nvJPEG decode on the CPU) resizes in float: equal for run_bridgetower, rounding for processor.
+    4:4:4 JPEGs: nvJPEG and libjpeg decode them alike (chroma upsampling: test_bt_images)."""
+    datas = [jpeg_bytes(photo(w, h, seed=w), subsampling=0) for w, h in ((160, 120), (120, 160), (300, 70), (653, 480))]
     names = [f"{i}.jpg" for i in range(len(datas))]
     host = I.normalize(torch.from_numpy(np.stack([I.host_transform(d, n, 64, transform=transform)
                                                   for d, n in zip(datas, names)])))
@@ -108,7 +109,8 @@ def test_host_and_device_pipelines_equal(transform, monkeypatch):
         if pipeline == "device-cpu" or transform == "run_bridgetower":
             assert torch.equal(pv, host), pipeline
         else:
-            assert (pv - host).abs().max() <= 2 / 255 / min(I.CLIP_STD) + 1e-5
+            # torch's uint8 kernel (fixed-point weights) vs the float one: 3 grey levels at sharp 4:4:4 colour edges
+            assert (pv - host).abs().max() <= 3 / 255 / min(I.CLIP_STD) + 1e-5
 
 
 def test_unknown_transform_refused():
