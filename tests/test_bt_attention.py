@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from bridgetower_ds import configs
 from bridgetower_ds.configs import ModelArgs
 from bridgetower_ds.model import BridgeTowerContrastive, build_model, use_sdpa
-from ds_core.config import ConfigError
+from ds_core.errors import ConfigError
 
 # fp32 unit roundoff is 2**-24 ~ 6e-8. SDPA's CPU kernel sums the softmax and the weighted values in another order
 # (blocked, online softmax) than eager's matmul + softmax + matmul: a few ulps per attention output times the number

@@ -34,3 +34,18 @@ def test_pipeline_tokenizer_and_freezing_flags():
         p.requires_grad_(False)
     with pytest.raises(ConfigError, match="every parameter is frozen.*--freeze_"):
         apply_freezing(model, args)
+
+
+def test_help_lists_every_flag():
+    """--help renders every setting's help (argparse formats help with %: a literal '40 %' in a help string must not
+    break it)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "bridgetower_ds.train", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--attn_implementation" in proc.stdout and "--missing_splits" in proc.stdout
+    assert "40 % of train" in proc.stdout

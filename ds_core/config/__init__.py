@@ -156,6 +156,10 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     # allow_abbrev=False: a prefix is never taken for a longer flag (`--use_hpu_graphs` is not
     # `--use_hpu_graphs_for_inference`, `--deepspeed` is not ambiguous)
     parser = HfArgumentParser(list(types), description=description, allow_abbrev=False)
+    for action in parser._actions:  # noqa: SLF001 (argparse lists its actions nowhere public)
+        # argparse %-formats every help string; a field's help is plain text ("40 % of train"), so escape it once here
+        if action.help:
+            action.help = action.help.replace("%", "%%")
     parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name), "
                                                        "or a run directory (its run_config.json); flags given on the "
                                                        "command line override it.")
