@@ -20,7 +20,7 @@ from bert_ref.recipes import check_recipe_batch, expand_recipe  # noqa: E402
 from bert_ref.step import make_step_fn  # noqa: E402
 from ds_core.checkpoint import export_hf  # noqa: E402
 from ds_core.config import TrainConfig  # noqa: E402
-from ds_core.engine import build_engine, shutdown_distributed  # noqa: E402
+from ds_core.engine import build_engine, compile_model, shutdown_distributed  # noqa: E402
 from ds_core.process_end import run_main  # noqa: E402
 from ds_core.settings import OptimArgs, schedule_for  # noqa: E402
 from ds_core.setup import RunSpec, start_run  # noqa: E402
@@ -63,8 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = build_optimizer(model, opt_args, global_batch=ds_config["train_batch_size"])
     engine = build_engine(model, ds_config, optimizer=optimizer, lr_scheduler=schedule_for(opt_args, run.total_steps))
     attach_zero_layout(engine, optimizer)  # LAMB / LANS trust ratios per tensor, not per ZeRO partition
+    # every batch has one shape (seq_len; the sparse head's P positions): one static graph
+    compiled = compile_model(engine, run.train.compile, dynamic=False)
 
-    summary = Trainer(run, engine, make_step_fn(mlm_positions), model_name=f"{preset.name}_phase{preset.phase}",
+    step = make_step_fn(mlm_positions, compiled)
+    summary = Trainer(run, engine, step, model_name=f"{preset.name}_phase{preset.phase}",
                       flops_per_sample=flops_per_sequence(preset, mlm_positions=mlm_positions or None),
                       seq_len=preset.seq_len, evaluation=evaluation,
                       fingerprint={"preset": preset.name, "optimizer": opt_args.optimizer},

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ds_core.config import ConfigError, TrainConfig, read_ds_json, resolve_ds_path
-from ds_core.engine import build_engine, shutdown_distributed
+from ds_core.engine import build_engine, compile_model, shutdown_distributed
 from ds_core.process_end import run_main
 from ds_core.results import keep_frozen_fp32, save_metrics, save_model
 from ds_core.settings import OptimArgs
@@ -97,6 +97,9 @@ def main(argv=None) -> dict:
     frozen = keep_frozen_fp32(model, keep=dist.rank == 0)
     engine = build_engine(model, ds_config, **compat.engine_kwargs(model, optim, ds_config, optim.learning_rate,
                                                                    optim.weight_decay, run.total_steps or 1))
+    # captions are padded to the batch's longest (unless --pad_to_max_length) and a micro batch loses its bad images:
+    # shapes vary, so torch makes the varying sizes symbolic at the first change instead of compiling each shape
+    compile_model(engine, train_cfg.compile, dynamic=None)
     evaluation = evaluation_for(run_args, eval_every,
                                 lambda split: data(split, run_args.eval_micro_batch_size or micro, shuffle=False))
     seq_len = expected_padded_length(tokenizer, run.data.table.captions, micro, data_args.max_seq_length,
