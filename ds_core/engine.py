@@ -227,4 +227,7 @@ def compile_model(engine, setting: str, *, dynamic: bool | None) -> bool:
               "hooks break the graph); DeepCompile (\"compile\": {\"deepcompile\": true} in the DeepSpeed JSON) is "
               "DeepSpeed's path for ZeRO-3", flush=True)
     engine.compile(compile_kwargs={"dynamic": dynamic})
+    if engine.global_rank == 0:
+        print(f"[ds_core] torch.compile: the model's forward through engine.compile (dynamic={dynamic}); the first "
+              f"steps include the compile", flush=True)
     return True
