@@ -181,11 +181,15 @@ def use_sdpa_attention(model: torch.nn.Module) -> None:
 class FastDropout(torch.nn.Dropout):
     """nn.Dropout whose keep mask comes from 16-bit slices of 64-bit random words (4 draws per call of torch's
     generator instead of one per element: CPU bernoulli_ costs ~10 ns per element here). p is rounded to a multiple of
-    2^-15 (0.1 -> 0.100006); the kept values are scaled by 1 / (1 - that p)."""
+    2^-15 (0.1 -> 0.100006); the kept values are scaled by 1 / (1 - that p). Under torch.compile it is nn.Dropout:
+    dynamo cannot trace an integer random_() (a graph break per layer), and inductor draws its own random numbers
+    inside the fused kernel anyway."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
+        if torch.compiler.is_compiling():
+            return super().forward(x)
         n, drop = x.numel(), round(self.p * 32768)
         words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_()  # 63 random bits each
         keep = (words.view(torch.int16)[:n] & 0x7FFF) >= drop  # low 15 bits of each 16-bit lane: uniform

@@ -37,17 +37,20 @@ def masked_positions(labels: torch.Tensor, max_predictions: int) -> torch.Tensor
     return torch.where(pos < S, pos, 0)
 
 
-def make_step_fn(sparse_mlm_predictions: int = 0) -> Callable[[Any, dict], StepOutput]:
+def make_step_fn(sparse_mlm_predictions: int = 0, compiled: bool = False) -> Callable[[Any, dict], StepOutput]:
     """step_fn, or with sparse_mlm_predictions = P > 0 the sparse-MLM step: the model (build_model(...,
     sparse_mlm=True)) computes the MLM head only at P positions per sequence (the masked ones, 0-padded), the loss is
-    the same mean over the masked tokens. FLOPs: flops_per_sequence(preset, mlm_positions=P)."""
-    if not sparse_mlm_predictions:
+    the same mean over the masked tokens. FLOPs: flops_per_sequence(preset, mlm_positions=P).
+    compiled: the losses through torch.compile too (the model is compiled by ds_core.rank.engine.compile_model): the fp32
+    cast, log-softmax and gather over the vocabulary become one kernel instead of an fp32 copy of the logits."""
+    if not sparse_mlm_predictions and not compiled:
         return step_fn
+    losses = torch.compile(pretraining_losses, dynamic=False) if compiled else pretraining_losses
 
-    def sparse_step_fn(engine: Any, batch: dict) -> StepOutput:
-        return _step(engine, batch, sparse_mlm_predictions)
+    def configured_step_fn(engine: Any, batch: dict) -> StepOutput:
+        return _step(engine, batch, sparse_mlm_predictions, losses)
 
-    return sparse_step_fn
+    return configured_step_fn
 
 
 def step_fn(engine: Any, batch: dict) -> StepOutput:
@@ -70,10 +73,10 @@ def forward(engine: Any, batch: dict, sparse_predictions: int = 0) -> tuple[Any,
     return engine(**inputs), labels.to(dev, non_blocking=True)
 
 
-def _step(engine: Any, batch: dict, sparse_predictions: int) -> StepOutput:
+def _step(engine: Any, batch: dict, sparse_predictions: int, losses=pretraining_losses) -> StepOutput:
     out, labels = forward(engine, batch, sparse_predictions)
-    mlm, nsp = pretraining_losses(out.prediction_logits, out.seq_relationship_logits, labels,
-                                  batch["next_sentence_label"].to(engine.device, non_blocking=True))
+    mlm, nsp = losses(out.prediction_logits, out.seq_relationship_logits, labels,
+                      batch["next_sentence_label"].to(engine.device, non_blocking=True))
     loss = mlm + nsp
     ids = batch["input_ids"]
     # tokens = every position processed (padding included): that is what the FLOPs per sequence count.

@@ -17,7 +17,7 @@ from bert_ref.optim import build_optimizer, for_preset
 from bert_ref.recipes import check_recipe_batch, expand_recipe
 from bert_ref.step import make_step_fn
 from ds_core.checkpoint import export_hf
-from ds_core.rank.engine import build_engine, shutdown_distributed
+from ds_core.rank.engine import build_engine, compile_model, shutdown_distributed
 from ds_core.rank.process_end import run_main
 from ds_core.config.optim import schedule_for
 from ds_core.run.setup import Run, RunSpec, start_run
@@ -52,11 +52,13 @@ def main(argv: list[str] | None = None) -> dict:
     mlm_positions = preset.max_predictions_per_seq if args.sparse_mlm else 0
     evaluation = held_out_evaluation(run, args.input_dir, preset, mlm_positions)
     engine = _engine(run)
+    # every batch has one shape (seq_len; the sparse head's P positions): one static graph
+    compiled = compile_model(engine, run.train.compile, dynamic=False)
     checkpoints = Checkpointing(run, engine, {"preset": preset.name, "optimizer": run.cfg.optim.optimizer},
                                 init_from=args.init_run_dir() or None, reset_optimizer=args.reset_optimizer)
     model_info = ModelInfo(f"{preset.name}_phase{preset.phase}",
                            flops_per_sequence(preset, mlm_positions=mlm_positions or None), preset.seq_len)
-    summary = Trainer(run, engine, make_step_fn(mlm_positions), model_info, evaluation=evaluation,
+    summary = Trainer(run, engine, make_step_fn(mlm_positions, compiled), model_info, evaluation=evaluation,
                       checkpoints=checkpoints).fit()
     if args.export_hf:  # the module's weights for transformers users; phase 2 starts from the run directory
         export_hf(engine, Path(run.train.run_dir) / "hf_model")

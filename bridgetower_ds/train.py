@@ -13,7 +13,7 @@ from typing import Any
 
 from ds_core.config import read_ds_json, resolve_ds_path
 from ds_core.errors import ConfigError
-from ds_core.rank.engine import build_engine, shutdown_distributed
+from ds_core.rank.engine import build_engine, compile_model, shutdown_distributed
 from ds_core.rank.process_end import run_main
 from ds_core.outputs.results import keep_frozen_fp32, save_metrics, save_model
 from ds_core.run.setup import Run, RunSpec, start_run
@@ -144,6 +144,9 @@ def _engine(run: Run, image_size: int) -> tuple[Any, Any, dict]:
     frozen = keep_frozen_fp32(model, keep=run.dist.rank == 0)
     engine = build_engine(model, ds_config, **compat.engine_kwargs(model, optim, ds_config, optim.learning_rate,
                                                                    optim.weight_decay, run.total_steps or 1))
+    # captions are padded to the batch's longest (unless --pad_to_max_length) and a micro batch loses its bad images:
+    # shapes vary, so torch makes the varying sizes symbolic at the first change instead of compiling each shape
+    compile_model(engine, run.train.compile, dynamic=None)
     return model, engine, frozen
 
 

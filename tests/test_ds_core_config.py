@@ -192,3 +192,15 @@ def test_new_run_settings_are_validated():
         parse_args([TrainConfig], ["--max_steps_this_run", "-2"])
     with pytest.raises(ConfigError, match="overwrite_run_dir"):
         parse_args([TrainConfig], ["--resume", "true", "--overwrite_run_dir", "true"])
+
+
+def test_compile_setting_is_auto_on_or_off_and_auto_stays_eager():
+    from ds_core.rank.engine import compile_wanted
+
+    (default,) = parse_args([TrainConfig], [])
+    (on,) = parse_args([TrainConfig], ["--compile", "on"])
+    assert (default.compile, on.compile) == ("auto", "on")
+    with pytest.raises(ConfigError, match=r"TrainConfig.compile = 'yes': expected one of auto, on, off"):
+        parse_args([TrainConfig], ["--compile", "yes"])
+    # auto stays eager until a measurement on a GPU shows the compiled step faster (docs/compile.md)
+    assert [compile_wanted(s) for s in ("auto", "on", "off")] == [False, True, False]

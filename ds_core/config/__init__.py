@@ -92,6 +92,9 @@ class TrainConfig:
     progress_bar: bool = arg("Show a rank-0 tqdm progress bar.", default=True)
     precision: str = arg("Compute dtype: auto (bf16 on CUDA/HPU and on CPUs with native bf16, else fp32), bf16 or "
                          "fp32; switches the DeepSpeed JSON's bf16 section (ds_core.device.precision).", default="auto")
+    compile: str = arg("torch.compile the model's forward through DeepSpeed's engine.compile (inductor): on, off, or "
+                       "auto (off until a GPU measurement shows the compiled step faster; docs/compile.md).",
+                       default="auto")
 
     def validate(self) -> None:
         checks = [
@@ -108,6 +111,7 @@ class TrainConfig:
             ("zero_stage", self.zero_stage in (-1, 0, 1, 2, 3), "one of -1, 0, 1, 2, 3"),
             ("dist_timeout_s", self.dist_timeout_s > 0, "> 0"),
             ("precision", self.precision in ("auto", "bf16", "fp32"), "one of auto, bf16, fp32"),
+            ("compile", self.compile in ("auto", "on", "off"), "one of auto, on, off"),
             ("save_total_limit", self.save_total_limit >= 0, ">= 0"),
             ("max_steps_this_run", self.max_steps_this_run >= 0, ">= 0"),
             ("on_resize", self.on_resize in ("keep_batch", "scale_lr"), "one of keep_batch, scale_lr"),
