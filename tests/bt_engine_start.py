@@ -59,7 +59,7 @@ def start(args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--ds_json", required=True)
     p.add_argument("--out_dir", required=True)
     p.add_argument("--logit_scale", choices=("0d", "1d"), default="1d")
