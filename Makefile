@@ -51,7 +51,8 @@ $(STAMP): pyproject.toml
 	  echo "[setup] keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	fi
 	$(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -e ".[$(EXTRAS)]"
-	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then $(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -e ".[hpu]"; fi
+	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then \
+	  $(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -e ".[hpu]"; fi
 	$(PY) -c "import ds_core, ds_tools, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
 	@touch $(STAMP)
 

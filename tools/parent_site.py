@@ -3,7 +3,7 @@
     $(PYTHON) tools/parent_site.py .venv      (the Makefile, right after `$(PYTHON) -m venv --system-site-packages`)
 
 Why: `--system-site-packages` gives the new venv the *base* interpreter's site-packages. When $(PYTHON) is a venv
-(a GPU image whose python3 is /opt/<x>/.venv/bin/python3 holding the CUDA torch), its own site-packages, where torch
+(a GPU image whose python3 is a venv holding the CUDA torch), its own site-packages, where torch
 lives, is not the base's, so the new venv would see no torch: offline `make setup` stops, online it installs a second
 torch that shadows the image's build. This writes `<venv site-packages>/_parent_env.pth` with one line that calls
 site.addsitedir on each of the parent's site-packages directories: they come after the venv's own (so what pip
