@@ -1,6 +1,7 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both create .venv on first use.
 # torch is installed (torch==2.13.0, the CPU build here) only when no torch is importable: on a Gaudi or GPU machine
-# the venv is made with --system-site-packages so it sees the torch that is already installed and keeps it.
+# the venv is made with --system-site-packages so it sees the torch that is already installed and keeps it; where
+# $(PYTHON) is itself a venv (torch in its own site-packages), tools/parent_site.py makes .venv see that venv too.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -14,6 +15,14 @@ export TORCH_EXTENSIONS_DIR ?= $(or $(realpath $(VENV)),$(abspath $(VENV)))/torc
 # pip --no-index from dir (built by `make wheelhouse`); pip is then not upgraded and torch must already be there.
 WHEELHOUSE ?=
 PIP_SRC := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)),)
+# Offline, the editable install is built without pip's isolated build environment when the venv already has the
+# build backend (setuptools>=68 with PEP 660 editables, and wheel): nothing to take from the wheelhouse then, which
+# still carries setuptools, wheel and their requirements for a target without them.
+BUILD_OK := import setuptools, wheel; assert int(setuptools.__version__.split('.')[0]) >= 68
+NO_ISOLATION := $(if $(WHEELHOUSE),$$($(PY) -c "$(BUILD_OK)" >/dev/null 2>&1 && echo --no-build-isolation),)
+# A venv $(PYTHON) with pip: .venv takes pip, setuptools and wheel from it (through tools/parent_site.py) rather than
+# from ensurepip, whose bundled setuptools (65 on Python 3.11) would shadow the env's newer one.
+OWN_PIP := import sys, pip; print('--without-pip' if sys.prefix != sys.base_prefix else '')
 PY_VER   ?= 3.12
 PLATFORM ?= manylinux_2_28_x86_64
 BASE     ?= tools/base/cuda_image.txt
@@ -27,7 +36,8 @@ $(STAMP): pyproject.toml
 	@if [ ! -x $(PY) ]; then \
 	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 	    echo "[setup] torch found in $(PYTHON): creating $(VENV) with --system-site-packages to keep it"; \
-	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	    $(PYTHON) -m venv --system-site-packages $$($(PYTHON) -c "$(OWN_PIP)" 2>/dev/null) $(VENV) && \
+	      $(PYTHON) tools/parent_site.py $(VENV) || exit 1; \
 	  else \
 	    $(PYTHON) -m venv $(VENV); \
 	  fi; \
@@ -40,8 +50,9 @@ $(STAMP): pyproject.toml
 	else \
 	  echo "[setup] keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	fi
-	$(PIP) install -q $(PIP_SRC) -e ".[$(EXTRAS)]"
-	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then $(PIP) install -q $(PIP_SRC) -e ".[hpu]"; fi
+	$(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -e ".[$(EXTRAS)]"
+	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then \
+	  $(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -e ".[hpu]"; fi
 	$(PY) -c "import ds_core, ds_tools, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
 	@touch $(STAMP)
 

@@ -3,7 +3,8 @@
 The toolkit's requirements are all in the base list except pysbd, which (in this made-up world) needs `fakedep>=1`
 (two versions offered, 0.5 and 1.0) and, only with an extra nobody asks for, `neverwanted`; a pinned base version
 that does not satisfy a requirement (h5py==1.0 against h5py>=3.8) is downloaded anyway. The build requirements
-(setuptools, wheel) always go in, even when the base has them."""
+(setuptools, wheel) and their own requirements (here wheel's packaging>=24) always go in, even when the base has
+them: pip's isolated build environment sees only the wheelhouse."""
 from __future__ import annotations
 
 import json
@@ -35,10 +36,11 @@ def test_wheelhouse_stops_at_the_base_and_follows_markers(tmp_path):
     fake_wheel(links, "fakedep", "1.0")
     fake_wheel(links, "h5py", "3.9.0")
     fake_wheel(links, "setuptools", "99.0")
-    fake_wheel(links, "wheel", "0.99")
+    fake_wheel(links, "wheel", "0.99", ("packaging>=24",))
+    fake_wheel(links, "packaging", "24.0")
     deps = [Requirement(r).name for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]]
     base = tmp_path / "base.txt"
-    base.write_text("# the target\ntorch==2.11.0\nsetuptools\nwheel\nh5py==1.0\n" +
+    base.write_text("# the target\ntorch==2.11.0\nsetuptools\nwheel\npackaging\nh5py==1.0\n" +
                     "".join(f"{n}\n" for n in deps if n not in ("pysbd", "h5py")))
     out = tmp_path / "wh"
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "wheelhouse.py"), "--out", str(out), "--python", "3.12",
@@ -52,7 +54,8 @@ def test_wheelhouse_stops_at_the_base_and_follows_markers(tmp_path):
                    "h5py-3.9.0-py3-none-any.whl": "ds-scale-toolkit",
                    "setuptools-99.0-py3-none-any.whl": "build-system.requires",
                    "wheel-0.99-py3-none-any.whl": "build-system.requires",
+                   "packaging-24.0-py3-none-any.whl": "build-system.requires (wheel)",
                    "ds_scale_toolkit-0.1.0-py3-none-any.whl": "the toolkit"}, got
     assert "transformers" in m["from_base"] and "deepspeed" in m["from_base"] and "h5py" not in m["from_base"]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["files"] == 6
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["files"] == 7
 

@@ -12,9 +12,12 @@ requirement graph itself, one `pip download --no-deps` per package (for the targ
 wheels only), reads each wheel's Requires-Dist, evaluates the markers for the target and stops at every name in the
 base list (a name, or name==version: a pinned base version that does not satisfy a requirement is downloaded too,
 and pip upgrades it there). DeepSpeed ships only an sdist: it is built here into a wheel with DS_BUILD_OPS=0 (its ops
-are built just in time on the target, or ds_core.device.ops_check falls back to torch's AdamW where no compiler is there).
-The toolkit's own build requirements (setuptools, wheel) go in too unless the base has them. MANIFEST.json lists
-every file, its size, why it is there, and the base names that were left out.
+are built just in time on the target, or ds_core.device.ops_check falls back to torch's AdamW where no compiler is
+there).
+The toolkit's own build requirements (setuptools, wheel) and everything they require (wheel needs packaging) go in
+even when the base has them: pip builds the editable install in an isolated environment that sees only the
+wheelhouse, not the target's packages. MANIFEST.json lists every file, its size, why it is there, and the base names
+that were left out.
 """
 from __future__ import annotations
 
@@ -151,13 +154,14 @@ def build(out: Path, python: str, platform: str, base: dict[str, Version | None]
     skipped: dict[str, str] = {}
     while todo:
         req, parent = todo.pop(0)
+        for_build = parent.startswith("build-system.requires")
         name = canonicalize_name(req.name)
         if name == "torch" and name not in base:
             raise SystemExit("wheelhouse: torch is not in the base list; a wheelhouse never carries torch (the target's "
                              "CUDA / Gaudi build must be kept): add it to --base")
-        # build requirements always go in: pip's isolated build environment (the editable install) cannot see the
-        # target's installed setuptools
-        if parent != "build-system.requires" and in_base(req, base):
+        # build requirements and theirs always go in: pip's isolated build environment (the editable install)
+        # cannot see the target's installed setuptools, wheel or packaging
+        if not for_build and in_base(req, base):
             skipped[name] = f"in base{'' if base[name] is None else ' ' + str(base[name])} (needed by {parent})"
             continue
         if name in got:
@@ -178,7 +182,8 @@ def build(out: Path, python: str, platform: str, base: dict[str, Version | None]
                 if extra and (r.marker is None or "extra" not in str(r.marker)):
                     continue  # the plain requirements were taken in the "" pass
                 if r.marker is None or r.marker.evaluate({**env, "extra": extra}):
-                    todo.append((r, f"{req.name}{f'[{extra}]' if extra else ''}"))
+                    label = f"{req.name}{f'[{extra}]' if extra else ''}"
+                    todo.append((r, f"build-system.requires ({label})" if for_build else label))
     pip("wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(out), str(REPO))  # the toolkit itself
     files = sorted(out.glob("*.whl"))
     manifest = {"python": python, "platform": platform, "extras": extras,
