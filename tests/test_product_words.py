@@ -53,10 +53,6 @@ PENDING: dict[tuple[str, str], tuple[int, str]] = {
     ("bench/gpu_check.py", "lent machine"): (5, "module docstring, being rewritten with the GPU check"),
     ("bench/gpu_check.py", "half an hour"): (1, "module docstring, being rewritten with the GPU check"),
     ("docs/benchmarks.md", "lent machine"): (2, "the GPU section, being rewritten with the GPU check"),
-    ("tools/base/cuda_image.txt", "lent machine"): (1, "header of the image's package list, being rewritten"),
-    ("tools/base/cuda_image.txt", "outside path"): (1, "header of the image's package list, being rewritten"),
-    ("tools/base/cuda_image.txt", "machine path"): (1, "header of the image's package list, being rewritten"),
-    ("tools/base/cuda_image.txt", "session story"): (1, "header of the image's package list, being rewritten"),
 }
 
 
