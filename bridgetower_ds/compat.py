@@ -140,8 +140,8 @@ def torchvision_transform(size: int):
     Resize([S], bicubic) + CenterCrop(S) + ConvertImageDtype(float) + Normalize(CLIP mean, std). The reference
     itself, for baselines and for checking images.host_transform(transform="run_bridgetower"); needs torchvision."""
     try:
-        from torchvision.io import ImageReadMode, read_image  # noqa: PLC0415 - optional: the reference only
-        from torchvision.transforms import (CenterCrop, ConvertImageDtype, InterpolationMode,  # noqa: PLC0415
+        from torchvision.io import ImageReadMode, read_image  # optional: the reference only
+        from torchvision.transforms import (CenterCrop, ConvertImageDtype, InterpolationMode,
                                             Normalize, Resize)
     except ImportError as e:
         raise RuntimeError(f"run_bridgetower.py's image transform is torchvision's, and torchvision is not importable "

@@ -83,8 +83,8 @@ def materialize(table, cache_dir: str, rank: int) -> list[str]:
     """Write images stored as bytes (e.g. a save_to_disk of a parquet dataset such as the New Yorker caption
     contest) to files once, since the media pipe's decoder reads files. Atomic per file (temp name + rename), so
     ranks sharing the directory can race safely; existing files are reused. Returns one path per row."""
-    import hashlib  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
+    import hashlib
+    import tempfile
 
     root = cache_dir or os.path.join(tempfile.gettempdir(),
                                      "bt_images_" + hashlib.sha1(table.source.encode()).hexdigest()[:12])
@@ -141,7 +141,7 @@ class _Reader(media_ext_reader_op_impl):
 
 class _Pipe(MediaPipe):
     def __init__(self, loader: "HpuMediaLoader", batch_size: int, size: int, threads: int = 2):
-        import inspect  # noqa: PLC0415
+        import inspect
 
         kw = dict(batch_size=batch_size, prefetch_depth=2, pipe_name=f"BridgeTowerPipe:{id(loader)}")
         if "num_threads" in inspect.signature(MediaPipe.__init__).parameters:
