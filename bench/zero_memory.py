@@ -36,7 +36,6 @@ from pathlib import Path
 from bench.common import bench_env, run_local_ranks
 from ds_core.rank.process_end import run_main
 
-
 BERT = {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 768, "num_hidden_layers": 12,
         "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522, "max_position_embeddings": 128,
         "type_vocab_size": 2}
@@ -120,8 +119,8 @@ def _live_tensor_bytes() -> int:
 
 
 def worker(cases: list, out: Path) -> None:
-    import torch
     import deepspeed
+    import torch
     from transformers import BertConfig, BertForPreTraining
 
     from ds_core.rank.engine import init_distributed, shutdown_distributed

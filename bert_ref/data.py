@@ -67,7 +67,6 @@ from ds_core.outputs.sample_log import SampleLog
 from .data_resize import Piece, deal, starts_of, unconsumed, whole
 from .shards import DataDirError, ShardError, check_arrays, inspect_shards, list_shards, read_rows
 
-
 # torch is imported where batches are built, so `bert-prep` (which shares the layout checks) starts fast
 if TYPE_CHECKING:
     import torch

@@ -110,8 +110,10 @@ def _megatron_classes() -> tuple[type, type]:
     """HabanaFirstAttention and MegatronBertSdpaSelfAttention, made on first use (transformers is imported lazily
     here) and registered as attributes of this module, so that pickle finds a model's classes by name."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.models.megatron_bert.modeling_megatron_bert import (MegatronBertAttention,
-                                                                          MegatronBertSelfAttention)
+    from transformers.models.megatron_bert.modeling_megatron_bert import (
+        MegatronBertAttention,
+        MegatronBertSelfAttention,
+    )
 
     class HabanaFirstAttention(MegatronBertAttention):
         """Layer 0's attention in Habana's form: LayerNorm (Habana's embeddings LayerNorm), embedding dropout,

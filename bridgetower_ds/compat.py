@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ds_core.config import TrainConfig
+from ds_core.config.optim import OptimArgs, schedule_for
 from ds_core.errors import ConfigError
 from ds_core.schedule import param_groups
-from ds_core.config.optim import OptimArgs, schedule_for
 
 from .configs import HPU_NOTICES, CompatArgs
 from .images import CLIP_MEAN, CLIP_STD, SIZE_DIVISOR
@@ -141,8 +141,7 @@ def torchvision_transform(size: int):
     itself, for baselines and for checking images.host_transform(transform="run_bridgetower"); needs torchvision."""
     try:
         from torchvision.io import ImageReadMode, read_image  # optional: the reference only
-        from torchvision.transforms import (CenterCrop, ConvertImageDtype, InterpolationMode,
-                                            Normalize, Resize)
+        from torchvision.transforms import CenterCrop, ConvertImageDtype, InterpolationMode, Normalize, Resize
     except ImportError as e:
         raise RuntimeError(f"run_bridgetower.py's image transform is torchvision's, and torchvision is not importable "
                            f"here ({e})") from None

@@ -36,15 +36,31 @@ import torch
 from ds_core.errors import ConfigError
 from ds_core.outputs.sample_log import SampleLog
 
-from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length,
-                       resume_window)
-from .fetch import FetchBatch, PlanSampler, identity
-from .splits import (carve_splits, check_dataset, drop_bad_captions, limit_rows, run_bridgetower_splits,  # noqa: F401
-                     take_rows)
-from .image_pipeline import HOST, ImagePipeline, PixelSource
-from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, TRANSFORMS, BadImage, host_transform,  # noqa: F401
-                     normalize, read_bytes)
+from .batching import MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length, resume_window
 from .configs import DataArgs
+from .fetch import FetchBatch, PlanSampler, identity
+from .image_pipeline import HOST, ImagePipeline, PixelSource
+
+# Names of images.py and splits.py that are still importable from here (bridgetower_ds.train imports check_dataset
+# from this module), hence no unused-import warnings on them.
+from .images import (  # noqa: F401
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_PIXELS,
+    TRANSFORMS,
+    BadImage,
+    host_transform,
+    normalize,
+    read_bytes,
+)
+from .splits import (  # noqa: F401
+    carve_splits,
+    check_dataset,
+    drop_bad_captions,
+    limit_rows,
+    run_bridgetower_splits,
+    take_rows,
+)
 from .table import CaptionTable
 
 ROLES = ("train", "validation", "test")

@@ -33,11 +33,12 @@ from .images import CLIP_MEAN, CLIP_STD, BadImage, open_image
 
 try:
     from habana_frameworks.mediapipe import fn
-    from habana_frameworks.mediapipe.media_types import dtype as mdt
-    from habana_frameworks.mediapipe.media_types import ftype, imgtype, randomCropType, readerOutType
+    from habana_frameworks.mediapipe.media_types import dtype as mdt, ftype, imgtype, randomCropType, readerOutType
     from habana_frameworks.mediapipe.mediapipe import MediaPipe
-    from habana_frameworks.mediapipe.operators.reader_nodes.reader_nodes import (media_ext_reader_op_impl,
-                                                                                 media_ext_reader_op_tensor_info)
+    from habana_frameworks.mediapipe.operators.reader_nodes.reader_nodes import (
+        media_ext_reader_op_impl,
+        media_ext_reader_op_tensor_info,
+    )
     from habana_frameworks.mediapipe.plugins.iterator_pytorch import HPUGenericPytorchIterator
     _IMPORT_ERROR = None
 except ImportError as e:  # pragma: no cover - only on Gaudi machines

@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main, flag
-from ds_tools import fabrics
+from ds_tools import fabrics, scaling_explain as explain
 from ds_tools.scaling import ScalingError, summary_of
-from ds_tools import scaling_explain as explain
 
 DS = "deepspeed 0.19.8"
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

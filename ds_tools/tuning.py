@@ -21,12 +21,19 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
-from ds_core.device import accelerators
+from ds_core.cli import ArgumentParser, cli_main, error as cli_error, flag
 from ds_core.config import DS_CONFIG_DIR
-from ds_core.cli import ArgumentParser, cli_main, flag
-from ds_core.cli import error as cli_error
-from ds_tools.zero_memory_model import (DEFAULT_BUCKETS, STAGES, Estimate, ModelShape, Tower, TuningError,
-                                      estimate, grad_accum_dtype_for)
+from ds_core.device import accelerators
+from ds_tools.zero_memory_model import (
+    DEFAULT_BUCKETS,
+    STAGES,
+    Estimate,
+    ModelShape,
+    Tower,
+    TuningError,
+    estimate,
+    grad_accum_dtype_for,
+)
 
 GB = 1e9
 # cpu is not in ds_core.device.accelerators (no vendor figure): its "memory" is the machine's RAM shared by the node's ranks.

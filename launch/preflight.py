@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import cli_main
-from launch import env as envmod
-from launch import hostfile as hf
+from launch import env as envmod, hostfile as hf
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "-"
 PACKAGES = ("torch", "deepspeed", "ds-scale-toolkit")

@@ -3,13 +3,10 @@ sha256 of each of the six arrays NVIDIA's script produced from the generated cor
 tests/data/nvidia_shards/make_corpus.py are kept in reference.json (file, commit, command: make_reference.py)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
-import h5py
-import numpy as np
 import pytest
 
 from bert_ref.prep.__main__ import main

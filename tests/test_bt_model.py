@@ -7,8 +7,14 @@ from transformers import BridgeTowerForContrastiveLearning
 
 from bridgetower_ds import configs
 from bridgetower_ds.configs import ModelArgs
-from bridgetower_ds.model import (BridgeTowerContrastive, apply_freezing, build_model, flops_per_sample,
-                                  forward_flops, load_config)
+from bridgetower_ds.model import (
+    BridgeTowerContrastive,
+    apply_freezing,
+    build_model,
+    flops_per_sample,
+    forward_flops,
+    load_config,
+)
 from bridgetower_ds.tokenizer import debug_tokenizer, load_tokenizer
 from ds_core.errors import ConfigError
 

@@ -3,9 +3,16 @@ import json
 
 import pytest
 
-from ds_core.config import DS_CONFIG_DIR, TrainConfig, check_batch_arithmetic, load_ds_config, parse_args, save_run_config
-from ds_core.errors import ConfigError
+from ds_core.config import (
+    DS_CONFIG_DIR,
+    TrainConfig,
+    check_batch_arithmetic,
+    load_ds_config,
+    parse_args,
+    save_run_config,
+)
 from ds_core.config.optim import OptimArgs
+from ds_core.errors import ConfigError
 
 
 def test_missing_batch_number_is_derived_like_deepspeed():

@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from ds_core.errors import ConfigError
-from ds_core.schedule import (LRSchedule, decay_parameter_names, lr_schedule, param_groups, poly_warmup_factor,
-                              total_optimizer_steps, warmup_steps_for)
+from ds_core.schedule import (
+    LRSchedule,
+    decay_parameter_names,
+    lr_schedule,
+    param_groups,
+    poly_warmup_factor,
+    total_optimizer_steps,
+    warmup_steps_for,
+)
 
 
 def _reference_lrs(kind: str, base: float, warmup: int, total: int, n: int) -> list[float]:

@@ -12,9 +12,8 @@ import pytest
 
 from conftest import REPO, dist_env
 from ds_core.config import DS_CONFIG_DIR
+from ds_core.config.ds_json import check_before_spawn, check_ds_json, ds_config_in
 from ds_core.errors import ConfigError
-from ds_core.config.ds_json import check_ds_json
-from ds_core.config.ds_json import check_before_spawn, ds_config_in
 
 BASE = json.loads((DS_CONFIG_DIR / "zero1_bf16.json").read_text())
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dist_env
-from ds_core.rank import run_lock
 from ds_core.config import TrainConfig
-from launch.local_ranks import LauncherGroup, free_port, local_command
+from ds_core.rank import run_lock
 from ds_core.run.run_dir import prepare_run_dir
+from launch.local_ranks import LauncherGroup, free_port, local_command
 
 
 def gone(pid: int) -> bool:

@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from ds_tools import tuning
-from ds_tools import zero_memory_model as zmm
 from ds_core.config import load_ds_config
+from ds_tools import tuning, zero_memory_model as zmm
 
 GB = tuning.GB
 

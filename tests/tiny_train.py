@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from ds_core import checkpoint as ckpt
-from ds_core.run.components import EvalTask, Evaluation, ModelInfo
 from ds_core.config import TrainConfig
 from ds_core.rank.engine import build_engine, shutdown_distributed
 from ds_core.rank.process_end import run_main
+from ds_core.run.components import EvalTask, Evaluation, ModelInfo
 from ds_core.run.loop import StepOutput
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Trainer

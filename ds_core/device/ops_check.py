@@ -23,8 +23,8 @@ import copy
 import os
 import re
 import shutil
-from pathlib import Path
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 ADAM_TYPES = ("adam", "adamw")
 # DeepSpeed's op builder class for each op its Adam optimizers load (deepspeed.ops.op_builder, per accelerator)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ds_core.errors import ConfigError
-from ds_core.rank.rendezvous import free_port, rank_variables
 from ds_core.rank.parent_watch import watch_parent
+from ds_core.rank.rendezvous import free_port, rank_variables
 from ds_core.rank.venv import torch_extensions_env
 
 # Per-launcher names of "how many ranks share this node". DeepSpeed's launcher also sets CROSS_SIZE (= nodes).

@@ -11,7 +11,6 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-
 # the status end_process is ending this process with, for atexit handlers that record how a run ended (None: not
 # ending through end_process)
 exit_status: int | None = None

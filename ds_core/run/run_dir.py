@@ -15,9 +15,9 @@ import os
 import time
 from pathlib import Path
 
-from ds_core.rank import run_lock
 from ds_core.config import TrainConfig
 from ds_core.errors import ConfigError
+from ds_core.rank import run_lock
 
 # Launchers' names for the global rank before torch.distributed exists (deepspeed/torchrun, Open MPI, MPICH/PMIx,
 # MVAPICH, Slurm). The same list as ds_core.rank.engine._MPI_RANK_VARS plus RANK and SLURM_PROCID.

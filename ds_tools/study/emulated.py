@@ -19,15 +19,13 @@ measured non-compute time. Targets: efficiency within 5 points, communication wi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main
-from ds_tools import fabrics, predict
-from ds_tools import scaling_explain as explain
+from ds_tools import fabrics, predict, scaling_explain as explain
 from ds_tools.study.runner import read_summary
 from ds_tools.study.spec import StudyError, load_study
 

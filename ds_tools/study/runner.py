@@ -30,9 +30,9 @@ import ds_core
 from ds_core.config import atomic_write_text
 from ds_core.outputs.metrics import last_summary
 from ds_core.rank.rendezvous import free_port, rank_env
-from launch import local_ranks
 from ds_tools.study import netns
 from ds_tools.study.spec import Cell, Study, StudyError, dump_json
+from launch import local_ranks
 
 REPO_ROOT = Path(ds_core.__file__).resolve().parents[1]  # ranks import the same checkout as this process
 LOG_TAIL_CHARS = 4000

@@ -7,9 +7,13 @@ holding the references' files (nothing else of theirs is needed):
                           PyTorch/nlp/DeepSpeedExamples/deepspeed-bert/{schedulers,lans}.py
     python make_lr_reference.py OUT.npz
 """
-import importlib.util, sys
-import numpy as np, torch
+import importlib.util
+import sys
+
+import numpy as np
+import torch
 from torch.optim import Optimizer
+
 
 def load(path, name):
     spec = importlib.util.spec_from_file_location(name, path); m = importlib.util.module_from_spec(spec)
