@@ -307,7 +307,7 @@ class PretrainingData:
             fut: Future = Future()
             try:
                 fut.set_result(work())
-            except BaseException as e:  # surfaced by .result() in the consumer, like the threaded path
+            except BaseException as e:  # noqa: BLE001 - surfaced by .result() in the consumer, like the threaded path
                 fut.set_exception(e)
             return fut
         if self._pool is None:
@@ -488,7 +488,7 @@ class PretrainingData:
     def __del__(self):  # the prefetch thread must not keep the interpreter alive
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (at interpreter exit, anything may be torn down)
             pass
 
 

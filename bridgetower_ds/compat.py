@@ -21,7 +21,8 @@ from ds_core.schedule import param_groups
 from .configs import HPU_NOTICES, CompatArgs
 from .images import CLIP_MEAN, CLIP_STD, SIZE_DIVISOR
 
-# --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.outputs.metrics reports).
+# --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.outputs.metrics
+# reports).
 MONITORS = {"tensorboard": "tensorboard", "csv": "csv_monitor", "wandb": "wandb", "comet": "comet"}
 TRAINER_DEFAULT_LR = 5e-5  # transformers.TrainingArguments.learning_rate
 TRAINER_DEFAULT_WD = 0.0

@@ -270,8 +270,8 @@ def build_no_ssh(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None)
     if not s.dry_run and s.node_rank == 0:  # node 0 serves the port; on other nodes it is node 0's own store
         check_master_port(s.master_addr, s.port)
     added = envmod.rank_env_additions(s.profile, cwd, environ)
-    return deepspeed_launcher() + ["--hostfile", s.hostfile, "--no_ssh", "--node_rank", str(s.node_rank), *_addr_flag(s),
-                              "--master_port", str(s.port), *_nodes_flag(s), *_guarded(s)], added
+    return deepspeed_launcher() + ["--hostfile", s.hostfile, "--no_ssh", "--node_rank", str(s.node_rank),
+                                   *_addr_flag(s), "--master_port", str(s.port), *_nodes_flag(s), *_guarded(s)], added
 
 
 def build_deepspeed_mpi(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:

@@ -71,7 +71,8 @@ def test_compat_tokenizer_special_token_text(corpus):
 
 
 def test_compat_refuses_what_nvidia_cannot_do(corpus, tmp_path, capsys):
-    assert shards_cli(corpus / "text", corpus / "vocab.txt", tmp_path / "a", "--nvidia_compat", "--whole_word_mask") == 2
+    status = shards_cli(corpus / "text", corpus / "vocab.txt", tmp_path / "a", "--nvidia_compat", "--whole_word_mask")
+    assert status == 2
     assert "--nvidia_compat with --whole_word_mask" in capsys.readouterr().err
     assert shards_cli(corpus / "text", corpus / "vocab.txt", tmp_path / "b", "--nvidia_compat", "--cased") == 2
     assert "always lower-cases" in capsys.readouterr().err

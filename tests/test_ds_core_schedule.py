@@ -1,6 +1,6 @@
-"""ds_core.schedule against its references: transformers.get_scheduler (LR per step, warm-up), poly_warmup (a Habana-like schedule) as
-bert_ref.optim ran it, and Trainer.get_decay_parameter_names (decay groups). No DeepSpeed here; the schedule through
-the real engine on 2 ranks is checked in tests/test_bt_train.py."""
+"""ds_core.schedule against its references: transformers.get_scheduler (LR per step, warm-up), poly_warmup (a
+Habana-like schedule) as bert_ref.optim ran it, and Trainer.get_decay_parameter_names (decay groups). No DeepSpeed here;
+the schedule through the real engine on 2 ranks is checked in tests/test_bt_train.py."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """The whole DeepSpeed JSON checked by DeepSpeed's own config classes before any rank is spawned
-(ds_core.config.ds_json): each bad case is refused naming the file and the key, by the starters (local_ranks, launch.run) before a rank runs."""
+(ds_core.config.ds_json): each bad case is refused naming the file and the key, by the starters (local_ranks,
+launch.run) before a rank runs."""
 from __future__ import annotations
 
 import copy

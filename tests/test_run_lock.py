@@ -39,8 +39,8 @@ def wait_for(cond, timeout_s: float, what: str) -> None:
 
 def hold_lock(run_dir: Path) -> subprocess.Popen:
     """Another process holding run_dir's lock, as rank 0 of a live run does."""
-    code = ("import sys, time; from ds_core.rank import run_lock; run_lock.acquire(sys.argv[1]); print('held', flush=True);"
-            " time.sleep(600)")
+    code = ("import sys, time; from ds_core.rank import run_lock; run_lock.acquire(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout.readline().strip() == "held"

@@ -77,8 +77,8 @@ def prepare_run_dir(cfg: TrainConfig, rank: int | None = None) -> Path | None:
     """Refuse a used run_dir, or move it aside for --overwrite_run_dir (rank 0 only). Returns where the old run went.
 
     Call before distributed init. `rank` defaults to the launcher's environment (env_rank). Rank 0 first takes the
-    run_dir lock for the life of this process (ds_core.rank.run_lock): a run_dir in use by a live run is refused, with or
-    without --resume, before anything is written."""
+    run_dir lock for the life of this process (ds_core.rank.run_lock): a run_dir in use by a live run is refused, with
+    or without --resume, before anything is written."""
     rank0 = (env_rank() if rank is None else rank) == 0
     lock = run_lock.acquire(cfg.run_dir) if rank0 else None
     if cfg.resume:
