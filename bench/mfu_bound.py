@@ -49,7 +49,7 @@ def bound_part(a: argparse.Namespace, preset, peak: float, dtype: str) -> dict:
 
     linear_pass()
     t_linear = statistics.median(linear_pass() for _ in range(5))
-    del layers
+    layers.clear()  # the tensors freed; linear_pass (which reads the list) is not called again
 
     # the slice's parameters as DeepSpeed's bf16 optimizer holds them: one flat fp32 tensor per weight-decay group
     from transformers import BertForPreTraining

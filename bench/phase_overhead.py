@@ -1,6 +1,7 @@
-"""What sampled phase timing (ds_core.outputs.phases) costs a run: 2 CPU ranks train the tiny model of tests/tiny_train.py
-(fp32, ZeRO-1, accumulation 2; steps of a few ms, so the timer's fixed cost weighs as much as it ever will) with
---phase_timing_every 0 (off), the default 10, and 1 (every step), in interleaved rounds, and reports per setting:
+"""What sampled phase timing (ds_core.outputs.phases) costs a run: 2 CPU ranks train the tiny model of
+tests/tiny_train.py (fp32, ZeRO-1, accumulation 2; steps of a few ms, so the timer's fixed cost weighs as much as it
+ever will) with --phase_timing_every 0 (off), the default 10, and 1 (every step), in interleaved rounds, and reports per
+setting:
 
   self      the timer's own host time over the run (phase_timing_overhead_s of rank 0's summary: marks, collective
             wrapper, reading, the all_gather of sampled steps) divided by the run's training time

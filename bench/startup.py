@@ -9,8 +9,8 @@ one synthetic batch of the same shape), both measured in this run. The same run 
 The sides alternate within each repeat (ours, plain, deepspeed launcher; each repeat starts with the next side) and
 each side's median over the repeats is kept (the machine may be shared; interleaving spreads other load over all
 sides, and the rotation the first launch's cold caches). Ours is read from the first step record's wall time in
-metrics.jsonl (ds_core.outputs.metrics writes `time`); the plain script prints its own. The last line is one JSON object:
-ours_s, plain_s, startup_ratio = ours / plain (target <= 1.5), deepspeed_launcher_s and its ratio.
+metrics.jsonl (ds_core.outputs.metrics writes `time`); the plain script prints its own. The last line is one JSON
+object: ours_s, plain_s, startup_ratio = ours / plain (target <= 1.5), deepspeed_launcher_s and its ratio.
 """
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ Why RSS: the CPU accelerator has no allocator statistics (get_accelerator().max_
 large blocks are forced to mmap (MALLOC_MMAP_THRESHOLD_) so freed memory leaves the RSS and a peak is a peak.
 
 bf16 at ZeRO >= 1 accumulates in fp32 (data_types.grad_accum_dtype, as the shipped configs); bf16 ZeRO-0 cannot
-(DeepSpeed 0.19 raises NotImplementedError) and accumulates in bf16. The prediction is ds_tools.zero_memory_model.estimate()
-(what ds-tune uses) for the same model, stage, precision, accumulation, buckets, non-fused Adam. Activations are
-small (micro batch 1, 64 tokens) so the comparison is about what DeepSpeed allocates.
+(DeepSpeed 0.19 raises NotImplementedError) and accumulates in bf16. The prediction is
+ds_tools.zero_memory_model.estimate() (what ds-tune uses) for the same model, stage, precision, accumulation, buckets,
+non-fused Adam. Activations are small (micro batch 1, 64 tokens) so the comparison is about what DeepSpeed allocates.
 
     python -m bench.zero_memory                        # every case; last line: {"max_rel_error": ...}
     python -m bench.zero_memory --cases small          # the slice tests/test_bench_zero_memory.py runs
@@ -35,7 +35,6 @@ from pathlib import Path
 
 from bench.common import bench_env, run_local_ranks
 from ds_core.rank.process_end import run_main
-
 
 BERT = {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 768, "num_hidden_layers": 12,
         "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522, "max_position_embeddings": 128,
@@ -114,14 +113,14 @@ def _live_tensor_bytes() -> int:
                 st = obj.untyped_storage()
                 if st.data_ptr():
                     seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        except Exception:       # tensors without storage (meta, some wrapper subclasses)
+        except Exception:  # noqa: BLE001 - tensors without storage (meta, some wrapper subclasses)
             continue
     return sum(seen.values())
 
 
 def worker(cases: list, out: Path) -> None:
-    import torch
     import deepspeed
+    import torch
     from transformers import BertConfig, BertForPreTraining
 
     from ds_core.rank.engine import init_distributed, shutdown_distributed
@@ -263,8 +262,8 @@ def main() -> None:
               f"{r['grad_accum_dtype'] or r['precision']} | {r['rank']} | {r['optimizer']} | {est.total / GB:.3f} | "
               f"{r['peak_delta'] / GB:.3f} | {100 * err:+.1f} % | {est.resident / GB:.3f} | "
               f"{r['tensors_after_step'] / GB:.3f} | {100 * err_res:+.1f} % |")
-    print("predicted peak = ds_tools.zero_memory_model.estimate (what ds-tune uses): resident states + the largest of the "
-          "per-phase transients (forward/backward with activations, boundary reduction, optimizer step); "
+    print("predicted peak = ds_tools.zero_memory_model.estimate (what ds-tune uses): resident states + the largest of "
+          "the per-phase transients (forward/backward with activations, boundary reduction, optimizer step); "
           "measured peak = VmHWM over the training steps minus the RSS before the model was built. resident = what "
           "a rank holds between steps vs the live tensors' storages after the last step.")
     worst = max(max(abs(e), abs(er)) for _, _, e, er in rows)

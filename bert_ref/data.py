@@ -67,7 +67,6 @@ from ds_core.outputs.sample_log import SampleLog
 from .data_resize import Piece, deal, starts_of, unconsumed, whole
 from .shards import DataDirError, ShardError, check_arrays, inspect_shards, list_shards, read_rows
 
-
 # torch is imported where batches are built, so `bert-prep` (which shares the layout checks) starts fast
 if TYPE_CHECKING:
     import torch
@@ -308,7 +307,7 @@ class PretrainingData:
             fut: Future = Future()
             try:
                 fut.set_result(work())
-            except BaseException as e:  # surfaced by .result() in the consumer, like the threaded path
+            except BaseException as e:  # noqa: BLE001 - surfaced by .result() in the consumer, like the threaded path
                 fut.set_exception(e)
             return fut
         if self._pool is None:
@@ -489,7 +488,7 @@ class PretrainingData:
     def __del__(self):  # the prefetch thread must not keep the interpreter alive
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (at interpreter exit, anything may be torn down)
             pass
 
 

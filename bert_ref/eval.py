@@ -19,12 +19,12 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
+from bert_ref.configs import BertPreset, check_data_matches
 from bert_ref.data import DEFAULT_BLOCK_SAMPLES, IGNORE_INDEX, Segment, load_block, make_batch
 from bert_ref.shards import inspect_shards, list_test_shards
-from bert_ref.configs import BertPreset, check_data_matches
 from bert_ref.step import forward
-from ds_core.run.components import EvalTask, Evaluation
 from ds_core.errors import ConfigError
+from ds_core.run.components import EvalTask, Evaluation
 from ds_core.run.loop import EvalFn
 from ds_core.run.setup import Run
 

@@ -65,8 +65,8 @@ def read_habana_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
         elif (path / "latest").is_file():
             tag = (path / "latest").read_text().strip()
             if not (path / tag / _MODEL_FILE).is_file():
-                raise ConfigError(f"Habana checkpoint {path}: 'latest' names tag {tag!r}, but {path / tag / _MODEL_FILE} "
-                                  f"does not exist (an unfinished save?)")
+                raise ConfigError(f"Habana checkpoint {path}: 'latest' names tag {tag!r}, but "
+                                  f"{path / tag / _MODEL_FILE} does not exist (an unfinished save?)")
             path = path / tag / _MODEL_FILE
         else:
             files = sorted(path.glob(f"*/{_MODEL_FILE}"))
@@ -117,13 +117,15 @@ def load_habana_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
     missing, unused = sorted(set(own) - set(mapped)), sorted(set(mapped) - set(own))
     if missing or unused:
         raise ConfigError(f"{where}: not a Habana BertForPreTraining of {layers} layers: missing {missing[:6]}"
-                          f"{' ...' if len(missing) > 6 else ''}; not used {unused[:6]}{' ...' if len(unused) > 6 else ''}")
+                          f"{' ...' if len(missing) > 6 else ''}; not used {unused[:6]}"
+                          f"{' ...' if len(unused) > 6 else ''}")
     for name, tensor in mapped.items():
         want = own[name].shape
         if name in (_WORDS, "cls.predictions.bias") and tensor.shape[0] < want[0] and tensor.shape[1:] == want[1:]:
             tensor = torch.cat([tensor, tensor.new_zeros((want[0] - tensor.shape[0], *want[1:]))])
         if tensor.shape != want:
-            raise ConfigError(f"{where}: {theirs[name]} (ours {name}) has shape {tuple(tensor.shape)}, expected {tuple(want)}")
+            raise ConfigError(f"{where}: {theirs[name]} (ours {name}) has shape {tuple(tensor.shape)}, "
+                              f"expected {tuple(want)}")
         mapped[name] = tensor
     with torch.no_grad():
         result = model.load_state_dict(mapped, strict=False)

@@ -44,7 +44,8 @@ def hf_config(preset: BertPreset, attn_implementation: str = "sdpa"):
         vocab_size=preset.vocab_size, hidden_size=preset.hidden_size, num_hidden_layers=preset.num_hidden_layers,
         num_attention_heads=preset.num_attention_heads, intermediate_size=preset.intermediate_size,
         max_position_embeddings=preset.max_position_embeddings, type_vocab_size=preset.type_vocab_size,
-        hidden_dropout_prob=preset.hidden_dropout_prob, attention_probs_dropout_prob=preset.attention_probs_dropout_prob,
+        hidden_dropout_prob=preset.hidden_dropout_prob,
+        attention_probs_dropout_prob=preset.attention_probs_dropout_prob,
         hidden_act="gelu", initializer_range=0.02, layer_norm_eps=1e-12,
     )
     cfg._attn_implementation = "eager" if preset.pre_ln else attn_implementation
@@ -110,8 +111,10 @@ def _megatron_classes() -> tuple[type, type]:
     """HabanaFirstAttention and MegatronBertSdpaSelfAttention, made on first use (transformers is imported lazily
     here) and registered as attributes of this module, so that pickle finds a model's classes by name."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.models.megatron_bert.modeling_megatron_bert import (MegatronBertAttention,
-                                                                          MegatronBertSelfAttention)
+    from transformers.models.megatron_bert.modeling_megatron_bert import (
+        MegatronBertAttention,
+        MegatronBertSelfAttention,
+    )
 
     class HabanaFirstAttention(MegatronBertAttention):
         """Layer 0's attention in Habana's form: LayerNorm (Habana's embeddings LayerNorm), embedding dropout,

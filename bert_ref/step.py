@@ -15,8 +15,8 @@ MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
 def pretraining_losses(prediction_logits: torch.Tensor, seq_relationship_logits: torch.Tensor,
                        labels: torch.Tensor, next_sentence_label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLM cross-entropy over the masked positions (labels != IGNORE_INDEX) and NSP cross-entropy, both in fp32 (bf16 logits
-    over a 30k vocabulary lose too much precision in log-softmax)."""
+    """MLM cross-entropy over the masked positions (labels != IGNORE_INDEX) and NSP cross-entropy, both in fp32 (bf16
+    logits over a 30k vocabulary lose too much precision in log-softmax)."""
     vocab = prediction_logits.size(-1)
     mlm = F.cross_entropy(prediction_logits.reshape(-1, vocab).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
     nsp = F.cross_entropy(seq_relationship_logits.reshape(-1, 2).float(), next_sentence_label.reshape(-1))
@@ -25,7 +25,8 @@ def pretraining_losses(prediction_logits: torch.Tensor, seq_relationship_logits:
 
 def masked_positions(labels: torch.Tensor, max_predictions: int) -> torch.Tensor:
     """[B, P] positions of the masked tokens (labels != IGNORE_INDEX) of each row, ascending, 0-padded like the shards'
-    masked_lm_positions (position 0 is [CLS], never masked, so its label is IGNORE_INDEX and padding slots add no loss)."""
+    masked_lm_positions (position 0 is [CLS], never masked, so its label is IGNORE_INDEX and padding slots add no
+    loss)."""
     B, S = labels.shape
     n = int((labels != IGNORE_INDEX).sum(1).max()) if labels.numel() else 0
     if n > max_predictions:
@@ -41,8 +42,8 @@ def make_step_fn(sparse_mlm_predictions: int = 0, compiled: bool = False) -> Cal
     """step_fn, or with sparse_mlm_predictions = P > 0 the sparse-MLM step: the model (build_model(...,
     sparse_mlm=True)) computes the MLM head only at P positions per sequence (the masked ones, 0-padded), the loss is
     the same mean over the masked tokens. FLOPs: flops_per_sequence(preset, mlm_positions=P).
-    compiled: the losses through torch.compile too (the model is compiled by ds_core.rank.engine.compile_model): the fp32
-    cast, log-softmax and gather over the vocabulary become one kernel instead of an fp32 copy of the logits."""
+    compiled: the losses through torch.compile too (the model is compiled by ds_core.rank.engine.compile_model): the
+    fp32 cast, log-softmax and gather over the vocabulary become one kernel instead of an fp32 copy of the logits."""
     if not sparse_mlm_predictions and not compiled:
         return step_fn
     losses = torch.compile(pretraining_losses, dynamic=False) if compiled else pretraining_losses

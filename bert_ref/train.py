@@ -17,9 +17,9 @@ from bert_ref.optim import build_optimizer, for_preset
 from bert_ref.recipes import check_recipe_batch, expand_recipe
 from bert_ref.step import make_step_fn
 from ds_core.checkpoint import export_hf
+from ds_core.config.optim import schedule_for
 from ds_core.rank.engine import build_engine, compile_model, shutdown_distributed
 from ds_core.rank.process_end import run_main
-from ds_core.config.optim import schedule_for
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
 

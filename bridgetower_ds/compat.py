@@ -14,14 +14,15 @@ from typing import Any
 import torch
 
 from ds_core.config import TrainConfig
+from ds_core.config.optim import OptimArgs, schedule_for
 from ds_core.errors import ConfigError
 from ds_core.schedule import param_groups
-from ds_core.config.optim import OptimArgs, schedule_for
 
 from .configs import HPU_NOTICES, CompatArgs
 from .images import CLIP_MEAN, CLIP_STD, SIZE_DIVISOR
 
-# --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.outputs.metrics reports).
+# --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.outputs.metrics
+# reports).
 MONITORS = {"tensorboard": "tensorboard", "csv": "csv_monitor", "wandb": "wandb", "comet": "comet"}
 TRAINER_DEFAULT_LR = 5e-5  # transformers.TrainingArguments.learning_rate
 TRAINER_DEFAULT_WD = 0.0
@@ -140,9 +141,8 @@ def torchvision_transform(size: int):
     Resize([S], bicubic) + CenterCrop(S) + ConvertImageDtype(float) + Normalize(CLIP mean, std). The reference
     itself, for baselines and for checking images.host_transform(transform="run_bridgetower"); needs torchvision."""
     try:
-        from torchvision.io import ImageReadMode, read_image  # noqa: PLC0415 - optional: the reference only
-        from torchvision.transforms import (CenterCrop, ConvertImageDtype, InterpolationMode,  # noqa: PLC0415
-                                            Normalize, Resize)
+        from torchvision.io import ImageReadMode, read_image  # optional: the reference only
+        from torchvision.transforms import CenterCrop, ConvertImageDtype, InterpolationMode, Normalize, Resize
     except ImportError as e:
         raise RuntimeError(f"run_bridgetower.py's image transform is torchvision's, and torchvision is not importable "
                            f"here ({e})") from None

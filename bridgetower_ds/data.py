@@ -36,15 +36,31 @@ import torch
 from ds_core.errors import ConfigError
 from ds_core.outputs.sample_log import SampleLog
 
-from .batching import (MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length,
-                       resume_window)
-from .fetch import FetchBatch, PlanSampler, identity
-from .splits import (carve_splits, check_dataset, drop_bad_captions, limit_rows, run_bridgetower_splits,  # noqa: F401
-                     take_rows)
-from .image_pipeline import HOST, ImagePipeline, PixelSource
-from .images import (CLIP_MEAN, CLIP_STD, DEFAULT_MAX_PIXELS, TRANSFORMS, BadImage, host_transform,  # noqa: F401
-                     normalize, read_bytes)
+from .batching import MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length, resume_window
 from .configs import DataArgs
+from .fetch import FetchBatch, PlanSampler, identity
+from .image_pipeline import HOST, ImagePipeline, PixelSource
+
+# Names of images.py and splits.py that are still importable from here (bridgetower_ds.train imports check_dataset
+# from this module), hence no unused-import warnings on them.
+from .images import (  # noqa: F401
+    CLIP_MEAN,
+    CLIP_STD,
+    DEFAULT_MAX_PIXELS,
+    TRANSFORMS,
+    BadImage,
+    host_transform,
+    normalize,
+    read_bytes,
+)
+from .splits import (  # noqa: F401
+    carve_splits,
+    check_dataset,
+    drop_bad_captions,
+    limit_rows,
+    run_bridgetower_splits,
+    take_rows,
+)
 from .table import CaptionTable
 
 ROLES = ("train", "validation", "test")
@@ -76,7 +92,7 @@ def _check_columns(cols: Sequence[str], args: DataArgs, where: str) -> None:
 
 
 def _from_hf(ds, args: DataArgs, base_dir: str, source: str) -> CaptionTable:
-    from datasets import Image as HFImage  # noqa: PLC0415
+    from datasets import Image as HFImage
 
     _check_columns(ds.column_names, args, source)
     if isinstance(ds.features[args.image_column], HFImage):
@@ -142,7 +158,7 @@ def load_tables(args: DataArgs) -> dict[str, CaptionTable]:
     if args.dataset_name:
         if args.dataset_path:
             raise ConfigError(f"--dataset_name {args.dataset_name} and --dataset_path {args.dataset_path}: give one")
-        from .hub import load_cached_dataset  # noqa: PLC0415
+        from .hub import load_cached_dataset
 
         obj = load_cached_dataset(args.dataset_name, args.dataset_config_name)
         name = f"{args.dataset_name}/{args.dataset_config_name}" if args.dataset_config_name else args.dataset_name
@@ -154,13 +170,13 @@ def load_tables(args: DataArgs) -> dict[str, CaptionTable]:
         raise FileNotFoundError(f"--dataset_path {path} does not exist")
     fmt = args.dataset_format if args.dataset_format != "auto" else _detect_format(path)
     if fmt == "hf":
-        from datasets import DatasetDict, load_from_disk  # noqa: PLC0415
+        from datasets import DatasetDict, load_from_disk
 
         obj = load_from_disk(str(path))
         splits = dict(obj) if isinstance(obj, DatasetDict) else {args.train_split: obj}
         return {k: _from_hf(v, args, str(path), f"{path}:{k}") for k, v in splits.items()}
     if fmt == "imagefolder":
-        from datasets import load_dataset  # noqa: PLC0415
+        from datasets import load_dataset
 
         obj = load_dataset("imagefolder", data_dir=str(path))
         return {k: _from_hf(v, args, str(path), f"{path}:{k}") for k, v in obj.items()}
@@ -298,7 +314,7 @@ class CaptionData:
         self._pixels: PixelSource | None = None
         self._hpu = None
         if pipeline.media_pipe:
-            from .hpu_media import HpuMediaLoader  # noqa: PLC0415
+            from .hpu_media import HpuMediaLoader
 
             self._hpu = HpuMediaLoader(self, media_pipe_iterator)
         else:
@@ -363,7 +379,7 @@ class CaptionData:
 
     def distinct_bad_images(self) -> int:
         """Distinct bad images of the split over all ranks. Every rank calls it (a collective when distributed)."""
-        import torch.distributed as tdist  # noqa: PLC0415
+        import torch.distributed as tdist
 
         mine = (sorted(self.bad.seen), self.bad.count - len(self.bad.seen))
         gathered = [mine]

@@ -42,7 +42,7 @@ SIZES = ((160, 120), (120, 160), (200, 90), (144, 144))  # several aspect ratios
 
 def photo(w: int, h: int, rng: np.random.Generator, fg: tuple, bg: tuple, shape: str) -> bytes:
     """A JPEG of a coloured shape on a gradient with mild noise: photo-like entropy, a caption that describes it."""
-    from PIL import Image, ImageDraw  # noqa: PLC0415
+    from PIL import Image, ImageDraw
 
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
     grad = (xx / w - 0.5)[..., None] * rng.uniform(-50, 50, 3) + (yy / h - 0.5)[..., None] * rng.uniform(-50, 50, 3)
@@ -65,7 +65,7 @@ def photo(w: int, h: int, rng: np.random.Generator, fg: tuple, bg: tuple, shape:
 def make_newyorker_set(out: Path, rows: dict[str, int], seed: int = 0) -> Path:
     """A DatasetDict in the New Yorker "matching" schema (save_to_disk), images embedded as bytes like the hub's.
     Each split's second-to-last row has a truncated JPEG and its last row an empty caption."""
-    import datasets  # noqa: PLC0415
+    import datasets
 
     feats = datasets.Features({k: datasets.Image() if v == "image" else datasets.Sequence(datasets.Value(v[0]))
                                if isinstance(v, list) else datasets.Value(v) for k, v in NEWYORKER_FEATURES.items()})
@@ -123,11 +123,11 @@ def loader_table(out: Path, n_images: int = 64, size: int = 294, micro: int = 16
     """Samples/s the data pipeline delivers into this (training) process and its CPU s per 100 samples, for
     dataloader_num_workers 0/1/2 x image_pipeline host/device, one rank, two epochs each (the first pays the
     workers' start)."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from bridgetower_ds.configs import DataArgs  # noqa: PLC0415
-    from bridgetower_ds.data import build_data, open_dataset  # noqa: PLC0415
-    from bridgetower_ds.tokenizer import debug_tokenizer  # noqa: PLC0415
+    from bridgetower_ds.configs import DataArgs
+    from bridgetower_ds.data import build_data, open_dataset
+    from bridgetower_ds.tokenizer import debug_tokenizer
 
     rng, names = np.random.default_rng(1), list(COLORS)
     img_dir = out / "photos"

@@ -33,11 +33,12 @@ from .images import CLIP_MEAN, CLIP_STD, BadImage, open_image
 
 try:
     from habana_frameworks.mediapipe import fn
-    from habana_frameworks.mediapipe.media_types import dtype as mdt
-    from habana_frameworks.mediapipe.media_types import ftype, imgtype, randomCropType, readerOutType
+    from habana_frameworks.mediapipe.media_types import dtype as mdt, ftype, imgtype, randomCropType, readerOutType
     from habana_frameworks.mediapipe.mediapipe import MediaPipe
-    from habana_frameworks.mediapipe.operators.reader_nodes.reader_nodes import (media_ext_reader_op_impl,
-                                                                                 media_ext_reader_op_tensor_info)
+    from habana_frameworks.mediapipe.operators.reader_nodes.reader_nodes import (
+        media_ext_reader_op_impl,
+        media_ext_reader_op_tensor_info,
+    )
     from habana_frameworks.mediapipe.plugins.iterator_pytorch import HPUGenericPytorchIterator
     _IMPORT_ERROR = None
 except ImportError as e:  # pragma: no cover - only on Gaudi machines
@@ -83,8 +84,8 @@ def materialize(table, cache_dir: str, rank: int) -> list[str]:
     """Write images stored as bytes (e.g. a save_to_disk of a parquet dataset such as the New Yorker caption
     contest) to files once, since the media pipe's decoder reads files. Atomic per file (temp name + rename), so
     ranks sharing the directory can race safely; existing files are reused. Returns one path per row."""
-    import hashlib  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
+    import hashlib
+    import tempfile
 
     root = cache_dir or os.path.join(tempfile.gettempdir(),
                                      "bt_images_" + hashlib.sha1(table.source.encode()).hexdigest()[:12])
@@ -141,7 +142,7 @@ class _Reader(media_ext_reader_op_impl):
 
 class _Pipe(MediaPipe):
     def __init__(self, loader: "HpuMediaLoader", batch_size: int, size: int, threads: int = 2):
-        import inspect  # noqa: PLC0415
+        import inspect
 
         kw = dict(batch_size=batch_size, prefetch_depth=2, pipe_name=f"BridgeTowerPipe:{id(loader)}")
         if "num_threads" in inspect.signature(MediaPipe.__init__).parameters:

@@ -38,7 +38,7 @@ def save_dataset_hint(name: str, config: str) -> str:
 def load_cached_dataset(name: str, config: str = "", cache_dir: str = ""):
     """The DatasetDict of hub dataset `name` (configuration `config`) from the local datasets cache, offline."""
     _offline()
-    import datasets  # noqa: PLC0415
+    import datasets
 
     where = cache_dir or datasets.config.HF_DATASETS_CACHE
     try:
@@ -58,8 +58,8 @@ def resolve_pretrained(name_or_path: str, flag: str = "--model_name_or_path", re
     if not name_or_path or Path(name_or_path).expanduser().exists() or not HUB_ID.match(name_or_path):
         return name_or_path
     _offline()
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
-    from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: PLC0415
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         return snapshot_download(name_or_path, local_files_only=True, revision=revision or None)

@@ -273,7 +273,7 @@ def crop_window(n_in: int, n_out: int, start: int, size: int, max_den: int = 16)
     [lo*p/q, hi*p/q), and the antialias filter taps of interior outputs are the same as in the full resize, so the
     kept pixels come out bit-identical (checked in tests) for ~15% less work on 4:3 photos. None -> resize it all.
     """
-    from fractions import Fraction  # noqa: PLC0415
+    from fractions import Fraction
 
     r = Fraction(n_in, n_out)
     q = r.denominator
@@ -408,7 +408,7 @@ class ThreadDecoder(DeviceDecoder):
 
 def _torchvision_io():
     try:
-        import torchvision.io as tvio  # noqa: PLC0415 - optional: only the CUDA device pipeline needs it
+        import torchvision.io as tvio  # optional: only the CUDA device pipeline needs it
     except ImportError as e:
         raise RuntimeError(
             "--image_pipeline device on CUDA needs torchvision (torchvision.io.decode_jpeg for nvJPEG decoding), "
@@ -513,7 +513,7 @@ class CudaDecoder(DeviceDecoder):
 # ---------------------------------------------------------------------------------------------------- selection
 def hpu_available() -> tuple[bool, str]:
     try:
-        import habana_frameworks.torch.hpu as hthpu  # noqa: PLC0415
+        import habana_frameworks.torch.hpu as hthpu
     except ImportError:
         return False, "habana_frameworks.torch is not installed"
     try:
@@ -522,7 +522,7 @@ def hpu_available() -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001
         return False, f"HPU check failed: {e}"
     try:
-        import habana_frameworks.mediapipe  # noqa: F401, PLC0415
+        import habana_frameworks.mediapipe  # noqa: F401
     except ImportError:
         return False, "an HPU is present but habana_frameworks.mediapipe (pip package habana-media-loader) is missing"
     return True, "HPU and habana_frameworks.mediapipe present"

@@ -169,7 +169,7 @@ def use_sdpa(model: BridgeTowerForContrastiveLearning) -> bool:
     is an encoder everywhere, so is_causal is set False on every attention module; the outputs then equal eager's
     within float rounding (tests/test_bt_model.py).
     """
-    from transformers.models.bridgetower import modeling_bridgetower as mb  # noqa: PLC0415
+    from transformers.models.bridgetower import modeling_bridgetower as mb
 
     kinds = tuple(getattr(mb, n) for n in ("BridgeTowerSelfAttention", "BridgeTowerCrossAttention") if hasattr(mb, n))
     if not hasattr(mb, "ALL_ATTENTION_FUNCTIONS") or len(kinds) != 2:

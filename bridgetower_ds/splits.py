@@ -34,7 +34,7 @@ def run_bridgetower_splits(n: int, need_val: bool, seed: int) -> dict[str, np.nd
     `train_test_split(test_size=0.5, shuffle=False)` -> validation (its first half) and test. datasets itself does
     the arithmetic (ceil/floor of the sizes, numpy's default_rng permutation), on a column of row numbers; the rows
     keep datasets' order (train is in permuted order, so --max_train_samples picks the same rows as the script)."""
-    import datasets  # noqa: PLC0415
+    import datasets
 
     try:
         parts = datasets.Dataset.from_dict({"row": np.arange(n, dtype=np.int64)}).train_test_split(
@@ -75,7 +75,7 @@ def check_dataset(args: DataArgs) -> None:
     if args.dataset_name:
         if args.dataset_path:
             raise ConfigError(f"--dataset_name {args.dataset_name} and --dataset_path {args.dataset_path}: give one")
-        from .hub import load_cached_dataset  # noqa: PLC0415
+        from .hub import load_cached_dataset
 
         load_cached_dataset(args.dataset_name, args.dataset_config_name)  # memory-mapped: cheap to open twice
     elif not args.dataset_path:

@@ -11,23 +11,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ds_core.config import read_ds_json, resolve_ds_path
-from ds_core.errors import ConfigError
-from ds_core.rank.engine import build_engine, compile_model, shutdown_distributed
-from ds_core.rank.process_end import run_main
-from ds_core.outputs.results import keep_frozen_fp32, save_metrics, save_model
-from ds_core.run.setup import Run, RunSpec, start_run
-from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
-
 from bridgetower_ds import compat, trainer_files, trainer_flags
 from bridgetower_ds.configs import BridgeTowerSettings
 from bridgetower_ds.data import build_data, check_dataset, open_dataset
 from bridgetower_ds.eval import evaluation_for
-from bridgetower_ds.image_pipeline import ImagePipeline
 from bridgetower_ds.hub import resolve_pretrained
+from bridgetower_ds.image_pipeline import ImagePipeline
 from bridgetower_ds.model import build_model, flops_per_sample, load_config, model_summary
 from bridgetower_ds.step import step_fn
 from bridgetower_ds.tokenizer import expected_padded_length, load_tokenizer
+from ds_core.config import read_ds_json, resolve_ds_path
+from ds_core.errors import ConfigError
+from ds_core.outputs.results import keep_frozen_fp32, save_metrics, save_model
+from ds_core.rank.engine import build_engine, compile_model, shutdown_distributed
+from ds_core.rank.process_end import run_main
+from ds_core.run.setup import Run, RunSpec, start_run
+from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
 
 # bridgetower_ds's one default DeepSpeed JSON. The optimizer is its "optimizer" section (AdamW) or, without one,
 # AdamW built in code; learning rate and weight decay follow OptimArgs' rule either way (bridgetower_ds/compat.py).

@@ -107,7 +107,7 @@ def map_flags(compat: CompatArgs, train_cfg: TrainConfig, model_args: ModelArgs,
                           "config.json beside the weights, or pass --preset for a random init")
     files = [f for f in (compat.train_file, compat.validation_file, compat.test_file) if f]
     if files and (data_args.dataset_path or data_args.dataset_name):
-        raise ConfigError(f"--train_file/--validation_file/--test_file with --dataset_path/--dataset_name: give one")
+        raise ConfigError("--train_file/--validation_file/--test_file with --dataset_path/--dataset_name: give one")
     for f in files:
         if not Path(f).expanduser().is_file():
             raise FileNotFoundError(f"{f}: no such file (--train_file / --validation_file / --test_file)")

@@ -73,7 +73,7 @@ def info(run_dir: str) -> dict:
                     st = torch.load(f, map_location="cpu", weights_only=False)
                     data.append({"rank": int(f.stem[len("client_rank"):]), "epoch": st.get("epoch"),
                                  "data": st.get("data")})
-                except Exception as e:  # shown, not fatal: info is for looking at broken checkpoints too
+                except Exception as e:  # noqa: BLE001 - shown, not fatal: info is for looking at broken checkpoints too
                     data.append({"rank": f.stem, "error": f"{type(e).__name__}: {e}"})
             entry["data_position"] = data
         uni = ckpt_universal(root, tag)
@@ -124,8 +124,8 @@ def universal(run_dir: str, tag: str | None = None) -> Path:
 
 
 def _fp32_from_universal(root: Path, tag: str) -> dict:
-    """{parameter name: fp32 tensor} from the universal conversion of `tag` (ds_core.checkpoint.resize.convert_to_universal:
-    <tag>_universal/zero/<name>/fp32.pt, each {"param": tensor})."""
+    """{parameter name: fp32 tensor} from the universal conversion of `tag`
+    (ds_core.checkpoint.resize.convert_to_universal: <tag>_universal/zero/<name>/fp32.pt, each {"param": tensor})."""
     import torch
     from deepspeed.checkpoint.constants import PARAM
 

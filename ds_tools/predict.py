@@ -6,16 +6,17 @@
 
 The model, per optimizer step and rank (B = micro_batch x grad_accum sequences):
 
-    T(N) = compute(N) + wait(N) + exposed(N),   exposed(N) = exposed(measured) + (1 - overlap) (comm(N) - comm(measured))
+    T(N)       = compute(N) + wait(N) + exposed(N)
+    exposed(N) = exposed(measured) + (1 - overlap) (comm(N) - comm(measured))
 
   * compute, wait: the measured step minus its exposed communication (and, with phase timing, the measured wait for
     the slowest rank), per sequence, times B(N). With --global_batch, grad_accum follows N (strong scaling of the
     accumulation, as NVIDIA's and Habana's BERT recipes do); without it, B stays the measured one.
   * comm(N): the collectives DeepSpeed 0.19 issues for the stage (`collectives`, file:line cited), costed by
     ds_tools.fabrics (hierarchical ring, NCCL bus bandwidth, one efficiency factor per fabric).
-  * overlap: from the measured run's phase timing (ds_core.outputs.phases: phase_comm_s is the exposed part of the modelled
-    comm at the measured scale); without phase timing, 0 (stage 0/1 reduce after backward, at the accumulation
-    boundary: engine.py:3089, nothing to hide behind) and the output says it was assumed.
+  * overlap: from the measured run's phase timing (ds_core.outputs.phases: phase_comm_s is the exposed part of the
+    modelled comm at the measured scale); without phase timing, 0 (stage 0/1 reduce after backward, at the
+    accumulation boundary: engine.py:3089, nothing to hide behind) and the output says it was assumed.
 """
 from __future__ import annotations
 
@@ -28,9 +29,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main, flag
-from ds_tools import fabrics
+from ds_tools import fabrics, scaling_explain as explain
 from ds_tools.scaling import ScalingError, summary_of
-from ds_tools import scaling_explain as explain
 
 DS = "deepspeed 0.19.8"
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -88,8 +88,8 @@ def summary_of(path: Path) -> dict:
 
 
 def _canonical_accelerator(name):
-    """Runs written before ds_core.device.accelerators named devices by alias (`a100`, `h100`): group them with the runs that
-    write the table's name. A name the table does not know (cpu, a new device) is kept as written."""
+    """Runs written before ds_core.device.accelerators named devices by alias (`a100`, `h100`): group them with the runs
+    that write the table's name. A name the table does not know (cpu, a new device) is kept as written."""
     from ds_core.device import accelerators
 
     if not isinstance(name, str):
@@ -284,7 +284,8 @@ def _md_lost(g: Group) -> list:
         lost = r["lost"]
         out.append(f"| {r['nodes']} | {r['accelerators']} | "
                    + " | ".join(f"{round(lost[k], 2) + 0.0:.2f}" for k in explain.BUCKETS)
-                   + f" | {round(lost['total'], 2) + 0.0:.2f} | {'yes' if lost['timed'] else 'no: all in anything else'} |")
+                   + f" | {round(lost['total'], 2) + 0.0:.2f}"
+                   + f" | {'yes' if lost['timed'] else 'no: all in anything else'} |")
     return out
 
 
@@ -298,7 +299,8 @@ def format_csv(groups: Sequence[Group]) -> str:
             c = _cells(r)
             c[4] = f"{r['efficiency']:.4f}"    # csv keeps efficiency a fraction, like json
             lost = r["lost"]
-            w.writerow([i, *c, int(r["baseline"]), *(f"{round(lost[k], 4) + 0.0:.4f}" for k in (*explain.BUCKETS, "total")),
+            w.writerow([i, *c, int(r["baseline"]),
+                        *(f"{round(lost[k], 4) + 0.0:.4f}" for k in (*explain.BUCKETS, "total")),
                         int(lost["timed"]), g.reason])
     return buf.getvalue()
 
@@ -357,7 +359,7 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
 
 def _plot_lost(ax, groups: Sequence[Group]) -> None:
     """Stacked bars: per larger run, the points of efficiency lost to each part of the step."""
-    labels, bottoms_pos, bottoms_neg = [], [], []
+    labels = []
     bars = []
     for i, g in enumerate(groups):
         for r in rows_of(g):

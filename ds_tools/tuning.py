@@ -3,8 +3,8 @@
 Per rank, with Adam(W): every buffer DeepSpeed 0.19 allocates for the configuration, held between steps plus the
 largest phase of a step (ds_tools.zero_memory_model.estimate; each component names its deepspeed/runtime/ file and
 line; bench/zero_memory.py measures it), and activations per micro batch (zero_memory_model.activation_bytes).
-Usable memory: the capacity (ds_core.device.accelerators' table; cpu: the node's RAM over its ranks) minus 8 % for allocator
-fragmentation and runtime context.
+Usable memory: the capacity (ds_core.device.accelerators' table; cpu: the node's RAM over its ranks) minus 8 % for
+allocator fragmentation and runtime context.
 
 Models: the presets' descriptions in ds_configs/models/ (written by the model packages, see MODEL_DIR) or any HF
 config.json.
@@ -21,15 +21,23 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
-from ds_core.device import accelerators
+from ds_core.cli import ArgumentParser, cli_main, error as cli_error, flag
 from ds_core.config import DS_CONFIG_DIR
-from ds_core.cli import ArgumentParser, cli_main, flag
-from ds_core.cli import error as cli_error
-from ds_tools.zero_memory_model import (DEFAULT_BUCKETS, STAGES, Estimate, ModelShape, Tower, TuningError,
-                                      estimate, grad_accum_dtype_for)
+from ds_core.device import accelerators
+from ds_tools.zero_memory_model import (
+    DEFAULT_BUCKETS,
+    STAGES,
+    Estimate,
+    ModelShape,
+    Tower,
+    TuningError,
+    estimate,
+    grad_accum_dtype_for,
+)
 
 GB = 1e9
-# cpu is not in ds_core.device.accelerators (no vendor figure): its "memory" is the machine's RAM shared by the node's ranks.
+# cpu is not in ds_core.device.accelerators (no vendor figure): its "memory" is the machine's RAM shared by the node's
+# ranks.
 CPU = "cpu"
 USABLE_FRACTION = 0.92
 # Tokens per micro batch beyond which a bigger micro batch buys little more accelerator efficiency; used only to
@@ -152,7 +160,7 @@ def _shape_cached(model: str, seq_len: int) -> ModelShape:
     try:
         params, largest = _count_on_meta(spec)
         exact = True
-    except Exception:                                  # unknown model_type / no transformers: formula is close
+    except Exception:  # noqa: BLE001 - unknown model_type / no transformers: the formula is close
         params, largest, exact = approx, approx_largest, False
     return ModelShape(name=name, params=params, largest_layer_params=largest, towers=towers, vocab=vocab,
                       head_seq=head_seq, exact=exact)
@@ -315,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"{' | '.join(shipped_models())} (ds_configs/models/, written from the presets; also "
                         f"{', '.join(MODEL_ALIASES)}) | PATH_TO_HF_CONFIG.json")
     p.add_argument("--accelerator", required=True,
-                   help=f"{' | '.join(a.name for a in accelerators.ACCELERATORS)} (ds_core.device.accelerators; aliases "
-                        f"{', '.join(x for a in accelerators.ACCELERATORS for x in a.aliases)}) | {CPU}")
+                   help=f"{' | '.join(a.name for a in accelerators.ACCELERATORS)} (ds_core.device.accelerators; "
+                        f"aliases {', '.join(x for a in accelerators.ACCELERATORS for x in a.aliases)}) | {CPU}")
     p.add_argument(*flag("--accelerators_per_node"), type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument(*flag("--global_batch"), type=int, required=True,
@@ -413,7 +421,8 @@ def _run(a: argparse.Namespace) -> int:
             print(f"    {k}: {v / GB:.2f} GB")
         print(f"DeepSpeed JSON written to {a.out}")
         if best.checkpointing:
-            print("Note: the model must enable activation checkpointing too (HF: model.gradient_checkpointing_enable()).")
+            print("Note: the model must enable activation checkpointing too "
+                  "(HF: model.gradient_checkpointing_enable()).")
         return 0
     print("\nNothing fits. What would:")
     for t in tips:

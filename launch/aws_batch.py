@@ -21,8 +21,7 @@ import time
 from typing import Mapping, Sequence
 
 from ds_core.cli import cli_main
-from launch import hostfile as hf
-from launch import run
+from launch import hostfile as hf, run
 from launch.settings import LaunchSettings, add_run_arguments
 
 

@@ -6,11 +6,12 @@ It runs `python -m MODULE ARGS` as its child and does two things no launcher doe
 
 1. A frozen rank ends. The child runs a heartbeat thread that writes a byte to a pipe every second; the thread needs
    neither the main thread nor the network, so it keeps beating through long steps and collectives and stops only
-   when the whole process stops (SIGSTOP, a hung or swapped-out host process, a C call holding the GIL). The guard kills the child (and everything it started)
-   once no beat came for --stall_timeout_s, which launch.run sets to the collective timeout plus a grace: by then every
-   healthy peer has failed its collective, so the kill only ends a run that is already lost. Without it, the node of a
-   frozen rank waits forever (DeepSpeed's per-node launcher, pdsh, mpirun and srun all wait for their child).
-   The guard exits with the child's status (128 + signal for a signal), so every launcher sees the failure.
+   when the whole process stops (SIGSTOP, a hung or swapped-out host process, a C call holding the GIL). The guard kills
+   the child (and everything it started) once no beat came for --stall_timeout_s, which launch.run sets to the
+   collective timeout plus a grace: by then every healthy peer has failed its collective, so the kill only ends a run
+   that is already lost. Without it, the node of a frozen rank waits forever (DeepSpeed's per-node launcher, pdsh,
+   mpirun and srun all wait for their child). The guard exits with the child's status (128 + signal for a signal), so
+   every launcher sees the failure.
 
 2. Under MPI (--mpi: openmpi, mpich and mpirun launches) our rendezvous wins over DeepSpeed's. DeepSpeed's
    deepspeed.comm.comm.mpi_discovery sets MASTER_ADDR to rank 0's first `hostname -I` address and MASTER_PORT to
@@ -19,7 +20,8 @@ It runs `python -m MODULE ARGS` as its child and does two things no launcher doe
    port given here, or else rank 0's address and a port free on it, broadcast to every rank. With all five of
    DeepSpeed's required variables set, deepspeed.init_distributed skips mpi_discovery. When the child fails, the guard
    calls MPI_Abort so mpirun stops every rank and exits non-zero; DeepSpeed's MPICH helper
-   (deepspeed/launcher/launcher_helper.py main) drops its child's exit status, so an exit code alone would be lost there.
+   (deepspeed/launcher/launcher_helper.py main) drops its child's exit status, so an exit code alone would be lost
+   there.
 
 Hand-written because no launcher we document has a per-rank liveness check: torch.distributed.elastic's agent
 watches workers only under torchrun, which DeepSpeed's launchers do not use. Standard library plus psutil (mpi4py

@@ -34,6 +34,7 @@ from typing import Callable, Mapping, Sequence
 from ds_core.rank.parent_watch import pdeathsig_preexec
 from ds_core.rank.rendezvous import LOOPBACK, free_port, rank_env, rank_variables
 
+
 def deepspeed_launcher() -> list[str]:
     """DeepSpeed's launcher of this interpreter's environment (the `deepspeed` script beside it, else its module)."""
     exe = Path(sys.executable).parent / "deepspeed"
@@ -286,8 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(e))
     ds_json = _ds_json_arg(target)
     if ds_json:  # the whole DeepSpeed JSON, before any rank is spawned (the ranks would find it after init)
-        from ds_core.errors import ConfigError
         from ds_core.config.ds_json import check_before_spawn
+        from ds_core.errors import ConfigError
 
         try:
             check_before_spawn(ds_json, a.num_ranks)

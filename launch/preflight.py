@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import cli_main
-from launch import env as envmod
-from launch import hostfile as hf
+from launch import env as envmod, hostfile as hf
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "-"
 PACKAGES = ("torch", "deepspeed", "ds-scale-toolkit")
@@ -101,7 +100,7 @@ def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "") -> dict:
     kind = _accelerator()
     try:
         count, count_err = _accelerator_count(kind), ""
-    except Exception as e:  # a broken driver stack is a finding, not a crash
+    except Exception as e:  # noqa: BLE001 - a broken driver stack is a finding, not a crash
         count, count_err = 0, f"{type(e).__name__}: {e}"
     out = {"hostname": socket.gethostname(), "python": platform.python_version(), "executable": sys.executable,
            "versions": {d: _version(d) for d in PACKAGES}, "accelerator": kind, "accelerators": count,

@@ -42,10 +42,8 @@ from typing import Callable, Mapping, Sequence
 
 from ds_core.cli import cli_main
 from ds_core.rank.venv import torch_extensions_env
+from launch import env as envmod, hostfile as hf, preflight
 from launch.local_ranks import deepspeed_launcher
-from launch import env as envmod
-from launch import hostfile as hf
-from launch import preflight
 from launch.settings import DEFAULT_DIST_TIMEOUT_S, LaunchError, LaunchSettings, add_run_arguments
 
 # what a launch can fail on with a message for the user (exit status 2, ds_core.cli)
@@ -272,8 +270,8 @@ def build_no_ssh(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None)
     if not s.dry_run and s.node_rank == 0:  # node 0 serves the port; on other nodes it is node 0's own store
         check_master_port(s.master_addr, s.port)
     added = envmod.rank_env_additions(s.profile, cwd, environ)
-    return deepspeed_launcher() + ["--hostfile", s.hostfile, "--no_ssh", "--node_rank", str(s.node_rank), *_addr_flag(s),
-                              "--master_port", str(s.port), *_nodes_flag(s), *_guarded(s)], added
+    return deepspeed_launcher() + ["--hostfile", s.hostfile, "--no_ssh", "--node_rank", str(s.node_rank),
+                                   *_addr_flag(s), "--master_port", str(s.port), *_nodes_flag(s), *_guarded(s)], added
 
 
 def build_deepspeed_mpi(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
@@ -356,8 +354,8 @@ def build_command(s: LaunchSettings, environ: Mapping[str, str] | None = None, c
 def check_ds_json_before_spawn(s: LaunchSettings) -> None:
     """The whole DeepSpeed JSON (nested keys, by DeepSpeed's own classes) and its batch arithmetic for this world,
     before any node starts a rank (ds_core.config.ds_json); deepspeed is imported here only when a JSON is given."""
-    from ds_core.errors import ConfigError
     from ds_core.config.ds_json import check_before_spawn, ds_config_in
+    from ds_core.errors import ConfigError
 
     path = s.deepspeed_config or ds_config_in(s.module_args)
     if not path:

@@ -19,8 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from launch import env as envmod
-from launch import hostfile as hf
+from launch import env as envmod, hostfile as hf
 
 LAUNCHERS = ("pdsh", "no_ssh", "openmpi", "mpich", "mpirun", "srun")
 MPI_LAUNCHERS = ("openmpi", "mpich", "mpirun")

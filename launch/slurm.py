@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ds_core.cli import cli_main
-from launch import hostfile as hf
-from launch import run
+from launch import hostfile as hf, run
 from launch.settings import LaunchError, LaunchSettings, add_run_arguments
 
 

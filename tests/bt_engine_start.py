@@ -1,5 +1,5 @@
-"""Start the debug BridgeTower on the real DeepSpeed engine through ds_core.rank.engine.build_engine and take 2 optimizer
-steps; each rank writes what happened to OUT_DIR/rank<R>.json.
+"""Start the debug BridgeTower on the real DeepSpeed engine through ds_core.rank.engine.build_engine and take 2
+optimizer steps; each rank writes what happened to OUT_DIR/rank<R>.json.
 
 Driven by tests/test_ops_check.py and tests/test_bt_logit_scale_ds.py:
     python -m launch.local_ranks -n 2 tests/bt_engine_start.py --ds_json J --out_dir D [--logit_scale 0d|1d]

@@ -4,8 +4,8 @@ name fails listing the known ones."""
 import pytest
 
 from ds_core.device import accelerators
-from ds_tools import tuning
 from ds_core.outputs.metrics import peak_tflops_for
+from ds_tools import tuning
 
 
 def test_names_and_aliases_resolve_case_insensitively():

@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from bert_ref.data import (IGNORE_INDEX, DataStateError, PretrainingData, assign_shards, batches_per_epoch, build_data,
-                           plan_segments)
+from bert_ref.data import (
+    IGNORE_INDEX,
+    DataStateError,
+    PretrainingData,
+    assign_shards,
+    batches_per_epoch,
+    build_data,
+    plan_segments,
+)
 from bert_ref.prep.h5io import synthetic_arrays, write_shard
 from bert_ref.shards import SCHEMA, DataDirError, ShardError, list_test_shards
 

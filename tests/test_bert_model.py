@@ -6,10 +6,21 @@ import json
 import pytest
 import torch
 
-from bert_ref.configs import (BertArgs, InputDirError, PhaseMismatchError, UnknownPresetError, bert_1p5b,
-                              bert_large, check_data_matches, debug, debug_pre_ln, get_preset, pad_vocab)
-from bert_ref.model import build_model, flops_per_sequence, param_counts
+from bert_ref.configs import (
+    BertArgs,
+    InputDirError,
+    PhaseMismatchError,
+    UnknownPresetError,
+    bert_1p5b,
+    bert_large,
+    check_data_matches,
+    debug,
+    debug_pre_ln,
+    get_preset,
+    pad_vocab,
+)
 from bert_ref.data import IGNORE_INDEX
+from bert_ref.model import build_model, flops_per_sequence, param_counts
 from bert_ref.step import pretraining_losses
 from ds_core.errors import ConfigError
 

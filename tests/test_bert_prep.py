@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from bert_ref.data import PretrainingData
-from bert_ref.shards import SCHEMA
 from bert_ref.prep.__main__ import main
 from bert_ref.prep.text import PrepError, TextParams, read_text_shard, run_text
 from bert_ref.prep.vocab import read_vocab, run_vocab
+from bert_ref.shards import SCHEMA
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far", "away", "from", "home", "and", "then", "it",
          "came", "back", "to", "eat", "some", "food", "with", "its", "friend", "who", "was", "very", "happy", "today",

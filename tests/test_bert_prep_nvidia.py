@@ -3,13 +3,10 @@ sha256 of each of the six arrays NVIDIA's script produced from the generated cor
 tests/data/nvidia_shards/make_corpus.py are kept in reference.json (file, commit, command: make_reference.py)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
-import h5py
-import numpy as np
 import pytest
 
 from bert_ref.prep.__main__ import main
@@ -74,7 +71,8 @@ def test_compat_tokenizer_special_token_text(corpus):
 
 
 def test_compat_refuses_what_nvidia_cannot_do(corpus, tmp_path, capsys):
-    assert shards_cli(corpus / "text", corpus / "vocab.txt", tmp_path / "a", "--nvidia_compat", "--whole_word_mask") == 2
+    status = shards_cli(corpus / "text", corpus / "vocab.txt", tmp_path / "a", "--nvidia_compat", "--whole_word_mask")
+    assert status == 2
     assert "--nvidia_compat with --whole_word_mask" in capsys.readouterr().err
     assert shards_cli(corpus / "text", corpus / "vocab.txt", tmp_path / "b", "--nvidia_compat", "--cased") == 2
     assert "always lower-cases" in capsys.readouterr().err

@@ -9,11 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from bridgetower_ds import batching as B
-from bridgetower_ds import data as D
-from bridgetower_ds import hpu_media
+from bridgetower_ds import batching as B, data as D, hpu_media
 from bridgetower_ds.images import host_transform, normalize, read_bytes
-
 from test_bt_data import S, args_for, collect, make_manifest, tiny_tokenizer
 
 

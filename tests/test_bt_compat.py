@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from bridgetower_ds import compat, trainer_flags
+from bridgetower_ds.configs import BridgeTowerSettings, CompatArgs, DataArgs, ModelArgs
 from conftest import REPO
-
 from ds_core.config import TrainConfig, parse_settings
 from ds_core.config.optim import OptimArgs
 from ds_core.errors import ConfigError
-from bridgetower_ds import compat, trainer_flags
-from bridgetower_ds.configs import BridgeTowerSettings, CompatArgs, DataArgs, ModelArgs
 
 # optimum-habana examples/contrastive-image-text/README.md, "BridgeTower" (the published Gaudi benchmark), as a user
 # pastes it after `run_bridgetower.py`, with the blog's --report_to tensorboard and Trainer flags users add to it;

@@ -5,8 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from bridgetower_ds.configs import ModelArgs
-from bridgetower_ds.configs import DataArgs
+from bridgetower_ds.configs import DataArgs, ModelArgs
 from bridgetower_ds.images import resolve_pipeline
 from bridgetower_ds.model import apply_freezing, build_model
 from bridgetower_ds.tokenizer import load_tokenizer

@@ -1,4 +1,5 @@
-"""bridgetower_ds.data: sources, splits, per-rank order, exact resume, host vs device pipeline, bad images in batches."""
+"""bridgetower_ds.data: sources, splits, per-rank order, exact resume, host vs device pipeline, bad images in
+batches."""
 from __future__ import annotations
 
 import csv
@@ -21,7 +22,8 @@ def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<s>", "<pad>", "</s>", "<unk>"] + "a photo of number red blue cat dog".split() + [str(i) for i in range(40)]
+    words = (["<s>", "<pad>", "</s>", "<unk>"] + "a photo of number red blue cat dog".split()
+             + [str(i) for i in range(40)])
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",

@@ -2,9 +2,8 @@
 image and one empty caption per split that the demo's results report."""
 from __future__ import annotations
 
-from bridgetower_ds import data as D
+from bridgetower_ds import data as D, demo
 from bridgetower_ds.configs import DataArgs
-from bridgetower_ds import demo
 from test_bt_compat import NEWYORKER_FEATURES
 from test_bt_data import collect, tiny_tokenizer
 

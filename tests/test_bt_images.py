@@ -250,8 +250,8 @@ def test_pil_fallback_without_simplejpeg_is_identical(monkeypatch):
 
 
 def test_hpu_materialize_writes_embedded_images_once(tmp_path):
-    from bridgetower_ds.table import CaptionTable
     from bridgetower_ds.hpu_media import materialize
+    from bridgetower_ds.table import CaptionTable
 
     good = jpeg_bytes(photo(40, 30))
     table = CaptionTable([good, b"", str(tmp_path / "on_disk.jpg")], ["a", "b", "c"], str(tmp_path), "mem")
@@ -359,9 +359,9 @@ def test_chroma_upsampled_as_libjpeg_from_nvjpeg_output():
     comes from its own 2 x 2 block and the neighbouring one, and a block holding a clamped pixel has lost part of
     its chroma. Box-upsampled chroma itself is tens of levels off at colour edges."""
     import simplejpeg
-    from test_gpu_images import photo_like
 
     from bridgetower_ds.jpeg_chroma import chroma_factors, fancy_upsample_chroma, needs_fancy
+    from test_gpu_images import photo_like
 
     rng = np.random.default_rng(5)
     for sub, w, h in (("4:2:0", 300, 300), ("4:2:2", 301, 203), ("4:2:0", 97, 61)):

@@ -7,8 +7,14 @@ from transformers import BridgeTowerForContrastiveLearning
 
 from bridgetower_ds import configs
 from bridgetower_ds.configs import ModelArgs
-from bridgetower_ds.model import (BridgeTowerContrastive, apply_freezing, build_model, flops_per_sample,
-                                  forward_flops, load_config)
+from bridgetower_ds.model import (
+    BridgeTowerContrastive,
+    apply_freezing,
+    build_model,
+    flops_per_sample,
+    forward_flops,
+    load_config,
+)
 from bridgetower_ds.tokenizer import debug_tokenizer, load_tokenizer
 from ds_core.errors import ConfigError
 
@@ -33,7 +39,8 @@ def test_presets_match_published_architecture():
     assert (large.hidden_size, large.num_hidden_layers, large.num_attention_heads) == (1024, 6, 16)
     assert (large.contrastive_hidden_size, large.logit_scale_init_value) == (512, 2.6592)
     base = configs.bridgetower_base()
-    assert (base.text_config.hidden_size, base.vision_config.patch_size, base.vision_config.image_size) == (768, 16, 288)
+    assert ((base.text_config.hidden_size, base.vision_config.patch_size, base.vision_config.image_size)
+            == (768, 16, 288))
     assert base.contrastive_hidden_size == 512
     with pytest.raises(ConfigError, match="--preset 'huge': unknown BridgeTower preset; expected one of "
                                           "bridgetower_large, bridgetower_base, debug"):

@@ -10,9 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from bridgetower_ds import data as D, fetch
 from conftest import REPO
-from bridgetower_ds import data as D
-from bridgetower_ds import fetch
 from test_bt_data import S, args_for, collect, make_manifest, tiny_tokenizer, write_jpeg
 
 

@@ -135,9 +135,8 @@ def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(capti
     # (in-batch negatives: 5 per rank there, 8 + 2 here), so it is not compared
     for k in ("i2t_r1", "t2i_r1", "i2t_r5", "t2i_r5"):
         assert res[f"eval_{k}"] == pytest.approx(trained[f"eval_{k}"], abs=0.11), k
-    from transformers import BridgeTowerForContrastiveLearning
-
     import torch
+    from transformers import BridgeTowerForContrastiveLearning
 
     from bridgetower_ds.configs import ModelArgs
     from bridgetower_ds.model import build_model
@@ -157,9 +156,8 @@ def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(capti
 
 
 def test_nothing_to_do_is_an_error(tmp_path):
-    from ds_core.errors import ConfigError
-
     from bridgetower_ds.train import main
+    from ds_core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="nothing to do"):
         main(["--dataset_path", str(tmp_path)])
@@ -170,10 +168,10 @@ def test_published_command_trains_on_two_ranks_and_writes_trainers_outputs(tmp_p
     """optimum-habana's run_bridgetower.py command line (test_bt_compat.PUBLISHED) as written, except: the dataset
     is a tiny New-Yorker-schema one in a tmp datasets cache, the model is the debug preset (no
     --model_name_or_path: the Large checkpoint does not train on a CPU), and the sizes are a test's."""
-    from test_bt_compat import PUBLISHED, make_newyorker_cache
+    import torch
     from transformers import BridgeTowerForContrastiveLearning, BridgeTowerProcessor, get_scheduler
 
-    import torch
+    from test_bt_compat import PUBLISHED, make_newyorker_cache
 
     cache = make_newyorker_cache(tmp_path / "hf_datasets", {"train": 40, "validation": 8, "test": 8})
     run = tmp_path / "bridgetower-test"

@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from ds_core.config import TrainConfig, parse_settings, sections_of
-from ds_core.errors import ConfigError
 from bridgetower_ds import compat, trainer_flags
 from bridgetower_ds.configs import BridgeTowerSettings, CompatArgs, DataArgs
 from bridgetower_ds.train import DEFAULT_DS_CONFIG
+from ds_core.config import TrainConfig, parse_settings, sections_of
+from ds_core.errors import ConfigError
 
 # huggingface/optimum-habana examples/contrastive-image-text/run_bridgetower.py at commit
 # 1d8504c6c7666a19d71968dba50976dceaf7c6b6: the fields of its ModelArguments and DataTrainingArguments (names only)

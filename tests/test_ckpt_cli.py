@@ -45,7 +45,8 @@ def test_info_universal_and_export_hf_of_a_zero3_checkpoint(tmp_path):
     assert proc.returncode == 2 and "global_step9: no COMPLETE marker" in proc.stderr
     assert ds_ckpt("universal", run).returncode == 0
     assert (root / "global_step3_universal" / "COMPLETE").is_file()
-    assert (root / "global_step3_universal" / "zero" / "bert.embeddings.word_embeddings.weight" / "exp_avg.pt").is_file()
+    zero = root / "global_step3_universal" / "zero"
+    assert (zero / "bert.embeddings.word_embeddings.weight" / "exp_avg.pt").is_file()
     assert "universal: " in ds_ckpt("info", run).stdout
 
     proc = ds_ckpt("export-hf", run, tmp_path / "hf")

@@ -235,9 +235,7 @@ def test_bert_sample_log_is_what_was_yielded(shards, tmp_path, monkeypatch):
 
 
 # ================================================================================================ BridgeTower
-from bridgetower_ds import batching as BT  # noqa: E402
-from bridgetower_ds import data as D  # noqa: E402
-
+from bridgetower_ds import batching as BT, data as D  # noqa: E402
 from test_bt_data import S, args_for, make_manifest, tiny_tokenizer  # noqa: E402
 
 # sha1 of BatchPlan.rank_batches of epochs 0 and 1 on every rank (seed 7), recorded at commit 5b34ada

@@ -3,9 +3,16 @@ import json
 
 import pytest
 
-from ds_core.config import DS_CONFIG_DIR, TrainConfig, check_batch_arithmetic, load_ds_config, parse_args, save_run_config
-from ds_core.errors import ConfigError
+from ds_core.config import (
+    DS_CONFIG_DIR,
+    TrainConfig,
+    check_batch_arithmetic,
+    load_ds_config,
+    parse_args,
+    save_run_config,
+)
 from ds_core.config.optim import OptimArgs
+from ds_core.errors import ConfigError
 
 
 def test_missing_batch_number_is_derived_like_deepspeed():
@@ -47,8 +54,9 @@ def test_misspelt_deepspeed_key_is_named_with_suggestion(tmp_path):
 
 
 def test_overrides_rederive_train_batch():
-    cfg = load_ds_config({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4},
-                         2, micro_batch=4, zero_stage=3)
+    cfg = load_ds_config(
+        {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4},
+        2, micro_batch=4, zero_stage=3)
     assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) \
         == (32, 4, 4)
     assert cfg["zero_optimization"]["stage"] == 3

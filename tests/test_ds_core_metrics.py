@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from ds_core.outputs.metrics import Metrics, RunInfo
 from ds_core.device.precision import cpu_peak_tflops
+from ds_core.outputs.metrics import Metrics, RunInfo
 
 SUMMARY_FIELDS = ["model", "world_size", "nodes", "accelerators_per_node", "accelerator", "micro_batch", "grad_accum",
                   "zero_stage", "precision", "warmup_steps_excluded", "samples_per_s", "seqs_per_s_per_accelerator",

@@ -1,14 +1,13 @@
-"""ds_core.outputs.phases: sampled phase timing. A unit test drives the timer with a fake clock (which steps are sampled, what
-each phase gets, the summary without warm-up); a 2-rank run of the real engine with one rank made slow shows the
-wait on the other rank, and the phases of a step never add up to more than the step."""
+"""ds_core.outputs.phases: sampled phase timing. A unit test drives the timer with a fake clock (which steps are
+sampled, what each phase gets, the summary without warm-up); a 2-rank run of the real engine with one rank made slow
+shows the wait on the other rank, and the phases of a step never add up to more than the step."""
 import json
-from pathlib import Path
 
 import pytest
 
 from conftest import REPO, dist_env, run_deepspeed
-from ds_core.outputs import phases
 from ds_core.config import DS_CONFIG_DIR
+from ds_core.outputs import phases
 
 
 class FakeClock:

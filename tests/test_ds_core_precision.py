@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from ds_core.device import precision as prec
 from ds_core.config import TrainConfig, ds_config_for
+from ds_core.device import precision as prec
 from ds_core.errors import ConfigError
 
 

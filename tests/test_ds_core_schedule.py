@@ -1,6 +1,6 @@
-"""ds_core.schedule against its references: transformers.get_scheduler (LR per step, warm-up), poly_warmup (a Habana-like schedule) as
-bert_ref.optim ran it, and Trainer.get_decay_parameter_names (decay groups). No DeepSpeed here; the schedule through
-the real engine on 2 ranks is checked in tests/test_bt_train.py."""
+"""ds_core.schedule against its references: transformers.get_scheduler (LR per step, warm-up), poly_warmup (a
+Habana-like schedule) as bert_ref.optim ran it, and Trainer.get_decay_parameter_names (decay groups). No DeepSpeed here;
+the schedule through the real engine on 2 ranks is checked in tests/test_bt_train.py."""
 from __future__ import annotations
 
 import math
@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from ds_core.errors import ConfigError
-from ds_core.schedule import (LRSchedule, decay_parameter_names, lr_schedule, param_groups, poly_warmup_factor,
-                              total_optimizer_steps, warmup_steps_for)
+from ds_core.schedule import (
+    LRSchedule,
+    decay_parameter_names,
+    lr_schedule,
+    param_groups,
+    poly_warmup_factor,
+    total_optimizer_steps,
+    warmup_steps_for,
+)
 
 
 def _reference_lrs(kind: str, base: float, warmup: int, total: int, n: int) -> list[float]:

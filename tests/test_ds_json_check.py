@@ -1,5 +1,6 @@
 """The whole DeepSpeed JSON checked by DeepSpeed's own config classes before any rank is spawned
-(ds_core.config.ds_json): each bad case is refused naming the file and the key, by the starters (local_ranks, launch.run) before a rank runs."""
+(ds_core.config.ds_json): each bad case is refused naming the file and the key, by the starters (local_ranks,
+launch.run) before a rank runs."""
 from __future__ import annotations
 
 import copy
@@ -12,9 +13,8 @@ import pytest
 
 from conftest import REPO, dist_env
 from ds_core.config import DS_CONFIG_DIR
+from ds_core.config.ds_json import check_before_spawn, check_ds_json, ds_config_in
 from ds_core.errors import ConfigError
-from ds_core.config.ds_json import check_ds_json
-from ds_core.config.ds_json import check_before_spawn, ds_config_in
 
 BASE = json.loads((DS_CONFIG_DIR / "zero1_bf16.json").read_text())
 

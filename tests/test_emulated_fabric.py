@@ -13,8 +13,7 @@ import pytest
 
 from conftest import REPO, dist_env
 from ds_tools import predict
-from ds_tools.study import emulated, netns
-from ds_tools.study import runner
+from ds_tools.study import emulated, netns, runner
 from ds_tools.study.runner import fabric_key, read_summary
 from ds_tools.study.spec import StudyError, load_study
 

@@ -44,7 +44,8 @@ def photo_like(rng, w: int = 640, h: int = 480):
     for _ in range(5):
         x0, y0 = int(rng.integers(0, max(1, w - 20))), int(rng.integers(0, max(1, h - 20)))
         box = [x0, y0, x0 + int(rng.integers(10, max(11, w // 2))), y0 + int(rng.integers(10, max(11, h // 2)))]
-        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+        shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
+        shape(box, fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
     arr = np.asarray(im.filter(ImageFilter.GaussianBlur(1.2))).astype(np.float32)
     arr += 8 * np.sin(x / 3.1 + y / 4.7)[..., None] + rng.normal(0, 4, arr.shape)
     return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))

@@ -57,7 +57,7 @@ def test_accelerator_row_from_device_name():
     assert accelerator_kind("cuda") == (row or "cuda")
 
 
-def test_mfu_at_most_one_and_no_host_sync_per_step(shards, tmp_path):
+def test_mfu_at_most_one_and_no_host_sync_per_step(shards, tmp_path):  # noqa: F811 - the fixture imported above
     run = tmp_path / "run"
     argv = bert_args(shards, run, 1, "bf16", "--log_every", str(LOG_EVERY))[1:]
     env = dist_env(DS_ACCELERATOR="cuda")

@@ -78,15 +78,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if root in index:
             continue
         work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = counter[0]; counter[0] += 1
-        stack.append(root); on_stack.add(root)
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
         while work:
             node, children = work[-1]
             child = next(children, None)
             if child is not None:
                 if child not in index:
-                    index[child] = low[child] = counter[0]; counter[0] += 1
-                    stack.append(child); on_stack.add(child)
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
                     work.append((child, iter(sorted(graph[child]))))
                 elif child in on_stack:
                     low[node] = min(low[node], index[child])
@@ -97,7 +101,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
             if low[node] == index[node]:
                 comp = []
                 while True:
-                    m = stack.pop(); on_stack.discard(m); comp.append(m)
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.append(m)
                     if m == node:
                         break
                 if len(comp) > 1:

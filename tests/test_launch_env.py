@@ -97,7 +97,8 @@ def test_consumers_refuse_a_bad_deepspeed_env(tmp_path, content, message):
     assert check.returncode == 2 and message in check.stderr
     merge = cli("write", "--set", "B=3", cwd=tmp_path)
     assert merge.returncode == 2 and message in merge.stderr
-    for launcher in (["--launcher", "no_ssh", "--node_rank", "0", "--master_addr", "127.0.0.1"], ["--launcher", "pdsh"]):
+    no_ssh = ["--launcher", "no_ssh", "--node_rank", "0", "--master_addr", "127.0.0.1"]
+    for launcher in (no_ssh, ["--launcher", "pdsh"]):
         run = subprocess.run([sys.executable, "-m", "launch.run", *launcher, "--hostfile", "hostfile",
                               "--module", "launch.preflight", "--deepspeed_config", "", "--", "--help"],
                              cwd=tmp_path, env=dist_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from launch.local_ranks import rank_env
 from ds_core.rank.venv import torch_extensions_env
 from launch import run as runmod
+from launch.local_ranks import rank_env
 
 
 def test_linker_cache_is_read():

@@ -213,9 +213,10 @@ def test_launch_run_openmpi_over_ssh(tmp_path, private_sshd):
 
 
 # ------------------------------------------------------------------------------------------------ MPI rendezvous, hangs
-RDV_PROBE = '''"""Rendezvous through ds_core.rank.engine, one all-reduce, record it; with --hold keep all-reducing until killed.
-The rendezvous may take 20 s on a loaded 2-core machine: it gets --init_timeout_s, and only the held all-reduces the
-short --dist_timeout_s (their own group), so a frozen peer is noticed after that and not after the init's bound."""
+RDV_PROBE = '''"""Rendezvous through ds_core.rank.engine, one all-reduce, record it; with --hold keep all-reducing
+until killed. The rendezvous may take 20 s on a loaded 2-core machine: it gets --init_timeout_s, and only the held
+all-reduces the short --dist_timeout_s (their own group), so a frozen peer is noticed after that and not after the
+init's bound."""
 import argparse, json, os, time
 from datetime import timedelta
 import torch

@@ -5,8 +5,8 @@ released) when the main thread returns. Python then finalises, the callback thre
 ends it with pthread_exit through torch's noexcept C++ frames: "terminate called without an active exception",
 SIGABRT. In real runs the same happens, rarely, when gloo's thread drops the last reference to a collective's tensors
 late (a loaded machine): one 2-rank run per full CI suite failed so, in a different test each time.
-`ds_core.rank.process_end.run_main` (every rank entry's `__main__`) ends the process without finalising, after what Python's
-exit does first: joining non-daemon threads, atexit handlers, flushing stdout.
+`ds_core.rank.process_end.run_main` (every rank entry's `__main__`) ends the process without finalising, after what
+Python's exit does first: joining non-daemon threads, atexit handlers, flushing stdout.
 """
 import signal
 import subprocess

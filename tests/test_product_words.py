@@ -26,7 +26,7 @@ PATTERNS: dict[str, tuple[str, str]] = {
     # followed by a noun), hence the look-ahead for punctuation, "item", "and" or the end of the line
     "issue number": (r"\bissues? #?\d{1,4}(?=\s*(?:[,;:.)(]|item\b|and\b|$))", "a ticket number"),
     # "(#26)", "PR #12"; not "##98" (a WordPiece token), "&#123;" (an HTML entity), "#fff" / "#123456" (colours),
-    # "# noqa" or "## Heading" (a space follows the hash)
+    # a lint marker ("#", a space, "noqa") or "## Heading" (a space follows the hash)
     "hash number": (r"(?<![\w#&])#\d{2,4}\b", "a ticket or pull-request number"),
     "lent machine": (r"\blent\b|\bloans?\b|\bdevice (?:command|time)\b",
                      "that a machine was lent to the developers, and the terms of the loan"),

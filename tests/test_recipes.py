@@ -91,7 +91,8 @@ def test_documented_command_resolves_to_the_published_settings(name, tmp_path):
     assert ds["train_micro_batch_size_per_gpu"] == pub["micro"] and ds["gradient_accumulation_steps"] == pub["accum"]
     assert (train_cfg.max_steps, train_cfg.seed, train_cfg.num_steps_per_checkpoint) == (pub["max_steps"], 12439, 200)
     for key in ("optimizer", "learning_rate", "beta1", "beta2", "eps", "weight_decay", "bias_correction_lag",
-                "lr_scheduler_type", "warmup_ratio", "constant_proportion", "poly_degree", "scale_lr_with_global_batch"):
+                "lr_scheduler_type", "warmup_ratio", "constant_proportion", "poly_degree",
+                "scale_lr_with_global_batch"):
         assert getattr(opt, key) == pub[key], key
     if opt.optimizer == "lamb":
         assert opt.max_grad_norm == pub["max_grad_norm"]

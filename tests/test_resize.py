@@ -18,8 +18,8 @@ SAMPLES, MICRO = 256, 8  # 2 ranks x 8 = 16 per step: one epoch is 16 optimizer 
 # The loss right after a resize against the uninterrupted run's at the same step: the same weights and the same
 # global batch size, but other samples (the remaining ones are dealt anew), so the two differ by batch-to-batch
 # noise only. Measured here (CPU, fp32): step 5 0.7040 resized vs 0.7023 uninterrupted (ZeRO-0 and ZeRO-1 alike),
-# |diff| 0.0017; bf16 ZeRO-1 0.7070 vs 0.7031; the tolerance leaves room for other CPUs' arithmetic, not for a wrong optimizer state (the optimizer
-# state itself is compared exactly).
+# |diff| 0.0017; bf16 ZeRO-1 0.7070 vs 0.7031; the tolerance leaves room for other CPUs' arithmetic, not for a wrong
+# optimizer state (the optimizer state itself is compared exactly).
 LOSS_TOL = 0.05
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dist_env
-from ds_core.rank import run_lock
 from ds_core.config import TrainConfig
-from launch.local_ranks import LauncherGroup, free_port, local_command
+from ds_core.rank import run_lock
 from ds_core.run.run_dir import prepare_run_dir
+from launch.local_ranks import LauncherGroup, free_port, local_command
 
 
 def gone(pid: int) -> bool:
@@ -39,8 +39,8 @@ def wait_for(cond, timeout_s: float, what: str) -> None:
 
 def hold_lock(run_dir: Path) -> subprocess.Popen:
     """Another process holding run_dir's lock, as rank 0 of a live run does."""
-    code = ("import sys, time; from ds_core.rank import run_lock; run_lock.acquire(sys.argv[1]); print('held', flush=True);"
-            " time.sleep(600)")
+    code = ("import sys, time; from ds_core.rank import run_lock; run_lock.acquire(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout.readline().strip() == "held"

@@ -126,8 +126,8 @@ def test_plot_writes_a_png_that_opens(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_real_metrics_from_two_small_ds_core_runs(tmp_path, capsys):
-    """tests/tiny_train.py trains through ds_core.run.trainer.Trainer on 1 and then 2 ranks; the reporter reads what the loop
-    wrote (no hand-made numbers)."""
+    """tests/tiny_train.py trains through ds_core.run.trainer.Trainer on 1 and then 2 ranks; the reporter reads what the
+    loop wrote (no hand-made numbers)."""
     for ranks in (1, 2):
         run_deepspeed([str(REPO / "tests" / "tiny_train.py"), "--run_dir", str(tmp_path / f"r{ranks}"),
                        "--max_steps", "6", "--throughput_warmup_steps", "2", "--progress_bar", "false",

@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from ds_tools import tuning
-from ds_tools import zero_memory_model as zmm
 from ds_core.config import load_ds_config
+from ds_tools import tuning, zero_memory_model as zmm
 
 GB = tuning.GB
 
@@ -26,7 +25,8 @@ def test_model_shapes_are_exact_parameter_counts(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(small))
     shape = tuning.model_shape(str(path), 32)
-    real = BertForPreTraining(BertConfig(**{k: v for k, v in small.items() if k not in ("model_type", "architectures")}))
+    real = BertForPreTraining(BertConfig(**{k: v for k, v in small.items()
+                                            if k not in ("model_type", "architectures")}))
     assert shape.exact and shape.params == sum(p.numel() for p in real.parameters())
     # the largest module is the MLM decoder: the tied embedding matrix plus its bias
     assert shape.largest_layer_params == 1024 * 64 + 1024 and shape.towers[0].seq == 32
@@ -99,7 +99,8 @@ def test_the_optimizer_deepspeed_picks_and_its_buffers():
     both = zmm.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32", overlap_comm=True)
     assert both.phases["forward/backward"] != small.phases["forward/backward"]
     unfused = zmm.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32", fused_adam=False)
-    assert unfused.phase_totals()["optimizer step"] - small.phase_totals()["optimizer step"] == pytest.approx(8 * P / 64)
+    step_growth = unfused.phase_totals()["optimizer step"] - small.phase_totals()["optimizer step"]
+    assert step_growth == pytest.approx(8 * P / 64)
 
 
 def test_ds_tune_recommends_and_its_json_validates(tmp_path, capsys):

@@ -3,8 +3,8 @@
 Run as `deepspeed --num_gpus 2 tests/tiny_train.py --run_dir R --deepspeed_config zero1_bf16.json ...`.
 Test-only switches (env): TINY_NAN_AT_STEP=k makes the loss NaN at optimizer step k; TINY_KILL_IN_SAVE=k makes
 rank 0 kill -9 itself inside the save of step k, after DeepSpeed wrote its files and before the save completed;
-TINY_FAKE_CLOCK=1 drives ds_core.outputs.metrics with a clock that moves 1.0 per micro-step, 100.0 per checkpoint save and
-50.0 per eval (so the throughput window can be checked exactly); TINY_EVAL=1 adds an eval hook; TINY_STATS=1 makes
+TINY_FAKE_CLOCK=1 drives ds_core.outputs.metrics with a clock that moves 1.0 per micro-step, 100.0 per checkpoint save
+and 50.0 per eval (so the throughput window can be checked exactly); TINY_EVAL=1 adds an eval hook; TINY_STATS=1 makes
 the data source report per-rank summary statistics (rank r: bad_rows = r + 1).
 TINY_SIGNAL_AT_STEP=k (with TINY_SIGNAL_RANK=r, TINY_SIGNAL=SIGTERM|SIGUSR1) makes rank r send itself the signal
 during optimizer step k; TINY_DROPOUT_DUMP=DIR saves each rank's first dropout mask (embeddings) to DIR;
@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from ds_core import checkpoint as ckpt
-from ds_core.run.components import EvalTask, Evaluation, ModelInfo
 from ds_core.config import TrainConfig
 from ds_core.rank.engine import build_engine, shutdown_distributed
 from ds_core.rank.process_end import run_main
+from ds_core.run.components import EvalTask, Evaluation, ModelInfo
 from ds_core.run.loop import StepOutput
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Trainer

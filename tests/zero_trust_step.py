@@ -47,9 +47,9 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
     from bert_ref.layerwise import FlatLayout, attach_zero_layout, zero_layouts
     from bert_ref.model import build_model
     from bert_ref.optim import build_optimizer
-    from ds_core.config.optim import OptimArgs
     from bert_ref.prep.h5io import synthetic_arrays
     from bert_ref.step import step_fn
+    from ds_core.config.optim import OptimArgs
     from ds_core.rank.engine import build_engine
 
     accum = 2 // dist.world_size

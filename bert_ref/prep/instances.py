@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 import random
-from array import array
 import time
+from array import array
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path

@@ -13,12 +13,12 @@ import json
 import os
 import random
 import re
+from array import array
 from collections import deque
 from dataclasses import asdict, dataclass
 from itertools import islice
 from multiprocessing import get_context
 from pathlib import Path
-from array import array
 from typing import Callable, Iterable, Iterator, Sequence
 
 from tqdm import tqdm

@@ -7,7 +7,8 @@ Layout under run_dir/checkpoints/:
                              the batch numbers (train_batch_size, micro batch, accumulation, data-parallel size)
   global_step{N}/hf_model.json   the module's transformers class and config (rank 0), for `ds-ckpt export-hf`
   global_step{N}/MANIFEST.json   every file's size and XXH3 checksum, written before COMPLETE and verified on resume
-                             (ds_core.checkpoint.manifest); a checkpoint that fails is moved aside as global_step{N}.corrupt
+                             (ds_core.checkpoint.manifest); a checkpoint that fails is moved aside as
+                             global_step{N}.corrupt
   global_step{N}_universal/  the same step converted by DeepSpeed's ds_to_universal, made on a resume onto another
                              data-parallel size (ds_core.checkpoint.resize); COMPLETE once the conversion finished
   latest                     tag of the newest COMPLETE checkpoint, replaced atomically
@@ -109,9 +110,9 @@ def describe_mismatch(saved: dict, current: dict) -> list[str]:
 def select_resume_tag(ckpt_root: str | os.PathLike, strict: bool = False) -> str | None:
     """Collective: the checkpoint a --resume loads, the same on every rank, chosen before anything is loaded, printed
     or trimmed. The newest complete checkpoint whose files match its manifest on every rank (each rank checks its own
-    files, ds_core.checkpoint.manifest.verify, and prints what is wrong: path, expected vs found). A newer one that fails is
-    moved aside as global_step{N}.corrupt once an older one verifies, `latest` then names the one loaded, and rank 0
-    says so loudly; strict (--resume_strict) refuses instead. None: no complete checkpoint."""
+    files, ds_core.checkpoint.manifest.verify, and prints what is wrong: path, expected vs found). A newer one that
+    fails is moved aside as global_step{N}.corrupt once an older one verifies, `latest` then names the one loaded, and
+    rank 0 says so loudly; strict (--resume_strict) refuses instead. None: no complete checkpoint."""
     root = Path(ckpt_root)
     first = latest_tag(root) if root.is_dir() else None
     if first is None:
@@ -313,10 +314,10 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
     The returned state also holds "data_states": the data states of ALL saved ranks in rank order (for a data source's
     load_state_dicts), and "saved_world_size". On another data-parallel size (a resize) a ZeRO >= 1 checkpoint is
     converted once to DeepSpeed's universal format (ds_core.checkpoint.resize.ensure_universal) and loaded from it: the
-    engine must have been built with checkpoint.load_universal (ds_core.run.setup.start_run's resize plan sets it). RNG on a
-    resize: a rank that existed in the saved run gets its own streams back; a new rank r gets
-    ds_core.rank.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at step 0.
-    "data" of a new rank is None. tag: the checkpoint select_resume_tag chose (default: latest_tag)."""
+    engine must have been built with checkpoint.load_universal (ds_core.run.setup.start_run's resize plan sets it). RNG
+    on a resize: a rank that existed in the saved run gets its own streams back; a new rank r gets
+    ds_core.rank.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at
+    step 0. "data" of a new rank is None. tag: the checkpoint select_resume_tag chose (default: latest_tag)."""
     from ds_core.rank.engine import set_seed
 
     root = Path(ckpt_root)

@@ -79,8 +79,8 @@ class TrainConfig:
     throughput_warmup_steps: int = arg("Optimizer steps excluded from throughput (compilation, caches).",
                                          default=3)
     phase_timing_every: int = arg("Time the phases of every N-th optimizer step (data, forward, backward, exposed "
-                                  "communication, optimizer step, wait for the slowest rank: ds_core.outputs.phases); 0 "
-                                  "turns it off.", default=10)
+                                  "communication, optimizer step, wait for the slowest rank: ds_core.outputs.phases); "
+                                  "0 turns it off.", default=10)
     seed: int = arg("Seed for python, numpy and torch.", default=42)
     micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
                                   default=0, aliases=["--per_device_train_batch_size"])
@@ -326,7 +326,8 @@ def read_ds_json(path: str | os.PathLike) -> dict:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"DeepSpeed config {p}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        raise ConfigError(f"DeepSpeed config {p}: malformed JSON at line {e.lineno} column {e.colno}: "
+                          f"{e.msg}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"DeepSpeed config {p}: expected a JSON object, got {type(data).__name__}")
     return data

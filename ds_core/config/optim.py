@@ -49,9 +49,9 @@ class OptimArgs:
                                     "run_pretraining.py does whenever ZeRO is on (adjust_step=True).", default=False)
     lr_scheduler_type: str = arg(f"LR schedule, one of {' | '.join(KINDS)} (transformers' kinds; nvidia_poly: NVIDIA's "
                                  "BERT PolyWarmUpScheduler, habana_poly: Habana's, with a constant phase; poly_warmup: "
-                                 "this project's earlier Habana-like one); '' = the model's (BERT: the preset's recipe, "
-                                 "bert_large nvidia_poly, bert_1p5b habana_poly; BridgeTower linear).", default="",
-                                 aliases=["--lr_schedule"])
+                                 "this project's earlier Habana-like one); '' = the model's (BERT: the preset's "
+                                 "recipe, bert_large nvidia_poly, bert_1p5b habana_poly; BridgeTower linear).",
+                                 default="", aliases=["--lr_schedule"])
     warmup_steps: float = arg("Linear warm-up: >= 1 a number of optimizer steps, < 1 a share of all steps "
                               "(transformers 5).", default=0)
     warmup_ratio: Optional[float] = arg("Warm-up as a share of all optimizer steps (transformers 4, optimum-habana; "
@@ -60,8 +60,8 @@ class OptimArgs:
                                         aliases=["--warmup_proportion"])
     constant_proportion: float = arg("poly_warmup / habana_poly: share of all steps held at the peak LR after warm-up.",
                                      default=0.0)
-    poly_degree: float = arg("poly_warmup / nvidia_poly / habana_poly: degree of the polynomial decay to 0 over the remaining steps (1 = linear).",
-                             default=1.0)
+    poly_degree: float = arg("poly_warmup / nvidia_poly / habana_poly: degree of the polynomial decay to 0 over the "
+                             "remaining steps (1 = linear).", default=1.0)
     scale_lr_with_global_batch: bool = arg("Peak LR = learning_rate * train_batch_size / base_global_batch (linear "
                                            "scaling: the published 1.5B runs, 0.0015 at 8 x 8 x 384 = 24576 "
                                            "sequences, 0.003 at twice that).", default=False)

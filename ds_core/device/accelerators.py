@@ -1,4 +1,5 @@
-"""The one accelerator table: dense peak TFLOPs (MFU in ds_core.outputs.metrics), memory (ds_tools.tuning), interconnect.
+"""The one accelerator table: dense peak TFLOPs (MFU in ds_core.outputs.metrics), memory (ds_tools.tuning),
+interconnect.
 
 Every figure is the vendor's published number for the dense case (NVIDIA's datasheets print Tensor Core rates "with
 sparsity": the dense rate is half of that). A figure the vendor does not publish is None, never a borrowed one: MFU

@@ -23,8 +23,8 @@ import copy
 import os
 import re
 import shutil
-from pathlib import Path
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 ADAM_TYPES = ("adam", "adamw")
 # DeepSpeed's op builder class for each op its Adam optimizers load (deepspeed.ops.op_builder, per accelerator)
@@ -90,7 +90,7 @@ def fused_adam_problem(env: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if env is None else env
     if shutil.which("ninja", path=env.get("PATH", "")) is None:
         try:
-            import ninja  # noqa: F401, PLC0415 - the pip package puts its binary beside the module
+            import ninja  # noqa: F401 - the pip package puts its binary beside the module
         except ImportError:
             return "ninja is not installed (DeepSpeed builds its ops with it)"
     if cuda_compiler(env) is None:

@@ -1,7 +1,7 @@
 """transformers Trainer's files beside ours: trainer_state.json (Trainer's own TrainerState class writes it,
 so the schema is Trainer's whatever its version), the train metrics under Trainer's keys, and `checkpoint-N` links to
-our `checkpoints/global_stepN` directories. Every number comes from ds_core.outputs.metrics (metrics.jsonl and its summary):
-one clock, one loss record.
+our `checkpoints/global_stepN` directories. Every number comes from ds_core.outputs.metrics (metrics.jsonl and its
+summary): one clock, one loss record.
 
 Definitions (Trainer's where it has one):
 - train_runtime: seconds from the first step's start to the end of the last step, in-loop evaluations and checkpoint

@@ -8,8 +8,8 @@ Every `every`-th optimizer step (TrainConfig.phase_timing_every) of a run is spl
               overlapped with it (DeepSpeed's overlap_comm side stream is not on the compute stream, so it is not
               subtracted)
   comm_s      exposed communication: time of DeepSpeed's collectives (deepspeed.comm: gradient all-reduce /
-              reduce-scatter, ZeRO parameter all-gather) issued inside forward, backward and step, on the compute stream,
-              minus the part of it spent waiting for the slowest rank
+              reduce-scatter, ZeRO parameter all-gather) issued inside forward, backward and step, on the compute
+              stream, minus the part of it spent waiting for the slowest rank
   step_s      engine.step minus its exposed collectives (optimizer update, clipping, norm)
   wait_s      waiting for other ranks inside the collectives: per collective, this rank's duration minus the
               shortest over the ranks (the last to arrive waited for nobody), summed (`split_wait`); taken out of

@@ -2,11 +2,11 @@
 save_pretrained format with fp32 master weights.
 
 The results files follow `Trainer.save_metrics` (trainer_pt_utils.save_metrics): one JSON per split, indent 4, sorted
-keys, merged into all_results.json; written by rank 0, atomically. The training figures come from ds_core.outputs.metrics'
-summary record, the one clock. Trainer's own keys (train_runtime, train_samples_per_second over the whole runtime,
-train_loss, total_flos, epoch) come from ds_core.outputs.hf_trainer.train_metrics; the warm-up-excluded figures are ours:
-`train_samples_per_second_measured` is the same number as `samples_per_s` in metrics.jsonl (optimum-habana's
---throughput_warmup_steps semantics).
+keys, merged into all_results.json; written by rank 0, atomically. The training figures come from
+ds_core.outputs.metrics' summary record, the one clock. Trainer's own keys (train_runtime, train_samples_per_second over
+the whole runtime, train_loss, total_flos, epoch) come from ds_core.outputs.hf_trainer.train_metrics; the
+warm-up-excluded figures are ours: `train_samples_per_second_measured` is the same number as `samples_per_s` in
+metrics.jsonl (optimum-habana's --throughput_warmup_steps semantics).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import torch
 
 from ds_core.config import atomic_write_text
 
-# summary record key -> our name in train_results.json (the post-warm-up window; Trainer's keys: ds_core.outputs.hf_trainer)
+# summary record key -> our name in train_results.json (the post-warm-up window; Trainer's keys:
+# ds_core.outputs.hf_trainer)
 _TRAIN_KEYS = {
     "samples_per_s": "train_samples_per_second_measured",
     "seqs_per_s_per_accelerator": "train_samples_per_second_per_accelerator",

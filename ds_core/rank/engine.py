@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ds_core.errors import ConfigError
-from ds_core.rank.rendezvous import free_port, rank_variables
 from ds_core.rank.parent_watch import watch_parent
+from ds_core.rank.rendezvous import free_port, rank_variables
 from ds_core.rank.venv import torch_extensions_env
 
 # Per-launcher names of "how many ranks share this node". DeepSpeed's launcher also sets CROSS_SIZE (= nodes).
@@ -150,7 +150,8 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
         names: list = [None] * world
         torch.distributed.all_gather_object(names, socket.gethostname())
         local_world = names.count(socket.gethostname())
-    nodes = int(os.environ["CROSS_SIZE"]) if os.environ.get("CROSS_SIZE", "").isdigit() else max(1, world // local_world)
+    cross_size = os.environ.get("CROSS_SIZE", "")
+    nodes = int(cross_size) if cross_size.isdigit() else max(1, world // local_world)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world, nodes=nodes,
                     accelerator=name, device=device, backend=accel.communication_backend_name())
 
@@ -160,9 +161,10 @@ def set_seed(seed: int, rank: int = 0) -> None:
 
     ds_core.run.setup.start_run calls set_seed(seed) before the model is built, so every rank builds the same initial
     weights. ds_core.run.components.Checkpointing.start then calls set_seed(seed, rank) for a fresh run, so dropout and
-    other model randomness differ per data-parallel rank, as NVIDIA's and Habana's BERT recipes do (seed + rank): with one seed everywhere the ranks
-    draw identical dropout masks. Data order never comes from these streams (the data modules use their own
-    generators built from the global seed), and a resume restores each rank's own streams from its checkpoint."""
+    other model randomness differ per data-parallel rank, as NVIDIA's and Habana's BERT recipes do (seed + rank): with
+    one seed everywhere the ranks draw identical dropout masks. Data order never comes from these streams (the data
+    modules use their own generators built from the global seed), and a resume restores each rank's own streams from its
+    checkpoint."""
     seed = seed + rank
     random.seed(seed)
     np.random.seed(seed % 2**32)

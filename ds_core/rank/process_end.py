@@ -11,7 +11,6 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-
 # the status end_process is ending this process with, for atexit handlers that record how a run ended (None: not
 # ending through end_process)
 exit_status: int | None = None
@@ -23,8 +22,8 @@ def end_process(status: int = 0) -> NoReturn:
 
     Why: a torch C++ thread that needs the GIL after finalisation has begun (gloo's work thread dropping the last
     reference to a collective's tensors, or running a future's Python callback: these threads live until the engine
-    dies, see ds_core.rank.engine.shutdown_distributed) is ended by CPython 3.11 with pthread_exit, which unwinds through
-    a noexcept C++ frame: "terminate called without an active exception", SIGABRT, exit 134, and the launcher
+    dies, see ds_core.rank.engine.shutdown_distributed) is ended by CPython 3.11 with pthread_exit, which unwinds
+    through a noexcept C++ frame: "terminate called without an active exception", SIGABRT, exit 134, and the launcher
     reports a failed run after a complete one. It failed about one 2-rank run per full test suite (a few hundred such
     runs) on a loaded 2-core CI machine, in a different test each time; tests/test_process_end.py makes it happen
     every time. Skipping finalisation removes the window instead of narrowing it. What is kept: non-daemon threads

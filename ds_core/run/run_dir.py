@@ -15,9 +15,9 @@ import os
 import time
 from pathlib import Path
 
-from ds_core.rank import run_lock
 from ds_core.config import TrainConfig
 from ds_core.errors import ConfigError
+from ds_core.rank import run_lock
 
 # Launchers' names for the global rank before torch.distributed exists (deepspeed/torchrun, Open MPI, MPICH/PMIx,
 # MVAPICH, Slurm). The same list as ds_core.rank.engine._MPI_RANK_VARS plus RANK and SLURM_PROCID.
@@ -77,8 +77,8 @@ def prepare_run_dir(cfg: TrainConfig, rank: int | None = None) -> Path | None:
     """Refuse a used run_dir, or move it aside for --overwrite_run_dir (rank 0 only). Returns where the old run went.
 
     Call before distributed init. `rank` defaults to the launcher's environment (env_rank). Rank 0 first takes the
-    run_dir lock for the life of this process (ds_core.rank.run_lock): a run_dir in use by a live run is refused, with or
-    without --resume, before anything is written."""
+    run_dir lock for the life of this process (ds_core.rank.run_lock): a run_dir in use by a live run is refused, with
+    or without --resume, before anything is written."""
     rank0 = (env_rank() if rank is None else rank) == 0
     lock = run_lock.acquire(cfg.run_dir) if rank0 else None
     if cfg.resume:

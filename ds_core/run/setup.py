@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 from ds_core.checkpoint import select_resume_tag
 from ds_core.checkpoint.resize import ResizePlan, plan_resize
-from ds_core.config import (Batch, TrainConfig, ds_config_for, parse_settings, precision_of, save_run_config,
-                            sections_of)
-from ds_core.errors import ConfigError
+from ds_core.config import Batch, TrainConfig, ds_config_for, parse_settings, precision_of, save_run_config, sections_of
 from ds_core.config.ds_json import check_ds_json
+from ds_core.errors import ConfigError
 from ds_core.rank.engine import DistInfo, init_distributed, set_seed
 from ds_core.run.run_dir import prepare_run_dir
 from ds_core.schedule import total_optimizer_steps

@@ -9,10 +9,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main, flag
-from ds_tools.study import report as report_mod
-from ds_tools.study import runner
-from ds_tools.study.spec import StudyError, load_study
 from ds_tools.scaling import ScalingError
+from ds_tools.study import report as report_mod, runner
+from ds_tools.study.spec import StudyError, load_study
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,10 +3,11 @@
     deepspeed --num_gpus 2 --module ds_tools.study.cell --study_target bridgetower_ds.train --run_dir R ...
 
 `--study_target M` (anywhere in the arguments, so every launcher's own argument order works) names the module; it is
-run with runpy as `python -m M` would run it (a path ending in .py: as `python PATH`). Afterwards each rank writes `R/cell_stats/rank<RANK>.json`:
-DeepSpeed's communication-logger records (`comms_logger` in the DeepSpeed JSON; deepspeed.comm.comms_logger) up to the
-end of ds_core.run.trainer.Trainer.fit (the whole run where the module never calls it), and the process's peak memory. Done here rather than in ds_core.run.trainer so that the trainer stays the same for study and non-study
-runs, and because the logger's records are complete only once the module has finished.
+run with runpy as `python -m M` would run it (a path ending in .py: as `python PATH`). Afterwards each rank writes
+`R/cell_stats/rank<RANK>.json`: DeepSpeed's communication-logger records (`comms_logger` in the DeepSpeed JSON;
+deepspeed.comm.comms_logger) up to the end of ds_core.run.trainer.Trainer.fit (the whole run where the module never
+calls it), and the process's peak memory. Done here rather than in ds_core.run.trainer so that the trainer stays the
+same for study and non-study runs, and because the logger's records are complete only once the module has finished.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def comms_records() -> dict:
     for op, by_size in comm.comms_logger.comms_dict.items():
         sizes = {str(size): int(rec[0]) for size, rec in by_size.items()}
         out[op] = {"count": sum(sizes.values()), "bytes": sum(int(s) * n for s, n in sizes.items()),
-                   "sizes": sizes, "latency_ms": float(max((max(rec[1]) for rec in by_size.values() if rec[1]), default=0.0))}
+                   "sizes": sizes,
+                   "latency_ms": float(max((max(rec[1]) for rec in by_size.values() if rec[1]), default=0.0))}
     return out
 
 
@@ -60,7 +62,7 @@ def peak_memory() -> dict:
             mem["device_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         elif hasattr(torch, "hpu") and torch.hpu.is_available():  # pragma: no cover - HPU only
             mem["device_peak_allocated_bytes"] = int(torch.hpu.max_memory_allocated())
-    except Exception:  # pragma: no cover - no accelerator API: host figure only
+    except Exception:  # pragma: no cover - no accelerator API: host figure only  # noqa: BLE001
         pass
     return mem
 

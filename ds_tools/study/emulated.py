@@ -10,8 +10,8 @@ factor = bandwidth / tbf rate) and per-call cost from the link probe that ran ov
 (ds_tools.study.linkprobe, link_probe.json), the collective calls per step from DeepSpeed's code and the 1-node run
 (parameter groups, scalar all-reduces counted by DeepSpeed's comms logger), the compute from the 1-node run.
 
-Measured exposed communication: the run's sampled phase timing (`phase_comm_s`, ds_core.outputs.phases) where the run has
-it; otherwise DeepSpeed's comms logger, or the growth of the step over the 1-node cell; the table says which. Of
+Measured exposed communication: the run's sampled phase timing (`phase_comm_s`, ds_core.outputs.phases) where the run
+has it; otherwise DeepSpeed's comms logger, or the growth of the step over the 1-node cell; the table says which. Of
 repeated cells the fastest is compared (the least disturbed on a shared machine). Beside the raw efficiency, a
 compute-matched one: the emulated nodes share the host's CPUs (with each other and any other load), so compute per
 rank differs between cells, which no network model predicts; it takes the baseline's compute plus the cell's
@@ -19,15 +19,13 @@ measured non-compute time. Targets: efficiency within 5 points, communication wi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main
-from ds_tools import fabrics, predict
-from ds_tools import scaling_explain as explain
+from ds_tools import fabrics, predict, scaling_explain as explain
 from ds_tools.study.runner import read_summary
 from ds_tools.study.spec import StudyError, load_study
 
@@ -226,7 +224,8 @@ def format_md(rows: Sequence[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     def build_parser() -> ArgumentParser:
-        p = ArgumentParser(allow_abbrev=False, prog="python -m ds_tools.study.emulated", description=__doc__.split("\n\n")[0])
+        p = ArgumentParser(allow_abbrev=False, prog="python -m ds_tools.study.emulated",
+                           description=__doc__.split("\n\n")[0])
         p.add_argument("out", help="the study's output directory")
         p.add_argument("--format", choices=("md", "json"), default="md")
         p.add_argument("--efficiency", type=float, help="the emulated fabric's factor (default: measured by each "

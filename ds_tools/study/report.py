@@ -1,7 +1,7 @@
 """`ds-study report`: the tables people publish, from a study directory and/or tables of already-measured cells.
 
-Reads only machine-readable outputs: each cell's cell.json (status), metrics.jsonl summary (ds_core.outputs.metrics owns the
-throughput figures) and cell_stats/rank<R>.json (DeepSpeed comms-logger records, peak memory). For the `nodes` axis
+Reads only machine-readable outputs: each cell's cell.json (status), metrics.jsonl summary (ds_core.outputs.metrics owns
+the throughput figures) and cell_stats/rank<R>.json (DeepSpeed comms-logger records, peak memory). For the `nodes` axis
 the scaling-efficiency table and chart are ds_tools.scaling's own (this module only hands it the runs).
 
 Writes report.md, report.csv, report.json and PNG charts (throughput.png: grouped bars over the categorical axes;

@@ -30,9 +30,9 @@ import ds_core
 from ds_core.config import atomic_write_text
 from ds_core.outputs.metrics import last_summary
 from ds_core.rank.rendezvous import free_port, rank_env
-from launch import local_ranks
 from ds_tools.study import netns
 from ds_tools.study.spec import Cell, Study, StudyError, dump_json
+from launch import local_ranks
 
 REPO_ROOT = Path(ds_core.__file__).resolve().parents[1]  # ranks import the same checkout as this process
 LOG_TAIL_CHARS = 4000
@@ -136,7 +136,8 @@ def commands_for(study: Study, cell: Cell, out: Path, *, write: bool) -> list[li
 def plan(study: Study, out: Path, stream: TextIO | None = None) -> None:
     stream = stream or sys.stdout
     cells = study.cells()
-    print(f"study {study.name}: {len(cells)} cell(s) ({' x '.join(f'{k} {len(v)}' for k, v in study.axes.items()) or 'no axes'}"
+    axes = ' x '.join(f'{k} {len(v)}' for k, v in study.axes.items()) or 'no axes'
+    print(f"study {study.name}: {len(cells)} cell(s) ({axes}"
           f", repeats {study.repeats}), launcher {study.launcher}, study directory {out}", file=stream)
     for cell in cells:
         d = cell_dir(out, cell)
@@ -145,7 +146,8 @@ def plan(study: Study, out: Path, stream: TextIO | None = None) -> None:
         cfg = study.ds_config_for(cell)
         if cfg is not None:
             print(f"  DeepSpeed JSON: zero_optimization = {json.dumps(cfg.get('zero_optimization', {}))}, "
-                  f"JSON micro batch {cfg.get('train_micro_batch_size_per_gpu')} (a --micro_batch_size flag overrides it)", file=stream)
+                  f"JSON micro batch {cfg.get('train_micro_batch_size_per_gpu')} "
+                  f"(a --micro_batch_size flag overrides it)", file=stream)
         for cmd in commands_for(study, cell, out, write=False):
             print("  " + " ".join(cmd), file=stream)
 
@@ -263,7 +265,8 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
                              f"{study.prepare_creates}; see {out / 'prepare.log'}")
     for cell in cells:
         d = cell_dir(out, cell)
-        head = f"cell {cell.index + 1}/{len(cells)} ({counts['ok'] + counts['skipped']} done, {counts['failed']} failed)"
+        head = (f"cell {cell.index + 1}/{len(cells)} ({counts['ok'] + counts['skipped']} done, "
+                f"{counts['failed']} failed)")
         if d.exists() and not rerun and is_complete(d):
             st = read_status(d)
             planned = commands_for(study, cell, out, write=False)

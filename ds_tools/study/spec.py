@@ -219,7 +219,8 @@ def load_study(path: str | Path) -> Study:
     s = data.get("study", {})
     unknown = set(s) - _STUDY_KEYS
     if unknown:
-        raise StudyError(f"{path}: unknown key(s) in [study]: {', '.join(_hint(k, _STUDY_KEYS) for k in sorted(unknown))}")
+        hints = ', '.join(_hint(k, _STUDY_KEYS) for k in sorted(unknown))
+        raise StudyError(f"{path}: unknown key(s) in [study]: {hints}")
     if "module" not in s:
         raise StudyError(f"{path}: [study] module is required (e.g. module = \"bert_ref.train\")")
     st = Study(path=path, name=s.get("name", path.stem), module=_expect(path, "[study] module", s["module"], (str,),
@@ -247,7 +248,8 @@ def load_study(path: str | Path) -> Study:
     if st.launcher == "hostfile" and not st.hostfile:
         raise StudyError(f"{path}: [study] launcher = \"hostfile\" needs hostfile = \"PATH\"")
     if st.deepspeed_config and not resolve_ds_path(st.deepspeed_config).is_file():
-        raise StudyError(f"{path}: [study] deepspeed_config = {st.deepspeed_config!r}: no such file (nor in ds_configs/)")
+        raise StudyError(f"{path}: [study] deepspeed_config = {st.deepspeed_config!r}: no such file "
+                         f"(nor in ds_configs/)")
     if bool(st.prepare) != bool(st.prepare_creates):
         raise StudyError(f"{path}: [study] prepare and prepare_creates go together (the command, and the path "
                          "whose existence says it already ran)")
@@ -295,8 +297,8 @@ def load_study(path: str | Path) -> Study:
 
 
 def _load_fabrics(path: Path, fabrics: dict, st: Study) -> None:
-    """[fabrics] name = { mbit = 100, delay_ms = 1.0 }: the links of launcher = "emulated_fabric" (ds_tools.study.netns);
-    the special axis `fabric` picks one per cell."""
+    """[fabrics] name = { mbit = 100, delay_ms = 1.0 }: the links of launcher = "emulated_fabric"
+    (ds_tools.study.netns); the special axis `fabric` picks one per cell."""
     for name, f in fabrics.items():
         if not isinstance(f, dict) or set(f) - _FABRIC_KEYS or "mbit" not in f:
             raise StudyError(f"{path}: [fabrics] {name} = {f!r}: expected {{ mbit = N, delay_ms = N }}")
@@ -311,7 +313,8 @@ def _load_fabrics(path: Path, fabrics: dict, st: Study) -> None:
             raise StudyError(f"{path}: launcher = \"emulated_fabric\" needs a [fabrics] table, e.g. "
                              "slow = { mbit = 100, delay_ms = 1.0 }")
         if len(st.fabrics) > 1 and "fabric" not in st.axes:
-            raise StudyError(f"{path}: [fabrics] has {len(st.fabrics)} entries: add [axes] fabric = {sorted(st.fabrics)}")
+            raise StudyError(f"{path}: [fabrics] has {len(st.fabrics)} entries: "
+                             f"add [axes] fabric = {sorted(st.fabrics)}")
     for v in st.axes.get("fabric", []):
         if st.launcher != "emulated_fabric":
             raise StudyError(f"{path}: [axes] fabric needs launcher = \"emulated_fabric\"")

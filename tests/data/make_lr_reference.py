@@ -7,13 +7,19 @@ holding the references' files (nothing else of theirs is needed):
                           PyTorch/nlp/DeepSpeedExamples/deepspeed-bert/{schedulers,lans}.py
     python make_lr_reference.py OUT.npz
 """
-import importlib.util, sys
-import numpy as np, torch
+import importlib.util
+import sys
+
+import numpy as np
+import torch
 from torch.optim import Optimizer
 
+
 def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path); m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m); return m
+    spec = importlib.util.spec_from_file_location(name, path)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
 
 nv = load("nvidia/schedulers.py", "nv_sched")
 hb = load("habana/schedulers.py", "hb_sched")
@@ -26,8 +32,10 @@ class FusedLAMBStub(Optimizer):
         super().__init__(params, dict(lr=lr))
     def step(self, closure=None):
         for group in self.param_groups:
-            if 'step' in group: group['step'] += 1
-            else: group['step'] = 1
+            if 'step' in group:
+                group['step'] += 1
+            else:
+                group['step'] = 1
 
 def groups(lr=None):
     p1, p2 = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
@@ -40,17 +48,22 @@ def nvidia(lr, warmup, total, phase2=False, phase1_end=7038):
     if phase2:  # --resume_from_checkpoint --phase2 from phase 1's last checkpoint:
         # global_step = resume_step - phase1_end_step
         p1 = FusedLAMBStub(groups(), lr=6e-3)
-        for _ in range(phase1_end): p1.step()
+        for _ in range(phase1_end):
+            p1.step()
         ckpt = {'optimizer': p1.state_dict()}
         global_step = phase1_end - phase1_end
         for it, item in enumerate(ckpt['optimizer']['param_groups']):
-            item['step'] = global_step; item['t_total'] = total; item['warmup'] = warmup; item['lr'] = lr
+            item['step'] = global_step
+            item['t_total'] = total
+            item['warmup'] = warmup
+            item['lr'] = lr
         opt.load_state_dict(ckpt['optimizer'])
     lrs, global_step = [], 0
     while global_step < total:  # steps_this_run = max_steps
         sched.step()  # "learning rate warmup", before take_optimizer_step
         lrs.append(opt.param_groups[0]['lr'])
-        opt.step(); global_step += 1
+        opt.step()
+        global_step += 1
     return np.array(lrs, dtype=np.float64)
 
 def habana(lr, warmup, const, degree, total, zero=True):
@@ -75,9 +88,12 @@ out = dict(nvidia_large_p1=nvidia(6e-3, 0.2843, 7038),
 # Habana's script passes lr as torch.tensor(args.learning_rate) (float32): the LR it applies is float32.
 h32 = []
 opt = hb_lans.LANS(groups(), lr=torch.tensor(0.0015), max_grad_norm=0., eps=1e-6, adjust_step=True)
-s = hb.PolyWarmUpScheduler(opt, warmup=0.05, total_steps=155000, degree=1.0, constant=0.25); opt.step()
+s = hb.PolyWarmUpScheduler(opt, warmup=0.05, total_steps=155000, degree=1.0, constant=0.25)
+opt.step()
 for _ in range(155000):
-    h32.append(float(opt.param_groups[0]['lr'])); opt.step(); s.step()
+    h32.append(float(opt.param_groups[0]['lr']))
+    opt.step()
+    s.step()
 h32 = np.array(h32)
 rel = np.abs(h32 - out['habana_1p5b']) / np.maximum(np.abs(out['habana_1p5b']), 1e-300)
 print("habana float32-tensor LR vs float LR: max rel diff", rel[out['habana_1p5b'] > 0].max())

@@ -8,7 +8,8 @@ Run from a copy of the reference OUTSIDE this repository (no HPU needed: on a ma
 torch.nn.LayerNorm and F.gelu, as it does on Gaudi):
     git --git-dir=<mirror of HabanaAI/Model-References> archive 06bfc5ea PyTorch/nlp/DeepSpeedExamples/deepspeed-bert \
         | tar -x -C /tmp/ref_habana
-    PYTHONPATH=/tmp/ref_habana/PyTorch/nlp/DeepSpeedExamples/deepspeed-bert python tests/data/habana_bert/make_reference.py
+    PYTHONPATH=/tmp/ref_habana/PyTorch/nlp/DeepSpeedExamples/deepspeed-bert \
+        python tests/data/habana_bert/make_reference.py
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-REFERENCE = {"repo": "HabanaAI/Model-References", "commit": "06bfc5eaa56c3282c26896efd535982abe52b2eb", "commit_title": "Model-References content for 1.23.0",
+REFERENCE = {"repo": "HabanaAI/Model-References", "commit": "06bfc5eaa56c3282c26896efd535982abe52b2eb",
+             "commit_title": "Model-References content for 1.23.0",
              "file": "PyTorch/nlp/DeepSpeedExamples/deepspeed-bert/modeling.py"}
 # bert_1.5b_config.json's structure (Pre-LN, gelu, 2 token types) at a size a CPU test runs in milliseconds; 3 layers
 # so that a LayerNorm between two layers is mapped too; vocab 250 is not a multiple of 8 (ours pads it, as 30522).

@@ -3,10 +3,10 @@ create_pretraining_data.py (tests/test_bert_prep_nvidia.py; the reference's outp
 
 Deterministic from the code alone (Python's random.Random with a fixed seed; no tokenizer training), so the test
 regenerates the same bytes. The text exercises what the two implementations could differ on: upper case and accents
-(lower-cased and stripped), a word-final capital sigma (Python's lower() gives 'ς'), punctuation, digits, a CJK character in and one out of the vocabulary, words that
-split into ## pieces or become [UNK], one-sentence documents, long documents, and special-token text: "[MASK]",
-"[SEP]", "[CLS]", "[UNK]" as whole whitespace tokens (NVIDIA's BasicTokenizer never splits those), and "[MASK]," /
-"x[MASK]" / "[mask]" (which it splits into "[", "mask", "]" ...).
+(lower-cased and stripped), a word-final capital sigma (Python's lower() gives 'ς'), punctuation, digits, a CJK
+character in and one out of the vocabulary, words that split into ## pieces or become [UNK], one-sentence documents,
+long documents, and special-token text: "[MASK]", "[SEP]", "[CLS]", "[UNK]" as whole whitespace tokens (NVIDIA's
+BasicTokenizer never splits those), and "[MASK]," / "x[MASK]" / "[mask]" (which it splits into "[", "mask", "]" ...).
 
     python tests/data/nvidia_shards/make_corpus.py OUT_DIR    # writes OUT_DIR/text/shard_{0,1}.txt, OUT_DIR/vocab.txt
 """
