@@ -28,7 +28,7 @@ PLATFORM ?= manylinux_2_28_x86_64
 BASE     ?= tools/base/cuda_image.txt
 WHEELS   ?= wheelhouse
 
-.PHONY: setup demo test test-fast bench clean wheelhouse gpu-check
+.PHONY: setup demo test test-fast lint bench clean wheelhouse gpu-check
 
 setup: $(STAMP)
 
@@ -60,8 +60,12 @@ demo: $(STAMP)
 	$(PY) -m bert_ref.demo --out demo_out
 	$(PY) -m bridgetower_ds.demo --out demo_out/bridgetower
 
-test: $(STAMP)
+# ruff (pyproject.toml [tool.ruff]) first: a second to run, and CI fails on a lint error as on a test
+test: lint
 	$(PY) -m pytest -q --durations=25 tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

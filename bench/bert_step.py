@@ -217,7 +217,6 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     import time
 
     import torch
-
     from transformers import BertForPreTraining, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
     from bert_ref.layerwise import attach_zero_layout

@@ -10,11 +10,12 @@ the recipe it is named after (PUBLISHED).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
 import torch
 
+from ds_core.config.optim import OPTIMIZERS, OptimArgs
 from ds_core.errors import ConfigError
 from ds_core.schedule import poly_warmup_factor
-from ds_core.config.optim import OPTIMIZERS, OptimArgs
 
 from .layerwise import LANS, NVLAMB
 

@@ -8,10 +8,18 @@ import pytest
 import torch
 
 from bert_ref.layerwise import LANS, NVLAMB, FlatLayout, partition_segments
-from bert_ref.optim import PUBLISHED, bert_defaults, build_optimizer, for_preset, lr_factor, no_decay, param_groups, \
-    peak_lr
-from ds_core.errors import ConfigError
+from bert_ref.optim import (
+    PUBLISHED,
+    bert_defaults,
+    build_optimizer,
+    for_preset,
+    lr_factor,
+    no_decay,
+    param_groups,
+    peak_lr,
+)
 from ds_core.config.optim import OptimArgs, schedule_for
+from ds_core.errors import ConfigError
 
 X0, G = [3.0, 4.0], [0.5, -1.0]  # ||x0|| = 5, ||g|| = 1.118 (> FusedLAMB's max_grad_norm 1: pre-normalized)
 LR, B1, B2, EPS, WD = 0.1, 0.9, 0.999, 1e-6, 0.01

@@ -6,7 +6,12 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import tomllib
+import sys
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.9 / 3.10 (e.g. Gaudi images): the same parser as a package
+    import tomli as tomllib
 
 import pytest
 

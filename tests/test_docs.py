@@ -33,7 +33,11 @@ import os
 import re
 import shlex
 import sys
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.9 / 3.10 (e.g. Gaudi images): the same parser as a package
+    import tomli as tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 

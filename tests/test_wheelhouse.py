@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.9 / 3.10 (e.g. Gaudi images): the same parser as a package
+    import tomli as tomllib
 import zipfile
 from pathlib import Path
 
@@ -22,7 +26,7 @@ from conftest import REPO
 def fake_wheel(d: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
     dist = f"{name.replace('-', '_')}-{version}"
     with zipfile.ZipFile(d / f"{dist}-py3-none-any.whl", "w") as z:
-        meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+        meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
         z.writestr(f"{dist}.dist-info/METADATA", "\n".join(meta) + "\n")
         z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{dist}.dist-info/RECORD", "")

@@ -29,7 +29,11 @@ import re
 import subprocess
 import sys
 import tempfile
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.9 / 3.10 (e.g. Gaudi images): the same parser as a package
+    import tomli as tomllib
 import zipfile
 from pathlib import Path
 

@@ -18,17 +18,23 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ds_core import checkpoint as ckpt
-from ds_core.run.components import Callback, Checkpointing, Evaluation, EvalTask, ModelInfo, Position
 from ds_core.config import atomic_write_text
-from ds_core.run.divergence import DivergenceGuard
-from ds_core.rank.engine import shutdown_distributed
-from ds_core.run.loop import (EXIT_STOPPED, Step, StepFn, StepResult, StopRequest, TrainingDiverged,
-                              reduce_summary_stats)
-from ds_core.outputs.metrics import (Metrics, RunInfo, accelerator_kind, last_summary, peak_memory_bytes,
-                                     peak_probe_for, peak_tflops_for)
-from ds_core.outputs.phases import PhaseTimer, console_line, record_fields, summary_fields
 from ds_core.device.precision import resolve_precision
+from ds_core.outputs.metrics import (
+    Metrics,
+    RunInfo,
+    accelerator_kind,
+    last_summary,
+    peak_memory_bytes,
+    peak_probe_for,
+    peak_tflops_for,
+)
+from ds_core.outputs.phases import PhaseTimer, console_line, record_fields, summary_fields
 from ds_core.outputs.results import save_metrics
+from ds_core.rank.engine import shutdown_distributed
+from ds_core.run.components import Callback, Checkpointing, EvalTask, Evaluation, ModelInfo, Position
+from ds_core.run.divergence import DivergenceGuard
+from ds_core.run.loop import EXIT_STOPPED, Step, StepFn, StepResult, StopRequest, TrainingDiverged, reduce_summary_stats
 from ds_core.run.setup import Run
 
 _END = object()  # end-of-epoch sentinel of the timed next(batch)

@@ -45,7 +45,12 @@ import copy
 import difflib
 import itertools
 import json
-import tomllib
+import sys
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.9 / 3.10 (e.g. Gaudi images): the same parser as a package
+    import tomli as tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
