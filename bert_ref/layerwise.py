@@ -123,6 +123,7 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
         self._layouts: dict[int, FlatLayout] = {}
         self._group = None
         self._partitioned = False
+        self._idx_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attach(self, layouts: dict[int, FlatLayout], process_group: Any, partitioned: bool) -> None:
         self._layouts, self._group, self._partitioned = layouts, process_group, partitioned
@@ -154,7 +155,7 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
         self._update(items, self._global_clip(), n, items[0][1] if items else None)
         return loss
 
-    def _update(self, items: list, clip: float, n: int, dev) -> None:
+    def _update(self, items: list, clip, n: int, dev) -> None:
         raise NotImplementedError
 
     def _is_init_step(self) -> bool:
@@ -172,20 +173,43 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
         # uses t - 1 (their comment: "needed for Zero01 optimization when using DeepSpeed")
         return t - 1 if self.adjust_step and t > 1 else t
 
+    def _index(self, t: torch.Tensor, lay: FlatLayout, off: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(segment lengths, global key per segment; padding -> slot n) of a flat tensor, on its device, cached: the
+        step then works on whole flat tensors with a fixed number of ops, however many tensors they hold."""
+        ck = (id(lay), off, n, t.device, t.numel())
+        hit = self._idx_cache.get(ck)
+        if hit is None:
+            starts = [s for _, s, _ in lay.segments]
+            lens = [ln for _, _, ln in lay.segments]
+            if starts != [sum(lens[:i]) for i in range(len(lens))] or sum(lens) != t.numel():
+                raise RuntimeError(f"{type(self).__name__}: a layout's segments must tile its flat tensor of "
+                                   f"{t.numel()} elements back to back: {lay.segments[:4]}...")
+            hit = (torch.tensor(lens, dtype=torch.int64, device=t.device),
+                   torch.tensor([off + k if k >= 0 else n for k, _, _ in lay.segments], device=t.device))
+            self._idx_cache[ck] = hit
+        return hit
+
+    def _expand(self, vals: torch.Tensor, t: torch.Tensor, lay: FlatLayout, off: int, n: int) -> torch.Tensor:
+        """vals (n + 1 per-key values, the last for padding) spread over the elements of the flat tensor t."""
+        lens, keys = self._index(t, lay, off, n)
+        return vals.to(t.dtype).index_select(0, keys).repeat_interleave(lens, output_size=t.numel())
+
     def _sq_norms(self, items: Iterable[tuple[torch.Tensor, FlatLayout, int]], n: int,
                   like: torch.Tensor | None) -> torch.Tensor:
         """Sum of squares per key (global index = offset + key) over the given flat tensors, then one all-reduce if
-        partitioned. items: (1-D tensor, layout, offset), consumed lazily (a generator keeps one temporary alive)."""
-        # fp32 sums (fp64 for fp64 tensors, the tests' references); `like`: a tensor of the step (None: none)
+        partitioned. items: (1-D tensor, layout, offset), consumed lazily (a generator keeps one temporary alive).
+        One segment_reduce per flat tensor, not one norm per segment; no host sync."""
         dtype = torch.float64 if like is not None and like.dtype == torch.float64 else torch.float32
         device = like.device if like is not None else torch.device("cpu")
-        out = torch.zeros(n, dtype=dtype, device=device)
+        out = torch.zeros(n + 1, dtype=dtype, device=device)  # slot n collects the padding, dropped below
         for t, lay, off in items:
-            segs = [(k, s, ln) for k, s, ln in lay.segments if k >= 0]
-            if segs:
-                norms = torch._foreach_norm([t.narrow(0, s, ln) for _, s, ln in segs])  # as clip_grad_norm_ does
-                idx = torch.tensor([off + k for k, _, _ in segs], device=device)
-                out.index_add_(0, idx, torch.stack(norms).to(dtype).pow(2))
+            lens, keys = self._index(t, lay, off, n)
+            # float64 squares on CPU: its segment_reduce sums sequentially (fp32: ~1e-3 relative over 4M elements);
+            # CUDA's is a tree reduction, where fp32 is as exact as torch._foreach_norm
+            acc = torch.float64 if t.dtype == torch.float64 or t.device.type == "cpu" else torch.float32
+            x = t.to(acc)
+            out.index_add_(0, keys, torch.segment_reduce(x * x, "sum", lengths=lens).to(dtype))
+        out = out[:n]
         if self._partitioned:
             import deepspeed.comm as dist
 
@@ -194,15 +218,16 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
             dist.all_reduce(out, group=self._group, log_name="layerwise_norms_all_reduce")
         return out
 
-    def _global_clip(self) -> float:
-        """Divisor of the gradients for the global pre-normalization (1 when disabled or done by DeepSpeed)."""
+    def _global_clip(self) -> float | torch.Tensor:
+        """Divisor of the gradients for the global pre-normalization (1.0 when disabled or done by DeepSpeed; else
+        a 0-d tensor on the device: max(1, ||g|| / max_grad_norm), no host sync)."""
         if self.max_grad_norm <= 0 or self._partitioned:
             return 1.0
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return 1.0
-        norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
-        return norm / self.max_grad_norm if norm > self.max_grad_norm else 1.0
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+        return torch.clamp(norm / self.max_grad_norm, min=1.0)
 
     def _params(self) -> list[tuple[dict, torch.Tensor, FlatLayout, int]]:
         """(group, param, layout, key offset) for every param with a gradient in this call, offsets back to back."""
@@ -219,17 +244,10 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
         return out
 
     @staticmethod
-    def _ratios(w2: torch.Tensor, u2: torch.Tensor) -> list[float]:
-        """||w|| / ||u|| per key, 1 where either norm is 0 (apex: `ratio = lr` there); one host sync per call."""
+    def _ratios(w2: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+        """||w|| / ||u|| per key, 1 where either norm is 0 (apex: `ratio = lr` there); stays on the device."""
         ok = (w2 > 0) & (u2 > 0)
-        return torch.where(ok, (w2 / torch.where(ok, u2, 1.0)).sqrt(), 1.0).tolist()
-
-    @staticmethod
-    def _apply(p: torch.Tensor, upd: torch.Tensor, lay: FlatLayout, off: int, scale: list[float]) -> None:
-        """p -= scale[key] * upd, segment by segment (padding: scale 1; its update is 0 or never read)."""
-        pf, uf = p.view(-1), upd.view(-1)
-        for k, s, ln in lay.segments:
-            pf.narrow(0, s, ln).add_(uf.narrow(0, s, ln), alpha=-(scale[off + k] if k >= 0 else scale[-1]))
+        return torch.where(ok, (w2 / torch.where(ok, u2, 1.0)).sqrt(), 1.0)
 
     def _state(self, p: torch.Tensor) -> dict:
         st = self.state[p]
@@ -255,13 +273,13 @@ class NVLAMB(_TensorwiseOptimizer):
         super().__init__(params, lr, betas, eps, weight_decay, max_grad_norm, adjust_step)
         self.use_nvlamb = use_nvlamb
 
-    def _update(self, items: list, clip: float, n: int, dev) -> None:
+    def _update(self, items: list, clip, n: int, dev) -> None:
         for group, p, lay, off in items:
             b1, b2 = group["betas"]
             st = self._state(p)
             st["step"] += 1
             t = self._bias_step(st["step"])
-            g = p.grad if clip == 1.0 else p.grad.div_(clip)
+            g = p.grad if isinstance(clip, float) else p.grad.div_(clip)
             m, v = st["exp_avg"], st["exp_avg_sq"]
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -271,14 +289,19 @@ class NVLAMB(_TensorwiseOptimizer):
             if group["weight_decay"]:
                 u.add_(p, alpha=group["weight_decay"])
         trusted = [(p, lay, off) for group, p, lay, off in items if self.use_nvlamb or group["weight_decay"]]
-        ratio = [1.0] * (n + 1)
+        like = items[0][1] if items else None
+        ratio = None
         if trusted:  # ONE all-reduce carries ||w||^2 and ||u||^2 of every trusted tensor
             sq = self._sq_norms([(p.view(-1), lay, off) for p, lay, off in trusted]
-                                + [(p.grad.view(-1), lay, n + off) for p, lay, off in trusted], 2 * n, dev)
-            ratio = self._ratios(sq[:n], sq[n:]) + [1.0]
+                                + [(p.grad.view(-1), lay, n + off) for p, lay, off in trusted], 2 * n, like)
+            ratio = self._ratios(sq[:n], sq[n:])
         for group, p, lay, off in items:
-            on = self.use_nvlamb or group["weight_decay"]
-            self._apply(p, p.grad, lay, off, [group["lr"] * (r if on else 1.0) for r in ratio])
+            on, lr = self.use_nvlamb or group["weight_decay"], group["lr"]
+            if on and ratio is not None:  # lr * ratio per tensor, lr on the padding (its update is 0 or unread)
+                scale = self._expand(torch.cat([ratio, ratio.new_ones(1)]).mul_(lr), p.view(-1), lay, off, n)
+                p.view(-1).addcmul_(scale, p.grad.view(-1), value=-1.0)
+            else:
+                p.add_(p.grad, alpha=-lr)
 
 
 class LANS(_TensorwiseOptimizer):
@@ -295,12 +318,12 @@ class LANS(_TensorwiseOptimizer):
                  eps: float = 1e-6, weight_decay: float = 0.01, max_grad_norm: float = 0.0, adjust_step: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, max_grad_norm, adjust_step)
 
-    def _update(self, items: list, clip: float, n: int, dev) -> None:
+    def _update(self, items: list, clip, n: int, dev) -> None:
         bc: dict[int, tuple[float, float]] = {}  # bias corrections of this step, per tensor
         # all-reduce 1: per-tensor ||g||^2 and ||w||^2 (g~ needs ||g|| before the moments move)
         sq = self._sq_norms([(p.grad.view(-1), lay, off) for _, p, lay, off in items]
                             + [(p.view(-1), lay, n + off) for _, p, lay, off in items], 2 * n, dev)
-        gnorm, w2 = (sq[:n].sqrt() / clip).tolist(), sq[n:]
+        gnorm, w2 = sq[:n].sqrt() / clip, sq[n:]
         for group, p, lay, off in items:
             b1, b2 = group["betas"]
             eps, wd = group["eps"], group["weight_decay"]
@@ -309,10 +332,9 @@ class LANS(_TensorwiseOptimizer):
             t = self._bias_step(st["step"])
             bc[id(p)] = (1 - b1 ** t, 1 - b2 ** t)
             g = p.grad
-            scale = [1.0 / clip / (gn + eps) if gn != 0 else 1.0 / clip for gn in gnorm] + [1.0 / clip]
-            gf = g.view(-1)
-            for k, s, ln in lay.segments:
-                gf.narrow(0, s, ln).mul_(scale[off + k] if k >= 0 else scale[-1])
+            # g / clip / (||g|| + eps), g / clip where ||g|| = 0 and on the padding
+            inv = torch.where(gnorm != 0, 1.0 / (gnorm + eps), 1.0)
+            g.view(-1).mul_(self._expand(torch.cat([inv, inv.new_ones(1)]) / clip, g.view(-1), lay, off, n))
             m, v = st["exp_avg"], st["exp_avg_sq"]
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -323,13 +345,13 @@ class LANS(_TensorwiseOptimizer):
         r_parts = ((self._r(group, p, bc[id(p)]).view(-1), lay, off) for group, p, lay, off in items)
         c_parts = ((p.grad.view(-1), lay, n + off) for _, p, lay, off in items)
         sq = self._sq_norms(itertools.chain(r_parts, c_parts), 2 * n, dev)
-        ratio_r, ratio_c = self._ratios(w2, sq[:n]) + [1.0], self._ratios(w2, sq[n:]) + [1.0]
-        for group, p, lay, off in items:
+        one = sq.new_ones(1)
+        ratio_r, ratio_c = torch.cat([self._ratios(w2, sq[:n]), one]), torch.cat([self._ratios(w2, sq[n:]), one])
+        for group, p, lay, off in items:  # each term has its own ratio, per tensor (1 on the padding)
             b1, lr = group["betas"][0], group["lr"]
             upd, cf = self._r(group, p, bc[id(p)]).view(-1), p.grad.view(-1)
-            for k, s, ln in lay.segments:  # each term has its own ratio, per tensor
-                a, b = (ratio_r[off + k], ratio_c[off + k]) if k >= 0 else (1.0, 1.0)
-                upd.narrow(0, s, ln).mul_(lr * b1 * a).add_(cf.narrow(0, s, ln), alpha=lr * (1 - b1) * b)
+            upd.mul_(self._expand(ratio_r * (lr * b1), upd, lay, off, n))
+            upd.addcmul_(self._expand(ratio_c * (lr * (1 - b1)), cf, lay, off, n), cf)
             p.sub_(upd.view_as(p))
 
     def _r(self, group: dict, p: torch.Tensor, bc: tuple[float, float]) -> torch.Tensor:

@@ -301,3 +301,32 @@ def test_layerwise_optimizers_refuse_bad_hyperparameters_naming_themselves():
     with pytest.raises(ValueError, match=r"LANS: invalid .*betas=\(1\.0, 0\.9\)"):
         LANS(w, betas=(1.0, 0.9))
     assert NVLAMB(w, lr=1e-3).defaults["betas"] == (0.9, 0.999)
+
+
+def _flat_step_ops(opt_cls, n_tensors: int) -> tuple[int, int]:
+    """Top-level aten ops and host syncs of one step() on a flat tensor holding n_tensors parameter tensors (as
+    DeepSpeed ZeRO hands it: one flat fp32 partition per group, with alignment padding between tensors)."""
+    from bench.op_count import OpCounter
+
+    torch.manual_seed(0)
+    numels = [3 + (k % 5) for k in range(n_tensors)]
+    offsets = [sum(n + 1 for n in numels[:k]) for k in range(n_tensors)]  # one element of padding after each
+    size = offsets[-1] + numels[-1] + 1
+    flat = torch.nn.Parameter(torch.randn(size))
+    opt = opt_cls([flat], lr=0.01, weight_decay=0.01, max_grad_norm=0.0)
+    opt.attach({id(flat): FlatLayout(partition_segments(numels, offsets, 0, size), n_tensors)}, None, False)
+    for _ in range(2):  # the second step is counted: state and the layout's index tensors exist by then
+        flat.grad = torch.randn(size)
+        with OpCounter() as count:
+            opt.step()
+    return count.total, count.syncs
+
+
+@pytest.mark.parametrize("opt_cls", [NVLAMB, LANS])
+def test_flat_step_op_count_does_not_grow_with_tensors(opt_cls):
+    """The host cost of a step over DeepSpeed's flat partition is a fixed number of ops (norms by segment_reduce,
+    trust ratios spread by repeat_interleave), not a few per parameter tensor, and never waits for the device."""
+    ops10, syncs10 = _flat_step_ops(opt_cls, 10)
+    ops400, syncs400 = _flat_step_ops(opt_cls, 400)
+    assert ops10 == ops400, (ops10, ops400)
+    assert syncs10 == syncs400 == 0
