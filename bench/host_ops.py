@@ -45,7 +45,7 @@ def count(name: str, layers: int, setting: str) -> dict:
     from bench.bert_step import _ds_config, _engine
     from bert_ref.optim import PUBLISHED
     from bert_ref.step import step_fn
-    from ds_core.engine import set_seed
+    from ds_core.rank.engine import set_seed
 
     set_seed(0)
     preset = _preset(name, layers)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import traceback
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_OPS = ("aten._local_scalar_dense",)  # .item(), .tolist(), float(t), bool(t), if t: ...
