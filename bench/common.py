@@ -16,8 +16,8 @@ _QUIET = dict(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_O
 
 
 def bench_env(threads: int | None = None, **extra: str) -> dict[str, str]:
-    """Environment for a benchmark's subprocesses and ranks: ds_core.rank.rendezvous.rank_env with this checkout first on
-    PYTHONPATH (so `-m bench.x` and the packages resolve to it), offline, `threads` OMP threads each when given."""
+    """Environment for a benchmark's subprocesses and ranks: ds_core.rank.rendezvous.rank_env with this checkout first
+    on PYTHONPATH (so `-m bench.x` and the packages resolve to it), offline, `threads` OMP threads each when given."""
     return rank_env(threads=threads, pythonpath=[REPO], extra={**_QUIET, **extra})
 
 

@@ -1,6 +1,6 @@
 """Optimizers (NVLAMB, LANS, AdamW) with the published recipes' defaults per preset, weight-decay groups and LR scaling
-with the global batch. The settings are ds_core.config.optim.OptimArgs (shared with BridgeTower); BERT's defaults and the
-recipes fill it here (for_preset). The warm-up / constant / polynomial-decay LR schedule is ds_core.schedule's
+with the global batch. The settings are ds_core.config.optim.OptimArgs (shared with BridgeTower); BERT's defaults and
+the recipes fill it here (for_preset). The warm-up / constant / polynomial-decay LR schedule is ds_core.schedule's
 poly_warmup kind.
 
 `lamb` is NVIDIA's FusedLAMB update and `lans` Habana's LANS (bert_ref.layerwise: per-tensor trust ratios, also
@@ -49,7 +49,8 @@ PUBLISHED["bert_1p5b_habana"] = PUBLISHED["debug_habana"] = PUBLISHED["bert_1p5b
 
 
 # BERT's values for the OptimArgs settings left to the model (None / ''): NVIDIA's and Habana's recipes.
-BERT_DEFAULTS = dict(weight_decay=0.01, eps=1e-6, max_grad_norm=1.0)  # the schedule kind: the recipe's (Recipe.schedule)
+# the schedule kind: the recipe's (Recipe.schedule)
+BERT_DEFAULTS = dict(weight_decay=0.01, eps=1e-6, max_grad_norm=1.0)
 BERT_WARMUP_RATIO = 0.05  # when neither --warmup_steps nor --warmup_ratio (--warmup_proportion) is given
 
 
@@ -127,8 +128,9 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, global_batch: int =
     raise ConfigError(f"--optimizer {args.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
 
 
-# The schedules (nvidia_poly, habana_poly: ds_core.schedule.published; poly_warmup, this project's earlier Habana-like one)
-# are kinds of ds_core.schedule, shared with BridgeTower; ds_core.config.optim.schedule_for builds them from OptimArgs.
+# The schedules (nvidia_poly, habana_poly: ds_core.schedule.published; poly_warmup, this project's earlier Habana-like
+# one) are kinds of ds_core.schedule, shared with BridgeTower; ds_core.config.optim.schedule_for builds them from
+# OptimArgs.
 # poly_warmup is kept under its old name for callers of lr_factor. Step is 0-based.
 lr_factor = poly_warmup_factor
 

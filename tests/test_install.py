@@ -44,7 +44,8 @@ def copy_tree(dst: Path) -> None:
 def no_network() -> list[str]:
     """`unshare -n` where this user may make a network namespace (the install must not need one); else nothing:
     --no-index keeps pip off the network anyway."""
-    ok = shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True, check=False).returncode == 0
+    ok = shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True,
+                                                    check=False).returncode == 0
     return ["unshare", "-n"] if ok else []
 
 
@@ -56,7 +57,8 @@ def test_setup_keeps_the_torch_of_a_venv_python(tmp_path):
     wheels.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     proc = subprocess.run([*no_network(), "make", "setup", f"PYTHON={py}", f"WHEELHOUSE={wheels}", "EXTRAS=test"],
-                          check=False, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+                          check=False, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "is a venv" in proc.stdout, proc.stdout[-4000:]
     probe = ("import torch, deepspeed, ds_core, pathlib; "

@@ -26,9 +26,11 @@ from conftest import REPO
 def fake_wheel(d: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
     dist = f"{name.replace('-', '_')}-{version}"
     with zipfile.ZipFile(d / f"{dist}-py3-none-any.whl", "w") as z:
-        meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+        meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}",
+                *(f"Requires-Dist: {r}" for r in requires)]
         z.writestr(f"{dist}.dist-info/METADATA", "\n".join(meta) + "\n")
-        z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{dist}.dist-info/RECORD", "")
 
 
@@ -42,7 +44,8 @@ def test_wheelhouse_stops_at_the_base_and_follows_markers(tmp_path):
     fake_wheel(links, "setuptools", "99.0")
     fake_wheel(links, "wheel", "0.99", ("packaging>=24",))
     fake_wheel(links, "packaging", "24.0")
-    deps = [Requirement(r).name for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = [Requirement(r).name for r in project["dependencies"]]
     base = tmp_path / "base.txt"
     base.write_text("# the target\ntorch==2.11.0\nsetuptools\nwheel\npackaging\nh5py==1.0\n" +
                     "".join(f"{n}\n" for n in deps if n not in ("pysbd", "h5py")))

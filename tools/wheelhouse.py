@@ -161,8 +161,8 @@ def build(out: Path, python: str, platform: str, base: dict[str, Version | None]
         for_build = parent.startswith("build-system.requires")
         name = canonicalize_name(req.name)
         if name == "torch" and name not in base:
-            raise SystemExit("wheelhouse: torch is not in the base list; a wheelhouse never carries torch (the target's "
-                             "CUDA / Gaudi build must be kept): add it to --base")
+            raise SystemExit("wheelhouse: torch is not in the base list; a wheelhouse never carries torch (the "
+                             "target's CUDA / Gaudi build must be kept): add it to --base")
         # build requirements and theirs always go in: pip's isolated build environment (the editable install)
         # cannot see the target's installed setuptools, wheel or packaging
         if not for_build and in_base(req, base):

@@ -29,10 +29,10 @@ def accelerator_kind(accelerator: str, device: torch.device | None = None) -> st
         return from_device_name(torch.cuda.get_device_name(device)) or "cuda"
     if accelerator == "hpu":
         try:
-            import habana_frameworks.torch.hpu as hthpu  # noqa: PLC0415
+            import habana_frameworks.torch.hpu as hthpu
 
             name = hthpu.get_device_name()
-        except Exception:  # pragma: no cover - HPU only
+        except Exception:  # noqa: BLE001 - any failure of the bridge's name query means "no name"  # pragma: no cover
             name = ""
         # an HPU whose name the bridge does not give is first-generation Gaudi (the bridge names Gaudi2/3)
         return from_device_name(name) or "gaudi"
@@ -40,8 +40,8 @@ def accelerator_kind(accelerator: str, device: torch.device | None = None) -> st
 
 
 def peak_tflops_for(kind: str, dtype: str = "bf16") -> float | None:
-    """The dense peak MFU is taken against: DS_CORE_PEAK_TFLOPS, ds_core.device.accelerators' row for `kind` in the dtype
-    the run computes in, or on CPU the cached probe in `dtype`. None (no MFU) for a device or dtype without a
+    """The dense peak MFU is taken against: DS_CORE_PEAK_TFLOPS, ds_core.device.accelerators' row for `kind` in the
+    dtype the run computes in, or on CPU the cached probe in `dtype`. None (no MFU) for a device or dtype without a
     published figure."""
     if os.environ.get("DS_CORE_PEAK_TFLOPS"):
         return float(os.environ["DS_CORE_PEAK_TFLOPS"])
@@ -170,7 +170,8 @@ class Metrics:
         self.last_log = None  # (training time, samples, tokens) at the previous log, inside the window
         self.last_loss = None
         self.last_step = 0
-        # Trainer's figures (ds_core.outputs.hf_trainer): samples and the loss sum of every step, and the loop's wall span
+        # Trainer's figures (ds_core.outputs.hf_trainer): samples and the loss sum of every step, and the loop's
+        # wall span
         self.samples_total, self.loss_sum, self.loss_steps = 0, 0.0, 0
         self.t_begin, self.runtime = None, 0.0
         self.excluded = 0.0  # seconds spent in timed() sections: not training time

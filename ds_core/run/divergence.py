@@ -11,8 +11,9 @@ and the run exited 0 with the diverged model as `latest`):
 - a loss spike: a finite loss above `spike_factor` times the median of the recent finite losses (once `min_history`
   losses are known), the usual sign that the LR is far too high before anything becomes non-finite.
 
-On a skipped step the toolkit keeps the LR schedule on the step counter (ds_core.run.loop advances it, DeepSpeed does not):
-optimizer step k always uses schedule(k), so the schedule still ends on the loop's last step; every skip is printed
+On a skipped step the toolkit keeps the LR schedule on the step counter (ds_core.run.loop advances it, DeepSpeed does
+not): optimizer step k always uses schedule(k), so the schedule still ends on the loop's last step; every skip is
+printed
 and recorded in metrics.jsonl (`skipped`, `skipped_steps`).
 """
 from __future__ import annotations
