@@ -193,11 +193,11 @@ def part_bert_large(ctx: Ctx) -> dict:
     optimizer's share of a step is the difference)."""
     if ctx.smoke:
         # fp32: transformers' TrainingArguments refuses bf16 without a GPU (and CI's CPUs may lack native bf16)
-        tries, accums, common = [2], (2, 1), ["--model", "debug", "--steps", "2", "--warmup", "1", "--threads", "1",
-                                              "--precision", "fp32"]
+        tries, accums, common = [2], (2, 1), ["--model", "debug", "--steps", "2", "--warmup", "4", "--threads", "1",
+                                              "--precision", "fp32", "--profile_steps", "2"]
     else:
-        tries, accums, common = [64, 32, 16], (8, 1), ["--model", "bert_large", "--steps", "6", "--warmup", "2",
-                                                       "--threads", "0", "--precision", "bf16"]
+        tries, accums, common = [64, 32, 16], (8, 1), ["--model", "bert_large", "--steps", "6", "--warmup", "5",
+                                                       "--threads", "0", "--precision", "bf16", "--profile_steps", "2"]
     res: dict[str, Any] = {}
     for accum in accums:
         res[f"accum{accum}"] = _bert_large_at(ctx, tries, common, accum)
@@ -220,6 +220,8 @@ def _bert_large_at(ctx: Ctx, tries: list[int], common: list[str], accum: int) ->
         res = {k: r.get(k) for k in keep}
         res["ours_tflops"] = res["ours_samples_per_s"] * r["flops_per_seq"] / 1e12
         res["oom_tried"] = [m for m in tries if m > micro]
+        first = r.get("windows", [{}])[0]  # where the time went: bench.step_profile of each side's first window
+        res["profile"] = {side: first.get(side, {}).get("profile") for side in ("ours", "trainer")}
         if res["mfu"] is not None and not 0 < res["mfu"] <= 1:
             raise PartFailed(f"MFU {res['mfu']} outside (0, 1]: FLOPs count or peak is wrong ({res})")
         return res
