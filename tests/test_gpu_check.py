@@ -77,6 +77,9 @@ def test_cpu_smoke_runs_every_part_and_reports_one_json_line(tmp_path):
         b = parts["bert_large"][f"accum{accum}"]
         assert b["grad_accum"] == accum, b
         assert b["ours_samples_per_s"] > 0 and b["trainer_samples_per_s"] > 0 and b["step_ratio"] > 0
+        for side in ("ours", "trainer"):  # where the time went, from CPU events here
+            prof = b["profile"][side]
+            assert prof["aten_ops_per_step"] > 0 and len(prof["top10_us_per_step"]) == 10, prof
     bt = parts["bridgetower"]
     assert {v["pipeline_taken"] for v in bt["samples_per_s"].values()} == {"host", "device-cpu"}
     assert bt["trainer_baseline_samples_per_s"] > 0
