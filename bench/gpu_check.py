@@ -405,7 +405,7 @@ def _run_part(ctx: Ctx, part: str, est: float, end: float, save) -> dict:
     left = end - time.monotonic()
     if est > left:
         print(f"[gpu_check] {part}: skipped (estimate {est:.0f} s, {left:.0f} s left)", flush=True)
-        return {"ok": True, "skipped": True, "estimate_s": est, "reason": f"{left:.0f} s of the budget left"}
+        return {"ok": True, "skipped_for_budget": True, "estimate_s": est, "reason": f"{left:.0f} s of the budget left"}
     t0 = time.monotonic()
     ctx.deadline = end  # a part may overrun its estimate, never the budget
     ctx.progress = lambda partial: save({"running": True, "estimate_s": est, **partial})

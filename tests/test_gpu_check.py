@@ -34,7 +34,7 @@ def test_a_budget_too_small_skips_every_part_with_its_estimate(tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert rc == 0 and res["ok"] and res["mode"] == "cpu_smoke" and list(res["parts"]) == list(gpu_check.PARTS)
     for part, rec in res["parts"].items():
-        assert rec["skipped"] and rec["estimate_s"] == gpu_check.ESTIMATE_S["cpu_smoke"][part]
+        assert rec["skipped_for_budget"] and rec["estimate_s"] == gpu_check.ESTIMATE_S["cpu_smoke"][part]
     assert "torch" in res["device"] and isinstance(res["nvidia_smi"], str)
 
 
@@ -43,7 +43,7 @@ def test_the_install_time_counts_against_the_budget(tmp_path):
     gpu_check.main(["--cpu_smoke", "--budget", "100000", "--started_at", str(time.time() - 100000),
                     "--part", "tests", "--out", str(out)])
     res = json.loads((out / "results.json").read_text())
-    assert res["parts"]["tests"]["skipped"] and res["spent_before_s"] >= 100000
+    assert res["parts"]["tests"]["skipped_for_budget"] and res["spent_before_s"] >= 100000
 
 
 def test_results_file_is_written_valid_after_each_part_and_its_log_tails_are_bounded(tmp_path):
@@ -68,7 +68,7 @@ def test_cpu_smoke_runs_every_part_and_reports_one_json_line(tmp_path):
     assert proc.returncode == 0 and last["ok"], json.dumps(results["parts"], indent=1)[-6000:]
     assert last["gpu_check"] == results["mode"] == "cpu_smoke" and last["parts"] == results["parts"]
     parts = results["parts"]
-    assert list(parts) == list(gpu_check.PARTS) and not any(p.get("skipped") for p in parts.values())
+    assert list(parts) == list(gpu_check.PARTS) and not any(p.get("skipped_for_budget") for p in parts.values())
     # the CUDA tests are collected and every one skips with its reason here
     t = parts["tests"]
     assert t["collected"] >= 8 and t["skipped"] == t["collected"] and t["failed"] == 0
