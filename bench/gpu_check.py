@@ -111,7 +111,10 @@ def device_info() -> dict:
 
     from ds_core.accelerators import from_device_name
 
-    info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+                            # as the machine sets it; the runs' processes hand DeepSpeed's op builder a form it
+                            # parses through the toolkit's own start-up, not through this check
+                            "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST")}
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         info.update(device=name, accelerator_row=from_device_name(name), gpus=torch.cuda.device_count(),
