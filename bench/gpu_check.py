@@ -45,7 +45,7 @@ PARTS = ("bert_large", "bridgetower", "tests", "bert_1p5b")  # most valuable fir
 # estimated seconds per part on one H100/H200 (from the first GPU run, less the large cells' init and save) and on
 # the CPU smoke (2 shared cores); a part is run only when its estimate fits in the budget left
 ESTIMATE_S = {"gpu": {"bert_large": 120, "bridgetower": 150, "tests": 170, "bert_1p5b": 120},
-              "cpu_smoke": {"bert_large": 60, "bridgetower": 150, "tests": 60, "bert_1p5b": 120}}
+              "cpu_smoke": {"bert_large": 110, "bridgetower": 90, "tests": 45, "bert_1p5b": 95}}
 LOG_TAIL_CHARS = 4000
 MAX_RESULT_BYTES = 16 * 2**20
 OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
