@@ -87,10 +87,13 @@ wheelhouse:
 	$(VENV)/bin/python tools/wheelhouse.py --out $(WHEELS) --python $(or $(filter 3.%,$(PY)),$(PY_VER)) \
 	  --platform $(PLATFORM) --base $(BASE) --extras $(EXTRAS) --max_mb 60
 
-# the whole CUDA check (bench/gpu_check.py): pytest -m gpu, then the measurements; on a CPU-only machine the same
+# the whole CUDA check (bench/gpu_check.py), planned into GPU_CHECK_BUDGET seconds counted from make's start (the
+# install included), most valuable part first; on a CPU-only machine the same
 # plumbing with debug models (--cpu_smoke). GPU_CHECK_ARGS="--part bert_large" runs one part. Results: gpu_check_out/
+GPU_CHECK_BUDGET ?= 480
+GPU_CHECK_T0 := $(shell date +%s)
 gpu-check: $(STAMP)
-	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+	$(PY) -m bench.gpu_check --budget $(GPU_CHECK_BUDGET) --started_at $(GPU_CHECK_T0) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) demo_out runs .pytest_cache

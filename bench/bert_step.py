@@ -10,13 +10,13 @@
    run_pretraining.py `pretraining_dataset` (whole file in numpy, labels built per sample) with the default collator.
    Each window is its own process (start-up not timed) and the sides alternate ABBA over --rounds rounds, so load on
    a shared machine falls on both; a side's rate is over the steps after --warmup, data loading included (ours from
-   ds_core.outputs.metrics, the Trainer's from on_step_end timestamps). step_ratio = median over rounds of our samples/s /
-   the Trainer's in the same round, with min and max; the bench refuses a ratio when the sides differ in samples per
-   step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same ratio per CPU-second of each side's
+   ds_core.outputs.metrics, the Trainer's from on_step_end timestamps). step_ratio = median over rounds of our
+   samples/s / the Trainer's in the same round, with min and max; the bench refuses a ratio when the sides differ in
+   samples per step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same ratio per CPU-second of each side's
    process (all its threads, data loading included), which other processes' load inflates far less than wall time
    on a shared machine; step_ratio (wall clock) is the figure a user sees and the target. The precision is the
-   run's rule (ds_core.device.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has it
-   natively, fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured
+   run's rule (ds_core.device.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has
+   it natively, fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured
    matmul peak of that dtype (ds_core.outputs.metrics).
 2. Bound (after 1, --skip_bound): mfu_upper_bound, the MFU our step would have if only its linear layers' GEMMs and
    the LAMB update cost anything (see bench.mfu_bound), in the same dtype and thread count.
@@ -109,7 +109,8 @@ def _trust_keys(opt) -> int:
 
 
 def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dict:
-    """Our whole training step through ds_core.run.trainer: block loader, forward, backward, ZeRO-1 reduce, clip, LAMB."""
+    """Our whole training step through ds_core.run.trainer: block loader, forward, backward, ZeRO-1 reduce, clip,
+    LAMB."""
     from bert_ref.data import build_data
     from bert_ref.model import flops_per_sequence
     from bert_ref.step import make_step_fn
@@ -125,7 +126,8 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     engine = _engine(preset, ds_config, "lamb", not a.dense_mlm, not a.torch_dropout)
     preds = 0 if a.dense_mlm else preset.max_predictions_per_seq
     flops = flops_per_sequence(preset, mlm_positions=preds)
-    cpu = _cpu_clock_at_step_end(engine)
+    prof = _profile(a)
+    cpu = _cpu_clock_at_step_end(engine, prof.step_end if prof else None)
     cfg = TrainConfig(run_dir=str(tmp / "ours_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
                       save_final_checkpoint=False, progress_bar=False, precision=dtype)
     run = Run.of(LoopSettings(cfg), _DIST, ds_config).with_data(data)  # the settings start_run would resolve
@@ -142,10 +144,18 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
             "fast_dropout": not a.torch_dropout, "cpu_samples_per_s": _cpu_rate(cpu, a),
             "samples_per_step": round(s["samples_per_s"] * s["measured_seconds"] / s["measured_steps"], 6),
             "optimizer": type(opt).__name__,
-            "trust_ratio_tensors": _trust_keys(opt), "threads": _threads()}
+            "trust_ratio_tensors": _trust_keys(opt), "threads": _threads(),
+            **({"profile": prof.summary} if prof else {})}
 
 
-def _cpu_clock_at_step_end(engine) -> list[float]:
+def _profile(a: argparse.Namespace):
+    """bench.step_profile over --profile_steps steps ending one step before the timed window (see StepProfile)."""
+    from bench.step_profile import StepProfile
+
+    return StepProfile(a.warmup - 1 - a.profile_steps, a.profile_steps) if a.profile_steps else None
+
+
+def _cpu_clock_at_step_end(engine, also=None) -> list[float]:
     """This process's CPU time (all its threads: data loading included) at the end of each optimizer step, read right
     after DeepSpeed's engine.step() at the accumulation boundary, where the Trainer's on_step_end reads it too."""
     import time
@@ -158,6 +168,8 @@ def _cpu_clock_at_step_end(engine) -> list[float]:
         out = step(*args, **kw)
         if boundary:
             marks.append(time.process_time())
+            if also is not None:
+                also()
         return out
 
     engine.step = timed_step
@@ -235,6 +247,7 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     model.register_forward_pre_hook(lambda m, args, kw: seen.__setitem__(0, seen[0] + kw["input_ids"].size(0)),
                                     with_kwargs=True)
     ds = NvidiaStyleDataset(str(next(shards.glob("*.hdf5"))), preset.max_predictions_per_seq)
+    prof = _profile(a)
 
     class LambTrainer(Trainer):
         """The Trainer with our NVLAMB (bert_ref.optim.build_optimizer: the same groups and hyper-parameters as ours).
@@ -257,6 +270,8 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
             times.append(time.perf_counter())
             cpu.append(time.process_time())
             fed.append(seen[0])
+            if prof is not None:
+                prof.step_end()
 
     args = TrainingArguments(
         output_dir=str(tmp / "trainer_run"), per_device_train_batch_size=a.micro_batch,
@@ -278,7 +293,8 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     opt = trainer.deepspeed.optimizer.optimizer  # the optimizer that stepped, inside DeepSpeed's ZeRO wrapper
     return {"samples_per_s": rate, "cpu_samples_per_s": _cpu_rate(cpu, a),
             "samples_per_step": (fed[-1] - fed[a.warmup - 1]) / steps,
-            "optimizer": type(opt).__name__, "trust_ratio_tensors": _trust_keys(opt), "threads": _threads()}
+            "optimizer": type(opt).__name__, "trust_ratio_tensors": _trust_keys(opt), "threads": _threads(),
+            **({"profile": prof.summary} if prof else {})}
 
 
 def side_worker(a: argparse.Namespace, side: str, shards: Path, out: Path) -> None:
@@ -306,7 +322,7 @@ def _run_window(a: argparse.Namespace, side: str, shards: Path, tmp: Path, dtype
     env = dict(os.environ, DS_ACCELERATOR=os.environ["DS_ACCELERATOR"], BENCH_DTYPE=dtype,
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     flags = [f"--{k}={getattr(a, k)}" for k in ("micro_batch", "grad_accum", "steps", "warmup", "threads",
-                                                   "model")]
+                                                   "model", "profile_steps")]
     flags += [f for f in ("--dense_mlm", "--torch_dropout") if getattr(a, f[2:])]
     cmd = [sys.executable, "-m", "bench.bert_step", "--side", side, "--shards", str(shards), "--out", str(out),
            *flags]
@@ -466,6 +482,9 @@ def main() -> None:
     ap.add_argument("--micro_batch", type=int, default=4)
     ap.add_argument("--grad_accum", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps per window (after --warmup)")
+    ap.add_argument("--profile_steps", type=int, default=0,
+                    help="torch.profiler over this many warm-up steps of each side (bench.step_profile: aten ops, "
+                         "syncs, top kernels, device idle share); needs --warmup >= profile_steps + 2")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of one window per side (ABBA order); step_ratio is the median over rounds")
     ap.add_argument("--warmup", type=int, default=1, help="optimizer steps excluded from the measurement (>= 1)")
@@ -494,6 +513,9 @@ def main() -> None:
     ap.add_argument("--summarize_windows", default="",
                     help="re-summarize a kept run's windows (its last JSON line, or the list of rounds) and exit")
     a = ap.parse_args()
+    if a.profile_steps and a.warmup < a.profile_steps + 2:
+        ap.error(f"--profile_steps {a.profile_steps} needs --warmup >= {a.profile_steps + 2} (got {a.warmup}): the "
+                 "profiled steps and one untimed step after them come out of the warm-up")
     if a.summarize_windows:
         kept = json.loads(Path(a.summarize_windows).read_text())
         print(json.dumps(summarize(kept["windows"] if isinstance(kept, dict) else kept, a.skip_trainer)))

@@ -1,28 +1,28 @@
-"""`make gpu-check`: everything a lent CUDA machine should answer, in one command, one JSON line at the end.
+"""`make gpu-check`: what one CUDA machine can tell about the toolkit in a few minutes, one JSON line at the end.
 
-A GPU is lent only now and then, for half an hour, to a machine without a package registry; so the whole check is one
-command that installs from a wheelhouse (the Makefile's `setup WHEELHOUSE=dir`), then runs four parts, each in its
-own processes, each under 9 minutes, and writes what it found to gpu_check_out/results.json after every part:
+It is meant for a GPU machine you have for a short time and that may have no package registry: the Makefile installs
+from a wheelhouse (`setup WHEELHOUSE=dir`), then this module plans its parts into a time budget (`--budget`, seconds,
+counted from `--started_at` so the install is included; the Makefile's GPU_CHECK_BUDGET=480) and runs them most
+valuable first. A part whose estimated cost no longer fits the budget left is recorded as skipped with its estimate.
+The plan and each part's estimate are printed at the start; gpu_check_out/results.json is rewritten (valid JSON) after
+every measurement, so a killed call keeps what it had:
 
-  tests        `pytest -m gpu tests`: the CUDA tests (tests/test_gpu_*.py); passed / skipped / failed and the reasons.
   bert_large   BERT-Large phase 1 (seq 128, bf16, ZeRO-1, NVLAMB) at micro batch 64, or 32 / 16 when 64 does not
-               fit: bench.bert_step with --model bert_large on the GPU: our seq/s, TFLOPs and MFU against
-               ds_core.device.accelerators' peak, and transformers Trainer + DeepSpeed on the same model, data and
-               optimizer in the same call (step_ratio).
+               fit: bench.bert_step, ours and transformers Trainer on the same model, data and optimizer, at
+               accumulation 8 (the recipe's per-GPU step, the optimizer amortised) and 1 (the optimizer's share).
   bridgetower  BridgeTower-Large architecture (random init, 294 px, bf16, ZeRO-1, batch 48) through
-               `python -m bridgetower_ds.train`: samples/s for dataloader workers 0/1/2 x host/device image pipeline,
-               and transformers Trainer with run_bridgetower.py's per-sample transform as the baseline
-               (bench.bt_e2e's baseline process).
+               `python -m bridgetower_ds.train` with the device and the host image pipeline at 2 dataloader workers
+               (the published best), and the plain transformers Trainer baseline (bench.bt_e2e's baseline process).
+  tests        `pytest -m gpu tests`: the CUDA tests; passed / skipped / failed and the reasons.
   bert_1p5b    BERT-1.5B: the largest micro batch that trains with ZeRO-1 and with ZeRO-3 on one GPU (doubling /
                halving from ds-tune's prediction until the edge is found), next to ds-tune's prediction.
 
-`--part NAME` runs one part (each fits in one 10-minute device command); the others keep their earlier results in
-the results file. `--cpu_smoke` (the default where no CUDA device is visible) runs the same plumbing on the CPU
-with the debug presets and tiny sizes in a couple of minutes, so the check cannot rot between GPU loans; CI runs it
-(tests/test_gpu_check.py). A part that fails records its error and the log's tail and the check goes on; the exit
-status is 1 when any part failed.
+The results file also holds the device, `nvidia-smi`, the versions and the tail of every log (kept under 16 MB).
+`--part NAME` runs one part. `--cpu_smoke` (the default where no CUDA device is visible) runs the same plan on the CPU
+with the debug presets and tiny sizes, so the check cannot rot; CI runs it (tests/test_gpu_check.py). A part that
+fails records its error and the log's tail and the check goes on; the exit status is 1 when any part failed.
 
-    python -m bench.gpu_check [--part all|tests|bert_large|bridgetower|bert_1p5b] [--cpu_smoke] [--out gpu_check_out]
+    python -m bench.gpu_check [--part all|bert_large|bridgetower|tests|bert_1p5b] [--budget S] [--cpu_smoke]
 """
 from __future__ import annotations
 
@@ -38,10 +38,15 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, bench_env, make_images
+from bench.common import REPO, bench_env, photo_like
 
-PARTS = ("tests", "bert_large", "bridgetower", "bert_1p5b")
-PART_BUDGET_S = 9 * 60  # one part fits in one device command (10 min) with start-up to spare
+PARTS = ("bert_large", "bridgetower", "tests", "bert_1p5b")  # most valuable first: the plan's order
+# estimated seconds per part on one H100/H200 (from the first GPU run, less the large cells' init and save) and on
+# the CPU smoke (2 shared cores); a part is run only when its estimate fits in the budget left
+ESTIMATE_S = {"gpu": {"bert_large": 120, "bridgetower": 150, "tests": 170, "bert_1p5b": 120},
+              "cpu_smoke": {"bert_large": 110, "bridgetower": 90, "tests": 45, "bert_1p5b": 95}}
+LOG_TAIL_CHARS = 4000
+MAX_RESULT_BYTES = 16 * 2**20
 OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
@@ -57,6 +62,7 @@ class Ctx:
         # smoke: the CPU accelerator, one thread per process (CI's 2 cores); GPU: DeepSpeed finds CUDA
         self.env = bench_env(threads=1, DS_ACCELERATOR="cpu") if smoke else bench_env(DS_ACCELERATOR="cuda")
         self.deadline = 0.0
+        self.progress = lambda partial: None  # main sets it: writes a part's measurements the moment they exist
 
     def run(self, name: str, cmd: list[str], env: dict | None = None) -> tuple[int, str]:
         """Run cmd in its own session with its output in logs/<name>.log; killed (whole group) at the part's
@@ -99,12 +105,16 @@ def _summary(run_dir: Path) -> dict:
 
 
 def device_info() -> dict:
-    """The device this check ran on: torch's name for it and ds_core.device.accelerators' row (None: no peak, no MFU)."""
+    """The device this check ran on: torch's name for it and ds_core.device.accelerators' row (None: no peak, no
+    MFU)."""
     import torch
 
     from ds_core.device.accelerators import from_device_name
 
-    info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+                            # as the machine sets it; the runs' processes hand DeepSpeed's op builder a form it
+                            # parses through the toolkit's own start-up, not through this check
+                            "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST")}
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         info.update(device=name, accelerator_row=from_device_name(name), gpus=torch.cuda.device_count(),
@@ -117,6 +127,35 @@ def device_info() -> dict:
         except Exception as e:  # noqa: BLE001 - a missing optional package is a finding, not a crash
             info[mod] = f"not importable: {type(e).__name__}: {e}"
     return info
+
+
+def _one_image(path_seed: tuple[str, int]) -> None:
+    import numpy as np
+
+    path, seed = path_seed
+    photo_like(np.random.default_rng(seed)).save(path, "JPEG", quality=90)
+
+
+def make_images_all_cores(root: Path, n: int) -> None:
+    """bench.common's photo-like 640x480 JPEGs, one seed per image so a pool on every core can write them (one core
+    took 40 s for 500 on a 16-core GPU machine); reused when all are there."""
+    from multiprocessing import get_context
+
+    root.mkdir(parents=True, exist_ok=True)
+    todo = [(str(root / f"{i:05d}.jpg"), i) for i in range(n)]
+    todo = [t for t in todo if not (Path(t[0]).exists() and Path(t[0]).stat().st_size > 0)]
+    if todo:
+        with get_context("spawn").Pool(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+            pool.map(_one_image, todo, chunksize=8)
+
+
+def nvidia_smi() -> str:
+    """`nvidia-smi`'s report, or why there is none (a CPU machine)."""
+    try:
+        proc = subprocess.run(["nvidia-smi"], check=False, capture_output=True, text=True, timeout=30)
+        return proc.stdout[-8000:]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"nvidia-smi not run: {type(e).__name__}: {e}"
 
 
 # --------------------------------------------------------------------------------------------------------- parts
@@ -152,27 +191,40 @@ def part_tests(ctx: Ctx) -> dict:
 
 
 def part_bert_large(ctx: Ctx) -> dict:
-    """bench.bert_step on the whole BERT-Large (GPU) / the debug preset (smoke): ours and the Trainer, one round."""
+    """bench.bert_step on the whole BERT-Large (GPU) / the debug preset (smoke): ours and the Trainer, at the recipe's
+    accumulation per GPU (8 micro batches per optimizer step: the optimizer amortised as NVIDIA's is) and at 1 (the
+    optimizer's share of a step is the difference)."""
     if ctx.smoke:
         # fp32: transformers' TrainingArguments refuses bf16 without a GPU (and CI's CPUs may lack native bf16)
-        tries, common = [2], ["--model", "debug", "--steps", "2", "--warmup", "1", "--threads", "1", "--precision",
-                              "fp32"]
+        tries, accums, common = [2], (2, 1), ["--model", "debug", "--steps", "2", "--warmup", "4", "--threads", "1",
+                                              "--precision", "fp32", "--profile_steps", "2"]
     else:
-        tries, common = [64, 32, 16], ["--model", "bert_large", "--steps", "20", "--warmup", "3", "--threads", "0",
-                                       "--precision", "bf16"]
+        tries, accums, common = [64, 32, 16], (8, 1), ["--model", "bert_large", "--steps", "6", "--warmup", "5",
+                                                       "--threads", "0", "--precision", "bf16", "--profile_steps", "2"]
+    res: dict[str, Any] = {}
+    for accum in accums:
+        res[f"accum{accum}"] = _bert_large_at(ctx, tries, common, accum)
+        ctx.progress(res)
+        tries = [res[f"accum{accum}"]["micro_batch"]]  # the micro batch that fitted; accumulation adds no memory
+    return res
+
+
+def _bert_large_at(ctx: Ctx, tries: list[int], common: list[str], accum: int) -> dict:
     for micro in tries:
-        rc, out = ctx.run(f"bert_large_micro{micro}", [
-            sys.executable, "-m", "bench.bert_step", "--micro_batch", str(micro), "--grad_accum", "1", "--rounds", "1",
-            "--skip_bound", *common])
+        rc, out = ctx.run(f"bert_large_micro{micro}_accum{accum}", [
+            sys.executable, "-m", "bench.bert_step", "--micro_batch", str(micro), "--grad_accum", str(accum),
+            "--rounds", "1", "--skip_bound", *common])
         if rc and OOM.search(out) and micro != tries[-1]:
             continue  # the next smaller micro batch
-        _check(rc, out, f"bench.bert_step micro {micro}")
+        _check(rc, out, f"bench.bert_step micro {micro} accumulation {accum}")
         r = _last_json(out)
-        keep = ("precision", "micro_batch", "ours_samples_per_s", "mfu", "peak_tflops", "flops_per_seq",
-                "trainer_samples_per_s", "step_ratio", "both_optimizer", "mlm_head")
+        keep = ("precision", "micro_batch", "grad_accum", "ours_samples_per_s", "mfu", "peak_tflops",
+                "flops_per_seq", "trainer_samples_per_s", "step_ratio", "both_optimizer", "mlm_head")
         res = {k: r.get(k) for k in keep}
         res["ours_tflops"] = res["ours_samples_per_s"] * r["flops_per_seq"] / 1e12
         res["oom_tried"] = [m for m in tries if m > micro]
+        first = r.get("windows", [{}])[0]  # where the time went: bench.step_profile of each side's first window
+        res["profile"] = {side: first.get(side, {}).get("profile") for side in ("ours", "trainer")}
         if res["mfu"] is not None and not 0 < res["mfu"] <= 1:
             raise PartFailed(f"MFU {res['mfu']} outside (0, 1]: FLOPs count or peak is wrong ({res})")
         return res
@@ -197,16 +249,18 @@ def part_bridgetower(ctx: Ctx) -> dict:
         n, batch, steps, warmup, grid = 24, 4, 2, 1, [("host", 0), ("device", 1)]
         model, base_flags = ["--preset", "debug"], []
     else:
-        n, batch, steps, warmup = 500, 48, 10, 3  # 6 cells + the baseline inside one 9-minute part
-        grid = [(p, w) for p in ("host", "device") for w in (0, 1, 2)]
+        # 2 workers: the published best; device first (the faster pipeline is the number that matters most)
+        n, batch, steps, warmup, grid = 300, 48, 8, 3, [("device", 2), ("host", 2)]
         model = ["--preset", "bridgetower_large", "--image_size", "294", "--tokenizer_name_or_path",
                  str(_tokenizer_dir(ctx)), "--bf16"]
-        base_flags = ["--preset", "bridgetower_large", "--image_size", "294", "--bf16"]
+        # run_bridgetower.py's own torchvision transform (needs torchvision, which a CUDA image has)
+        base_flags = ["--preset", "bridgetower_large", "--image_size", "294", "--bf16",
+                      "--transform", "run_bridgetower"]
     ds = json.loads((REPO / "ds_configs" / "bridgetower_zero1_bf16.json").read_text())  # ZeRO-1, bf16, AdamW
     ds["train_micro_batch_size_per_gpu"] = batch
     ds_path = ctx.work / "bt_ds.json"
     ds_path.write_text(json.dumps(ds))
-    make_images(ctx.work / "bt_images", n)
+    make_images_all_cores(ctx.work / "bt_images", n)
     manifest = make_manifest(ctx.work / "bt_images", ctx.work / "bt_manifest")
     table: dict[str, Any] = {}
     for pipeline, workers in grid:
@@ -228,11 +282,12 @@ def part_bridgetower(ctx: Ctx) -> dict:
         taken = re.search(r"image pipeline: (\S+)", out)
         table[f"{pipeline}_w{workers}"] = {"samples_per_s": s["samples_per_s"], "mfu": s.get("mfu"),
                                           "pipeline_taken": taken.group(1) if taken else None}
+        ctx.progress({"samples_per_s": table})
     base_out = ctx.work / "bt_baseline.json"
     rc, out = ctx.run("bt_trainer_baseline", [
         sys.executable, "-m", "bench.bt_e2e", "--baseline", "--manifest", str(manifest), "--out", str(base_out),
         f"--steps={steps}", f"--warmup={warmup}", f"--batch={batch}", f"--workers={max(w for _, w in grid)}",
-        *base_flags, *([] if ctx.smoke else ["--deepspeed", str(ds_path)])])
+        *base_flags])  # plain Trainer (DDP, bf16), as the published A100 baseline ran
     base = json.loads(base_out.read_text())["samples_per_s"] if rc == 0 and base_out.exists() else None
     rates = [v["samples_per_s"] for v in table.values() if "samples_per_s" in v]
     res = {"batch": batch, "images": n, "steps": steps, "warmup": warmup, "samples_per_s": table,
@@ -324,9 +379,58 @@ RUNNERS = {"tests": part_tests, "bert_large": part_bert_large, "bridgetower": pa
            "bert_1p5b": part_bert_1p5b}
 
 
+def plan(parts: tuple[str, ...], mode: str, budget: float) -> list[tuple[str, float, bool]]:
+    """(part, estimated seconds, planned) in run order: a part is planned when the estimates of the planned parts
+    before it and its own fit in the budget (a later, cheaper part may still fit where a dearer one did not)."""
+    used, out = 0.0, []
+    for part in parts:
+        est = ESTIMATE_S[mode][part]
+        fits = used + est <= budget
+        used += est if fits else 0
+        out.append((part, est, fits))
+    return out
+
+
+def write_results(path: Path, results: dict, logs: Path) -> None:
+    """The one results file, valid JSON after every write (written beside and renamed over), under 16 MB: the tail of
+    every log goes in, shortened further if the whole would not fit."""
+    tail = LOG_TAIL_CHARS
+    while True:
+        results["log_tails"] = {f.stem: f.read_text(errors="replace")[-tail:] for f in sorted(logs.glob("*.log"))}
+        data = json.dumps(results, indent=1)
+        if len(data.encode()) < MAX_RESULT_BYTES or tail < 100:
+            break
+        tail //= 4
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(data)
+    tmp.replace(path)
+
+
+def _run_part(ctx: Ctx, part: str, est: float, end: float, save) -> dict:
+    left = end - time.monotonic()
+    if est > left:
+        print(f"[gpu_check] {part}: skipped (estimate {est:.0f} s, {left:.0f} s left)", flush=True)
+        return {"ok": True, "skipped_for_budget": True, "estimate_s": est, "reason": f"{left:.0f} s of the budget left"}
+    t0 = time.monotonic()
+    ctx.deadline = end  # a part may overrun its estimate, never the budget
+    ctx.progress = lambda partial: save({"running": True, "estimate_s": est, **partial})
+    print(f"[gpu_check] {part} (estimate {est:.0f} s, {left:.0f} s left) ...", flush=True)
+    try:
+        rec = RUNNERS[part](ctx)
+        rec = {"ok": not rec.get("errors"), **rec}
+    except Exception as e:  # noqa: BLE001 - one part's failure is recorded; the other parts still run
+        rec = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+    rec.update(estimate_s=est, seconds=round(time.monotonic() - t0, 1))
+    print(f"[gpu_check] {part}: {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s", flush=True)
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--part", default="all", choices=("all", *PARTS), help="one part only (each < 9 min on a GPU)")
+    ap.add_argument("--part", default="all", choices=("all", *PARTS), help="one part only")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole check, install included")
+    ap.add_argument("--started_at", type=float, default=None,
+                    help="epoch seconds the check (its install) began; the budget counts from here (default: now)")
     ap.add_argument("--cpu_smoke", action="store_true",
                     help="debug presets and tiny sizes on the CPU (the default where no CUDA device is visible)")
     ap.add_argument("--out", default=str(REPO / "gpu_check_out"), help="results.json and logs/ go here")
@@ -334,34 +438,33 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     smoke = a.cpu_smoke or not torch.cuda.is_available()
+    mode = "cpu_smoke" if smoke else "gpu"
+    spent = max(0.0, time.time() - a.started_at) if a.started_at else 0.0
+    t_all = time.monotonic()
+    end = t_all + a.budget - spent
     out = Path(a.out)
     ctx = Ctx(out, smoke)
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    if results.get("mode") != ("cpu_smoke" if smoke else "gpu"):
+    if results.get("mode") != mode:
         results = {}  # a smoke run's numbers never mix with a GPU run's
-    results.update(mode="cpu_smoke" if smoke else "gpu", device=device_info())
+    steps = plan(PARTS if a.part == "all" else (a.part,), mode, a.budget - spent)
+    results.update(mode=mode, budget_s=a.budget, spent_before_s=round(spent, 1), device=device_info(),
+                   nvidia_smi=nvidia_smi(), plan=[{"part": p, "estimate_s": e, "planned": f} for p, e, f in steps])
     results.setdefault("parts", {})
-    t_all = time.monotonic()
-    for part in (PARTS if a.part == "all" else (a.part,)):
-        t0 = time.monotonic()
-        ctx.deadline = t0 + PART_BUDGET_S
-        print(f"[gpu_check] {part} ({results['mode']}) ...", flush=True)
-        try:
-            rec = RUNNERS[part](ctx)
-            rec = {"ok": not rec.get("errors"), **rec}
-        except Exception as e:  # noqa: BLE001 - one part's failure is recorded; the other parts still run
-            rec = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
-        rec["seconds"] = round(time.monotonic() - t0, 1)
-        results["parts"][part] = rec
-        results_path.write_text(json.dumps(results, indent=1))  # after every part: a killed call keeps the rest
-        print(f"[gpu_check] {part}: {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s", flush=True)
+    print(f"[gpu_check] {mode}, budget {a.budget:.0f} s ({spent:.0f} s spent before): "
+          + ", ".join(f"{p} ~{e:.0f} s{'' if f else ' (will not fit)'}" for p, e, f in steps), flush=True)
+    for part, est, _ in steps:
+        def save(rec, part=part):
+            results["parts"][part] = rec
+            write_results(results_path, results, ctx.logs)
+        save(_run_part(ctx, part, est, end, save))
     results["seconds"] = round(time.monotonic() - t_all, 1)
     results["ok"] = all(p["ok"] for p in results["parts"].values())
-    results_path.write_text(json.dumps(results, indent=1))
-    print(json.dumps({"gpu_check": results["mode"], "ok": results["ok"], "results": str(results_path),
-                      "device": results["device"].get("device"), "seconds": results["seconds"],
-                      "parts": results["parts"]}), flush=True)
+    write_results(results_path, results, ctx.logs)
+    print(json.dumps({"gpu_check": mode, "ok": results["ok"], "results": str(results_path),
+                      "bytes": results_path.stat().st_size, "device": results["device"].get("device"),
+                      "seconds": results["seconds"], "parts": results["parts"]}), flush=True)
     return 0 if results["ok"] else 1
 
 

@@ -1,5 +1,6 @@
 """bench.bert_step (run as `python -m bench.bert_step`): the two sides do the same work (real DeepSpeed engines,
-real Trainer, tiny model), and the summary of interleaved windows (median ratio and spread, refusal when the sides differ). No timing is asserted."""
+real Trainer, tiny model), and the summary of interleaved windows (median ratio and spread, refusal when the sides
+differ). No timing is asserted."""
 from __future__ import annotations
 
 import json

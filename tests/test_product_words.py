@@ -46,14 +46,9 @@ COMPILED = {name: re.compile(p, re.IGNORECASE) for name, (p, _) in PATTERNS.item
 SKIP_DIRS = {".git", ".venv", "venv", "build", "dist", "runs", "wheelhouse", "__pycache__", ".pytest_cache",
              ".hypothesis", "node_modules"}
 
-# (path, pattern name) -> (lines still matching, why they are allowed for now). Being rewritten elsewhere: the GPU
-# check and its section of docs/benchmarks.md (what the check runs and where), and the list of the CUDA image's
-# packages (what the image holds). Remove an entry when its lines are rewritten: a stale entry fails the test.
-PENDING: dict[tuple[str, str], tuple[int, str]] = {
-    ("bench/gpu_check.py", "lent machine"): (5, "module docstring, being rewritten with the GPU check"),
-    ("bench/gpu_check.py", "half an hour"): (1, "module docstring, being rewritten with the GPU check"),
-    ("docs/benchmarks.md", "lent machine"): (2, "the GPU section, being rewritten with the GPU check"),
-}
+# (path, pattern name) -> (lines still matching, why they are allowed). Empty: nothing is allowed; an entry whose
+# count no longer matches fails the test, so the list only shrinks.
+PENDING: dict[tuple[str, str], tuple[int, str]] = {}
 
 
 def repo_files() -> list[str]:
