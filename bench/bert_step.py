@@ -12,8 +12,8 @@
    a shared machine falls on both; a side's rate is over the steps after --warmup, data loading included (ours from
    ds_core.outputs.metrics, the Trainer's from on_step_end timestamps). step_ratio = median over rounds of our
    samples/s / the Trainer's in the same round, with min and max; the bench refuses a ratio when the sides differ in
-   samples per step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same ratio per CPU-second of each side's
-   process (all its threads, data loading included), which other processes' load inflates far less than wall time
+   samples per step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same ratio per CPU-second of each
+   side's process (all its threads, data loading included), which other processes' load inflates far less than wall time
    on a shared machine; step_ratio (wall clock) is the figure a user sees and the target. The precision is the
    run's rule (ds_core.device.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has
    it natively, fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured
@@ -51,7 +51,7 @@ BIG_SLICE = dict(name="bert_1p5b_2l", num_hidden_layers=2)
 LR = 1e-4
 
 
-def _ds_config(micro: int, accum: int, stage: int, dtype: str, world: int = 1) -> dict:
+def bench_ds_config(micro: int, accum: int, stage: int, dtype: str, world: int = 1) -> dict:
     """The one DeepSpeed config both sides get; its precision section set by ds_core.device.precision (the run's rule).
     train_batch_size counts every rank (the memory launch has 2: DeepSpeed asserts micro x accum x world)."""
     from ds_core.device.precision import apply_precision
@@ -72,7 +72,7 @@ def _shards(tmp: Path, n: int, seq: int, preds: int, vocab: int) -> Path:
     return d
 
 
-def _engine(preset, ds_config: dict, optimizer: str, sparse_mlm: bool = False, fast_dropout: bool = False):
+def bench_engine(preset, ds_config: dict, optimizer: str, sparse_mlm: bool = False, fast_dropout: bool = False):
     from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import build_model
     from bert_ref.optim import bert_defaults, build_optimizer
@@ -122,8 +122,8 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     preset = _slice(a.model)
     set_seed(0)
     data = build_data(str(shards), 0, 1, a.micro_batch)
-    ds_config = _ds_config(a.micro_batch, a.grad_accum, 1, dtype)
-    engine = _engine(preset, ds_config, "lamb", not a.dense_mlm, not a.torch_dropout)
+    ds_config = bench_ds_config(a.micro_batch, a.grad_accum, 1, dtype)
+    engine = bench_engine(preset, ds_config, "lamb", not a.dense_mlm, not a.torch_dropout)
     preds = 0 if a.dense_mlm else preset.max_predictions_per_seq
     flops = flops_per_sequence(preset, mlm_positions=preds)
     prof = _profile(a)
@@ -276,7 +276,7 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     args = TrainingArguments(
         output_dir=str(tmp / "trainer_run"), per_device_train_batch_size=a.micro_batch,
         gradient_accumulation_steps=a.grad_accum, max_steps=a.steps + a.warmup, learning_rate=LR,
-        lr_scheduler_type="constant", max_grad_norm=1.0, bf16=dtype == "bf16", deepspeed=_ds_config(
+        lr_scheduler_type="constant", max_grad_norm=1.0, bf16=dtype == "bf16", deepspeed=bench_ds_config(
             a.micro_batch, a.grad_accum, 1, dtype), save_strategy="no", report_to=[], logging_strategy="no",
         dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0,
         # transformers refuses bf16 off a GPU unless told it runs on the CPU (a CPU with native bf16 picks bf16)
@@ -419,7 +419,7 @@ def memory_worker(stage: int, out: Path) -> None:
     dist = init_distributed()
     set_seed(0)
     data = build_data(os.environ["BENCH_SHARDS"], dist.rank, dist.world_size, 2)
-    engine = _engine(preset, _ds_config(2, 1, stage, os.environ["BENCH_DTYPE"], dist.world_size), "lans")
+    engine = bench_engine(preset, bench_ds_config(2, 1, stage, os.environ["BENCH_DTYPE"], dist.world_size), "lans")
     it = iter(data)
     for _ in range(2):
         out_ = step_fn(engine, next(it))

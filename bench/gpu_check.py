@@ -41,8 +41,8 @@ from typing import Any
 from bench.common import REPO, bench_env, photo_like
 
 PARTS = ("bert_large", "bridgetower", "tests", "bert_1p5b")  # most valuable first: the plan's order
-# estimated seconds per part on one H100/H200 (from the first GPU run, less the large cells' init and save) and on
-# the CPU smoke (2 shared cores); a part is run only when its estimate fits in the budget left
+# estimated seconds per part on one H100/H200 (from an H200's start-up times and rates, less the large cells' init and
+# save) and on the CPU smoke (2 shared cores); a part is run only when its estimate fits in the budget left
 ESTIMATE_S = {"gpu": {"bert_large": 120, "bridgetower": 150, "tests": 170, "bert_1p5b": 120},
               "cpu_smoke": {"bert_large": 110, "bridgetower": 90, "tests": 45, "bert_1p5b": 95}}
 LOG_TAIL_CHARS = 4000

@@ -42,16 +42,16 @@ def _batch(preset, seq: int = 128) -> dict:
 
 def count(name: str, layers: int, setting: str) -> dict:
     """ops / syncs of the third step: total, DeepSpeed's engine.step (ZeRO + our optimizer), our optimizer alone."""
-    from bench.bert_step import _ds_config, _engine
+    from bench.bert_step import bench_ds_config, bench_engine
     from bert_ref.optim import PUBLISHED
     from bert_ref.step import step_fn
     from ds_core.rank.engine import set_seed
 
     set_seed(0)
     preset = _preset(name, layers)
-    cfg = _ds_config(1, 1, 1, "bf16")
+    cfg = bench_ds_config(1, 1, 1, "bf16")
     cfg["bf16"].update(SETTINGS[setting])
-    engine = _engine(preset, cfg, PUBLISHED[name][1].optimizer)
+    engine = bench_engine(preset, cfg, PUBLISHED[name][1].optimizer)
     batch = _batch(preset)
     for i in range(3):
         counters = {k: OpCounter(where=True) for k in ("total", "engine_step", "optimizer")}
@@ -76,7 +76,7 @@ def _counted(counter, fn, *a, **k):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--presets", default="bert_large,bert_1p5b")
     ap.add_argument("--layers", type=int, default=0, help="0: the whole model; N: extrapolate from N and 2N layers")
     ap.add_argument("--json", default="")

@@ -28,7 +28,8 @@ PATTERNS: dict[str, tuple[str, str]] = {
     # "(#26)", "PR #12"; not "##98" (a WordPiece token), "&#123;" (an HTML entity), "#fff" / "#123456" (colours),
     # a lint marker ("#", a space, "noqa") or "## Heading" (a space follows the hash)
     "hash number": (r"(?<![\w#&])#\d{2,4}\b", "a ticket or pull-request number"),
-    "lent machine": (r"\blent\b|\bloans?\b|\bdevice (?:command|time)\b",
+    # "device time" of a lease ("device time left"), not of a kernel ("the most device time")
+    "lent machine": (r"\blent\b|\bloans?\b|\bdevice command\b|\bdevice time (?:left|budget|per session)\b",
                      "that a machine was lent to the developers, and the terms of the loan"),
     "half an hour": (r"half an hour", "how long a machine was lent"),
     "session story": (r"\b(?:other|this|next|previous|earlier|later)\s+sessions?\b|\bsessions'"
