@@ -152,6 +152,9 @@ class RunArgs:
     export_dir: str = field(default="", metadata={
         "help": "after the run, write the model (ZeRO-3 partitions gathered) and tokenizer here in "
                 "save_pretrained format; empty -> no export"})
+    save_model: bool = field(default=True, metadata={
+        "help": "after training, save the model into --output_dir as run_bridgetower.py's trainer.save_model() does; "
+                "false for measurement runs that only need the numbers (a BridgeTower-Large model is 3.5 GB)"})
 
     def eval_micro_batch(self, train_micro: int) -> int:
         """The per-rank evaluation batch: --eval_micro_batch_size, else the training micro batch."""

@@ -178,14 +178,14 @@ def _announce(run: Run, model, image_size: int) -> None:
 
 
 def _export(run: Run, engine, frozen: dict, tokenizer, processor) -> None:
-    """Trainer.save_model into --output_dir after training; --export_dir as well (also without training), each with
-    what run_bridgetower.py saves beside the model (tokenizer, image-processor config)."""
+    """Trainer.save_model into --output_dir after training (unless --save_model false); --export_dir as well (also
+    without training), each with what run_bridgetower.py saves beside the model (tokenizer, image-processor config)."""
     def extras(d: Path) -> None:
         tokenizer.save_pretrained(str(d))
         processor.save_pretrained(str(d))
 
-    export_dir = run.cfg.task.export_dir
-    for out in ([run.train.run_dir] if run.data is not None else []) + ([export_dir] if export_dir else []):
+    export_dir, trained = run.cfg.task.export_dir, run.data is not None and run.cfg.task.save_model
+    for out in ([run.train.run_dir] if trained else []) + ([export_dir] if export_dir else []):
         save_model(engine, out, frozen=frozen, extras=extras)
 
 

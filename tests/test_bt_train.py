@@ -107,11 +107,13 @@ def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(capti
                           "--run_dir", str(run), "--image_pipeline", "device", "--dataloader_num_workers", "1",
                           "--missing_splits", "fractions",
                           "--deepspeed_config", str(ds_json(tmp_path, "bridgetower_zero3_bf16.json")),
-                          "--export_dir", str(export), *COMMON])
+                          "--export_dir", str(export), "--save_model", "false", *COMMON])
     recs = records(run)
     assert_loss_falls(recs)
     summary = next(r for r in recs if r["type"] == "summary")
     assert summary["zero_stage"] == 3 and summary["world_size"] == 2
+    # --save_model false: no model in the run directory (measurement runs), the export still written
+    assert not list(run.glob("*.safetensors")) and not (run / "config.json").exists()
     assert "image pipeline: device-cpu" in proc.stdout
     # evaluation under ZeRO-3: both ranks run forwards in lock-step (gathers), results gathered and deduplicated
     trained = json.loads((run / "eval_results.json").read_text())
