@@ -1,7 +1,7 @@
 """Host operations per training step: aten ops and `.item()` (host syncs) of one BERT step on one CPU rank (eager,
 micro batch 1, ZeRO-1, bf16, NVLAMB / LANS as the preset's recipe), total and inside the optimizer step, for the
 DeepSpeed settings before ("bf16": {"check_grad_overflow": true}, DeepSpeed's default) and after (false, as
-ds_configs/*_bf16.json set it). Counted by a TorchDispatchMode (bench.op_count: top-level dispatches) on the third
+ds_configs/*_bf16.json set it). Counted by a TorchDispatchMode (ds_tools.op_count: top-level dispatches) on the third
 step, after the state and the layout's index tensors exist. On a GPU each op is ~2-3 us of host launch work, so
 these counts are the host's share of the step; `.item()` is a wait for the device.
 
@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from bench.op_count import OpCounter
+from ds_tools.op_count import OpCounter
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

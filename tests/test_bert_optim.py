@@ -306,7 +306,7 @@ def test_layerwise_optimizers_refuse_bad_hyperparameters_naming_themselves():
 def _flat_step_ops(opt_cls, n_tensors: int) -> tuple[int, int]:
     """Top-level aten ops and host syncs of one step() on a flat tensor holding n_tensors parameter tensors (as
     DeepSpeed ZeRO hands it: one flat fp32 partition per group, with alignment padding between tensors)."""
-    from bench.op_count import OpCounter
+    from ds_tools.op_count import OpCounter
 
     torch.manual_seed(0)
     numels = [3 + (k % 5) for k in range(n_tensors)]

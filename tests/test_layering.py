@@ -4,7 +4,7 @@ packages; nothing but tests and bench imports them, so no training process (ds_c
 in. bench/ may import any package but no test code, and nothing imports bench to reuse its code (a test needing bench
 code means that code belongs in the library or in the test helpers). Tests of bench's own command lines
 (tests/test_cli.py, tests/test_docs.py) load its modules by name through importlib to parse their flags; that is testing
-bench, not depending on it, and is the one exception."""
+bench, not depending on it; so is tests/test_X.py importing bench/X.py, the module it tests: the two exceptions."""
 import ast
 import json
 from pathlib import Path
@@ -45,6 +45,8 @@ def test_package_imports_respect_layering(package):
     bad = []
     for f in sorted((REPO / package).rglob("*.py")):
         hits = imported_packages(f) & FORBIDDEN[package]
+        if package == "tests" and _tests_only_its_bench_module(f):
+            hits.discard("bench")  # tests/test_X.py testing bench/X.py itself is testing bench, not reusing it
         bad += [f"{f.relative_to(REPO)} imports {h}" for h in sorted(hits)]
     assert not bad, "; ".join(bad)
 
@@ -59,10 +61,18 @@ def test_bench_is_a_package_without_path_edits():
     assert not bad, "; ".join(bad)
 
 
+def _tests_only_its_bench_module(path: Path) -> bool:
+    """tests/test_X.py (or test_bench_X.py) imports bench.X and no other bench module."""
+    name = path.stem.removeprefix("test_").removeprefix("bench_")
+    return _bench_modules_imported(path) == {name}
+
+
 def _bench_modules_imported(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bench."):
+        if isinstance(node, ast.ImportFrom) and node.module == "bench":
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bench."):
             out.add(node.module.split(".")[1])
         elif isinstance(node, ast.Import):
             out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("bench."))
