@@ -88,12 +88,12 @@ def test_emulated_two_nodes_predicted_vs_measured(tmp_path):
     probe = json.loads((cell / "link_probe.json").read_text())
     assert 0 < probe["busbw_Bps"] <= 1.05 * MBIT * 1e6 / 8 and probe["alpha_all_reduce_s"] > 0, probe
 
-    # the collectives the model prices are the ones DeepSpeed issued, call for call: per optimizer step the bf16
-    # gradient all-reduce, one parameter all-gather per optimizer parameter group, and the scalar all-reduces that
-    # the 1-node run counted
+    # the collectives the model prices are the ones DeepSpeed issued, call for call: per optimizer step the gradient
+    # all-reduce (in the precision the run computed in: bf16, or fp32 on a CPU without native bf16), one parameter
+    # all-gather per optimizer parameter group, and the scalar all-reduces that the 1-node run counted
     stats = json.loads((cell / "cell_stats" / "rank0.json").read_text())
     params, comms, steps = stats["params"], stats["comms"], 12
-    grad = predict.collectives(1, "bf16", params, 1)[0]
+    grad = predict.collectives(1, read_summary(cell)["precision"], params, 1)[0]
     assert comms["all_reduce"]["sizes"][str(int(grad.nbytes))] == steps
     rows = emulated.compare(out)
     assert len(rows) == 1 and rows[0]["nodes"] == 2 and rows[0]["comm_from"] == "phase timing"

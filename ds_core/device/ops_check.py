@@ -177,15 +177,23 @@ def apply_ops_fallback(ds_config: dict, accelerator: str, problem: str | None = 
 
 
 def agreed_problem(problem: str | None) -> str | None:
-    """The first rank's problem (with its rank) when any rank has one, on every rank: ranks that step different
-    optimizers would not be one data-parallel run. Without a process group, this rank's own."""
+    """One rank's problem (with its rank) when any rank has one, on every rank: ranks that step different
+    optimizers would not be one data-parallel run. Without a process group, this rank's own.
+
+    Ranks on one node share the JIT build: one compiles while the others wait, and those then fail to import the
+    library that was never written (an ImportError that says nothing of why). The build's own error is the one worth
+    printing: the lowest rank whose problem is not such an ImportError, else the lowest rank."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return problem
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problem)
-    return next((f"rank {r}: {p}" for r, p in enumerate(everyone) if p is not None), None)
+    failed = [(r, p) for r, p in enumerate(everyone) if p is not None]
+    if not failed:
+        return None
+    r, p = min(failed, key=lambda rp: (rp[1].startswith("ImportError"), rp[0]))
+    return f"rank {r}: {p}"
 
 
 def prepare_optimizer_ops(ds_config: dict, accelerator: str, rank: int = 0,
