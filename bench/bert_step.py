@@ -25,7 +25,7 @@
    rank optimizer-state bytes (fp32 master weights + moments) and the process peak RSS.
 The last line printed is one JSON object (step_ratio, mfu, mfu_upper_bound, ...). Target: step_ratio >= 1.3.
 
-    python -m bench.bert_step [--micro_batch 4] [--grad_accum 2] [--steps 2] [--warmup 1] [--rounds 3] [--threads 1]
+    python -m bench.bert_step [--micro_batch 4] [--grad_accum 8] [--steps 2] [--warmup 1] [--rounds 3] [--threads 1]
         [--precision auto|bf16|fp32] [--dense_mlm] [--torch_dropout] [--no_malloc_tuning] [--skip_trainer]
         [--skip_bound] [--memory | --memory_only] [--memory_model debug_pre_ln] [--model debug]
 """
@@ -115,7 +115,7 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     from bert_ref.model import flops_per_sequence
     from bert_ref.step import make_step_fn
     from ds_core.config import TrainConfig
-    from ds_core.rank.engine import set_seed
+    from ds_core.rank.engine import compile_model, set_seed
     from ds_core.run.setup import LoopSettings, Run
     from ds_core.run.trainer import ModelInfo, Trainer
 
@@ -126,12 +126,13 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     engine = bench_engine(preset, ds_config, "lamb", not a.dense_mlm, not a.torch_dropout)
     preds = 0 if a.dense_mlm else preset.max_predictions_per_seq
     flops = flops_per_sequence(preset, mlm_positions=preds)
+    compiled = compile_model(engine, a.compile, dynamic=False)
     prof = _profile(a)
     cpu = _cpu_clock_at_step_end(engine, prof.step_end if prof else None)
     cfg = TrainConfig(run_dir=str(tmp / "ours_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
                       save_final_checkpoint=False, progress_bar=False, precision=dtype)
     run = Run.of(LoopSettings(cfg), _DIST, ds_config).with_data(data)  # the settings start_run would resolve
-    s = Trainer(run, engine, make_step_fn(preds), ModelInfo(preset.name, flops, preset.seq_len)).fit()
+    s = Trainer(run, engine, make_step_fn(preds, compiled), ModelInfo(preset.name, flops, preset.seq_len)).fit()
     data.close()
     head = "dense" if a.dense_mlm else f"sparse ({preds}/seq)"
     opt = engine.optimizer.optimizer
@@ -143,14 +144,14 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
             "peak_tflops": s["peak_tflops_per_accelerator"], "flops_per_seq": flops, "mlm_head": head,
             "fast_dropout": not a.torch_dropout, "cpu_samples_per_s": _cpu_rate(cpu, a),
             "samples_per_step": round(s["samples_per_s"] * s["measured_seconds"] / s["measured_steps"], 6),
-            "optimizer": type(opt).__name__,
+            "optimizer": type(opt).__name__, "compiled": compiled,
             "trust_ratio_tensors": _trust_keys(opt), "threads": _threads(),
             **({"profile": prof.summary} if prof else {})}
 
 
 def _profile(a: argparse.Namespace):
-    """bench.step_profile over --profile_steps steps ending one step before the timed window (see StepProfile)."""
-    from bench.step_profile import StepProfile
+    """ds_core.outputs.profile over --profile_steps steps ending one step before the timed window (see StepProfile)."""
+    from ds_core.outputs.profile import StepProfile
 
     return StepProfile(a.warmup - 1 - a.profile_steps, a.profile_steps) if a.profile_steps else None
 
@@ -322,7 +323,7 @@ def _run_window(a: argparse.Namespace, side: str, shards: Path, tmp: Path, dtype
     env = dict(os.environ, DS_ACCELERATOR=os.environ["DS_ACCELERATOR"], BENCH_DTYPE=dtype,
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     flags = [f"--{k}={getattr(a, k)}" for k in ("micro_batch", "grad_accum", "steps", "warmup", "threads",
-                                                   "model", "profile_steps")]
+                                                   "model", "profile_steps", "compile")]
     flags += [f for f in ("--dense_mlm", "--torch_dropout") if getattr(a, f[2:])]
     cmd = [sys.executable, "-m", "bench.bert_step", "--side", side, "--shards", str(shards), "--out", str(out),
            *flags]
@@ -355,7 +356,8 @@ def summarize(rounds: list[dict], skip_trainer: bool = False) -> dict:
     import statistics
 
     ours = [w["ours"] for w in rounds]
-    res = {k: ours[-1][k] for k in ("flops_per_seq", "mlm_head", "fast_dropout", "peak_tflops")}
+    res = {k: ours[-1].get(k) for k in ("flops_per_seq", "mlm_head", "fast_dropout", "peak_tflops")}
+    res["ours_compiled"] = ours[-1].get("compiled", False)  # windows kept before --compile existed: eager
     res["ours_samples_per_s"] = statistics.median(w["samples_per_s"] for w in ours)
     res["ours_samples_per_s_windows"] = [w["samples_per_s"] for w in ours]
     mfus = [w["mfu"] for w in ours if w["mfu"] is not None]
@@ -480,10 +482,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
     ap.add_argument("--micro_batch", type=int, default=4)
-    ap.add_argument("--grad_accum", type=int, default=2)
+    ap.add_argument("--grad_accum", type=int, default=8,
+                    help="micro batches per optimizer step: 8, the fewest NVIDIA's phase-1 recipe runs per GPU (256 x "
+                         "32 on 8 GPUs), so the optimizer is amortised as there; 1 shows the optimizer's share")
+    ap.add_argument("--compile", default="off", choices=("off", "on"),
+                    help="our side's model and losses through torch.compile as `--compile on` runs them "
+                         "(ds_core.rank.engine.compile_model); the Trainer stays eager")
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps per window (after --warmup)")
     ap.add_argument("--profile_steps", type=int, default=0,
-                    help="torch.profiler over this many warm-up steps of each side (bench.step_profile: aten ops, "
+                    help="torch.profiler over this many warm-up steps of each side (ds_core.outputs.profile: aten ops, "
                          "syncs, top kernels, device idle share); needs --warmup >= profile_steps + 2")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of one window per side (ABBA order); step_ratio is the median over rounds")

@@ -79,15 +79,17 @@ def reference_images(transform: str, size: int):
 
 
 def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: int, out: str, preset: str = "debug",
-                 image_size: int = 0, bf16: bool = False, transform: str = "processor") -> None:
+                 image_size: int = 0, bf16: bool = False, transform: str = "processor", profile_steps: int = 0) -> None:
     """Plain transformers Trainer + a per-sample image transform (runs in its own process). The defaults are this
     bench's CPU case; bench.gpu_check passes the BridgeTower-Large preset, 294 px, bf16 and run_bridgetower.py's
-    transform, and then the Trainer runs on the GPU when one is visible."""
+    transform, and then the Trainer runs on the GPU when one is visible. profile_steps: ds_core.outputs.profile over
+    that many warm-up steps (as a run's --profile_steps profiles ours)."""
     import torch
     from transformers import BridgeTowerForContrastiveLearning, Trainer, TrainerCallback, TrainingArguments
 
     from bridgetower_ds.configs import preset as bt_preset
     from bridgetower_ds.tokenizer import debug_tokenizer
+    from ds_core.outputs.profile import StepProfile
 
     rows = [json.loads(line) for line in Path(manifest).read_text().splitlines() if line.strip()]
     cfg = bt_preset(preset)
@@ -113,10 +115,13 @@ def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: in
         return batch_
 
     times: list[float] = []
+    prof = StepProfile(warmup - 1 - profile_steps, profile_steps) if profile_steps else None
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter())
+            if prof is not None:
+                prof.step_end()
 
     torch.manual_seed(0)
     model = BridgeTowerForContrastiveLearning(cfg)
@@ -133,7 +138,8 @@ def run_baseline(manifest: str, steps: int, warmup: int, batch: int, workers: in
     n_steps = len(times) - warmup if warmup else len(times) - 1
     Path(out).write_text(json.dumps({"samples_per_s": n_steps * batch / measured, "steps": n_steps,
                                      "seconds": measured, "transform": transform, "bf16": bf16,
-                                     "world_size": args.world_size, "device": str(args.device)}))
+                                     "world_size": args.world_size, "device": str(args.device),
+                                     "profile": prof.summary if prof else None}))
 
 
 # ------------------------------------------------------------------------------------------------- ours
@@ -219,10 +225,11 @@ def main(argv=None) -> None:
     ap.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--transform", choices=("processor", "run_bridgetower"), default="processor",
                     help=argparse.SUPPRESS)
+    ap.add_argument("--profile_steps", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.baseline:
         run_baseline(a.manifest, a.steps, a.warmup, a.batch, a.workers, a.out, a.preset, a.image_size, a.bf16,
-                     a.transform)
+                     a.transform, a.profile_steps)
         return
     print(json.dumps(bench_e2e(a.image_dir, a.steps, a.warmup, a.batch, a.workers, rounds=a.rounds)))
 

@@ -9,10 +9,12 @@ every measurement, so a killed call keeps what it had:
 
   bert_large   BERT-Large phase 1 (seq 128, bf16, ZeRO-1, NVLAMB) at micro batch 64, or 32 / 16 when 64 does not
                fit: bench.bert_step, ours and transformers Trainer on the same model, data and optimizer, at
-               accumulation 8 (the recipe's per-GPU step, the optimizer amortised) and 1 (the optimizer's share).
+               accumulation 8 (the recipe's per-GPU step, the optimizer amortised), ours compiled (`--compile on`)
+               at 8, and both at 1 (the optimizer's share); each window profiled over 2 warm-up steps.
   bridgetower  BridgeTower-Large architecture (random init, 294 px, bf16, ZeRO-1, batch 48) through
                `python -m bridgetower_ds.train` with the device and the host image pipeline at 2 dataloader workers
-               (the published best), and the plain transformers Trainer baseline (bench.bt_e2e's baseline process).
+               (the published best), and the plain transformers Trainer baseline (bench.bt_e2e's baseline process);
+               each profiled over 2 warm-up steps (--profile_steps).
   tests        `pytest -m gpu tests`: the CUDA tests; passed / skipped / failed and the reasons.
   bert_1p5b    BERT-1.5B: the largest micro batch that trains with ZeRO-1 and with ZeRO-3 on one GPU (doubling /
                halving from ds-tune's prediction until the edge is found), next to ds-tune's prediction.
@@ -43,7 +45,7 @@ from bench.common import REPO, bench_env, photo_like
 PARTS = ("bert_large", "bridgetower", "tests", "bert_1p5b")  # most valuable first: the plan's order
 # estimated seconds per part on one H100/H200 (from an H200's start-up times and rates, less the large cells' init and
 # save) and on the CPU smoke (2 shared cores); a part is run only when its estimate fits in the budget left
-ESTIMATE_S = {"gpu": {"bert_large": 120, "bridgetower": 150, "tests": 170, "bert_1p5b": 120},
+ESTIMATE_S = {"gpu": {"bert_large": 200, "bridgetower": 150, "tests": 170, "bert_1p5b": 120},
               "cpu_smoke": {"bert_large": 110, "bridgetower": 90, "tests": 45, "bert_1p5b": 95}}
 LOG_TAIL_CHARS = 4000
 MAX_RESULT_BYTES = 16 * 2**20
@@ -191,9 +193,10 @@ def part_tests(ctx: Ctx) -> dict:
 
 
 def part_bert_large(ctx: Ctx) -> dict:
-    """bench.bert_step on the whole BERT-Large (GPU) / the debug preset (smoke): ours and the Trainer, at the recipe's
-    accumulation per GPU (8 micro batches per optimizer step: the optimizer amortised as NVIDIA's is) and at 1 (the
-    optimizer's share of a step is the difference)."""
+    """bench.bert_step on the whole BERT-Large (GPU) / the debug preset (smoke): ours and the Trainer at the recipe's
+    accumulation per GPU (8 micro batches per optimizer step: the optimizer amortised as NVIDIA's is), ours compiled
+    (`--compile on`) at the same accumulation (what decides whether compile turns on by default on CUDA), then ours and
+    the Trainer at accumulation 1 (the optimizer's share of a step is the difference)."""
     if ctx.smoke:
         # fp32: transformers' TrainingArguments refuses bf16 without a GPU (and CI's CPUs may lack native bf16)
         tries, accums, common = [2], (2, 1), ["--model", "debug", "--steps", "2", "--warmup", "4", "--threads", "1",
@@ -201,17 +204,33 @@ def part_bert_large(ctx: Ctx) -> dict:
     else:
         tries, accums, common = [64, 32, 16], (8, 1), ["--model", "bert_large", "--steps", "6", "--warmup", "5",
                                                        "--threads", "0", "--precision", "bf16", "--profile_steps", "2"]
+    cells = [(f"accum{accums[0]}", accums[0], []),
+             (f"accum{accums[0]}_compiled", accums[0], ["--compile", "on", "--skip_trainer"]),
+             (f"accum{accums[1]}", accums[1], [])]
     res: dict[str, Any] = {}
-    for accum in accums:
-        res[f"accum{accum}"] = _bert_large_at(ctx, tries, common, accum)
+    for name, accum, extra in cells:
+        if ctx.smoke and "--compile" in extra:
+            # inductor's compile of even the debug model takes minutes on 2 CPU cores: tests/test_bert_compile.py
+            # covers --compile there, and this cell's bench wiring is the same flag bench.bert_step passes through
+            res[name] = {"skipped": "cpu smoke: no compile"}
+            continue
+        try:
+            res[name] = _bert_large_at(ctx, tries, [*common, *extra], accum)
+        except PartFailed as e:
+            if not extra:
+                raise
+            res[name] = {"error": str(e)[-2000:]}  # the compiled cell failing is a finding; the eager cells go on
         ctx.progress(res)
-        tries = [res[f"accum{accum}"]["micro_batch"]]  # the micro batch that fitted; accumulation adds no memory
+        tries = [res[name].get("micro_batch") or tries[0]]  # the micro batch that fitted; accumulation adds none
+    eager, compiled = res[cells[0][0]], res[cells[1][0]]
+    if compiled.get("ours_samples_per_s"):
+        res["compiled_over_eager"] = compiled["ours_samples_per_s"] / eager["ours_samples_per_s"]
     return res
 
 
 def _bert_large_at(ctx: Ctx, tries: list[int], common: list[str], accum: int) -> dict:
     for micro in tries:
-        rc, out = ctx.run(f"bert_large_micro{micro}_accum{accum}", [
+        rc, out = ctx.run(f"bert_large_micro{micro}_accum{accum}{'_compiled' if '--compile' in common else ''}", [
             sys.executable, "-m", "bench.bert_step", "--micro_batch", str(micro), "--grad_accum", str(accum),
             "--rounds", "1", "--skip_bound", *common])
         if rc and OOM.search(out) and micro != tries[-1]:
@@ -219,11 +238,13 @@ def _bert_large_at(ctx: Ctx, tries: list[int], common: list[str], accum: int) ->
         _check(rc, out, f"bench.bert_step micro {micro} accumulation {accum}")
         r = _last_json(out)
         keep = ("precision", "micro_batch", "grad_accum", "ours_samples_per_s", "mfu", "peak_tflops",
-                "flops_per_seq", "trainer_samples_per_s", "step_ratio", "both_optimizer", "mlm_head")
+                "flops_per_seq", "trainer_samples_per_s", "step_ratio", "both_optimizer", "mlm_head", "ours_compiled")
         res = {k: r.get(k) for k in keep}
         res["ours_tflops"] = res["ours_samples_per_s"] * r["flops_per_seq"] / 1e12
+        if res["trainer_samples_per_s"] and res["peak_tflops"]:  # the same FLOPs count: the same model and MLM work
+            res["trainer_mfu"] = res["trainer_samples_per_s"] * r["flops_per_seq"] / 1e12 / res["peak_tflops"]
         res["oom_tried"] = [m for m in tries if m > micro]
-        first = r.get("windows", [{}])[0]  # where the time went: bench.step_profile of each side's first window
+        first = r.get("windows", [{}])[0]  # where the time went: ds_core.outputs.profile of each side's first window
         res["profile"] = {side: first.get(side, {}).get("profile") for side in ("ours", "trainer")}
         if res["mfu"] is not None and not 0 < res["mfu"] <= 1:
             raise PartFailed(f"MFU {res['mfu']} outside (0, 1]: FLOPs count or peak is wrong ({res})")
@@ -246,11 +267,11 @@ def part_bridgetower(ctx: Ctx) -> dict:
     from bench.bt_e2e import MAX_SEQ, make_manifest
 
     if ctx.smoke:
-        n, batch, steps, warmup, grid = 24, 4, 2, 1, [("host", 0), ("device", 1)]
+        n, batch, steps, warmup, grid = 24, 4, 2, 3, [("host", 0), ("device", 1)]
         model, base_flags = ["--preset", "debug"], []
     else:
         # 2 workers: the published best; device first (the faster pipeline is the number that matters most)
-        n, batch, steps, warmup, grid = 300, 48, 8, 3, [("device", 2), ("host", 2)]
+        n, batch, steps, warmup, grid = 300, 48, 8, 4, [("device", 2), ("host", 2)]
         model = ["--preset", "bridgetower_large", "--image_size", "294", "--tokenizer_name_or_path",
                  str(_tokenizer_dir(ctx)), "--bf16"]
         # run_bridgetower.py's own torchvision transform (needs torchvision, which a CUDA image has)
@@ -269,7 +290,8 @@ def part_bridgetower(ctx: Ctx) -> dict:
             sys.executable, "-m", "bridgetower_ds.train", "--do_train", *model, "--dataset_path", str(manifest),
             "--validation_fraction", "0", "--test_fraction", "0", "--deepspeed_config", str(ds_path),
             "--run_dir", str(run_dir), "--overwrite_run_dir", "true", "--max_steps", str(steps + warmup),
-            "--throughput_warmup_steps", str(warmup), "--micro_batch_size", str(batch),
+            "--throughput_warmup_steps", str(warmup), "--profile_steps", str(warmup - 2),
+            "--micro_batch_size", str(batch),
             "--dataloader_num_workers", str(workers), "--max_seq_length", str(MAX_SEQ), "--pad_to_max_length", "true",
             "--image_pipeline", pipeline, "--save_final_checkpoint", "false", "--save_model", "false",
             "--progress_bar", "false"])
@@ -282,17 +304,23 @@ def part_bridgetower(ctx: Ctx) -> dict:
         s = _summary(run_dir)
         taken = re.search(r"image pipeline: (\S+)", out)
         table[f"{pipeline}_w{workers}"] = {"samples_per_s": s["samples_per_s"], "mfu": s.get("mfu"),
-                                          "pipeline_taken": taken.group(1) if taken else None}
+                                          "pipeline_taken": taken.group(1) if taken else None,
+                                          "profile": s.get("profile")}
         ctx.progress({"samples_per_s": table})
     base_out = ctx.work / "bt_baseline.json"
     rc, out = ctx.run("bt_trainer_baseline", [
         sys.executable, "-m", "bench.bt_e2e", "--baseline", "--manifest", str(manifest), "--out", str(base_out),
         f"--steps={steps}", f"--warmup={warmup}", f"--batch={batch}", f"--workers={max(w for _, w in grid)}",
-        *base_flags])  # plain Trainer (DDP, bf16), as the published A100 baseline ran
-    base = json.loads(base_out.read_text())["samples_per_s"] if rc == 0 and base_out.exists() else None
+        f"--profile_steps={warmup - 2}", *base_flags])  # plain Trainer (DDP, bf16), as the published A100 baseline ran
+    base_rec = json.loads(base_out.read_text()) if rc == 0 and base_out.exists() else {}
+    base = base_rec.get("samples_per_s")
     rates = [v["samples_per_s"] for v in table.values() if "samples_per_s" in v]
+    # the baseline's MFU from ours: the same model and batch, so the same FLOPs per sample (ours' MFU / ours' rate)
+    per_sample = [v["mfu"] / v["samples_per_s"] for v in table.values() if v.get("mfu")]
     res = {"batch": batch, "images": n, "steps": steps, "warmup": warmup, "samples_per_s": table,
            "trainer_baseline_samples_per_s": base,
+           "trainer_baseline_mfu": base * per_sample[0] if base and per_sample else None,
+           "trainer_baseline_profile": base_rec.get("profile"),
            "best_over_baseline": max(rates) / base if rates and base else None}
     failed = [k for k, v in table.items() if "error" in v]
     if base is None:

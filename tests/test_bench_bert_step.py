@@ -60,9 +60,9 @@ def test_bench_runs_both_sides_with_the_same_optimizer_step(tmp_path):
     must step our NVLAMB with per-tensor trust ratios (transformers' deepspeed_init drops optimizers=(opt, None) and
     builds AdamW: the bench once compared against that), on as many samples per step as ours."""
     env = dict(os.environ, DS_CORE_PEAK_TFLOPS="1.0", PYTHONPATH=str(REPO))  # no CPU peak probe: not measured here
-    proc = subprocess.run([sys.executable, "-m", "bench.bert_step", "--model", "debug", "--rounds", "1", "--steps", "1",
-                           "--skip_bound"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "bench.bert_step", "--model", "debug", "--rounds", "1",
+                           "--steps", "1", "--grad_accum", "2", "--skip_bound"], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     import torch

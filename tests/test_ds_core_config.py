@@ -115,6 +115,15 @@ def test_bad_value_is_named():
         parse_args([TrainConfig], ["--zero_stage", "5"])
 
 
+def test_profile_window_must_fit_in_the_warm_up():
+    """--profile_steps N profiles warm-up steps with one untimed step after them: N + 2 <= the warm-up."""
+    (cfg,) = parse_args([TrainConfig], ["--profile_steps", "2", "--throughput_warmup_steps", "4"])
+    assert cfg.profile_steps == 2
+    for bad in (["--profile_steps", "2"], ["--profile_steps", "-1"]):  # default warm-up 3; a negative count
+        with pytest.raises(ConfigError, match=r"TrainConfig.profile_steps = -?\d+: expected 0, or at most"):
+            parse_args([TrainConfig], bad)
+
+
 # --- DeepSpeed values refused before training, fp32 gradient accumulation, one default JSON per model package ---
 
 def _ds(**extra) -> dict:

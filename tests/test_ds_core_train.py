@@ -43,8 +43,11 @@ def test_tiny_model_trains_with_each_zero_stage(tmp_path, stage):
     # ZeRO-2 also checks that metrics reach DeepSpeed's monitor when the JSON enables one.
     monitor = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "tiny"}} \
         if stage == 2 else {}
+    # ZeRO-1 also profiles the last 2 of its 4 warm-up steps (--profile_steps): the summary says where a step went
+    profile = ["--profile_steps", "2", "--throughput_warmup_steps", "4"] if stage == 1 else []
     run_deepspeed([SCRIPT, "--run_dir", str(run), "--deepspeed_config", ds_json(tmp_path, stage, accum=2, **monitor),
-                   "--max_steps", "30", "--progress_bar", "false", "--save_final_checkpoint", "false", *extra])
+                   "--max_steps", "30", "--progress_bar", "false", "--save_final_checkpoint", "false", *extra,
+                   *profile])
     ls = losses(run)
     first, last = sum(ls[s] for s in (1, 2, 3)) / 3, sum(ls[s] for s in (28, 29, 30)) / 3
     assert last < first - 0.05, f"ZeRO-{stage}: loss did not fall: {ls}"
@@ -52,6 +55,12 @@ def test_tiny_model_trains_with_each_zero_stage(tmp_path, stage):
     assert summary["zero_stage"] == stage and summary["world_size"] == 2 and summary["grad_accum"] == 2
     for f in SUMMARY_FIELDS:
         assert summary[f] is not None, f
+    if stage == 1:
+        prof = summary["profile"]
+        assert prof["profiled_steps"] == 2 and prof["aten_ops_per_step"] > 0 and prof["device_idle_share"] is None
+        assert any(name.startswith("aten::") for name, _ in prof["top10_us_per_step"]), prof
+    else:
+        assert "profile" not in summary
     if stage == 2:
         csvs = {p.name for p in (tmp_path / "csv").rglob("*.csv")}
         # Trainer's tags (train/loss, train/learning_rate): DeepSpeed's csv monitor writes train_loss.csv

@@ -81,9 +81,13 @@ def test_cpu_smoke_runs_every_part_and_reports_one_json_line(tmp_path):
         for side in ("ours", "trainer"):  # where the time went, from CPU events here
             prof = b["profile"][side]
             assert prof["aten_ops_per_step"] > 0 and len(prof["top10_us_per_step"]) == 10, prof
+    assert parts["bert_large"]["accum2_compiled"] == {"skipped": "cpu smoke: no compile"}
     bt = parts["bridgetower"]
     assert {v["pipeline_taken"] for v in bt["samples_per_s"].values()} == {"host", "device-cpu"}
     assert bt["trainer_baseline_samples_per_s"] > 0
+    # where BridgeTower's step went, ours (a run's --profile_steps) and the Trainer's, from CPU events here
+    for prof in [v["profile"] for v in bt["samples_per_s"].values()] + [bt["trainer_baseline_profile"]]:
+        assert prof["profiled_steps"] == 1 and prof["aten_ops_per_step"] > 0 and prof["top10_us_per_step"], prof
     for stage in ("zero1", "zero3"):
         z = parts["bert_1p5b"][stage]
         assert z["ds_tune_predicted_micro"] > 0 and z["largest_fit_micro"] >= 1

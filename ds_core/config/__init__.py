@@ -78,6 +78,10 @@ class TrainConfig:
     eval_every: int = arg("Run the eval hook every N optimizer steps; 0 runs it once at the end.", default=0)
     throughput_warmup_steps: int = arg("Optimizer steps excluded from throughput (compilation, caches).",
                                          default=3)
+    profile_steps: int = arg("torch.profiler over the last N warm-up steps before the throughput window (one untimed "
+                             "step after them): aten ops and host syncs per step, the 10 kernels with the most "
+                             "device time, the device's idle share, in that step's metrics record under \"profile\" "
+                             "(ds_core.outputs.profile); needs throughput_warmup_steps >= N + 2. 0: off.", default=0)
     phase_timing_every: int = arg("Time the phases of every N-th optimizer step (data, forward, backward, exposed "
                                   "communication, optimizer step, wait for the slowest rank: ds_core.outputs.phases); "
                                   "0 turns it off.", default=10)
@@ -106,6 +110,9 @@ class TrainConfig:
             ("loss_spike_factor", self.loss_spike_factor == 0 or self.loss_spike_factor > 1, "0 (off) or > 1"),
             ("eval_every", self.eval_every >= 0, ">= 0"),
             ("throughput_warmup_steps", self.throughput_warmup_steps >= 0, ">= 0"),
+            ("profile_steps", self.profile_steps == 0 or 0 < self.profile_steps <= self.throughput_warmup_steps - 2,
+             f"0, or at most throughput_warmup_steps - 2 ({self.throughput_warmup_steps - 2}): the profiled steps and "
+             "one untimed step after them come out of the warm-up"),
             ("micro_batch_size", self.micro_batch_size >= 0, ">= 0"),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps >= 0, ">= 0"),
             ("zero_stage", self.zero_stage in (-1, 0, 1, 2, 3), "one of -1, 0, 1, 2, 3"),

@@ -54,6 +54,24 @@ class Callback:
         files of the model's own beside the checkpoint's (e.g. transformers' trainer_state.json)."""
 
 
+class ProfileSteps(Callback):
+    """TrainConfig.profile_steps: torch.profiler (ds_core.outputs.profile.StepProfile) over the last N warm-up steps,
+    ending one step before the throughput window opens (turning the profiler off must not land in a timed step); the
+    Trainer puts `summary` into the run's summary record under "profile"."""
+
+    def __init__(self, steps: int, warmup: int):
+        from ds_core.outputs.profile import StepProfile
+
+        self.prof = StepProfile(warmup - 1 - steps, steps)
+
+    @property
+    def summary(self) -> dict | None:
+        return self.prof.summary
+
+    def on_step_end(self, step: int, logs: dict) -> None:
+        self.prof.step_end()
+
+
 class Checkpointing:
     """Save (every `every` optimizer steps: cfg.num_steps_per_checkpoint unless the model decides it, e.g. at each
     epoch's end; 0: none), resume (same or another data-parallel size: the run's ResizePlan, decided once by

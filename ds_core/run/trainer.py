@@ -32,7 +32,7 @@ from ds_core.outputs.metrics import (
 from ds_core.outputs.phases import PhaseTimer, console_line, record_fields, summary_fields
 from ds_core.outputs.results import save_metrics
 from ds_core.rank.engine import shutdown_distributed
-from ds_core.run.components import Callback, Checkpointing, EvalTask, Evaluation, ModelInfo, Position
+from ds_core.run.components import Callback, Checkpointing, EvalTask, Evaluation, ModelInfo, Position, ProfileSteps
 from ds_core.run.divergence import DivergenceGuard
 from ds_core.run.loop import EXIT_STOPPED, Step, StepFn, StepResult, StopRequest, TrainingDiverged, reduce_summary_stats
 from ds_core.run.setup import Run
@@ -64,6 +64,9 @@ class Trainer:
         self.evaluation = evaluation or Evaluation()
         self.checkpoints = checkpoints or Checkpointing(run, engine)
         self.callbacks = list(callbacks)
+        self.profile = ProfileSteps(self.cfg.profile_steps, self.cfg.throughput_warmup_steps) \
+            if self.cfg.profile_steps else None
+        self.callbacks += [self.profile] if self.profile else []
         self.clock = clock or time.perf_counter
 
     # -- the run -----------------------------------------------------------------------------------------------
@@ -303,6 +306,8 @@ class Trainer:
         extra = reduce_summary_stats(dict(stats, peak_memory_gb_per_rank=[peak_memory_bytes(dist.accelerator) / 2**30]),
                                      dist.world_size, frozenset(getattr(data, "shared_summary_stats", ())))
         extra["peak_memory_kind"] = "process peak RSS" if dist.accelerator == "cpu" else "allocator peak"
+        if self.profile is not None and self.profile.summary is not None:
+            extra["profile"] = self.profile.summary  # this rank's (rank 0 writes the summary record)
         if stopped:
             extra = dict(extra, stopped=stopped, exit_status=EXIT_STOPPED)
         return extra

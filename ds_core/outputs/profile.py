@@ -1,11 +1,12 @@
 """Where a training step's time goes: torch.profiler over a few optimizer steps, summarised per step.
 
-Used by bench.bert_step (`--profile_steps N`) for our step and the Trainer's alike, so bench.gpu_check can say per
-model: aten ops and host syncs per step (cudaStreamSynchronize, cudaDeviceSynchronize, `.item()`), the 10 kernels
-that take the most device time, and the share of the profiled wall time the device was idle (1 - summed kernel time /
-wall time; kernels on several streams can overlap, so this is a lower bound of the idle share). On a CPU the same
-code runs with CPU events only: the "kernels" are then the aten ops with the most self CPU time and the idle share
-is None (there is no device to be idle).
+A run's `--profile_steps N` (TrainConfig.profile_steps: the N warm-up steps before the throughput window, the summary
+in the run's summary record under "profile") and the benches' Trainer baselines use it alike, so bench.gpu_check can
+say per model: aten ops and host syncs per step (cudaStreamSynchronize, cudaDeviceSynchronize, `.item()`), the 10
+kernels that take the most device time, and the share of the profiled wall time the device was idle (1 - summed
+kernel time / wall time; kernels on several streams can overlap, so this is a lower bound of the idle share). On a
+CPU the same code runs with CPU events only: the "kernels" are then the aten ops with the most self CPU time and the
+idle share is None (there is no device to be idle).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""bench.step_profile on the CPU: the profiled window is the steps asked for, and the per-step counts are exact
+"""ds_core.outputs.profile on the CPU: the profiled window is the steps asked for, and the per-step counts are exact
 (aten ops and `.item()` syncs counted from the profiler's events, no timing asserted)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.step_profile import StepProfile
+from ds_core.outputs.profile import StepProfile
 
 
 def _step(w: torch.Tensor, items: int) -> None:
