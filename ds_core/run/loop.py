@@ -149,11 +149,11 @@ class PendingStep:
     """One optimizer step's reduced values on their way to the host. On an accelerator the vector is copied into
     pinned host memory behind an event (non_blocking): read() waits for that step's work only, so the loop reads
     step k while step k+1 is already queued and the device never idles for a read. On the CPU the vector is the
-    host's already. The trainer fills step, epoch, logs (its step-time fields) before reading."""
+    host's already. The trainer fills step, epoch, logs (its step-time record fields), extra (callbacks' keys)."""
 
     def __init__(self, vec: torch.Tensor, keys: list[str], lr: float | None, skipped: bool, has_norm: bool):
         self.keys, self.lr, self.skipped, self.has_norm = keys, lr, skipped, has_norm
-        self.step, self.epoch, self.logs = 0, 0, {}
+        self.step, self.epoch, self.logs, self.extra = 0, 0, {}, {}
         self._event = None
         if vec.device.type == "cpu":
             self._host = vec
