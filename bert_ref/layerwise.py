@@ -107,9 +107,15 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
     """Shared machinery: per-tensor sums of squares over segments, all-reduced when the layout is partitioned.
 
     max_grad_norm > 0: the gradients are first divided by max(1, ||g||_global / max_grad_norm) (FusedLAMB's and
-    Habana's pre-normalization). Under a partitioned ZeRO layout this global norm would need the other ranks'
-    gradients; there DeepSpeed's `gradient_clipping` does the same division (within its 1e-6 guard) before step()
-    is called, and attach_zero_layout() insists that the two thresholds agree."""
+    Habana's pre-normalization), on the device: apex's FusedLAMB computes the global norm with multi_tensor_l2norm
+    and divides inside its kernel, with no host sync. Under a partitioned ZeRO layout the global norm is the one
+    DeepSpeed's wrapper has just computed over every rank's partition (its _global_grad_norm, a device tensor set
+    before it calls step(): ZeRO-1/2 and ZeRO-3 call step() once per parameter group or sub-group, so no call sees
+    every gradient, and DeepSpeed computes that norm whatever its clipping setting). When the DeepSpeed JSON sets
+    `gradient_clipping` to the same threshold, DeepSpeed divides first (within its 1e-6 guard) and the optimizer
+    leaves the gradients alone; with `gradient_clipping` 0 the optimizer clips, and DeepSpeed's clip, which reads
+    the norm on the host (two `.item()` per step in ZeRO-1/2, one in bf16 ZeRO-1's BF16_Optimizer), is gone.
+    attach_zero_layout() decides which of the two clips."""
 
     def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  max_grad_norm: float, adjust_step: bool):
@@ -123,10 +129,14 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
         self._layouts: dict[int, FlatLayout] = {}
         self._group = None
         self._partitioned = False
+        self._clip_here = True  # False where DeepSpeed's gradient_clipping already divided (attach_zero_layout)
+        self._global_norm: Any = None  # () -> the DeepSpeed wrapper's global gradient norm of this step
         self._idx_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def attach(self, layouts: dict[int, FlatLayout], process_group: Any, partitioned: bool) -> None:
+    def attach(self, layouts: dict[int, FlatLayout], process_group: Any, partitioned: bool,
+               clip_here: bool = True, global_norm: Any = None) -> None:
         self._layouts, self._group, self._partitioned = layouts, process_group, partitioned
+        self._clip_here, self._global_norm = clip_here, global_norm
 
     def _layout(self, p: torch.Tensor) -> FlatLayout:
         lay = self._layouts.get(id(p))
@@ -152,10 +162,10 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
             return loss
         items = self._params()
         n = sum(lay.n_keys for _, _, lay, _ in items)
-        self._update(items, self._global_clip(), n, items[0][1] if items else None)
+        self._update(items, n, items[0][1] if items else None)
         return loss
 
-    def _update(self, items: list, clip, n: int, dev) -> None:
+    def _update(self, items: list, n: int, dev) -> None:
         raise NotImplementedError
 
     def _is_init_step(self) -> bool:
@@ -218,15 +228,20 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
             dist.all_reduce(out, group=self._group, log_name="layerwise_norms_all_reduce")
         return out
 
-    def _global_clip(self) -> float | torch.Tensor:
-        """Divisor of the gradients for the global pre-normalization (1.0 when disabled or done by DeepSpeed; else
-        a 0-d tensor on the device: max(1, ||g|| / max_grad_norm), no host sync)."""
-        if self.max_grad_norm <= 0 or self._partitioned:
+    def _global_clip(self, items: list) -> float | torch.Tensor:
+        """Divisor of the gradients for the global pre-normalization: 1.0 when disabled or done by DeepSpeed; else a
+        0-d tensor on the device, max(1, ||g|| / max_grad_norm), no host sync."""
+        if self.max_grad_norm <= 0 or not self._clip_here or not items:
             return 1.0
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return 1.0
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+        if self._partitioned:
+            norm = self._global_norm() if self._global_norm is not None else None
+            if not isinstance(norm, torch.Tensor):
+                raise RuntimeError(f"{type(self).__name__}: the DeepSpeed wrapper left no global gradient norm "
+                                   f"({norm!r}) to clip by; keep zero_optimization.compute_grad_norm on, or set "
+                                   f"gradient_clipping to max_grad_norm {self.max_grad_norm} in the DeepSpeed JSON")
+        else:  # the model's own tensors: apex's multi_tensor_l2norm
+            grads = [p.grad for _, p, _, _ in items]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
         return torch.clamp(norm / self.max_grad_norm, min=1.0)
 
     def _params(self) -> list[tuple[dict, torch.Tensor, FlatLayout, int]]:
@@ -273,7 +288,8 @@ class NVLAMB(_TensorwiseOptimizer):
         super().__init__(params, lr, betas, eps, weight_decay, max_grad_norm, adjust_step)
         self.use_nvlamb = use_nvlamb
 
-    def _update(self, items: list, clip, n: int, dev) -> None:
+    def _update(self, items: list, n: int, dev) -> None:
+        clip = self._global_clip(items)
         for group, p, lay, off in items:
             b1, b2 = group["betas"]
             st = self._state(p)
@@ -307,7 +323,8 @@ class NVLAMB(_TensorwiseOptimizer):
 class LANS(_TensorwiseOptimizer):
     """LANS as Habana's deepspeed-bert ships it (Model-References PyTorch/nlp/DeepSpeedExamples/deepspeed-bert/lans.py;
     Zheng et al. 2020, arXiv:2006.13484, Algorithm 2). Per tensor, with c the global clip divisor (max_grad_norm > 0
-    only; Habana's run_pretraining passes 0 and clips through DeepSpeed's gradient_clipping instead):
+    only; Habana's run_pretraining passes 0 and clips through DeepSpeed's gradient_clipping 1.0 instead, the same
+    division by max(1, ||g|| / 1.0) within DeepSpeed's 1e-6 guard):
         g = g / c;  g~ = g / (||g|| + eps) (g itself where ||g|| = 0)
         m = b1 m + (1 - b1) g~;  v = b2 v + (1 - b2) g~^2;  d = sqrt(v / (1 - b2^t)) + eps
         r = (m / (1 - b1^t)) / d + wd w;  c = g~ / d + wd w
@@ -318,8 +335,9 @@ class LANS(_TensorwiseOptimizer):
                  eps: float = 1e-6, weight_decay: float = 0.01, max_grad_norm: float = 0.0, adjust_step: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, max_grad_norm, adjust_step)
 
-    def _update(self, items: list, clip, n: int, dev) -> None:
+    def _update(self, items: list, n: int, dev) -> None:
         bc: dict[int, tuple[float, float]] = {}  # bias corrections of this step, per tensor
+        clip = self._global_clip(items)
         # all-reduce 1: per-tensor ||g||^2 and ||w||^2 (g~ needs ||g|| before the moments move)
         sq = self._sq_norms([(p.grad.view(-1), lay, off) for _, p, lay, off in items]
                             + [(p.view(-1), lay, n + off) for _, p, lay, off in items], 2 * n, dev)
@@ -365,20 +383,24 @@ class LANS(_TensorwiseOptimizer):
 
 def attach_zero_layout(engine: Any, optimizer: torch.optim.Optimizer) -> None:
     """After deepspeed.initialize: give a NVLAMB / LANS optimizer the partition layout of the engine's ZeRO / bf16
-    wrapper, so that its trust ratios are per parameter tensor. No-op for other optimizers. Raises ConfigError where
-    the optimizer's global gradient pre-normalization cannot be done (partitioned, DeepSpeed gradient_clipping not
-    the same threshold)."""
+    wrapper, so that its trust ratios are per parameter tensor, and decide who does the global gradient clip: the
+    optimizer (on the device, across ranks) where the DeepSpeed JSON's gradient_clipping is 0, DeepSpeed where it
+    equals max_grad_norm (the optimizer's would then divide by 1). No-op for other optimizers. Raises ConfigError
+    where both are set to different thresholds (the gradients would be clipped twice, at two norms)."""
     if not isinstance(optimizer, _TensorwiseOptimizer):
         return
     layouts, group = zero_layouts(engine.optimizer)
     partitioned = group is not None
     clip = float(engine.gradient_clipping() or 0.0)
-    if partitioned and optimizer.max_grad_norm > 0 and clip != optimizer.max_grad_norm:
-        raise ConfigError(f"{type(optimizer).__name__} pre-normalizes gradients by their global norm (max_grad_norm "
-                          f"{optimizer.max_grad_norm}); under ZeRO stage {engine.zero_optimization_stage()} or bf16 "
-                          f"DeepSpeed does it: set \"gradient_clipping\": {optimizer.max_grad_norm} in the DeepSpeed "
-                          f"JSON (it is {clip})")
-    optimizer.attach(layouts, group, partitioned)
+    if optimizer.max_grad_norm > 0 and clip > 0 and clip != optimizer.max_grad_norm:
+        raise ConfigError(f"{type(optimizer).__name__} clips gradients at their global norm {optimizer.max_grad_norm} "
+                          f"(max_grad_norm) and the DeepSpeed JSON's gradient_clipping is {clip}: set "
+                          f"\"gradient_clipping\": 0 in the DeepSpeed JSON (the optimizer clips on the device, no host "
+                          f"sync) or {optimizer.max_grad_norm} (DeepSpeed clips; ZeRO stage "
+                          f"{engine.zero_optimization_stage()})")
+    wrapper = engine.optimizer
+    optimizer.attach(layouts, group, partitioned, clip_here=not (partitioned and clip > 0),
+                     global_norm=lambda: getattr(wrapper, "_global_grad_norm", None))
 
 
 __all__ = ["NVLAMB", "LANS", "FlatLayout", "zero_layouts", "attach_zero_layout"]

@@ -121,8 +121,11 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, global_batch: int =
     if args.optimizer == "lamb":  # NVIDIA: FusedLAMB(groups, lr) with apex's defaults
         return NVLAMB(groups, lr=lr, betas=betas, eps=args.eps, max_grad_norm=args.max_grad_norm,
                       adjust_step=args.bias_correction_lag)
-    if args.optimizer == "lans":  # Habana: LANS(max_grad_norm=0., eps=1e-6, adjust_step=<ZeRO on>, ...)
-        return LANS(groups, lr=lr, betas=betas, eps=args.eps, max_grad_norm=0.0, adjust_step=args.bias_correction_lag)
+    if args.optimizer == "lans":
+        # Habana: LANS(max_grad_norm=0., eps=1e-6, adjust_step=<ZeRO on>, ...) with DeepSpeed's gradient_clipping 1.0:
+        # the same clip at the same threshold, done here by whichever of the two attach_zero_layout picks
+        return LANS(groups, lr=lr, betas=betas, eps=args.eps, max_grad_norm=args.max_grad_norm,
+                    adjust_step=args.bias_correction_lag)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=args.eps)
     raise ConfigError(f"--optimizer {args.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")

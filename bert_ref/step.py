@@ -60,12 +60,24 @@ def step_fn(engine: Any, batch: dict) -> StepOutput:
     return _step(engine, batch, 0)
 
 
+def sdpa_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] 0/1 -> the [B, 1, L, L] boolean mask transformers' create_bidirectional_mask builds for SDPA from it
+    (key k of row b visible where attention_mask[b, k] is 1; an expanded view, no memory). Given ready-made, because
+    transformers passes a 4-D mask on as it is, while from a 2-D one it first asks `padding_mask.all()` on the host
+    (a device sync every forward) to drop a mask that masks nothing."""
+    b, n = attention_mask.shape
+    return attention_mask.bool()[:, None, None, :].expand(b, 1, n, n)
+
+
 def forward(engine: Any, batch: dict, sparse_predictions: int = 0) -> tuple[Any, torch.Tensor]:
     """Run the (DeepSpeed-wrapped) model on a CPU batch: (model output, MLM labels on the device, [B, P] with the
     sparse head, else [B, L]). Token ids were checked against the vocabulary when the data block was read
-    (bert_ref.data), naming the file and row; the step does not look again."""
+    (bert_ref.data), naming the file and row; the step does not look again. An SDPA model gets its attention mask
+    in 4-D (sdpa_padding_mask)."""
     dev = engine.device
     inputs = {k: batch[k].to(dev, non_blocking=True) for k in MODEL_INPUTS}
+    if getattr(getattr(engine.module, "config", None), "_attn_implementation", None) == "sdpa":
+        inputs["attention_mask"] = sdpa_padding_mask(inputs["attention_mask"])
     labels = batch["labels"]
     if sparse_predictions:
         pos = masked_positions(labels, sparse_predictions)

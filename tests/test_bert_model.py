@@ -288,3 +288,33 @@ def test_fast_dropout_rate_scale_and_grad():
     assert torch.equal(d.eval()(x), x)
     model = build_model(debug(1), fast_dropout=True)
     assert any(isinstance(m, FastDropout) for m in model.modules())
+
+
+def test_sdpa_model_gets_a_4d_mask_same_outputs_no_host_sync():
+    """The 4-D boolean mask bert_ref.step hands the SDPA model gives the outputs of the 2-D mask it replaces, bit for
+    bit, on a padded batch; the 2-D mask costs a host sync in transformers (`padding_mask.all()`, to drop a mask that
+    masks nothing), the 4-D one none. A batch without padding (where transformers dropped the mask) agrees within
+    the rounding of a masked and an unmasked attention."""
+    from bert_ref.step import sdpa_padding_mask
+    from ds_tools.op_count import OpCounter
+
+    torch.manual_seed(0)
+    preset = debug(1)
+    model = build_model(preset).eval()
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.randint(5, preset.vocab_size, (3, 32))
+    mask = torch.ones_like(ids)
+    mask[0, 20:], mask[2, 9:] = 0, 0
+    for m, exact in ((mask, True), (torch.ones_like(ids), False)):
+        with torch.no_grad(), OpCounter(where=True) as c2:
+            a = model(input_ids=ids, attention_mask=m)
+        with torch.no_grad(), OpCounter(where=True) as c4:
+            b = model(input_ids=ids, attention_mask=sdpa_padding_mask(m))
+        assert c2.syncs >= 1 and any("masking_utils" in s for s in c2.sync_sites), dict(c2.sync_sites)
+        assert c4.syncs == 0, dict(c4.sync_sites)
+        for x, y in ((a.prediction_logits, b.prediction_logits), (a.seq_relationship_logits,
+                                                                   b.seq_relationship_logits)):
+            if exact:
+                assert torch.equal(x, y)
+            else:  # fp32 attention with and without an all-true mask: a few ulps
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)

@@ -16,8 +16,9 @@ import torch
 from conftest import run_deepspeed
 
 TWO_RANKS = {"z1_lamb": "1:lamb", "z1_lamb_pp": "1:lamb:per_partition", "z1_lans": "1:lans", "z2_lamb": "2:lamb",
-             "z3_lamb": "3:lamb", "z3_lans": "3:lans", "zb1a_lamb": "1:lamb:bf16:fp32_accum"}
-ONE_RANK = {"z0_lamb": "0:lamb", "z0_lans": "0:lans", "z1_noclip": "1:lamb:noclip"}
+             "z3_lamb": "3:lamb", "z3_lans": "3:lans", "zb1a_lamb": "1:lamb:bf16:fp32_accum",
+             "z1_lamb_noclip": "1:lamb:noclip", "z1_lans_noclip": "1:lans:noclip"}
+ONE_RANK = {"z0_lamb": "0:lamb", "z0_lans": "0:lans", "z1_clip05": "1:lamb:clip05"}
 TOL = 1e-4  # fp32 sums in another order and across ranks give ~5e-7
 # The attention key bias has a zero gradient in exact arithmetic (softmax ignores a per-query constant): what it gets
 # is fp32 rounding noise, which LANS's per-tensor gradient normalization scales up to a full-size random step.
@@ -57,12 +58,15 @@ def _update_gap(out: Path, a: str, b: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero,ref", [("z1_lamb", "z0_lamb"), ("z2_lamb", "z0_lamb"), ("z3_lamb", "z0_lamb"),
-                                      ("z1_lans", "z0_lans"), ("z3_lans", "z0_lans")])
+                                      ("z1_lans", "z0_lans"), ("z3_lans", "z0_lans"),
+                                      ("z1_lamb_noclip", "z0_lamb"), ("z1_lans_noclip", "z0_lans")])
 def test_two_rank_zero_step_matches_one_rank_zero0(runs, zero, ref):
     info = json.loads((runs / f"{zero}.json").read_text())
     assert info["partitioned"] and info["tensor_segments"] > 0, info  # the optimizer really saw flat partitions
     assert info["layout_mismatches"] == (0 if zero[1] in "12" else -1), info
     assert not json.loads((runs / f"{ref}.json").read_text())["partitioned"]  # the model's own tensors on 1 rank
+    if zero.endswith("_noclip"):  # the optimizer's clip really divided (norms above max_grad_norm 1.0)
+        assert max(info["grad_norms"]) > 1.0, info
     gap = _update_gap(runs, ref, zero)
     print(f"{zero} vs {ref}: update gap {gap:.2e} ({info['wrapper']})")
     assert gap < TOL
@@ -78,11 +82,12 @@ def test_per_partition_trust_ratios_are_told_apart(runs):
 
 
 @pytest.mark.slow
-def test_lamb_under_zero_needs_deepspeed_clipping_at_max_grad_norm(runs):
-    """LAMB's global pre-normalization under ZeRO is DeepSpeed's gradient_clipping: with clipping off the run is
-    refused at attach time, naming the DeepSpeed JSON key and the value it needs."""
-    err = json.loads((runs / "z1_noclip.json").read_text())["error"]
-    assert '"gradient_clipping": 1.0' in err and "it is 0.0" in err and "ZeRO stage 1" in err, err
+def test_optimizer_clips_under_zero_and_a_second_threshold_is_refused(runs):
+    """With DeepSpeed's gradient_clipping 0 the optimizer's own clip (global norm over both ranks' partitions) gives
+    the ZeRO-0 weights (the parametrized comparison above: *_noclip); a gradient_clipping that is neither 0 nor
+    max_grad_norm would clip twice at two norms and is refused at attach time, naming both values."""
+    err = json.loads((runs / "z1_clip05.json").read_text())["error"]
+    assert '"gradient_clipping": 0' in err and "is 0.5" in err and "1.0" in err, err
 
 
 @pytest.mark.slow

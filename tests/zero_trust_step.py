@@ -35,9 +35,10 @@ def _fragment_mismatches(ds_opt, layouts: dict) -> int:
 
 
 def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, out_dir: str, dist,
-        noclip: bool = False, fp32_accum: bool = False) -> None:
+        noclip: bool = False, fp32_accum: bool = False, clip05: bool = False) -> None:
     """STEPS steps of one configuration; rank 0 writes out_dir/name.pt (full fp32 weights) and name.json (layout).
-    noclip: DeepSpeed gradient_clipping 0; attach_zero_layout must refuse LAMB under ZeRO (name.json: the error)."""
+    noclip: DeepSpeed gradient_clipping 0 (the optimizer clips, across ranks); clip05: gradient_clipping 0.5, which
+    attach_zero_layout must refuse for max_grad_norm 1.0 (name.json: the error)."""
     import json
 
     import deepspeed
@@ -54,7 +55,7 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
 
     accum = 2 // dist.world_size
     ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,
-                 "train_batch_size": 8, "gradient_clipping": 0.0 if noclip else 1.0,
+                 "train_batch_size": 8, "gradient_clipping": 0.0 if noclip else 0.5 if clip05 else 1.0,
                  "zero_optimization": {"stage": stage},
                  "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
     if bf16:
@@ -66,7 +67,7 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
     model = build_model(preset)
     opt = build_optimizer(model, OptimArgs(optimizer=optimizer, learning_rate=0.01))
     engine = build_engine(model, ds_config, optimizer=opt)
-    if noclip:
+    if clip05:
         from ds_core.errors import ConfigError
 
         try:
@@ -83,6 +84,7 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
     if per_partition:  # one segment per flat partition: the per-partition trust ratios this module replaced
         opt.attach({k: FlatLayout([(0, 0, sum(s[2] for s in v.segments))], 1) for k, v in layouts.items()}, group,
                    False)
+    norms = []  # DeepSpeed's global gradient norm of each step (it computes it with or without its own clip)
     for step in range(STEPS):
         arr = synthetic_arrays(8, preset.seq_len, preset.max_predictions_per_seq, vocab_size=preset.vocab_size,
                                seed=100 + step)
@@ -91,6 +93,8 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
             out = step_fn(engine, make_batch(arr, np.arange(4 * half, 4 * half + 4)))
             engine.backward(out.loss)
             engine.step()
+        norm = engine.get_global_grad_norm()  # None under fp32 ZeRO-0 (DeepSpeed keeps none there)
+        norms.append(None if norm is None else float(norm))
     mismatches = _fragment_mismatches(engine.optimizer, layouts) if stage in (1, 2) else -1
     if mismatches >= 0:
         t = torch.tensor([mismatches], dtype=torch.int64)
@@ -101,7 +105,7 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
         if dist.rank == 0:
             torch.save({n: p.detach().float().clone() for n, p in params}, f"{out_dir}/{name}.pt")
             info = {"wrapper": type(engine.optimizer).__name__, "partitioned": group is not None,
-                    "layout_mismatches": mismatches,
+                    "layout_mismatches": mismatches, "grad_norms": norms,
                     "flats": len(layouts),
                     "tensor_segments": sum(1 for lay in layouts.values() for k, s, ln in lay.segments if k >= 0)}
             with open(f"{out_dir}/{name}.json", "w") as f:
@@ -122,7 +126,7 @@ def main() -> None:
     for spec in a.runs.split(","):
         name, stage, optimizer, *flags = spec.split(":")
         run(name, int(stage), optimizer, "bf16" in flags, "per_partition" in flags, a.out_dir, dist,
-            noclip="noclip" in flags, fp32_accum="fp32_accum" in flags)
+            noclip="noclip" in flags, fp32_accum="fp32_accum" in flags, clip05="clip05" in flags)
     shutdown_distributed()
 
 

@@ -40,9 +40,10 @@ class OptimArgs:
     beta2: float = arg("Adam beta2.", default=0.999, aliases=["--adam_beta2"])
     eps: Optional[float] = arg("Adam epsilon; default: the model's (BERT 1e-6, FusedLAMB's and Habana's LANS's; "
                                "BridgeTower 1e-8, Trainer's).", default=None, aliases=["--adam_epsilon"])
-    max_grad_norm: Optional[float] = arg("Gradient-norm limit; default: the model's. BERT (lamb only): FusedLAMB's "
-                                         "global pre-normalization threshold (NVIDIA: 1.0; 0 = off; under ZeRO / bf16 "
-                                         "the DeepSpeed JSON's gradient_clipping must equal it). BridgeTower: "
+    max_grad_norm: Optional[float] = arg("Gradient-norm limit; default: the model's. BERT (lamb, lans): the "
+                                         "global clip of FusedLAMB / Habana (1.0; 0 = off), done by the optimizer on "
+                                         "the device; the DeepSpeed JSON's gradient_clipping must be 0 (the BERT "
+                                         "configs) or the same value (DeepSpeed clips instead). BridgeTower: "
                                          "Trainer's clipping = DeepSpeed's gradient_clipping (default: the JSON's).",
                                          default=None)
     bias_correction_lag: bool = arg("lamb / lans: bias-correct with step t-1 from step 2 on, as Habana's "

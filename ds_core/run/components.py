@@ -43,7 +43,9 @@ class Callback:
     nothing unless overridden. Hooks run on every rank unless their docstring says otherwise."""
 
     def on_step_end(self, step: int, logs: dict) -> None:
-        """After optimizer step `step`, before its metrics record is written: add keys to `logs` (in place)."""
+        """After optimizer step `step` (called at the step, on every rank), before its metrics record is written: add
+        keys to `logs` (in place). The step's device values (loss, the step function's logs) are read later and
+        are not in `logs` here."""
 
     def on_evaluate(self, step: int, logs: dict) -> None:
         """After an evaluation at `step`, before its eval record is written: add keys to `logs` (a copy of the

@@ -7,7 +7,6 @@ models goes into those or into a Trainer component, never into a second loop.
 """
 from __future__ import annotations
 
-import math
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -36,7 +35,9 @@ class StopRequest:
 
     The handler only sets a flag; the loop folds it into the step's one all-reduce, so every rank stops after the
     same optimizer step even when only some ranks got the signal (DeepSpeed's launcher signals its ranks one after
-    another, waiting up to 30 s for each)."""
+    another, waiting up to 30 s for each). The verdict is read with the step's other values: at once on a logging
+    step (every step with the default --log_every 1), else one step late, so a signal in step k stops the run after
+    step k or k + 1, the same step on every rank."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -94,12 +95,19 @@ StepFn = Callable[[Any, Any], StepOutput]
 EvalFn = Callable[[Any, int], dict]
 
 
-def _scalar(v: Any, device: torch.device) -> torch.Tensor:
-    return v.detach().float().reshape(()) if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=device)
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on the device without a host sync: torch.tensor(..., device=cuda) copies from pageable
+    memory and waits for the stream; a pinned source copies asynchronously."""
+    if device.type == "cpu":
+        return host
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().pin_memory(host).to(device, non_blocking=True)
 
 
 class Accumulator:
-    """Sums of one optimizer step's micro-steps, reduced across ranks in ONE all-reduce at the boundary."""
+    """Sums of one optimizer step's micro-steps, reduced across ranks in ONE all-reduce at the boundary, on the
+    device: nothing here reads a device value on the host."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -107,12 +115,11 @@ class Accumulator:
 
     def reset(self) -> None:
         self.stop = False  # this rank wants to stop after this step (signal); set before reduce()
-        self.stop_any = False  # some rank wants to: the same on every rank after reduce()
         self.loss = torch.zeros((), device=self.device)
         self.micro = 0
         self.samples = 0
         self.tokens = 0
-        self.logs: dict[str, torch.Tensor] = {}
+        self.logs: dict[str, Any] = {}  # a device tensor, or a host number where the step function gave one
 
     def add(self, out: StepOutput) -> None:
         self.loss = self.loss + out.loss.detach().float()
@@ -120,29 +127,73 @@ class Accumulator:
         self.samples += int(out.samples)
         self.tokens += int(out.tokens)
         for k, v in out.logs.items():
-            self.logs[k] = self.logs.get(k, torch.zeros((), device=self.device)) + _scalar(v, self.device)
+            v = v.detach().float().reshape(()) if isinstance(v, torch.Tensor) else float(v)
+            self.logs[k] = self.logs[k] + v if k in self.logs else v
 
-    def reduce(self, world_size: int) -> tuple[float, int, int, dict]:
+    def reduce(self, world_size: int) -> tuple[torch.Tensor, list[str]]:
+        """[loss, micro, samples, tokens, logs (sorted keys)..., stop] summed over ranks, float64 on the device;
+        the keys. One collective per optimizer step; it also makes the stop and NaN verdicts the same on all ranks."""
         keys = sorted(self.logs)
-        counts = torch.tensor([self.micro, self.samples, self.tokens], dtype=torch.float64, device=self.device)
-        vec = torch.cat([self.loss.reshape(1).double(), counts] + [self.logs[k].reshape(1).double() for k in keys]
-                        + [torch.tensor([float(self.stop)], dtype=torch.float64, device=self.device)])
+        on_dev = [k for k in keys if isinstance(self.logs[k], torch.Tensor)]
+        host = torch.tensor([self.micro, self.samples, self.tokens] + [float(self.stop)]
+                            + [self.logs[k] for k in keys if k not in on_dev], dtype=torch.float64)
+        host = _on_device(host, self.device)
+        parts = [self.loss.reshape(1).double(), host[:4]] + [self.logs[k].reshape(1).double() for k in on_dev]
+        vec = torch.cat(parts + [host[4:]])
         if tdist.is_initialized() and world_size > 1:
-            tdist.all_reduce(vec)  # one collective per optimizer step; also makes the NaN verdict the same on all ranks
-        vals = vec.tolist()
-        self.stop_any = vals[-1] > 0  # and the stop verdict: a signal on any rank stops every rank after this step
+            tdist.all_reduce(vec)
+        return vec, on_dev + [k for k in keys if k not in on_dev]
+
+
+class PendingStep:
+    """One optimizer step's reduced values on their way to the host. On an accelerator the vector is copied into
+    pinned host memory behind an event (non_blocking): read() waits for that step's work only, so the loop reads
+    step k while step k+1 is already queued and the device never idles for a read. On the CPU the vector is the
+    host's already. The trainer fills step, epoch, logs (its step-time record fields), extra (callbacks' keys)."""
+
+    def __init__(self, vec: torch.Tensor, keys: list[str], lr: float | None, skipped: bool, has_norm: bool):
+        self.keys, self.lr, self.skipped, self.has_norm = keys, lr, skipped, has_norm
+        self.step, self.epoch, self.logs, self.extra = 0, 0, {}, {}
+        self._event = None
+        if vec.device.type == "cpu":
+            self._host = vec
+        else:
+            from deepspeed.accelerator import get_accelerator
+
+            acc = get_accelerator()
+            self._host = acc.pin_memory(torch.empty(vec.shape, dtype=vec.dtype))
+            self._host.copy_(vec, non_blocking=True)
+            self._event = acc.Event()
+            self._event.record()
+
+    def read(self) -> StepResult:
+        if self._event is not None:
+            self._event.synchronize()
+        vals = self._host.tolist()  # a host tensor: no device sync
         micro = max(vals[1], 1.0)
-        return vals[0] / micro, int(vals[2]), int(vals[3]), {k: vals[4 + i] / micro for i, k in enumerate(keys)}
+        logs = dict(sorted((k, vals[5 + i] / micro) for i, k in enumerate(self.keys)))
+        norm = vals[5 + len(self.keys)] if self.has_norm else None
+        return StepResult(vals[0] / micro, int(vals[2]), int(vals[3]), logs, self.lr, norm, vals[4] > 0,
+                          self.skipped, self.step)
 
 
-def fp32_grad_norm(engine) -> float | None:
-    """Global gradient norm where DeepSpeed keeps none: ZeRO-0 without bf16/fp16 (its basic-optimizer path clips
-    in place and drops the norm). Called at the boundary before engine.step(), when .grad holds the all-reduced
-    gradients; every other configuration gets the norm from engine.get_global_grad_norm()."""
+def fp32_grad_norm(engine) -> torch.Tensor | None:
+    """Global gradient norm (on the device) where DeepSpeed keeps none: ZeRO-0 without bf16/fp16 (its basic-optimizer
+    path clips in place and drops the norm). Called at the boundary before engine.step(), when .grad holds the
+    all-reduced gradients; every other configuration gets the norm from engine.get_global_grad_norm()."""
     if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
         return None
     norms = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else None
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+
+
+def _norm_part(norm: Any, like: torch.Tensor) -> list[torch.Tensor]:
+    """DeepSpeed's norm (a device tensor, a Python inf on a skipped step, or None) as a 1-element float64 part."""
+    if norm is None:
+        return []
+    if isinstance(norm, torch.Tensor):
+        return [norm.detach().reshape(1).to(device=like.device, dtype=torch.float64)]
+    return [_on_device(torch.tensor([float(norm)], dtype=torch.float64), like.device)]
 
 
 def reduce_summary_stats(stats: dict, world_size: int, shared: frozenset | set = frozenset()) -> dict:
@@ -178,14 +229,18 @@ class StepResult:
     grad_norm: float | None
     stop: bool  # some rank was asked to stop (signal): every rank stops after this step
     skipped: bool = False  # DeepSpeed skipped the update (non-finite gradient norm): see ds_core.run.divergence
+    step: int = 0  # the optimizer step these values belong to
 
 
 class Step:
     """The step component: one micro batch through the engine (forward by the model's step function, backward,
     engine.step), with the micro-steps of an optimizer step summed and reduced in ONE all-reduce at the boundary.
 
-    The loss is checked at the boundary BEFORE engine.step(): a NaN/inf raises TrainingDiverged and no update is
-    applied (the message comes from `diverged(loss)`, which names the checkpoint that is still good)."""
+    Nothing is read on the host here: at a boundary the step returns a PendingStep (loss, counts, logs, stop flag and
+    gradient norm on their way to the host), which the trainer reads one optimizer step later, or at once where it
+    needs the values (a logging step, a save, an evaluation, the end). A NaN/inf loss is therefore seen after its
+    update was applied (in memory); the trainer raises TrainingDiverged before any later save, so no checkpoint holds
+    the diverged state."""
 
     def __init__(self, engine: Any, step_fn: StepFn, world_size: int, stop: StopRequest | None = None,
                  phases: Any = None):
@@ -194,8 +249,8 @@ class Step:
         self.phases = phases or PhaseTimer(0)  # ds_core.outputs.phases: marks around forward, backward and engine.step
         self.acc = Accumulator(engine.device)
 
-    def __call__(self, batch: Any, diverged: Callable[[float], str]) -> StepResult | None:
-        """Run one micro batch; the reduced StepResult at an accumulation boundary, else None."""
+    def __call__(self, batch: Any) -> PendingStep | None:
+        """Run one micro batch; the step's PendingStep at an accumulation boundary, else None."""
         engine, phases = self.engine, self.phases
         phases.begin("forward")
         out = self.step_fn(engine, batch)
@@ -210,9 +265,7 @@ class Step:
             phases.end("step")
             return None
         self.acc.stop = self.stop is not None and self.stop.signum is not None
-        loss, samples, tokens, logs = self.acc.reduce(self.world_size)
-        if not math.isfinite(loss):
-            raise TrainingDiverged(diverged(loss))
+        vec, keys = self.acc.reduce(self.world_size)
         lrs = engine.get_lr()
         lr = lrs[0] if lrs else None
         grad_norm = fp32_grad_norm(engine)
@@ -222,15 +275,15 @@ class Step:
         phases.end("step")
         if grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else None
         skipped = engine.skipped_steps > skipped_before
         if skipped and engine.lr_scheduler is not None:
             # DeepSpeed does not step the LR scheduler on a skipped update (engine._take_model_step): step it here
             # so that optimizer step k always uses schedule(k) and the schedule ends on the loop's last step
             engine.lr_scheduler.step()
-        result = StepResult(loss, samples, tokens, logs, lr, grad_norm, self.acc.stop_any, skipped)
+        norm = _norm_part(grad_norm, vec)
+        pending = PendingStep(torch.cat([vec] + norm) if norm else vec, keys, lr, skipped, bool(norm))
         self.acc.reset()
-        return result
+        return pending
 
 
 def apply_lr_factor(engine, factor: float) -> None:

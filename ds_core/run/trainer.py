@@ -12,8 +12,10 @@ with.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -34,7 +36,16 @@ from ds_core.outputs.results import save_metrics
 from ds_core.rank.engine import shutdown_distributed
 from ds_core.run.components import Callback, Checkpointing, EvalTask, Evaluation, ModelInfo, Position, ProfileSteps
 from ds_core.run.divergence import DivergenceGuard
-from ds_core.run.loop import EXIT_STOPPED, Step, StepFn, StepResult, StopRequest, TrainingDiverged, reduce_summary_stats
+from ds_core.run.loop import (
+    EXIT_STOPPED,
+    PendingStep,
+    Step,
+    StepFn,
+    StepResult,
+    StopRequest,
+    TrainingDiverged,
+    reduce_summary_stats,
+)
 from ds_core.run.setup import Run
 
 _END = object()  # end-of-epoch sentinel of the timed next(batch)
@@ -164,6 +175,8 @@ class Trainer:
         self.phases.next_step = pos.step + 1
         self.stepper = Step(engine, self.step_fn, dist.world_size, self.stop_request, self.phases)
         self.guard = DivergenceGuard(cfg.max_skipped_steps, cfg.loss_spike_factor)
+        self.unread: deque[PendingStep] = deque()  # steps whose values are still on their way to the host
+        self.stop_seen: str | None = None  # a read step carried a stop request
 
     # -- the loop: epochs, micro batches, optimizer steps -----------------------------------------------------
     def _at_end(self) -> bool:
@@ -193,8 +206,8 @@ class Trainer:
         batches, batch_iter = 0, iter(self.run.data)
         while (batch := self._next_batch(batch_iter)) is not _END:
             batches += 1
-            res = self.stepper(batch, self._diverged)
-            if res is not None and self._after_optimizer_step(res):
+            pending = self.stepper(batch)
+            if pending is not None and self._after_optimizer_step(pending):
                 break
         return batches
 
@@ -207,29 +220,56 @@ class Trainer:
         self.metrics.data_wait(self.metrics.clock() - t_wait)
         return batch
 
-    def _after_optimizer_step(self, res: StepResult) -> bool:
-        """Record the step, evaluate and save when due; whether the loop stops here (the end, or a stop)."""
+    def _after_optimizer_step(self, pending: PendingStep) -> bool:
+        """Read the values that are due, evaluate and save when due; whether the loop stops here (the end, or a stop).
+
+        A step's loss, counts and stop flag are read one optimizer step late (PendingStep), except where they are
+        needed now (_read_now): the step's record, guard verdict and stop verdict then follow one step behind."""
         self.step += 1
-        self._record(res)
+        step = pending.step = self.step
+        pending.epoch = self.epoch
+        # at the step itself (every rank): the phase sample and the callbacks' keys (epoch, the profiler's step mark)
+        pending.logs = record_fields(self.phases.boundary(step))
+        for cb in self.callbacks:
+            cb.on_step_end(step, pending.extra)
+        self.unread.append(pending)
+        self._read(keep=0 if self._read_now(step) else 1)
         # evaluate, then save, as transformers' Trainer does (_maybe_log_save_evaluate): the step's record, written
         # durably before its checkpoint completes, then holds its eval time too
-        if self.evaluation.due(self.step):
+        if self.evaluation.due(step):
             self._evaluate()
-        if self.checkpoints.due(self.step):
+        if self.checkpoints.due(step):
             self._save()
         if self._at_end():
             return True
-        self.stopped = self._stop_reason(res)
+        self.stopped = self._stop_reason()
         return self.stopped is not None
 
-    def _record(self, res: StepResult) -> None:
+    def _read_now(self, step: int) -> bool:
+        """Whether step's values are needed at once: a logging step (its record, timed after a device sync anyway),
+        the throughput warm-up (the window opens at its end), an evaluation, a save, the end of the run."""
+        cfg, done = self.cfg, step - self.pos.step
+        return (step % cfg.log_every == 0 or done <= cfg.throughput_warmup_steps or self.evaluation.due(step)
+                or self.checkpoints.due(step) or self._at_end()
+                or bool(cfg.max_steps_this_run and done >= cfg.max_steps_this_run))
+
+    def _read(self, keep: int = 0) -> None:
+        """Read and record the unread steps, oldest first, leaving the newest `keep`; raises TrainingDiverged."""
+        while len(self.unread) > keep:
+            pending = self.unread.popleft()
+            res = pending.read()
+            if not math.isfinite(res.loss):
+                raise TrainingDiverged(self._diverged(res.loss, res.step, pending.epoch))
+            self._record(res, pending)
+            if res.stop and self.stop_seen is None:
+                signum = self.stop_request.signum
+                self.stop_seen = signal.Signals(signum).name if signum else "signal"
+
+    def _record(self, res: StepResult, pending: PendingStep) -> None:
         """The step's metrics record; a skipped update is reported, a diverged run stops without saving."""
-        step, guard = self.step, self.guard
+        step, guard = res.step, self.guard
         verdict = guard.observe(step, res.loss, res.skipped, res.grad_norm)
-        logs = dict(res.logs, **record_fields(self.phases.boundary(step)),  # every rank calls boundary()
-                    skipped=res.skipped, skipped_steps=guard.total)
-        for cb in self.callbacks:
-            cb.on_step_end(step, logs)
+        logs = dict(res.logs, **pending.logs, skipped=res.skipped, skipped_steps=guard.total, **pending.extra)
         self.metrics.step(step, res.samples, res.tokens, loss=res.loss, lr=res.lr, logs=logs, grad_norm=res.grad_norm)
         if res.skipped and self.dist.rank == 0:
             print(f"[ds_core] optimizer step {step} skipped by DeepSpeed (gradient norm {res.grad_norm}): the update "
@@ -241,22 +281,22 @@ class Trainer:
                                    f"still {self.checkpoints.latest()} in {self.checkpoints.root} (resume from it "
                                    f"with a lower learning rate)")
 
-    def _stop_reason(self, res: StepResult) -> str | None:
-        """Why this process stops after this step: a signal on any rank (the same verdict on every rank, from the
-        step's all-reduce) or --max_steps_this_run; None: go on."""
-        if res.stop:
-            signum = self.stop_request.signum
-            return signal.Signals(signum).name if signum else "signal"
+    def _stop_reason(self) -> str | None:
+        """Why this process stops after this step: a signal on any rank (the same verdict on every rank, from a
+        step's all-reduce, read with its values) or --max_steps_this_run; None: go on."""
+        if self.stop_seen is not None:
+            return self.stop_seen
         if self.cfg.max_steps_this_run and self.step - self.pos.step >= self.cfg.max_steps_this_run:
             return "max_steps_this_run"
         return None
 
-    def _diverged(self, loss: float) -> str:
-        return (f"loss is {loss} at optimizer step {self.step + 1} (epoch {self.epoch}); the update was not applied "
-                f"and the latest checkpoint is still {self.checkpoints.latest()} in {self.checkpoints.root}")
+    def _diverged(self, loss: float, step: int, epoch: int) -> str:
+        return (f"loss is {loss} at optimizer step {step} (epoch {epoch}); stopped without saving: the latest "
+                f"checkpoint is still {self.checkpoints.latest()} in {self.checkpoints.root}")
 
     # -- evaluation, saving, the end ------------------------------------------------------------------------------
     def _evaluate(self) -> None:
+        self._read()  # every step before it recorded (and checked) first
         ev, step = self.evaluation, self.step
         with self.metrics.timed("eval"):
             logs = ev.run(ev.during, self.engine, step)
@@ -268,6 +308,7 @@ class Trainer:
                 self.metrics.eval(step, record)
 
     def _save(self) -> None:
+        self._read()  # no checkpoint of a state whose loss was not checked
         step = self.step
 
         def before_complete() -> None:  # rank 0
@@ -282,6 +323,7 @@ class Trainer:
     def _end_training(self) -> dict:
         """Close the throughput window, save and evaluate at the end, and write the summary record."""
         step, dist, phases = self.step, self.dist, self.phases
+        self._read()  # the last steps' values: their records and verdicts before the final save
         self.metrics.end_training()  # the throughput window closes here: the final save and eval are timed apart
         phases.finish()  # a sample still pending (read one step late on CUDA/HPU); every rank
         if not self.stopped and step != self.end_step and dist.rank == 0:  # a len() that is not what it yields
