@@ -1,23 +1,24 @@
 """BERT training-step benchmark: our step (bert_ref + ds_core.run.loop) against transformers' Trainer, in one run.
 
-1. step_ratio: DeepSpeed ZeRO-1 for both, the same BertForPreTraining-shaped BERT-Large slice (hidden 1024, 16
-   heads, 4 layers, seq 128, vocab 30528), the same generated h5 shard (one epoch per window: each side trains on
-   every sample once, in its own order), the same micro batch, accumulation, optimizer (bert_ref.layerwise.NVLAMB with
-   per-tensor trust ratios under ZeRO on both sides: attach_zero_layout), gradient clipping, precision and torch
-   thread count. Ours: bert_ref.data's block loader, the sparse MLM head (--dense_mlm turns it off), FastDropout
-   (--torch_dropout) and bert_ref.step through ds_core.train. Baseline: transformers' Trainer with the same DeepSpeed
-   config (as a dict), transformers' BertForPreTraining, and a per-sample dataset written as NVIDIA's h5-era
-   run_pretraining.py `pretraining_dataset` (whole file in numpy, labels built per sample) with the default collator.
-   Each window is its own process (start-up not timed) and the sides alternate ABBA over --rounds rounds, so load on
-   a shared machine falls on both; a side's rate is over the steps after --warmup, data loading included (ours from
-   ds_core.outputs.metrics, the Trainer's from on_step_end timestamps). step_ratio = median over rounds of our
-   samples/s / the Trainer's in the same round, with min and max; the bench refuses a ratio when the sides differ in
-   samples per step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same ratio per CPU-second of each
-   side's process (all its threads, data loading included), which other processes' load inflates far less than wall time
-   on a shared machine; step_ratio (wall clock) is the figure a user sees and the target. The precision is the
-   run's rule (ds_core.device.precision.resolve_precision, as bert_ref.train applies it): bf16 where the accelerator has
-   it natively, fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower there). Our MFU is against the measured
-   matmul peak of that dtype (ds_core.outputs.metrics).
+1. step_ratio: the recipe's DeepSpeed JSON for both (recipe_ds_config: ZeRO-1, bf16 with fp32 accumulation), the same
+   BertForPreTraining-shaped BERT-Large slice (hidden 1024, 16 heads, 4 layers, seq 128, vocab 30528), the same
+   generated h5 shard (one epoch per window: each side trains on every sample once, in its own order), the same micro
+   batch, accumulation, optimizer (bert_ref.layerwise.NVLAMB with per-tensor trust ratios under ZeRO on both sides:
+   attach_zero_layout), gradient clipping at 1.0 (in NVLAMB for ours as the recipe runs, DeepSpeed's for the
+   Trainer), precision and torch thread count. Ours: bert_ref.data's block loader, the sparse MLM head (--dense_mlm
+   turns it off), FastDropout (--torch_dropout) and bert_ref.step through ds_core.train. Baseline: transformers'
+   Trainer with the same DeepSpeed config (as a dict), transformers' BertForPreTraining, and a per-sample dataset
+   written as NVIDIA's h5-era run_pretraining.py `pretraining_dataset` (whole file in numpy, labels built per sample)
+   with the default collator. Each window is its own process (start-up not timed) and the sides alternate ABBA over
+   --rounds rounds, so load on a shared machine falls on both; a side's rate is over the steps after --warmup, data
+   loading included (ours from ds_core.outputs.metrics, the Trainer's from on_step_end timestamps). step_ratio =
+   median over rounds of our samples/s / the Trainer's in the same round, with min and max; the bench refuses a ratio
+   when the sides differ in samples per step, optimizer, trust-ratio tensors or threads. cpu_step_ratio: the same
+   ratio per CPU-second of each side's process (all its threads, data loading included), which other processes' load
+   inflates far less than wall time on a shared machine; step_ratio (wall clock) is the figure a user sees and the
+   target. The precision is the run's rule (ds_core.device.precision.resolve_precision, as bert_ref.train applies
+   it): bf16 where the accelerator has it natively, fp32 on a CPU without native bf16 (emulated bf16 is ~60x slower
+   there). Our MFU is against the measured matmul peak of that dtype (ds_core.outputs.metrics).
 2. Bound (after 1, --skip_bound): mfu_upper_bound, the MFU our step would have if only its linear layers' GEMMs and
    the LAMB update cost anything (see bench.mfu_bound), in the same dtype and thread count.
 3. Memory (--memory, off by default to keep the bench within 10 minutes on a 2-core CPU): two ranks, a
@@ -60,6 +61,23 @@ def bench_ds_config(micro: int, accum: int, stage: int, dtype: str, world: int =
            micro * accum * world, "gradient_clipping": 1.0, "bf16": {"enabled": True},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000_000},
            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    return apply_precision(cfg, dtype, "bench DeepSpeed config")
+
+
+def recipe_ds_config(micro: int, accum: int, dtype: str, clipping: str = "optimizer") -> dict:
+    """The BERT-Large recipe's DeepSpeed JSON (ds_configs/bert_large_zero1_bf16.json: ZeRO-1, bf16 with fp32 gradient
+    accumulation, no per-tensor overflow check) at this micro batch and accumulation, as `bert_ref.train` runs it.
+    clipping "optimizer": the JSON's gradient_clipping 0, NVLAMB clips at 1.0 on the device (ours, the recipe);
+    "deepspeed": gradient_clipping 1.0, DeepSpeed clips (the Trainer: transformers sets DeepSpeed's clip from
+    max_grad_norm and refuses a JSON that disagrees). The same clip at the same threshold either way."""
+    from ds_core.config import DS_CONFIG_DIR
+    from ds_core.device.precision import apply_precision
+
+    cfg = json.loads((DS_CONFIG_DIR / "bert_large_zero1_bf16.json").read_text())
+    cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=micro * accum,
+               steps_per_print=10**9)
+    if clipping == "deepspeed":
+        cfg["gradient_clipping"] = 1.0
     return apply_precision(cfg, dtype, "bench DeepSpeed config")
 
 
@@ -122,15 +140,16 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     preset = _slice(a.model)
     set_seed(0)
     data = build_data(str(shards), 0, 1, a.micro_batch)
-    ds_config = bench_ds_config(a.micro_batch, a.grad_accum, 1, dtype)
+    ds_config = recipe_ds_config(a.micro_batch, a.grad_accum, dtype)
     engine = bench_engine(preset, ds_config, "lamb", not a.dense_mlm, not a.torch_dropout)
     preds = 0 if a.dense_mlm else preset.max_predictions_per_seq
     flops = flops_per_sequence(preset, mlm_positions=preds)
     compiled = compile_model(engine, a.compile, dynamic=False)
     prof = _profile(a)
     cpu = _cpu_clock_at_step_end(engine, prof.step_end if prof else None)
+    # a metrics record every 10 steps (the Trainer side logs nothing): steps without one read nothing on the host
     cfg = TrainConfig(run_dir=str(tmp / "ours_run"), max_steps=a.steps + a.warmup, throughput_warmup_steps=a.warmup,
-                      save_final_checkpoint=False, progress_bar=False, precision=dtype)
+                      save_final_checkpoint=False, progress_bar=False, precision=dtype, log_every=10)
     run = Run.of(LoopSettings(cfg), _DIST, ds_config).with_data(data)  # the settings start_run would resolve
     s = Trainer(run, engine, make_step_fn(preds, compiled), ModelInfo(preset.name, flops, preset.seq_len)).fit()
     data.close()
@@ -277,8 +296,9 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     args = TrainingArguments(
         output_dir=str(tmp / "trainer_run"), per_device_train_batch_size=a.micro_batch,
         gradient_accumulation_steps=a.grad_accum, max_steps=a.steps + a.warmup, learning_rate=LR,
-        lr_scheduler_type="constant", max_grad_norm=1.0, bf16=dtype == "bf16", deepspeed=bench_ds_config(
-            a.micro_batch, a.grad_accum, 1, dtype), save_strategy="no", report_to=[], logging_strategy="no",
+        lr_scheduler_type="constant", max_grad_norm=1.0, bf16=dtype == "bf16", deepspeed=recipe_ds_config(
+            a.micro_batch, a.grad_accum, dtype, clipping="deepspeed"), save_strategy="no", report_to=[],
+        logging_strategy="no",
         dataloader_num_workers=0, disable_tqdm=True, seed=0, data_seed=0,
         # transformers refuses bf16 off a GPU unless told it runs on the CPU (a CPU with native bf16 picks bf16)
         use_cpu=dtype == "bf16" and not torch.cuda.is_available())
