@@ -139,9 +139,12 @@ def load_config(args: ModelArgs) -> BridgeTowerConfig:
     return cfg
 
 
-def build_model(args: ModelArgs) -> BridgeTowerContrastive:
-    """The model in fp32 (DeepSpeed's bf16 section casts it), weights loaded or random, freezing applied."""
-    cfg = load_config(args)
+def build_model(args: ModelArgs, config: BridgeTowerConfig | None = None) -> BridgeTowerContrastive:
+    """The model in fp32 (DeepSpeed's bf16 section casts it), weights loaded or random, freezing applied. `config`:
+    a random-init architecture other than the preset's (benches that build fewer layers than a preset has)."""
+    if config is not None and args.model_name_or_path:
+        raise ConfigError("build_model: pass either a config (random init) or --model_name_or_path, not both")
+    cfg = config if config is not None else load_config(args)
     if args.model_name_or_path:
         model = BridgeTowerContrastive.from_pretrained(
             args.model_name_or_path, config=cfg, local_files_only=True, dtype=torch.float32)
