@@ -19,6 +19,7 @@ number of encoder layers; for BridgeTower N is the number of cross-modal layers,
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -86,14 +87,19 @@ def _bt_config(name: str, layers: int):
     return cfg
 
 
-def _bt_batch(cfg) -> dict:
+def _bt_batch(cfg, device) -> dict:
+    """One caption and one image of the preset's size, assembled as the training loader assembles a batch."""
+    from bridgetower_ds.batching import BadImageLog, BatchAssembler
+
     g = torch.Generator().manual_seed(0)
     t, v = cfg.text_config, cfg.vision_config
     ids = torch.randint(3, t.vocab_size, (1, BT_CAPTION_TOKENS), generator=g)
     ids[0, 0], ids[0, -1] = t.bos_token_id, t.eos_token_id
     pixels = torch.randn(1, v.num_channels, v.image_size, v.image_size, generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
-            "index": torch.zeros(1, dtype=torch.long)}
+    assembler = BatchAssembler(size=v.image_size, device=device, world_size=1, pad_to_max=False, min_rows=1,
+                               fill_in=False, bad=BadImageLog("skip"), first_valid=dict)
+    return assembler.assemble(pixels, [0], {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                              torch.zeros(1, dtype=torch.long))
 
 
 def bt_ds_config(dtype: str) -> dict:
@@ -122,15 +128,16 @@ def _bt(name: str, layers: int, setting: str, dtype: str):
     ds_config = bt_ds_config(dtype)
     lr, wd, _ = compat.resolve_optimizer(OptimArgs(), ds_config, "bench DeepSpeed config")
     engine = build_engine(model, ds_config, **compat.engine_kwargs(model, OptimArgs(), ds_config, lr, wd, 10**6))
-    return engine, step_fn, _bt_batch(cfg)
+    return engine, step_fn, _bt_batch(cfg, engine.device)
 
 
 # ---------------------------------------------------------------------------------------------------- counting
 def count(name: str, layers: int, setting: str, dtype: str = "bf16") -> dict:
     """Both counts (the module's docstring) of one preset: total, DeepSpeed's engine.step (ZeRO + the optimizer) and
     the optimizer's own step; steps 1-2 warm up, 3 is dispatch-counted, 4-5 profiled."""
-    from ds_core.rank.engine import set_seed
+    from ds_core.rank.engine import init_distributed, set_seed
 
+    init_distributed()  # a world of one on a free port
     set_seed(0)
     engine, step_fn, batch = (_bt if name in BT_PRESETS else _bert)(name, layers, setting, dtype)
     opt = engine.optimizer.optimizer
@@ -173,19 +180,24 @@ def profiled(step, steps: int, warmup: int = 2) -> dict:
 
 def aten_events(events) -> dict:
     """{"prof_total" | "prof_optimizer": {"ops": aten:: events, "syncs": aten::_local_scalar_dense events}} among
-    the events inside a STEP_MARK range (and inside an OPT_MARK range)."""
+    the events inside a STEP_MARK range (and inside an OPT_MARK range); prof_sync_via: for the syncs, the outermost
+    aten op they ran in (aten::item for a `.item()` of ours or a library's; a composite op that syncs inside)."""
     out = {k: {"ops": 0, "syncs": 0} for k in ("prof_total", "prof_optimizer")}
+    via: collections.Counter = collections.Counter()  # the outermost aten op each .item() runs inside
     for e in events:
         if not e.name.startswith("aten::"):
             continue
-        marks, p = set(), e.cpu_parent
+        chain, p = [], e.cpu_parent
         while p is not None:
-            marks.add(p.name)
+            chain.append(p.name)
             p = p.cpu_parent
         for key, mark in (("prof_total", STEP_MARK), ("prof_optimizer", OPT_MARK)):
-            if mark in marks:
+            if mark in chain:
                 out[key]["ops"] += 1
                 out[key]["syncs"] += e.name == "aten::_local_scalar_dense"
+        if e.name == "aten::_local_scalar_dense" and STEP_MARK in chain:
+            via[next((n for n in reversed(chain) if n.startswith("aten::")), e.name)] += 1
+    out["prof_sync_via"] = dict(via)
     return out
 
 
@@ -207,7 +219,8 @@ def extrapolated(name: str, layers: int, setting: str, dtype: str) -> dict:
     lo, hi = count(name, layers, setting, dtype), count(name, 2 * layers, setting, dtype)
     full = full_depth(name)
     r = {k: {m: lo[k][m] + (hi[k][m] - lo[k][m]) * (full - layers) / layers for m in ("ops", "syncs")} for k in KEYS}
-    r["sync_sites"], r["measured_layers"], r["extrapolated_to"] = hi["sync_sites"], [layers, 2 * layers], full
+    r["sync_sites"], r["prof_sync_via"] = hi["sync_sites"], hi["prof_sync_via"]
+    r["measured_layers"], r["extrapolated_to"] = [layers, 2 * layers], full
     return r
 
 
@@ -235,6 +248,7 @@ def main() -> None:
             how = f" ({r['measured_layers']}->{r['extrapolated_to']} layers)" if a.layers else ""
             print(line(f"{name} {setting} {a.dtype}", r) + how, flush=True)
             print("  .item() sites (dispatched):", json.dumps(r["sync_sites"]), flush=True)
+            print("  .item() inside (profiler, per step):", json.dumps(r["prof_sync_via"]), flush=True)
     if a.layers:
         print(f"--layers {a.layers}: counts measured at N and 2N layers and extrapolated linearly to the preset's "
               "depth (per-layer-linear: every layer dispatches the same ops)")
