@@ -236,10 +236,17 @@ def main() -> None:
     ap.add_argument("--presets", default="bert_large,bert_1p5b,bridgetower_large")
     ap.add_argument("--layers", type=int, default=0, help="0: the whole model; N: extrapolate from N and 2N layers")
     ap.add_argument("--settings", default="before,after", help="BERT's DeepSpeed bf16 settings to count")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
-                    help="the DeepSpeed JSON's precision (bf16: what a GPU run uses)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                    help="the DeepSpeed JSON's precision; auto: the run's rule on this CPU (ds_core.device.precision: "
+                         "fp32 without native bf16, where bf16 matmuls are emulated ~100x slower; the counts differ "
+                         "by a few ops and one .item() per step, docs/benchmarks.md)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    if a.dtype == "auto":
+        from ds_core.device.precision import resolve_precision
+
+        a.dtype, reason = resolve_precision("auto", "cpu")
+        print(f"[host_ops] {a.dtype}: {reason}", flush=True)
     res = {}
     for name in a.presets.split(","):
         for setting in (["json"] if name in BT_PRESETS else a.settings.split(",")):
