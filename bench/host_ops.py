@@ -1,15 +1,25 @@
-"""Host operations per training step: aten ops and `.item()` (host syncs) of one BERT step on one CPU rank (eager,
-micro batch 1, ZeRO-1, bf16, NVLAMB / LANS as the preset's recipe), total and inside the optimizer step, for the
-DeepSpeed settings before ("bf16": {"check_grad_overflow": true}, DeepSpeed's default) and after (false, as
-ds_configs/*_bf16.json set it). Counted by a TorchDispatchMode (ds_tools.op_count: top-level dispatches) on the third
-step, after the state and the layout's index tensors exist. On a GPU each op is ~2-3 us of host launch work, so
-these counts are the host's share of the step; `.item()` is a wait for the device.
+"""Host operations per training step: aten ops and `.item()` (host syncs) of one training step on one CPU rank (eager,
+micro batch 1, ZeRO-1, DeepSpeed's bf16 section as the run sets it), total and inside the optimizer step, for
+BERT (bert_large, bert_1p5b: NVLAMB / LANS as the preset's recipe, seq 128) and BridgeTower (bridgetower_large:
+random init, ds_configs/bridgetower_zero1_bf16.json, one image of the preset's size, the contrastive step of
+bridgetower_ds.step). On a GPU each op is ~2-3 us of host launch work, so these counts are the host's share of the
+step; `.item()` is a wait for the device.
 
-`python -m bench.host_ops [--presets bert_large,bert_1p5b] [--layers N]`: --layers N builds the first N encoder
-layers only and extrapolates linearly from N and 2N layers (ops per layer are the same in every layer)."""
+Two counts, not comparable with each other:
+- "dispatched": top-level aten ops as a TorchDispatchMode sees them (ds_tools.op_count; an op a composite op runs
+  inside it is not counted), on the third step, after the optimizer state and ZeRO's buffers exist;
+- "profiler": every `aten::` event of torch.profiler (nested ops and views included) in the 4th and 5th steps, per
+  step: what the difference of a 4-step and a 2-step run counts. `.item()` there is `aten::_local_scalar_dense`.
+
+`python -m bench.host_ops [--presets bert_large,bert_1p5b,bridgetower_large] [--layers N]`: --layers N builds N and
+2N layers and extrapolates linearly to the preset's depth (every layer dispatches the same ops). For BERT N is the
+number of encoder layers; for BridgeTower N is the number of cross-modal layers, with text and vision towers 4N deep
+(the Large preset's 24 : 24 : 6), extrapolated to 6. BERT's --settings compare DeepSpeed's default
+("bf16": {"check_grad_overflow": true}) with ds_configs/*_bf16.json's (false); BridgeTower uses its JSON as it is."""
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -21,8 +31,21 @@ from ds_tools.op_count import OpCounter
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 SETTINGS = {"before": {"check_grad_overflow": True}, "after": {"check_grad_overflow": False}}
+BT_PRESETS = ("bridgetower_large", "bridgetower_base", "bt_debug")  # bt_debug: bridgetower_ds's `debug` preset
+BT_TOWER_PER_CROSS = 4  # text and vision layers per cross-modal layer when --layers shrinks BridgeTower-Large
+BT_CAPTION_TOKENS = 40  # a caption's padded length; the op count does not depend on it
+STEP_MARK, OPT_MARK = "host_ops.step", "host_ops.optimizer"
+KEYS = ("total", "engine_step", "optimizer", "prof_total", "prof_optimizer")
 
 
+def full_depth(name: str) -> int:
+    """What --layers counts, in the whole preset: BERT's encoder layers, BridgeTower's cross-modal layers."""
+    if name in BT_PRESETS:
+        return _bt_config(name, 0).num_hidden_layers
+    return _preset(name, 0).num_hidden_layers
+
+
+# ---------------------------------------------------------------------------------------------------- BERT
 def _preset(name: str, layers: int):
     from bert_ref import configs
 
@@ -40,65 +63,202 @@ def _batch(preset, seq: int = 128) -> dict:
             "labels": labels, "next_sentence_label": torch.zeros(1, dtype=torch.long)}
 
 
-def count(name: str, layers: int, setting: str) -> dict:
-    """ops / syncs of the third step: total, DeepSpeed's engine.step (ZeRO + our optimizer), our optimizer alone."""
+def _bert(name: str, layers: int, setting: str, dtype: str):
+    """(engine, step function of the engine and a batch) as bench.bert_step builds BERT."""
     from bench.bert_step import bench_ds_config, bench_engine
     from bert_ref.optim import PUBLISHED
     from bert_ref.step import step_fn
-    from ds_core.rank.engine import set_seed
 
-    set_seed(0)
     preset = _preset(name, layers)
-    cfg = bench_ds_config(1, 1, 1, "bf16")
+    cfg = bench_ds_config(1, 1, 1, dtype)
     cfg["bf16"].update(SETTINGS[setting])
-    engine = bench_engine(preset, cfg, PUBLISHED[name][1].optimizer)
-    batch = _batch(preset)
-    for i in range(3):
-        counters = {k: OpCounter(where=True) for k in ("total", "engine_step", "optimizer")}
-        opt = engine.optimizer.optimizer
-        inner = type(opt).step
-        opt.step = lambda *a, **k: _counted(counters["optimizer"], inner, opt, *a, **k)  # noqa: B023
-        with counters["total"]:
-            out = step_fn(engine, batch)
-            engine.backward(out.loss)
-            with counters["engine_step"]:
-                engine.step()
-        del opt.step
+    return bench_engine(preset, cfg, PUBLISHED[name][1].optimizer), step_fn, _batch(preset)
+
+
+# ---------------------------------------------------------------------------------------------------- BridgeTower
+def _bt_config(name: str, layers: int):
+    from bridgetower_ds.configs import preset
+
+    cfg = preset("debug" if name == "bt_debug" else name)
+    if layers:
+        tower = BT_TOWER_PER_CROSS * layers
+        cfg.num_hidden_layers = layers
+        cfg.text_config.num_hidden_layers = cfg.vision_config.num_hidden_layers = tower
+    return cfg
+
+
+def _bt_batch(cfg, device) -> dict:
+    """One caption and one image of the preset's size, assembled as the training loader assembles a batch."""
+    from bridgetower_ds.batching import BadImageLog, BatchAssembler
+
+    g = torch.Generator().manual_seed(0)
+    t, v = cfg.text_config, cfg.vision_config
+    ids = torch.randint(3, t.vocab_size, (1, BT_CAPTION_TOKENS), generator=g)
+    ids[0, 0], ids[0, -1] = t.bos_token_id, t.eos_token_id
+    pixels = torch.randn(1, v.num_channels, v.image_size, v.image_size, generator=g)
+    assembler = BatchAssembler(size=v.image_size, device=device, world_size=1, pad_to_max=False, min_rows=1,
+                               fill_in=False, bad=BadImageLog("skip"), first_valid=dict)
+    return assembler.assemble(pixels, [0], {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                              torch.zeros(1, dtype=torch.long))
+
+
+def bt_ds_config(dtype: str) -> dict:
+    """ds_configs/bridgetower_zero1_bf16.json (what bridgetower_ds.train runs) at micro batch 1, in `dtype`."""
+    from bridgetower_ds.train import DEFAULT_DS_CONFIG
+    from ds_core.config import read_ds_json, resolve_ds_path
+    from ds_core.device.precision import apply_precision
+
+    cfg = read_ds_json(str(resolve_ds_path(DEFAULT_DS_CONFIG)))
+    cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1)
+    return apply_precision(cfg, dtype, DEFAULT_DS_CONFIG)
+
+
+def _bt(name: str, layers: int, setting: str, dtype: str):
+    """(engine, step function, batch) as bridgetower_ds.train builds them: model, freezing, SDPA, AdamW groups."""
+    from bridgetower_ds import compat
+    from bridgetower_ds.configs import ModelArgs
+    from bridgetower_ds.model import build_model
+    from bridgetower_ds.step import step_fn
+    from ds_core.config.optim import OptimArgs
+    from ds_core.rank.engine import build_engine
+
+    cfg = _bt_config(name, layers)
+    model = build_model(ModelArgs(), config=cfg)
+    model.logit_scale_as_1d()
+    ds_config = bt_ds_config(dtype)
+    lr, wd, _ = compat.resolve_optimizer(OptimArgs(), ds_config, "bench DeepSpeed config")
+    engine = build_engine(model, ds_config, **compat.engine_kwargs(model, OptimArgs(), ds_config, lr, wd, 10**6))
+    return engine, step_fn, _bt_batch(cfg, engine.device)
+
+
+# ---------------------------------------------------------------------------------------------------- counting
+def count(name: str, layers: int, setting: str, dtype: str = "bf16") -> dict:
+    """Both counts (the module's docstring) of one preset: total, DeepSpeed's engine.step (ZeRO + the optimizer) and
+    the optimizer's own step; steps 1-2 warm up, 3 is dispatch-counted, 4-5 profiled."""
+    from ds_core.rank.engine import init_distributed, set_seed
+
+    init_distributed()  # a world of one on a free port
+    set_seed(0)
+    engine, step_fn, batch = (_bt if name in BT_PRESETS else _bert)(name, layers, setting, dtype)
+    opt = engine.optimizer.optimizer
+    inner = type(opt).step
+    for _ in range(2):
+        _train_step(engine, step_fn, batch)
+    counters = {k: OpCounter(where=True) for k in ("total", "engine_step", "optimizer")}
+    opt.step = lambda *a, **k: _in(counters["optimizer"], inner, opt, *a, **k)
+    with counters["total"]:
+        _train_step(engine, step_fn, batch, counters["engine_step"])
     r = {k: {"ops": c.total, "syncs": c.syncs} for k, c in counters.items()}
     r["sync_sites"] = dict(counters["total"].sync_sites)
     r["top_ops"] = dict(counters["total"].ops.most_common(12))
+    opt.step = lambda *a, **k: _in(torch.profiler.record_function(OPT_MARK), inner, opt, *a, **k)
+    r.update(profiled(lambda: _train_step(engine, step_fn, batch), steps=2, warmup=0))
+    del opt.step
     return r
 
 
-def _counted(counter, fn, *a, **k):
-    with counter:
+def _train_step(engine, step_fn, batch, step_region=None) -> None:
+    out = step_fn(engine, batch)
+    engine.backward(out.loss)
+    with step_region or _Nothing():
+        engine.step()
+
+
+def profiled(step, steps: int, warmup: int = 2) -> dict:
+    """torch.profiler over `steps` calls of `step` after `warmup` unprofiled ones: `aten::` events per step inside
+    the steps and inside OPT_MARK regions."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for _ in range(warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function(STEP_MARK):
+                step()
+    return {k: {m: n / steps for m, n in v.items()} for k, v in aten_events(prof.events()).items()}
+
+
+def aten_events(events) -> dict:
+    """{"prof_total" | "prof_optimizer": {"ops": aten:: events, "syncs": aten::_local_scalar_dense events}} among
+    the events inside a STEP_MARK range (and inside an OPT_MARK range); prof_sync_via: for the syncs, the outermost
+    aten op they ran in (aten::item for a `.item()` of ours or a library's; a composite op that syncs inside)."""
+    out = {k: {"ops": 0, "syncs": 0} for k in ("prof_total", "prof_optimizer")}
+    via: collections.Counter = collections.Counter()  # the outermost aten op each .item() runs inside
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        chain, p = [], e.cpu_parent
+        while p is not None:
+            chain.append(p.name)
+            p = p.cpu_parent
+        for key, mark in (("prof_total", STEP_MARK), ("prof_optimizer", OPT_MARK)):
+            if mark in chain:
+                out[key]["ops"] += 1
+                out[key]["syncs"] += e.name == "aten::_local_scalar_dense"
+        if e.name == "aten::_local_scalar_dense" and STEP_MARK in chain:
+            via[next((n for n in reversed(chain) if n.startswith("aten::")), e.name)] += 1
+    out["prof_sync_via"] = dict(via)
+    return out
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _in(region, fn, *a, **k):
+    with region:
         return fn(*a, **k)
+
+
+def extrapolated(name: str, layers: int, setting: str, dtype: str) -> dict:
+    """count() of the whole preset from N and 2N layers: lo + (hi - lo) * (full - N) / N for every count."""
+    lo, hi = count(name, layers, setting, dtype), count(name, 2 * layers, setting, dtype)
+    full = full_depth(name)
+    r = {k: {m: lo[k][m] + (hi[k][m] - lo[k][m]) * (full - layers) / layers for m in ("ops", "syncs")} for k in KEYS}
+    r["sync_sites"], r["prof_sync_via"] = hi["sync_sites"], hi["prof_sync_via"]
+    r["measured_layers"], r["extrapolated_to"] = [layers, 2 * layers], full
+    return r
+
+
+def line(label: str, r: dict) -> str:
+    t, o, p, po = r["total"], r["optimizer"], r["prof_total"], r["prof_optimizer"]
+    return (f"{label:28s} profiler aten:: {p['ops']:8.0f} ops {p['syncs']:3.0f} .item() (optimizer {po['ops']:5.0f} "
+            f"ops {po['syncs']:.0f} .item()) | dispatched {t['ops']:7.0f} ops {t['syncs']:3.0f} .item() (engine.step "
+            f"{r['engine_step']['ops']:6.0f}, optimizer {o['ops']:5.0f} ops {o['syncs']:.0f} .item())")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    ap.add_argument("--presets", default="bert_large,bert_1p5b")
+    ap.add_argument("--presets", default="bert_large,bert_1p5b,bridgetower_large")
     ap.add_argument("--layers", type=int, default=0, help="0: the whole model; N: extrapolate from N and 2N layers")
+    ap.add_argument("--settings", default="before,after", help="BERT's DeepSpeed bf16 settings to count")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                    help="the DeepSpeed JSON's precision; auto: the run's rule on this CPU (ds_core.device.precision: "
+                         "fp32 without native bf16, where bf16 matmuls are emulated ~100x slower; the counts differ "
+                         "by a few ops and one .item() per step, docs/benchmarks.md)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    if a.dtype == "auto":
+        from ds_core.device.precision import resolve_precision
+
+        a.dtype, reason = resolve_precision("auto", "cpu")
+        print(f"[host_ops] {a.dtype}: {reason}", flush=True)
     res = {}
     for name in a.presets.split(","):
-        for setting in SETTINGS:
-            if a.layers:
-                lo, hi = count(name, a.layers, setting), count(name, 2 * a.layers, setting)
-                full = _preset(name, 0).num_hidden_layers
-                r = {k: {m: lo[k][m] + (hi[k][m] - lo[k][m]) * (full - a.layers) // a.layers for m in ("ops", "syncs")}
-                     for k in ("total", "engine_step", "optimizer")}
-                r["sync_sites"], r["measured_layers"] = hi["sync_sites"], [a.layers, 2 * a.layers]
-            else:
-                r = count(name, 0, setting)
+        for setting in (["json"] if name in BT_PRESETS else a.settings.split(",")):
+            r = extrapolated(name, a.layers, setting, a.dtype) if a.layers else count(name, 0, setting, a.dtype)
             res[f"{name}/{setting}"] = r
-            print(f"{name:12s} {setting:6s} total {r['total']['ops']:7d} ops {r['total']['syncs']:2d} .item() | "
-                  f"engine.step {r['engine_step']['ops']:6d} ops {r['engine_step']['syncs']:2d} .item() | "
-                  f"optimizer {r['optimizer']['ops']:5d} ops {r['optimizer']['syncs']} .item()", flush=True)
-        b, f = res[f"{name}/before"]["total"], res[f"{name}/after"]["total"]
-        print(f"{name:12s} after/before: ops {f['ops'] / b['ops']:.3f}, .item() {f['syncs']} vs {b['syncs']}")
-        print("  .item() sites (after):", json.dumps(res[f"{name}/after"]["sync_sites"]))
+            how = f" ({r['measured_layers']}->{r['extrapolated_to']} layers)" if a.layers else ""
+            print(line(f"{name} {setting} {a.dtype}", r) + how, flush=True)
+            print("  .item() sites (dispatched):", json.dumps(r["sync_sites"]), flush=True)
+            print("  .item() inside (profiler, per step):", json.dumps(r["prof_sync_via"]), flush=True)
+    if a.layers:
+        print(f"--layers {a.layers}: counts measured at N and 2N layers and extrapolated linearly to the preset's "
+              "depth (per-layer-linear: every layer dispatches the same ops)")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)

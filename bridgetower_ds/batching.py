@@ -223,9 +223,11 @@ class BadImageLog:
 
 # ---------------------------------------------------------------------------------------------------- assembly
 class BatchAssembler:
-    """Decoded rows -> the batch dict every pipeline yields, on `device`:
-    input_ids [B,T] long, attention_mask [B,T] long, pixel_values [B,3,S,S] float32, pixel_mask [B,S,S] long,
-    index [B] long (dataset row; -1 for fill-in rows, which metrics ignore).
+    """Decoded rows -> the batch dict every pipeline yields: the model's inputs on `device` (input_ids [B,T] long,
+    attention_mask [B,T] long, pixel_values [B,3,S,S] float32, pixel_mask [B,S,S] long) and its bookkeeping on the
+    host (index [B] long: dataset row, -1 for fill-in rows, which metrics ignore; caption_tokens [B] long: each
+    row's non-padding tokens). The step counts samples and tokens from the host tensors: read back from an
+    accelerator, each count would stop the host until the device caught up, every step.
 
     `min_rows`: fewer valid rows than this make no batch (training: 2, so a batch shrunk to one row by bad images
     does not train on a loss of exactly 0; evaluation: 1, every valid row is ranked).
@@ -260,7 +262,7 @@ class BatchAssembler:
             ids, mask = ids[:, :width], mask[:, :width]
         batch = {"input_ids": ids.to(self.device, non_blocking=True),
                  "attention_mask": mask.to(self.device, non_blocking=True),
-                 "index": index.to(self.device, torch.long, non_blocking=True),
+                 "index": index.to("cpu", torch.long), "caption_tokens": mask.to("cpu").sum(dim=1),
                  "pixel_values": pixel_values.to(self.device, torch.float32, non_blocking=True),
                  "pixel_mask": torch.ones((len(keep), self.size, self.size), dtype=torch.long, device=self.device)}
         if remember and self.fill_in_enabled:

@@ -53,6 +53,8 @@ class BridgeTowerContrastive(BridgeTowerForContrastiveLearning):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, pixel_values=None,
                 pixel_mask=None, inputs_embeds=None, image_embeds=None, return_loss=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2 and self.config._attn_implementation == "sdpa":
+            attention_mask = sdpa_padding_mask(attention_mask)
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                               pixel_values=pixel_values, pixel_mask=pixel_mask, inputs_embeds=inputs_embeds,
                               image_embeds=image_embeds, return_loss=False, **kwargs)
@@ -60,6 +62,15 @@ class BridgeTowerContrastive(BridgeTowerForContrastiveLearning):
             out["loss"] = contrastive_loss(out.text_embeds, out.image_embeds, out.cross_embeds, self.logit_scale,
                                            global_negatives=self.global_negatives)
         return out
+
+
+def sdpa_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] padding mask (1 = token) -> the [B, 1, 1, T] boolean mask (True = attend) that transformers' SDPA mask
+    builder makes of it for BridgeTower's text and cross-modal attention (queries broadcast). Given the 2-D mask,
+    the builder first asks `padding_mask.all()` to drop an all-ones mask, a read-back that stops the host until the
+    device caught up, every forward; a 4-D mask is taken as it is. Same attention either way (an all-True mask and
+    no mask attend to every token)."""
+    return attention_mask[:, None, None, :].bool()
 
 
 # ---------------------------------------------------------------------------------------------------- loss
@@ -139,9 +150,12 @@ def load_config(args: ModelArgs) -> BridgeTowerConfig:
     return cfg
 
 
-def build_model(args: ModelArgs) -> BridgeTowerContrastive:
-    """The model in fp32 (DeepSpeed's bf16 section casts it), weights loaded or random, freezing applied."""
-    cfg = load_config(args)
+def build_model(args: ModelArgs, config: BridgeTowerConfig | None = None) -> BridgeTowerContrastive:
+    """The model in fp32 (DeepSpeed's bf16 section casts it), weights loaded or random, freezing applied. `config`:
+    a random-init architecture other than the preset's (benches that build fewer layers than a preset has)."""
+    if config is not None and args.model_name_or_path:
+        raise ConfigError("build_model: pass either a config (random init) or --model_name_or_path, not both")
+    cfg = config if config is not None else load_config(args)
     if args.model_name_or_path:
         model = BridgeTowerContrastive.from_pretrained(
             args.model_name_or_path, config=cfg, local_files_only=True, dtype=torch.float32)

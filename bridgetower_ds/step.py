@@ -1,9 +1,10 @@
 """The training step: batch -> BridgeTower contrastive loss and counts (ds_core.run.loop does backward/step/timing)."""
 from __future__ import annotations
 
-import torch
-
 from ds_core.run.loop import StepOutput
+
+# What the model reads of a batch; the rest (index, caption_tokens, pixel_mask) is bookkeeping that stays where it is.
+MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values")
 
 
 def step_fn(engine, batch: dict) -> StepOutput:
@@ -14,13 +15,22 @@ def step_fn(engine, batch: dict) -> StepOutput:
     Samples and tokens count real rows only: a fill-in batch (index -1, data.CaptionData on several ranks) repeats
     seen samples to keep the ranks in step and counts 0. Tokens are the non-padding caption tokens.
     """
-    # Counted from the batch as the loader made it (index and tokens are CPU tensors): reading a count back from the
-    # accelerator would stop the host until the device caught up, twice a step.
-    mask = batch["attention_mask"]
-    real = batch["index"] >= 0 if "index" in batch else torch.ones(mask.shape[0], dtype=torch.bool)
-    samples, tokens = int(real.sum()), int(mask[real.to(mask.device)].sum())
+    samples, tokens = real_counts(batch)
     device = engine.device
-    b = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    out = engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"], pixel_values=b["pixel_values"],
-                 return_loss=True)
+    b = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS}
+    out = engine(**b, return_loss=True)
     return StepOutput(loss=out.loss, samples=samples, tokens=tokens)
+
+
+def real_counts(batch: dict) -> tuple[int, int]:
+    """(samples, caption tokens) of the batch's real rows (index >= 0), from the host tensors the loader made
+    (batching.BatchAssembler: index and caption_tokens stay on the host). Read as Python lists, not reduced by torch:
+    a torch reduction is ops and a `.item()` per count every step, and on an accelerator a read-back stops the host
+    until the device caught up. A batch without caption_tokens (built elsewhere) counts from its attention_mask."""
+    lengths = batch.get("caption_tokens")
+    if lengths is None:
+        lengths = batch["attention_mask"].sum(dim=1)
+    lengths = lengths.tolist()
+    index = batch["index"].tolist() if "index" in batch else [0] * len(lengths)
+    real = [n for i, n in zip(index, lengths) if i >= 0]
+    return len(real), int(sum(real))

@@ -14,17 +14,21 @@ SYNC_OPS = ("aten._local_scalar_dense",)  # .item(), .tolist(), float(t), bool(t
 
 class OpCounter(TorchDispatchMode):
     """ops: Counter of aten op names; syncs: count of host syncs, with the innermost project / library frame of each
-    in sync_sites (where it came from) when `where` is set."""
+    in sync_sites (where it came from) when `where` is set; with `sites` set, every op's frame as well, in op_sites
+    (a stack walk per op: for finding where a step's ops come from, not for counting a large region often)."""
 
-    def __init__(self, where: bool = False):
+    def __init__(self, where: bool = False, sites: bool = False):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
         self.sync_sites: collections.Counter = collections.Counter()
-        self.where = where
+        self.op_sites: collections.Counter = collections.Counter()
+        self.where, self.sites = where or sites, sites
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket.__name__)
         self.ops[name] += 1
+        if self.sites:
+            self.op_sites[_site()] += 1
         if name == "_local_scalar_dense" and self.where:
             self.sync_sites[_site()] += 1
         return func(*args, **(kwargs or {}))

@@ -145,3 +145,27 @@ def test_vision_self_attention_forward_equals_torchs_and_falls_back():
     want = stock(x, x, x, key_padding_mask=mask, need_weights=False)[0]
     assert torch.equal(lean(x, x, x, key_padding_mask=mask, need_weights=False)[0], want)
     assert lean(x, x, x)[1] is not None  # need_weights=True: torch's forward, attention weights returned
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_sdpa_forward_reads_no_mask_back_and_equals_the_2d_mask_path(padded):
+    """BridgeTowerContrastive hands SDPA the 4-D boolean padding mask (model.sdpa_padding_mask): transformers' mask
+    builder, given the 2-D mask, reads `mask.all()` back from the device every forward to drop an all-ones mask.
+    The embeddings equal those of transformers' forward on the 2-D mask; without padding that path runs SDPA with
+    no mask, so the two differ by the kernels' summation order (TOL)."""
+    from transformers import BridgeTowerForContrastiveLearning
+
+    from ds_tools.op_count import OpCounter
+
+    model, batch = _model_and_batch()
+    use_sdpa(model)
+    if not padded:
+        batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    with OpCounter(where=True) as count:
+        out = model(**batch)
+        out["loss"].backward()
+    assert count.syncs == 0, dict(count.sync_sites)
+    with torch.no_grad():
+        stock = BridgeTowerForContrastiveLearning.forward(model, **{**batch, "return_loss": False})
+    for k in ("text_embeds", "image_embeds", "cross_embeds"):
+        assert (out[k].detach() - stock[k]).abs().max() <= TOL, k

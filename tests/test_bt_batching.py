@@ -68,6 +68,31 @@ def _assembler(world=1, pad_to_max=False, min_rows=2, fill_in=True, first_valid=
                             fill_in=fill_in, bad=B.BadImageLog("skip"), first_valid=first_valid or (lambda: None))
 
 
+def test_batch_on_an_accelerator_keeps_its_counts_on_the_host():
+    """The model's inputs go to the device; index and caption_tokens stay on the host, so the step counts samples and
+    tokens without reading anything back from the device. The device here is meta: any read-back from it raises."""
+    from bridgetower_ds.step import step_fn
+
+    class MetaEngine:
+        device = torch.device("meta")
+
+        def __call__(self, input_ids, attention_mask, pixel_values, return_loss):
+            assert {t.device.type for t in (input_ids, attention_mask, pixel_values)} == {"meta"}
+            return SimpleNamespace(loss=torch.zeros((), device="meta"))
+
+    toks = _tokens(tiny_tokenizer(), ["a cat", "a small dog sleeps", "x"], False)
+    lengths = toks["attention_mask"].sum(dim=1).tolist()
+    assembler = B.BatchAssembler(size=4, device="meta", world_size=2, pad_to_max=False, min_rows=2, fill_in=True,
+                                 bad=B.BadImageLog("skip"), first_valid=lambda: None)
+    batch = assembler.assemble(torch.randn(2, 3, 4, 4), [0, 1], toks, torch.tensor([7, 8, 9]))  # row 2 dropped
+    assert batch["input_ids"].device.type == batch["pixel_values"].device.type == "meta"
+    assert batch["index"].tolist() == [7, 8] and batch["caption_tokens"].tolist() == lengths[:2]
+    out = step_fn(MetaEngine(), batch)
+    assert (out.samples, out.tokens) == (2, sum(lengths[:2])) and out.loss.device.type == "meta"
+    filler = step_fn(MetaEngine(), assembler.fill_in())  # repeated rows: counted as nothing
+    assert (filler.samples, filler.tokens) == (0, 0)
+
+
 def test_padding_policy_is_decided_once_and_dropped_rows_do_not_widen_the_batch():
     assert B.pad_to_max_length(False, "cpu") is False and B.pad_to_max_length(True, "cpu") is True
     assert B.pad_to_max_length(False, torch.device("hpu")) is True  # static shapes on Gaudi

@@ -1,0 +1,28 @@
+"""bench.host_ops: a BridgeTower step fed the loader's batch reads no count back with `.item()` (bridgetower_ds keeps
+the counts' tensors on the host), and the counts grow by the same amount with every layer (the premise of --layers,
+which measures N and 2N layers and extrapolates). Real DeepSpeed engine, bridgetower_ds's tiny preset, one CPU rank;
+op counts, not times."""
+from __future__ import annotations
+
+import pytest
+
+
+def test_bridgetower_step_has_no_item_of_ours():
+    from bench.host_ops import count
+
+    r = count("bt_debug", 0, "json", "fp32")
+    sites = r["sync_sites"]
+    assert sites and not any("bridgetower_ds/" in s for s in sites), sites  # DeepSpeed's and transformers' remain
+    assert r["prof_total"]["ops"] > r["total"]["ops"]  # the profiler sees nested ops and views too
+    assert r["prof_total"]["syncs"] >= r["total"]["syncs"]
+
+
+@pytest.mark.slow
+def test_bridgetower_counts_are_linear_in_layers():
+    from bench.host_ops import count
+
+    runs = {n: count("bt_debug", n, "json", "fp32") for n in (1, 2, 3)}
+    for key in ("total", "engine_step", "prof_total"):
+        ops = [runs[n][key]["ops"] for n in (1, 2, 3)]
+        assert ops[1] - ops[0] == ops[2] - ops[1] > 0, (key, ops)
+        assert runs[1][key]["syncs"] == runs[3][key]["syncs"], key  # per step, not per layer
