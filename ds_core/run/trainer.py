@@ -247,9 +247,10 @@ class Trainer:
 
     def _read_now(self, step: int) -> bool:
         """Whether step's values are needed at once: a logging step (its record, timed after a device sync anyway),
-        the throughput warm-up (the window opens at its end), an evaluation, a save, the end of the run."""
+        the last throughput warm-up step (the window opens at its end), an evaluation, a save, the end of the run.
+        The other warm-up steps read late like any step: --profile_steps profiles them as the steady state runs."""
         cfg, done = self.cfg, step - self.pos.step
-        return (step % cfg.log_every == 0 or done <= cfg.throughput_warmup_steps or self.evaluation.due(step)
+        return (step % cfg.log_every == 0 or done == cfg.throughput_warmup_steps or self.evaluation.due(step)
                 or self.checkpoints.due(step) or self._at_end()
                 or bool(cfg.max_steps_this_run and done >= cfg.max_steps_this_run))
 
