@@ -77,7 +77,7 @@ bench: $(STAMP)
 	$(PY) -m bench.zero_memory
 	$(PY) -m bench.phase_overhead
 	$(PY) -m bench.startup
-	$(PY) -m bench.host_ops --presets bert_large,bert_1p5b --layers 1
+	$(PY) -m bench.host_ops --presets bert_large,bert_1p5b,bridgetower_large --settings after --layers 1
 
 # every wheel the toolkit needs beyond BASE (the packages the target already has), for Python PY_VER on PLATFORM;
 # DeepSpeed built here from its sdist (needs this machine's venv: pip, packaging, torch for DeepSpeed's setup.py).
