@@ -303,6 +303,13 @@ def _mpi_env(tmp_path: Path, bindir: Path, mpi_bin: str, marker: str) -> dict:
     env = _setup(tmp_path, bindir, marker=marker)
     (tmp_path / "rdv_probe.py").write_text(RDV_PROBE.format(marker=MARKER))
     env["PATH"] = os.pathsep.join([str(bindir), mpi_bin, env["PATH"]])
+    # MPICH's mpirun hands the ranks this PATH, whose mpi_bin (the venv's bin) has the pip ninja: the ranks would
+    # JIT-build DeepSpeed's shm op with it while every other test's ranks use the ninja first on the suite's PATH.
+    # Two ninja versions hash one build command differently and each rebuilds the shared op cache the other wrote (a
+    # minute or two, here and again in the next test), so the ranks get the suite's ninja, ahead of mpi_bin.
+    suite_ninja = shutil.which("ninja", path=os.environ.get("PATH", ""))
+    if suite_ninja and not (bindir / "ninja").exists():
+        (bindir / "ninja").symlink_to(suite_ninja)
     return env
 
 
