@@ -244,8 +244,10 @@ while args.hold:
 shutdown_distributed()
 end_process(0)  # as every rank entry ends (ds_core.rank.process_end.run_main)
 '''
-# the held all-reduces' timeout (the rendezvous has its own, long one: RDV_PROBE) and launch.guard's grace
-HOLD_TIMEOUT_S, GRACE_S = 20, 10
+# the held all-reduces' timeout (the rendezvous has its own, long one: RDV_PROBE) and launch.guard's grace. The
+# running ranks all-reduce every 0.2 s in lock-step, so 10 s without a peer is a frozen peer even on a loaded
+# machine; every frozen-rank test waits this long, so it is kept short.
+HOLD_TIMEOUT_S, GRACE_S = 10, 5
 
 
 def _start(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:
