@@ -244,8 +244,10 @@ while args.hold:
 shutdown_distributed()
 end_process(0)  # as every rank entry ends (ds_core.rank.process_end.run_main)
 '''
-# the held all-reduces' timeout (the rendezvous has its own, long one: RDV_PROBE) and launch.guard's grace
-HOLD_TIMEOUT_S, GRACE_S = 20, 10
+# the held all-reduces' timeout (the rendezvous has its own, long one: RDV_PROBE) and launch.guard's grace. The
+# running ranks all-reduce every 0.2 s in lock-step, so 10 s without a peer is a frozen peer even on a loaded
+# machine; every frozen-rank test waits this long, so it is kept short.
+HOLD_TIMEOUT_S, GRACE_S = 10, 5
 
 
 def _start(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:
@@ -303,6 +305,13 @@ def _mpi_env(tmp_path: Path, bindir: Path, mpi_bin: str, marker: str) -> dict:
     env = _setup(tmp_path, bindir, marker=marker)
     (tmp_path / "rdv_probe.py").write_text(RDV_PROBE.format(marker=MARKER))
     env["PATH"] = os.pathsep.join([str(bindir), mpi_bin, env["PATH"]])
+    # MPICH's mpirun hands the ranks this PATH, whose mpi_bin (the venv's bin) has the pip ninja: the ranks would
+    # JIT-build DeepSpeed's shm op with it while every other test's ranks use the ninja first on the suite's PATH.
+    # Two ninja versions hash one build command differently and each rebuilds the shared op cache the other wrote (a
+    # minute or two, here and again in the next test), so the ranks get the suite's ninja, ahead of mpi_bin.
+    suite_ninja = shutil.which("ninja", path=os.environ.get("PATH", ""))
+    if suite_ninja and not (bindir / "ninja").exists():
+        (bindir / "ninja").symlink_to(suite_ninja)
     return env
 
 

@@ -10,10 +10,10 @@ TINY_SIGNAL_AT_STEP=k (with TINY_SIGNAL_RANK=r, TINY_SIGNAL=SIGTERM|SIGUSR1) mak
 during optimizer step k; TINY_DROPOUT_DUMP=DIR saves each rank's first dropout mask (embeddings) to DIR;
 TINY_DISK_FULL_AT=k makes every rank's checkpoint writer fail with ENOSPC at step k (where no tmpfs can be mounted).
 TINY_SAMPLE_LOG=DIR appends each rank's trained sample indices to DIR/samples_rank{r}.txt; TINY_DUMP_OPT=FILE saves
-the full fp32 master weights and Adam moments after training (rank 0), TINY_DUMP_OPT_ON_RESUME=FILE right after a
-resume loaded the checkpoint; TINY_NO_RESIZE=1 uses a data source without
-load_state_dicts. TINY_SLOW_RANK=r (with TINY_SLOW_S=seconds, default 0.2) makes rank r sleep that long in each
-forward: a straggler the other ranks wait for (ds_core.outputs.phases' wait_s).
+the full fp32 master weights and Adam moments after training (rank 0), TINY_DUMP_OPT_AT_SAVE=FILE right after each
+checkpoint save (the last save's stays), TINY_DUMP_OPT_ON_RESUME=FILE right after a resume loaded the checkpoint;
+TINY_NO_RESIZE=1 uses a data source without load_state_dicts. TINY_SLOW_RANK=r (with TINY_SLOW_S=seconds, default
+0.2) makes rank r sleep that long in each forward: a straggler the others wait for (ds_core.outputs.phases' wait_s).
 TINY_NAN_GRAD_STEPS="3,7-" makes the gradients (not the loss) NaN at optimizer step 3 and from step 7 on;
 TINY_KILL_AFTER_COMPLETE=k makes rank 0 kill -9 itself right after the checkpoint of step k is complete.
 """
@@ -266,6 +266,15 @@ def main(argv=None) -> dict:
                 torch.save(mask.cpu(), os.path.join(dump, f"mask_rank{dist.rank}.pt"))
 
         engine.module.bert.embeddings.dropout.register_forward_hook(keep_first_mask)
+    if os.environ.get("TINY_DUMP_OPT_AT_SAVE"):  # the optimizer state a checkpoint holds, while training goes on
+        real_save_dump = engine.save_checkpoint
+
+        def save_then_dump(*a, **kw):
+            out = real_save_dump(*a, **kw)
+            dump_optimizer(engine, os.environ["TINY_DUMP_OPT_AT_SAVE"], dist.rank)
+            return out
+
+        engine.save_checkpoint = save_then_dump
     if os.environ.get("TINY_DUMP_OPT_ON_RESUME"):  # the optimizer state as the checkpoint load left it
         real_load = data.load_state_dicts
 
