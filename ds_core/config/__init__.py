@@ -97,7 +97,7 @@ class TrainConfig:
     precision: str = arg("Compute dtype: auto (bf16 on CUDA/HPU and on CPUs with native bf16, else fp32), bf16 or "
                          "fp32; switches the DeepSpeed JSON's bf16 section (ds_core.device.precision).", default="auto")
     compile: str = arg("torch.compile the model's forward through DeepSpeed's engine.compile (inductor): on, off, or "
-                       "auto (off until a GPU measurement shows the compiled step faster; docs/compile.md).",
+                       "auto (on where the model measured its compiled step faster: BERT on CUDA; docs/compile.md).",
                        default="auto")
 
     def validate(self) -> None:
