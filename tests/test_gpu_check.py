@@ -26,7 +26,10 @@ def test_plan_keeps_the_order_and_drops_what_does_not_fit():
     assert est["tests"] > est["bert_1p5b"]
     assert [p for p, _, f in gpu_check.plan(gpu_check.PARTS, "gpu", room)] == list(gpu_check.PARTS)
     assert [f for _, _, f in gpu_check.plan(gpu_check.PARTS, "gpu", room)] == [True, True, False, True]
-    assert not any(f for _, _, f in gpu_check.plan(gpu_check.PARTS, "gpu", est["bert_large"] - 1))
+    assert not any(f for _, _, f in gpu_check.plan(gpu_check.PARTS, "gpu", min(est.values()) - 1))
+    # the most valuable part does not fit: cheaper ones after it still run while they fit (bridgetower, bert_1p5b)
+    no_first = gpu_check.plan(gpu_check.PARTS, "gpu", est["bert_large"] - 1)
+    assert [f for _, _, f in no_first] == [False, True, False, True]
 
 
 def test_a_budget_too_small_skips_every_part_with_its_estimate(tmp_path):
