@@ -45,7 +45,12 @@ def start(args) -> dict:
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)  # DeepSpeed's bf16 / ZeRO wrappers hold the basic optimizer
     out.update(optimizer=f"{type(inner).__module__}.{type(inner).__name__}", bf16=engine.bfloat16_enabled(),
-               param_dtype=str(next(engine.module.parameters()).dtype).replace("torch.", ""))
+               param_dtype=str(next(engine.module.parameters()).dtype).replace("torch.", ""),
+               flat_layout=getattr(engine, "flat_layout", None),
+               # views into DeepSpeed's flat buffers whose size allows 16-byte alignment but that do not have it
+               # (cuBLAS's slow align1 GEMM kernels on a GPU)
+               misaligned=[n for n, p in engine.module.named_parameters()
+                           if p.numel() % 8 == 0 and p.data_ptr() % 16])
     batch = {k: v.to(dist.device) for k, v in _batch(debug_tokenizer()).items()}
     losses = []
     for _ in range(2):

@@ -6,7 +6,8 @@ any dtype wider than a byte: transformers' BridgeTowerForContrastiveLearning can
 deepspeed.initialize, in bf16 or fp32, on any number of ranks. The control shows that refusal (if a DeepSpeed release
 stops making it, the control fails and docs/bridgetower.md's paragraph about it is due for a change); the run as
 bridgetower_ds.train does it (logit_scale_as_1d: a [1] parameter inside the engine) trains in bf16 on both ranks, and
-its state_dict keeps the published checkpoint's 0-dim layout."""
+its state_dict keeps the published checkpoint's 0-dim layout, and no weight after it in DeepSpeed's flat
+buffer is pushed off 16-byte alignment."""
 from __future__ import annotations
 
 import json
@@ -45,5 +46,8 @@ def test_logit_scale_as_1d_trains_in_bf16_on_two_ranks_and_saves_it_0dim(tmp_pat
         assert r["world"] == 2 and r["bf16"] and r["param_dtype"] == "bfloat16" and r["logit_scale_shape"] == [1]
         assert len(r["losses"]) == 2 and all(0 < x < 10 for x in r["losses"])
         assert r["saved_logit_scale_shape"] == []  # the published checkpoint's layout (transformers: 0-dim)
+        # the [1] logit_scale, first in model order, is placed last in ZeRO's flat buffer: every weight after it
+        # keeps the 16-byte alignment cuBLAS's fast GEMM kernels need (ds_core.rank.engine.odd_sizes_last)
+        assert r["flat_layout"] == "odd sizes last: logit_scale" and r["misaligned"] == [], r
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the same batch on both ranks, one set of weights
     assert ranks[0]["logit_scale_after"] == ranks[1]["logit_scale_after"]

@@ -2,7 +2,10 @@
 import os
 import time
 
-from ds_core.rank.engine import cpu_shm_buffer_name, stale_build_locks
+import torch
+
+from ds_core.checkpoint import describe_mismatch
+from ds_core.rank.engine import cpu_shm_buffer_name, flat_layout, odd_sizes_last, stale_build_locks
 
 
 def test_stale_build_locks_finds_old_locks_only(tmp_path, monkeypatch):
@@ -26,3 +29,40 @@ def test_cpu_shm_buffer_name_follows_deepspeed_layout(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert cpu_shm_buffer_name(3) == f"deepspeed_allreduce_buffer_{os.getuid()}_10.0.0.1_29500_3"
+
+
+def _model_with_odd_sizes() -> torch.nn.Module:
+    m = torch.nn.Module()
+    m.scale = torch.nn.Parameter(torch.ones(1))  # first in model order, as BridgeTower's logit_scale
+    m.a = torch.nn.Linear(16, 8)
+    m.head = torch.nn.Linear(8, 3)  # weight 24 elements (aligned), bias 3 (not)
+    return m
+
+
+def test_odd_sizes_last_keeps_every_aligned_size_on_an_aligned_offset():
+    m = _model_with_odd_sizes()
+    groups = [{"params": [m.scale, m.a.weight, m.head.weight], "weight_decay": 0.1},
+              {"params": [m.a.bias, m.head.bias], "weight_decay": 0.0}]
+    out, moved = odd_sizes_last(m, groups)
+    assert [g["weight_decay"] for g in out] == [0.1, 0.0]  # the groups' settings are kept
+    assert out[0]["params"] == [m.a.weight, m.head.weight, m.scale] and out[1]["params"] == [m.a.bias, m.head.bias]
+    assert moved == ["scale"]  # head.bias is already last: nothing moves there
+    for g in out:  # the offsets DeepSpeed's flat buffer gives each view
+        offset = 0
+        for p in g["params"]:
+            assert p.numel() % 8 or offset % 8 == 0, (p.shape, offset)
+            offset += p.numel()
+    plain, moved_plain = odd_sizes_last(m, list(m.parameters()))
+    assert plain == [m.a.weight, m.a.bias, m.head.weight, m.scale, m.head.bias]
+    assert moved_plain == ["scale", "head.bias"] and odd_sizes_last(m, plain)[1] == []
+
+
+def test_a_checkpoint_in_another_flat_order_is_refused_and_old_ones_in_model_order_load():
+    def fp(layout=None):
+        d = {"param_shapes": {"w": [8]}, "zero_stage": 1, "optimizer_class": "AdamW"}
+        return d if layout is None else dict(d, flat_layout=layout)
+    moved = flat_layout(["logit_scale"])
+    assert describe_mismatch(fp(), fp(flat_layout([]))) == []  # written before the key existed, nothing moved
+    assert describe_mismatch(fp(moved), fp(moved)) == []
+    diffs = describe_mismatch(fp(), fp(moved))
+    assert len(diffs) == 1 and "flat_layout" in diffs[0] and "logit_scale" in diffs[0]

@@ -77,7 +77,14 @@ def model_fingerprint(engine, zero_stage: int) -> dict:
         shape = getattr(p, "ds_shape", None) or p.shape  # ZeRO-3 keeps the full shape in ds_shape
         shapes[name] = list(shape)
     return {"param_shapes": shapes, "zero_stage": zero_stage, "dp_world_size": engine.dp_world_size,
-            "optimizer_class": type(_base_optimizer(engine)).__name__}
+            "optimizer_class": type(_base_optimizer(engine)).__name__,
+            "flat_layout": getattr(engine, "flat_layout", MODEL_ORDER)}
+
+
+# The parameter order in DeepSpeed's flat buffers (ds_core.rank.engine.flat_layout). Checkpoints written before the
+# key existed used the model's order: absent means that, so they load where nothing moved and are refused where
+# something did (their optimizer state would land on other parameters).
+MODEL_ORDER = "model order"
 
 
 # Recorded in the fingerprint, compared elsewhere: a data-parallel size change is a resize, not a mismatch.
@@ -101,7 +108,11 @@ def describe_mismatch(saved: dict, current: dict) -> list[str]:
     changed = [f"{n}: checkpoint {a[n]}, this run {b[n]}" for n in sorted(set(a) & set(b)) if a[n] != b[n]]
     if changed:
         diffs.append(f"{len(changed)} parameter shape(s) differ, e.g. " + "; ".join(changed[:3]))
-    for key in sorted(set(saved) - {"param_shapes", "zero_stage"} - NOT_COMPARED):
+    if saved.get("flat_layout", MODEL_ORDER) != current.get("flat_layout", MODEL_ORDER):
+        diffs.append(f"flat_layout: checkpoint {saved.get('flat_layout', MODEL_ORDER)!r}, this run "
+                     f"{current.get('flat_layout', MODEL_ORDER)!r} (the order of the parameters in DeepSpeed's flat "
+                     f"optimizer buffers; the optimizer state would load onto other parameters)")
+    for key in sorted(set(saved) - {"param_shapes", "zero_stage", "flat_layout"} - NOT_COMPARED):
         if saved.get(key) != current.get(key):
             diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}")
     return diffs
