@@ -10,7 +10,8 @@ every measurement, so a killed call keeps what it had:
   bert_large   BERT-Large phase 1 (seq 128, bf16, ZeRO-1, NVLAMB) at micro batch 256 (NVIDIA's phase-1 micro batch
                per GPU on 80 GB cards), halved while it does not fit (down to 16): bench.bert_step, ours and
                transformers Trainer on the same model, data and optimizer, at accumulation 8 (the recipe's
-               per-GPU step, the optimizer amortised), ours compiled (`--compile on`) at 8, and both at 1 (the optimizer's share); each window profiled over 2 warm-up steps.
+               per-GPU step, the optimizer amortised), ours compiled (`--compile on`) at 8, and both at 1 (the
+               optimizer's share); each window profiled over 2 warm-up steps.
   bridgetower  BridgeTower-Large architecture (random init, 294 px, bf16, ZeRO-1, batch 48) through
                `python -m bridgetower_ds.train` with the device image pipeline (and the host one with `--part
                bridgetower`) at 2 dataloader workers (the published best), and the plain transformers Trainer
