@@ -205,7 +205,7 @@ def part_bert_large(ctx: Ctx) -> dict:
                                               "--precision", "fp32", "--profile_steps", "2"]
     else:
         tries, accums = [256, 128, 64, 32, 16], (8, 1)
-        common = ["--model", "bert_large", "--steps", "6", "--warmup", "5", "--threads", "0", "--precision", "bf16",
+        common = ["--model", "bert_large", "--steps", "4", "--warmup", "4", "--threads", "0", "--precision", "bf16",
                   "--profile_steps", "2"]
     cells = [(f"accum{accums[0]}", accums[0], []),
              (f"accum{accums[0]}_compiled", accums[0], ["--compile", "on", "--skip_trainer"]),

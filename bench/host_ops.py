@@ -15,7 +15,9 @@ Two counts, not comparable with each other:
 2N layers and extrapolates linearly to the preset's depth (every layer dispatches the same ops). For BERT N is the
 number of encoder layers; for BridgeTower N is the number of cross-modal layers, with text and vision towers 4N deep
 (the Large preset's 24 : 24 : 6), extrapolated to 6. BERT's --settings compare DeepSpeed's default
-("bf16": {"check_grad_overflow": true}) with ds_configs/*_bf16.json's (false); BridgeTower uses its JSON as it is."""
+("bf16": {"check_grad_overflow": true}) with ds_configs/*_bf16.json's (false) in a bench JSON that clips in
+DeepSpeed at 1.0, and count the preset's recipe JSON as bert_ref.train runs it ("recipe": clipping inside NVLAMB /
+LANS, DeepSpeed's clip 0); BridgeTower uses its JSON as it is."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +33,10 @@ from ds_tools.op_count import OpCounter
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 SETTINGS = {"before": {"check_grad_overflow": True}, "after": {"check_grad_overflow": False}}
+# "recipe": the preset's own DeepSpeed JSON as bert_ref.train runs it (gradient_clipping 0: NVLAMB / LANS clip on the
+# device; fp32 gradient accumulation), at micro batch 1
+RECIPE_JSON = {"bert_large": "bert_large_zero1_bf16.json", "bert_1p5b": "bert_1p5b_zero1_bf16.json",
+               "debug": "bert_debug_zero1_bf16.json"}
 BT_PRESETS = ("bridgetower_large", "bridgetower_base", "bt_debug")  # bt_debug: bridgetower_ds's `debug` preset
 BT_TOWER_PER_CROSS = 4  # text and vision layers per cross-modal layer when --layers shrinks BridgeTower-Large
 BT_CAPTION_TOKENS = 40  # a caption's padded length; the op count does not depend on it
@@ -70,8 +76,16 @@ def _bert(name: str, layers: int, setting: str, dtype: str):
     from bert_ref.step import step_fn
 
     preset = _preset(name, layers)
-    cfg = bench_ds_config(1, 1, 1, dtype)
-    cfg["bf16"].update(SETTINGS[setting])
+    if setting == "recipe":
+        from ds_core.config import DS_CONFIG_DIR
+        from ds_core.device.precision import apply_precision
+
+        cfg = json.loads((DS_CONFIG_DIR / RECIPE_JSON[name]).read_text())
+        cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1)
+        cfg = apply_precision(cfg, dtype, RECIPE_JSON[name])
+    else:
+        cfg = bench_ds_config(1, 1, 1, dtype)
+        cfg["bf16"].update(SETTINGS[setting])
     return bench_engine(preset, cfg, PUBLISHED[name][1].optimizer), step_fn, _batch(preset)
 
 
@@ -235,7 +249,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--presets", default="bert_large,bert_1p5b,bridgetower_large")
     ap.add_argument("--layers", type=int, default=0, help="0: the whole model; N: extrapolate from N and 2N layers")
-    ap.add_argument("--settings", default="before,after", help="BERT's DeepSpeed bf16 settings to count")
+    ap.add_argument("--settings", default="before,after,recipe",
+                    help="BERT's DeepSpeed configs to count: before / after (a bench JSON with DeepSpeed's clip at 1.0 "
+                         "and its bf16 overflow check on / off), recipe (the preset's ds_configs JSON)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                     help="the DeepSpeed JSON's precision; auto: the run's rule on this CPU (ds_core.device.precision: "
                          "fp32 without native bf16, where bf16 matmuls are emulated ~100x slower; the counts differ "

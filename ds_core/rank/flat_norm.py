@@ -1,0 +1,99 @@
+"""DeepSpeed's global gradient norm over its flat fp32 gradient buffer, not one norm per parameter tensor.
+
+Both of DeepSpeed 0.19's ZeRO-1 optimizers for bf16 weights keep the fp32 gradients in flat buffers and then, at every
+optimizer step, compute the global norm one tensor at a time: ~20 host ops and 3-5 kernel launches per tensor (~8,000
+host ops per BERT-Large step on the CPU proxy), work that grows with the number of tensors and bounds a GPU's step.
+- BF16_Optimizer (ZeRO-1 with "data_types": {"grad_accum_dtype": "fp32"}, the BERT JSONs): every rank holds the
+  full reduced gradient in fp32_groups_gradients_flat; get_grads_for_norm returns a view per parameter, which
+  get_global_norm_of_tensors norms one by one in float32 and stacks. Here it returns the group's flat buffer instead:
+  the same float32 norm over the same numbers (padding is zeros, and a tensor without a gradient has zeros there:
+  the buffer is zeroed after every step), and for clipping the same in-place scale of the same memory.
+- DeepSpeedZeroOptimizer (ZeRO-1/2 otherwise, e.g. BridgeTower's JSON): with fp32 accumulation of bf16 gradients
+  each group's partition is one GradPartitionBufferGroup.flat_partition, and get_grad_norm_direct norms its views one
+  by one in float64; here the flat partition's sum of squares, float64 in a few chunks (no float64 copy of the whole
+  partition), all-reduced over the data-parallel group and masked as DeepSpeed masks a non-finite norm.
+DeepSpeed has no setting for either (zero_optimization.compute_grad_norm=false drops the norm, which NVLAMB / LANS
+clip by and the metrics log), so the methods are replaced on the engine's optimizer instance. Where DeepSpeed's norm
+has more to do (model or pipeline parallelism, MoE, CPU offload, another norm type, no flat buffer) its own method
+stays.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CHUNK = 1 << 26  # elements per float64 temporary (512 MB): a few chunks for a BERT-Large partition
+
+
+def use_flat_grad_norm(engine: Any) -> bool:
+    """Install the flat-buffer norm on the engine's ZeRO-1/2 or bf16 optimizer where it applies; True if it did."""
+    try:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.constants import PIPE_REPLICATED
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    except ImportError:
+        return False
+    from deepspeed.comm import pg_utils
+
+    opt = engine.optimizer
+    if getattr(opt, "has_moe_layers", False) or getattr(opt, "mpu", None) is not None:
+        return False
+    if isinstance(opt, BF16_Optimizer):
+        if any(getattr(p, PIPE_REPLICATED, False) for g in opt.bf16_groups for p in g):
+            return False
+        per_tensor = opt.get_grads_for_norm
+
+        def get_grads_for_norm(for_clipping=False):
+            if getattr(opt, "_uses_muon", False):
+                return per_tensor(for_clipping)
+            flats = list(opt.fp32_groups_gradients_flat)
+            if for_clipping:  # scaled in place: the same memory as the per-parameter views
+                return flats
+            # one small tensor whose norm is the global norm: the chunks' norms (float64 sums of squares), which
+            # get_global_norm_of_tensors then norms in float32 as it norms each tensor
+            return [torch.cat([chunk_norms(f.view(-1)) for f in flats])], {}
+
+        opt.get_grads_for_norm = get_grads_for_norm
+        return True
+    if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload:
+        return False
+    if pg_utils.is_parallel(getattr(opt, "model_parallel_group", None)):
+        return False
+    if any(getattr(p, PIPE_REPLICATED, False) for g in opt.params_in_partition for p in g):
+        return False
+    per_tensor_direct = opt.get_grad_norm_direct  # DeepSpeed's, for every case this does not cover
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        flat = getattr(gradients, "flat_partition", None)
+        if flat is None or float(norm_type) != 2.0:
+            return per_tensor_direct(gradients, params, norm_type)
+        return flat_global_norm(flat.view(-1), opt.dp_process_group, opt.device)
+
+    opt.get_grad_norm_direct = get_grad_norm_direct
+    return True
+
+
+def chunk_norms(flat: torch.Tensor) -> torch.Tensor:
+    """The L2 norms of the flat tensor's CHUNK-element pieces, each accumulated in DeepSpeed's norm dtype (float64
+    where the device has it), as a 1-D tensor of that dtype: sqrt(sum(result**2)) is the norm of the whole."""
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    dtype = get_norm_dtype()
+    return torch.stack([torch.linalg.vector_norm(c.to(dtype)) for c in flat.split(CHUNK)])
+
+
+def flat_global_norm(flat: torch.Tensor, group: Any, device: Any) -> torch.Tensor:
+    """sqrt(sum over ranks of sum(flat**2)) as DeepSpeed's get_grad_norm_direct returns it: a float32 0-d tensor on
+    the device, -1 where it is not finite (deepspeed.runtime.utils.mask_nan_or_inf_with_val_inplace)."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+
+    total = chunk_norms(flat).pow(2).sum().float()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    total = total.pow(0.5)
+    mask_nan_or_inf_with_val_inplace(total, device=device)
+    return total
+
+
+__all__ = ["use_flat_grad_norm", "chunk_norms", "flat_global_norm", "CHUNK"]
