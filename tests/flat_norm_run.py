@@ -4,7 +4,9 @@ tests/test_flat_norm.py:
 
     python -m launch.local_ranks -n 2 tests/flat_norm_run.py OUT_DIR STAGE
 
-STAGE 1: DeepSpeed's BF16_Optimizer (what ZeRO-1 with these data types runs); 2: DeepSpeedZeroOptimizer. Each rank
+STAGE 1: DeepSpeed's BF16_Optimizer (what ZeRO-1 with these data types runs); 2: DeepSpeedZeroOptimizer with its flat
+fp32 gradient partition; 1-bf16acc: ZeRO-1 with bf16 gradient accumulation (BridgeTower's JSON), DeepSpeedZeroOptimizer
+with per-tensor gradient views. Each rank
 trains one step on its own batch, then, at the boundary (after backward, before engine.step), evaluates both methods
 on the same gradients and counts their aten ops; writes OUT_DIR/rank<R>.json."""
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ds_core.rank.process_end import run_main
 
 
 def main() -> None:
-    out_dir, stage = (lambda a: (Path(a[0]), int(a[1])))([a for a in sys.argv[1:] if not a.startswith("--local_rank")])
+    out_dir, mode = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    out_dir, stage, fp32_acc = Path(out_dir), int(mode[0]), not mode.endswith("bf16acc")
     from bert_ref.configs import debug
     from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import build_model
@@ -35,7 +38,7 @@ def main() -> None:
     preset = debug(1)
     cfg = json.loads((DS_CONFIG_DIR / "bert_debug_zero1_bf16.json").read_text())
     cfg.update(train_micro_batch_size_per_gpu=2, train_batch_size=2 * dist.world_size,
-               data_types={"grad_accum_dtype": "fp32"})
+               data_types={"grad_accum_dtype": "fp32" if fp32_acc else "bf16"})
     cfg["zero_optimization"]["stage"] = stage
     model = build_model(preset)
     opt = build_optimizer(model, bert_defaults(OptimArgs(optimizer="lamb", learning_rate=1e-3)))
@@ -51,6 +54,7 @@ def main() -> None:
     zo = engine.optimizer
     from deepspeed.runtime.utils import get_global_norm_of_tensors
 
+    stage = stage if fp32_acc else 2  # bf16 accumulation: DeepSpeedZeroOptimizer at ZeRO-1 too
     # the exact value, float64 over every parameter's gradient view (DeepSpeed's own lists of them)
     views = (type(zo).get_grads_for_norm(zo)[0] if stage == 1 else
              [g for grads in zo.averaged_gradients.values() for g in grads])

@@ -1,6 +1,6 @@
-"""ds_core.rank.flat_norm on the real DeepSpeed ZeRO-1 engine, 2 gloo ranks (tests/flat_norm_run.py): the flat-buffer
-global gradient norm equals DeepSpeed's per-tensor one on the same gradients, and its op count does not grow with the
-number of tensors."""
+"""ds_core.rank.flat_norm on the real DeepSpeed ZeRO-1/2 engine, 2 gloo ranks (tests/flat_norm_run.py): its global
+gradient norm (over the flat buffer, or one multi-tensor norm where there is none) equals DeepSpeed's per-tensor one on
+the same gradients, and its dispatched op count does not grow with the number of tensors."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,10 @@ from conftest import run_deepspeed
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("stage,wrapper,parts", [(1, "BF16_Optimizer", 1), (2, "DeepSpeedZeroOptimizer", 2)])
-def test_flat_grad_norm_equals_deepspeeds_per_tensor_norm_in_a_few_ops(tmp_path, stage, wrapper, parts):
-    run_deepspeed(["tests/flat_norm_run.py", str(tmp_path), str(stage)], timeout=600)
+@pytest.mark.parametrize("mode,wrapper,parts", [("1", "BF16_Optimizer", 1), ("2", "DeepSpeedZeroOptimizer", 2),
+                                                ("1-bf16acc", "DeepSpeedZeroOptimizer", 2)])
+def test_flat_grad_norm_equals_deepspeeds_per_tensor_norm_in_a_few_ops(tmp_path, mode, wrapper, parts):
+    run_deepspeed(["tests/flat_norm_run.py", str(tmp_path), mode], timeout=600)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["world"] == 2 and r["optimizer"] == wrapper and r["installed"], r

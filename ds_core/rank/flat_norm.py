@@ -8,10 +8,12 @@ host ops per BERT-Large step on the CPU proxy), work that grows with the number 
   get_global_norm_of_tensors norms one by one in float32 and stacks. Here it returns the group's flat buffer instead:
   the same float32 norm over the same numbers (padding is zeros, and a tensor without a gradient has zeros there:
   the buffer is zeroed after every step), and for clipping the same in-place scale of the same memory.
-- DeepSpeedZeroOptimizer (ZeRO-1/2 otherwise, e.g. BridgeTower's JSON): with fp32 accumulation of bf16 gradients
-  each group's partition is one GradPartitionBufferGroup.flat_partition, and get_grad_norm_direct norms its views one
-  by one in float64; here the flat partition's sum of squares, float64 in a few chunks (no float64 copy of the whole
-  partition), all-reduced over the data-parallel group and masked as DeepSpeed masks a non-finite norm.
+- DeepSpeedZeroOptimizer (ZeRO-1/2 otherwise, e.g. BridgeTower's JSON): get_grad_norm_direct norms the partition's
+  gradient views one by one in float64. With fp32 accumulation of bf16 gradients they are views into one
+  GradPartitionBufferGroup.flat_partition, whose sum of squares is taken here in a few float64 chunks (no float64
+  copy of the whole partition); without it (bf16 accumulation) the views' norms come from one torch._foreach_norm
+  (float64 results: a fused multi-tensor kernel on CUDA). Either way all-reduced over the data-parallel group and
+  masked as DeepSpeed masks a non-finite norm.
 DeepSpeed has no setting for either (zero_optimization.compute_grad_norm=false drops the norm, which NVLAMB / LANS
 clip by and the metrics log), so the methods are replaced on the engine's optimizer instance. Where DeepSpeed's norm
 has more to do (model or pipeline parallelism, MoE, CPU offload, another norm type, no flat buffer) its own method
@@ -65,35 +67,46 @@ def use_flat_grad_norm(engine: Any) -> bool:
     per_tensor_direct = opt.get_grad_norm_direct  # DeepSpeed's, for every case this does not cover
 
     def get_grad_norm_direct(gradients, params, norm_type=2):
-        flat = getattr(gradients, "flat_partition", None)
-        if flat is None or float(norm_type) != 2.0:
+        if float(norm_type) != 2.0:
             return per_tensor_direct(gradients, params, norm_type)
-        return flat_global_norm(flat.view(-1), opt.dp_process_group, opt.device)
+        flat = getattr(gradients, "flat_partition", None)
+        if flat is not None:
+            return global_norm(chunk_norms(flat.view(-1)), opt.dp_process_group, opt.device)
+        grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]
+        if not grads:
+            return per_tensor_direct(gradients, params, norm_type)
+        # no flat buffer (bf16 gradient accumulation): the per-tensor norms in one multi-tensor call
+        return global_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=_norm_dtype())), opt.dp_process_group,
+                           opt.device)
 
     opt.get_grad_norm_direct = get_grad_norm_direct
     return True
 
 
+def _norm_dtype() -> torch.dtype:
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    return get_norm_dtype()
+
+
 def chunk_norms(flat: torch.Tensor) -> torch.Tensor:
     """The L2 norms of the flat tensor's CHUNK-element pieces, each accumulated in DeepSpeed's norm dtype (float64
     where the device has it), as a 1-D tensor of that dtype: sqrt(sum(result**2)) is the norm of the whole."""
-    from deepspeed.runtime.zero.utils import get_norm_dtype
-
-    dtype = get_norm_dtype()
+    dtype = _norm_dtype()
     return torch.stack([torch.linalg.vector_norm(c.to(dtype)) for c in flat.split(CHUNK)])
 
 
-def flat_global_norm(flat: torch.Tensor, group: Any, device: Any) -> torch.Tensor:
-    """sqrt(sum over ranks of sum(flat**2)) as DeepSpeed's get_grad_norm_direct returns it: a float32 0-d tensor on
+def global_norm(norms: torch.Tensor, group: Any, device: Any) -> torch.Tensor:
+    """sqrt(sum over ranks of sum(norms**2)) as DeepSpeed's get_grad_norm_direct returns it: a float32 0-d tensor on
     the device, -1 where it is not finite (deepspeed.runtime.utils.mask_nan_or_inf_with_val_inplace)."""
     from deepspeed import comm as dist
     from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
-    total = chunk_norms(flat).pow(2).sum().float()
+    total = norms.pow(2).sum().float()
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     total = total.pow(0.5)
     mask_nan_or_inf_with_val_inplace(total, device=device)
     return total
 
 
-__all__ = ["use_flat_grad_norm", "chunk_norms", "flat_global_norm", "CHUNK"]
+__all__ = ["use_flat_grad_norm", "chunk_norms", "global_norm", "CHUNK"]
