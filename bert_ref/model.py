@@ -179,6 +179,9 @@ def use_sdpa_attention(model: torch.nn.Module) -> None:
     for layer in bert.encoder.layer:
         if type(layer.attention.self) is MegatronBertSelfAttention:
             layer.attention.self.__class__ = sdpa_cls
+    # every self-attention now takes SDPA's boolean mask: bert_ref.step hands the model a ready 4-D one, which
+    # transformers passes on as it is (from a 2-D mask its builder reads `mask.all()` back every forward)
+    model.sdpa_attention = all(type(layer.attention.self) is sdpa_cls for layer in bert.encoder.layer)
 
 
 class FastDropout(torch.nn.Dropout):

@@ -72,11 +72,13 @@ def sdpa_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def forward(engine: Any, batch: dict, sparse_predictions: int = 0) -> tuple[Any, torch.Tensor]:
     """Run the (DeepSpeed-wrapped) model on a CPU batch: (model output, MLM labels on the device, [B, P] with the
     sparse head, else [B, L]). Token ids were checked against the vocabulary when the data block was read
-    (bert_ref.data), naming the file and row; the step does not look again. An SDPA model gets its attention mask
-    in 4-D (sdpa_padding_mask)."""
+    (bert_ref.data), naming the file and row; the step does not look again. An SDPA model (BERT's, or the Pre-LN
+    presets' SDPA attention: bert_ref.model.use_sdpa_attention) gets its attention mask in 4-D (sdpa_padding_mask)."""
     dev = engine.device
     inputs = {k: batch[k].to(dev, non_blocking=True) for k in MODEL_INPUTS}
-    if getattr(getattr(engine.module, "config", None), "_attn_implementation", None) == "sdpa":
+    model = engine.module
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa" or \
+            getattr(model, "sdpa_attention", False):  # BERT's SDPA; the Pre-LN presets' (bert_ref.model)
         inputs["attention_mask"] = sdpa_padding_mask(inputs["attention_mask"])
     labels = batch["labels"]
     if sparse_predictions:
