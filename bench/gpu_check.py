@@ -273,13 +273,14 @@ def part_bridgetower(ctx: Ctx) -> dict:
     from bench.bt_e2e import MAX_SEQ, make_manifest
 
     if ctx.smoke:
-        n, batch, steps, warmup, grid = 24, 4, 2, 3, [("host", 0), ("device", 1)]
+        n, batch, steps, warmup, grid = 24, 4, 2, 3, [("host", 0, False), ("device", 1, False)]
         model, base_flags = ["--preset", "debug"], []
     else:
-        # 2 workers: the published best; the device pipeline only (the faster one: a host cell, ~60 s more, does not
-        # fit the default budget beside BERT-Large's four windows and its compile; `--part bridgetower` alone has room)
+        # 2 workers: the published best; the device pipeline only (the faster one: a host cell, ~60 s more, and the
+        # compiled cell (`--compile on`: what decides whether `auto` compiles BridgeTower on CUDA), with its compile, do
+        # not fit the default budget beside BERT-Large's four windows; `--part bridgetower` alone has room)
         n, batch, steps, warmup = 300, 48, 8, 4
-        grid = [("device", 2)] + ([("host", 2)] if ctx.part_alone else [])
+        grid = [("device", 2, False)] + ([("device", 2, True), ("host", 2, False)] if ctx.part_alone else [])
         model = ["--preset", "bridgetower_large", "--image_size", "294", "--tokenizer_name_or_path",
                  str(_tokenizer_dir(ctx)), "--bf16"]
         # run_bridgetower.py's own torchvision transform (needs torchvision, which a CUDA image has)
@@ -292,9 +293,10 @@ def part_bridgetower(ctx: Ctx) -> dict:
     make_images_all_cores(ctx.work / "bt_images", n)
     manifest = make_manifest(ctx.work / "bt_images", ctx.work / "bt_manifest")
     table: dict[str, Any] = {}
-    for pipeline, workers in grid:
-        run_dir = ctx.work / f"bt_{pipeline}_w{workers}"
-        rc, out = ctx.run(f"bt_{pipeline}_w{workers}", [
+    for pipeline, workers, compiled in grid:
+        cell = f"{pipeline}_w{workers}{'_compiled' if compiled else ''}"
+        run_dir = ctx.work / f"bt_{cell}"
+        rc, out = ctx.run(f"bt_{cell}", [
             sys.executable, "-m", "bridgetower_ds.train", "--do_train", *model, "--dataset_path", str(manifest),
             "--validation_fraction", "0", "--test_fraction", "0", "--deepspeed_config", str(ds_path),
             "--run_dir", str(run_dir), "--overwrite_run_dir", "true", "--max_steps", str(steps + warmup),
@@ -302,23 +304,23 @@ def part_bridgetower(ctx: Ctx) -> dict:
             "--micro_batch_size", str(batch),
             "--dataloader_num_workers", str(workers), "--max_seq_length", str(MAX_SEQ), "--pad_to_max_length", "true",
             "--image_pipeline", pipeline, "--save_final_checkpoint", "false", "--save_model", "false",
-            "--progress_bar", "false"])
+            "--progress_bar", "false", "--compile", "on" if compiled else "off"])
         if rc:  # recorded, and the grid goes on: one broken cell should not hide the others' numbers
-            table[f"{pipeline}_w{workers}"] = {"error": f"exit {rc}{' (part deadline)' if rc == 124 else ''}: "
+            table[cell] = {"error": f"exit {rc}{' (part deadline)' if rc == 124 else ''}: "
                                                         f"{out[-1500:]}"}
             if rc == 124:
                 break
             continue
         s = _summary(run_dir)
         taken = re.search(r"image pipeline: (\S+)", out)
-        table[f"{pipeline}_w{workers}"] = {"samples_per_s": s["samples_per_s"], "mfu": s.get("mfu"),
+        table[cell] = {"samples_per_s": s["samples_per_s"], "mfu": s.get("mfu"),
                                           "pipeline_taken": taken.group(1) if taken else None,
                                           "profile": s.get("profile")}
         ctx.progress({"samples_per_s": table})
     base_out = ctx.work / "bt_baseline.json"
     rc, out = ctx.run("bt_trainer_baseline", [
         sys.executable, "-m", "bench.bt_e2e", "--baseline", "--manifest", str(manifest), "--out", str(base_out),
-        f"--steps={steps}", f"--warmup={warmup}", f"--batch={batch}", f"--workers={max(w for _, w in grid)}",
+        f"--steps={steps}", f"--warmup={warmup}", f"--batch={batch}", f"--workers={max(w for _, w, _ in grid)}",
         f"--profile_steps={warmup - 2}", *base_flags])  # plain Trainer (DDP, bf16), as the published A100 baseline ran
     base_rec = json.loads(base_out.read_text()) if rc == 0 and base_out.exists() else {}
     base = base_rec.get("samples_per_s")
@@ -330,6 +332,8 @@ def part_bridgetower(ctx: Ctx) -> dict:
            "trainer_baseline_mfu": base * per_sample[0] if base and per_sample else None,
            "trainer_baseline_profile": base_rec.get("profile"),
            "best_over_baseline": max(rates) / base if rates and base else None}
+    if table.get("device_w2_compiled", {}).get("samples_per_s") and table["device_w2"].get("samples_per_s"):
+        res["compiled_over_eager"] = table["device_w2_compiled"]["samples_per_s"] / table["device_w2"]["samples_per_s"]
     failed = [k for k, v in table.items() if "error" in v]
     if base is None:
         failed.append("trainer_baseline")

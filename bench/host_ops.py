@@ -41,6 +41,9 @@ BT_PRESETS = ("bridgetower_large", "bridgetower_base", "bt_debug")  # bt_debug: 
 BT_TOWER_PER_CROSS = 4  # text and vision layers per cross-modal layer when --layers shrinks BridgeTower-Large
 BT_CAPTION_TOKENS = 40  # a caption's padded length; the op count does not depend on it
 STEP_MARK, OPT_MARK = "host_ops.step", "host_ops.optimizer"
+# BridgeTower's --bt_settings: its JSON as shipped (fp32 gradient accumulation: DeepSpeed's BF16_Optimizer in bf16), and
+# DeepSpeed's default bf16 accumulation (DeepSpeedZeroOptimizer: per-tensor gradient copies in the backward and step)
+BT_SETTINGS = {"json": {}, "bf16_accum": {"data_types": {"grad_accum_dtype": "bf16"}}}
 KEYS = ("total", "engine_step", "optimizer", "prof_total", "prof_optimizer")
 
 
@@ -90,10 +93,12 @@ def _bert(name: str, layers: int, setting: str, dtype: str):
 
 
 # ---------------------------------------------------------------------------------------------------- BridgeTower
-def _bt_config(name: str, layers: int):
+def _bt_config(name: str, layers: int, image_size: int = 0):
     from bridgetower_ds.configs import preset
 
     cfg = preset("debug" if name == "bt_debug" else name)
+    if image_size:  # the op counts do not depend on it; the emulated bf16 matmuls of a CPU do
+        cfg.vision_config.image_size = image_size
     if layers:
         tower = BT_TOWER_PER_CROSS * layers
         cfg.num_hidden_layers = layers
@@ -116,18 +121,20 @@ def _bt_batch(cfg, device) -> dict:
                               torch.zeros(1, dtype=torch.long))
 
 
-def bt_ds_config(dtype: str) -> dict:
-    """ds_configs/bridgetower_zero1_bf16.json (what bridgetower_ds.train runs) at micro batch 1, in `dtype`."""
+def bt_ds_config(dtype: str, setting: str = "json") -> dict:
+    """ds_configs/bridgetower_zero1_bf16.json (what bridgetower_ds.train runs) at micro batch 1, in `dtype`, with
+    BT_SETTINGS[setting] on top."""
     from bridgetower_ds.train import DEFAULT_DS_CONFIG
     from ds_core.config import read_ds_json, resolve_ds_path
     from ds_core.device.precision import apply_precision
 
     cfg = read_ds_json(str(resolve_ds_path(DEFAULT_DS_CONFIG)))
-    cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1)
+    cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1,
+               **BT_SETTINGS[setting])
     return apply_precision(cfg, dtype, DEFAULT_DS_CONFIG)
 
 
-def _bt(name: str, layers: int, setting: str, dtype: str):
+def _bt(name: str, layers: int, setting: str, dtype: str, image_size: int = 0):
     """(engine, step function, batch) as bridgetower_ds.train builds them: model, freezing, SDPA, AdamW groups."""
     from bridgetower_ds import compat
     from bridgetower_ds.configs import ModelArgs
@@ -136,24 +143,27 @@ def _bt(name: str, layers: int, setting: str, dtype: str):
     from ds_core.config.optim import OptimArgs
     from ds_core.rank.engine import build_engine
 
-    cfg = _bt_config(name, layers)
+    cfg = _bt_config(name, layers, image_size)
     model = build_model(ModelArgs(), config=cfg)
     model.logit_scale_as_1d()
-    ds_config = bt_ds_config(dtype)
+    ds_config = bt_ds_config(dtype, setting)
     lr, wd, _ = compat.resolve_optimizer(OptimArgs(), ds_config, "bench DeepSpeed config")
     engine = build_engine(model, ds_config, **compat.engine_kwargs(model, OptimArgs(), ds_config, lr, wd, 10**6))
     return engine, step_fn, _bt_batch(cfg, engine.device)
 
 
 # ---------------------------------------------------------------------------------------------------- counting
-def count(name: str, layers: int, setting: str, dtype: str = "bf16") -> dict:
+def count(name: str, layers: int, setting: str, dtype: str = "bf16", image_size: int = 0) -> dict:
     """Both counts (the module's docstring) of one preset: total, DeepSpeed's engine.step (ZeRO + the optimizer) and
     the optimizer's own step; steps 1-2 warm up, 3 is dispatch-counted, 4-5 profiled."""
     from ds_core.rank.engine import init_distributed, set_seed
 
     init_distributed()  # a world of one on a free port
     set_seed(0)
-    engine, step_fn, batch = (_bt if name in BT_PRESETS else _bert)(name, layers, setting, dtype)
+    if name in BT_PRESETS:
+        engine, step_fn, batch = _bt(name, layers, setting, dtype, image_size)
+    else:
+        engine, step_fn, batch = _bert(name, layers, setting, dtype)
     opt = engine.optimizer.optimizer
     inner = type(opt).step
     for _ in range(2):
@@ -165,6 +175,7 @@ def count(name: str, layers: int, setting: str, dtype: str = "bf16") -> dict:
     r = {k: {"ops": c.total, "syncs": c.syncs} for k, c in counters.items()}
     r["sync_sites"] = dict(counters["total"].sync_sites)
     r["top_ops"] = dict(counters["total"].ops.most_common(12))
+    r["zero_optimizer"] = type(engine.optimizer).__name__  # DeepSpeed's wrapper: BF16_Optimizer, DeepSpeedZeroOptimizer
     opt.step = lambda *a, **k: _in(torch.profiler.record_function(OPT_MARK), inner, opt, *a, **k)
     r.update(profiled(lambda: _train_step(engine, step_fn, batch), steps=2, warmup=0))
     del opt.step
@@ -228,9 +239,9 @@ def _in(region, fn, *a, **k):
         return fn(*a, **k)
 
 
-def extrapolated(name: str, layers: int, setting: str, dtype: str) -> dict:
+def extrapolated(name: str, layers: int, setting: str, dtype: str, image_size: int = 0) -> dict:
     """count() of the whole preset from N and 2N layers: lo + (hi - lo) * (full - N) / N for every count."""
-    lo, hi = count(name, layers, setting, dtype), count(name, 2 * layers, setting, dtype)
+    lo, hi = count(name, layers, setting, dtype, image_size), count(name, 2 * layers, setting, dtype, image_size)
     full = full_depth(name)
     r = {k: {m: lo[k][m] + (hi[k][m] - lo[k][m]) * (full - layers) / layers for m in ("ops", "syncs")} for k in KEYS}
     r["sync_sites"], r["prof_sync_via"] = hi["sync_sites"], hi["prof_sync_via"]
@@ -256,6 +267,13 @@ def main() -> None:
                     help="the DeepSpeed JSON's precision; auto: the run's rule on this CPU (ds_core.device.precision: "
                          "fp32 without native bf16, where bf16 matmuls are emulated ~100x slower; the counts differ "
                          "by a few ops and one .item() per step, docs/benchmarks.md)")
+    ap.add_argument("--bt_settings", default="json",
+                    help="BridgeTower's DeepSpeed configs to count: json (its JSON: fp32 gradient accumulation, "
+                         "DeepSpeed's BF16_Optimizer in bf16), bf16_accum (DeepSpeed's default bf16 accumulation: "
+                         "DeepSpeedZeroOptimizer)")
+    ap.add_argument("--image_size", type=int, default=0,
+                    help="BridgeTower's image size (0: the preset's); the counts do not depend on it, the time of "
+                         "emulated bf16 on a CPU does")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     if a.dtype == "auto":
@@ -265,8 +283,10 @@ def main() -> None:
         print(f"[host_ops] {a.dtype}: {reason}", flush=True)
     res = {}
     for name in a.presets.split(","):
-        for setting in (["json"] if name in BT_PRESETS else a.settings.split(",")):
-            r = extrapolated(name, a.layers, setting, a.dtype) if a.layers else count(name, 0, setting, a.dtype)
+        for setting in (a.bt_settings if name in BT_PRESETS else a.settings).split(","):
+            size = a.image_size if name in BT_PRESETS else 0
+            r = (extrapolated(name, a.layers, setting, a.dtype, size) if a.layers
+                 else count(name, 0, setting, a.dtype, size))
             res[f"{name}/{setting}"] = r
             how = f" ({r['measured_layers']}->{r['extrapolated_to']} layers)" if a.layers else ""
             print(line(f"{name} {setting} {a.dtype}", r) + how, flush=True)

@@ -50,8 +50,9 @@ def main() -> None:
     labels[:, 1:6] = ids[:, 1:6]
     batch = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": torch.ones_like(ids),
              "labels": labels, "next_sentence_label": torch.zeros(2, dtype=torch.long)}
-    engine.backward(step_fn(engine, {k: v.to(engine.device) for k, v in batch.items()}).loss)
+    batch = {k: v.to(engine.device) for k, v in batch.items()}
     zo = engine.optimizer
+    hook = compare_grad_hooks(engine, zo, lambda: engine.backward(step_fn(engine, batch).loss), OpCounter)
     from deepspeed.runtime.utils import get_global_norm_of_tensors
 
     stage = stage if fp32_acc else 2  # bf16 accumulation: DeepSpeedZeroOptimizer at ZeRO-1 too
@@ -79,11 +80,41 @@ def main() -> None:
     engine.step()
     method = "get_grads_for_norm" if stage == 1 else "get_grad_norm_direct"
     out = {"rank": dist.rank, "world": dist.world_size, "optimizer": type(zo).__name__, "groups": groups,
-           "installed": method in vars(zo)}  # the instance's own method, not the class's
+           "installed": method in vars(zo), "grad_hook": hook}  # installed: the instance's own method, not the class's
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{dist.rank}.json").write_text(json.dumps(out))
     shutdown_distributed()
 
+
+def compare_grad_hooks(engine, zo, backward, counter) -> dict | None:
+    """BF16_Optimizer only: the same backward with ds_core.rank.grad_hook's gradient hook (installed by build_engine)
+    and then with DeepSpeed's own (the class's method), each from zeroed fp32 gradient buffers and without a step in
+    between (the same weights): whether the buffers are bitwise equal, and the aten ops the hook dispatched, over all
+    its calls. Otherwise one backward. Leaves DeepSpeed's result in the buffers (the norm checks read it) and the
+    instance's hook installed again."""
+    ours = vars(zo).get("_update_hp_grad")
+    if type(zo).__name__ != "BF16_Optimizer" or ours is None:
+        backward()
+        return None if type(zo).__name__ != "BF16_Optimizer" else {"installed": False}
+    runs = {}
+    for name, fn in (("ours", ours), ("deepspeed", type(zo)._update_hp_grad.__get__(zo))):
+        count = counter()
+
+        def counted(*a, fn=fn, count=count, **k):
+            with count:
+                return fn(*a, **k)
+
+        zo._update_hp_grad = counted
+        for f in zo.fp32_groups_gradients_flat:
+            f.zero_()
+        backward()
+        runs[name] = ([f.clone() for f in zo.fp32_groups_gradients_flat], count.total)
+    zo._update_hp_grad = ours
+    tensors = sum(sum(has) for has in zo.fp32_groups_has_gradients)
+    return {"installed": ours is not None, "tensors": tensors, "ours_ops": runs["ours"][1],
+            "deepspeed_ops": runs["deepspeed"][1],
+            "bitwise": all(torch.equal(a, b) for a, b in zip(runs["ours"][0], runs["deepspeed"][0])),
+            "nonzero": all(bool(f.abs().sum() > 0) for f in runs["ours"][0])}
 
 if __name__ == "__main__":
     run_main(main)

@@ -33,6 +33,17 @@ def test_bridgetower_step_has_no_item_of_ours():
     assert r["prof_total"]["syncs"] >= r["total"]["syncs"]
 
 
+def test_bridgetower_bf16_step_does_not_grow_with_the_number_of_tensors():
+    """The shipped BridgeTower JSON in bf16 (what a GPU runs) accumulates gradients in fp32, which makes DeepSpeed
+    take BF16_Optimizer: its step works on flat buffers (the norm through ds_core.rank.flat_norm), where
+    DeepSpeedZeroOptimizer copies every parameter's gradient and weight one by one (~5 ops per tensor per step, and
+    ~13 more in its backward hooks)."""
+    runs = {n: count("bt_debug", n, "json", "bf16") for n in (1, 2)}
+    assert {r["zero_optimizer"] for r in runs.values()} == {"BF16_Optimizer"}
+    assert runs[1]["engine_step"]["ops"] == runs[2]["engine_step"]["ops"], [r["engine_step"] for r in runs.values()]
+    assert runs[2]["total"]["ops"] > runs[1]["total"]["ops"]  # the second layer is there: the model's ops grew
+
+
 @pytest.mark.slow
 def test_bridgetower_counts_are_linear_in_layers():
     runs = {n: count("bt_debug", n, "json", "fp32") for n in (1, 2, 3)}

@@ -1,6 +1,7 @@
 """ds_core.rank.flat_norm on the real DeepSpeed ZeRO-1/2 engine, 2 gloo ranks (tests/flat_norm_run.py): its global
 gradient norm (over the flat buffer, or one multi-tensor norm where there is none) equals DeepSpeed's per-tensor one on
-the same gradients, and its dispatched op count does not grow with the number of tensors."""
+the same gradients, and its dispatched op count does not grow with the number of tensors. In BF16_Optimizer's run
+also ds_core.rank.grad_hook: its per-tensor gradient hook accumulates the same fp32 gradients, bitwise, in fewer ops."""
 from __future__ import annotations
 
 import json
@@ -30,5 +31,9 @@ def test_flat_grad_norm_equals_deepspeeds_per_tensor_norm_in_a_few_ops(tmp_path,
             # a fixed few ops (per chunk of 2**26 elements: one here) against DeepSpeed's several per tensor
             assert g["ours_ops"] <= 32 and g["deepspeed_ops"] >= 2 * g["tensors"], g
         assert max(g["deepspeed_ops"] for g in r["groups"]) > 32
+        if wrapper == "BF16_Optimizer":  # ds_core.rank.grad_hook: the same fp32 gradients in 2 ops per tensor, not 5
+            h = r["grad_hook"]
+            assert h["installed"] and h["bitwise"] and h["nonzero"] and h["tensors"] > 10, h
+            assert (h["ours_ops"], h["deepspeed_ops"]) == (2 * h["tensors"], 5 * h["tensors"]), h
     # one global norm: every rank gets the same value (ZeRO-1/2: after the all-reduce of the partitions' sums)
     assert [g["ours"] for g in ranks[0]["groups"]] == [g["ours"] for g in ranks[1]["groups"]]

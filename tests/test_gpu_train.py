@@ -36,6 +36,16 @@ STEPS = 20
 LOSS_REL = 0.05
 
 
+def test_in_place_mixed_dtype_add_is_deepspeeds_copy_then_add_bit_for_bit():
+    """ds_core.rank.grad_hook accumulates a bf16 gradient into its fp32 buffer with one in-place add; DeepSpeed's
+    BF16_Optimizer copies it to fp32 first. Both must give the same bits on CUDA (each element: float(bf16) added in
+    fp32)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hp = torch.randn(1 << 20, device="cuda", generator=g)
+    lp = torch.randn(1024, 1024, device="cuda", generator=g).bfloat16()
+    ours, deepspeeds = hp.clone().add_(lp.view(hp.shape)), hp.clone().add_(lp.to(hp.dtype).view(hp.shape))
+    assert torch.equal(ours, deepspeeds) and not torch.equal(ours, hp)
+
 def run_one(args: list[str], accelerator: str, timeout: float = 900, ok: tuple[int, ...] = (0,),
             dtypes_json: Path | None = None) -> str:
     """One process, `python -m ...`, on `accelerator` (cuda / cpu); fails the test with the output on an exit

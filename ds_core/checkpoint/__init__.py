@@ -70,14 +70,16 @@ def _base_optimizer(engine):
 
 
 def model_fingerprint(engine, zero_stage: int) -> dict:
-    """What must match for a checkpoint to load: parameter names and full shapes, ZeRO stage, optimizer class.
-    dp_world_size is recorded but may differ (a resize: ds_core.checkpoint.resize)."""
+    """What must match for a checkpoint to load: parameter names and full shapes, ZeRO stage, optimizer class and
+    DeepSpeed's wrapper around it, the flat-buffer order. dp_world_size is recorded but may differ (a resize:
+    ds_core.checkpoint.resize)."""
     shapes = {}
     for name, p in engine.module.named_parameters():
         shape = getattr(p, "ds_shape", None) or p.shape  # ZeRO-3 keeps the full shape in ds_shape
         shapes[name] = list(shape)
     return {"param_shapes": shapes, "zero_stage": zero_stage, "dp_world_size": engine.dp_world_size,
             "optimizer_class": type(_base_optimizer(engine)).__name__,
+            "zero_optimizer": type(engine.optimizer).__name__,
             "flat_layout": getattr(engine, "flat_layout", MODEL_ORDER)}
 
 
@@ -112,7 +114,12 @@ def describe_mismatch(saved: dict, current: dict) -> list[str]:
         diffs.append(f"flat_layout: checkpoint {saved.get('flat_layout', MODEL_ORDER)!r}, this run "
                      f"{current.get('flat_layout', MODEL_ORDER)!r} (the order of the parameters in DeepSpeed's flat "
                      f"optimizer buffers; the optimizer state would load onto other parameters)")
-    for key in sorted(set(saved) - {"param_shapes", "zero_stage", "flat_layout"} - NOT_COMPARED):
+    if "zero_optimizer" in saved and saved["zero_optimizer"] != current.get("zero_optimizer"):
+        diffs.append(f"zero_optimizer: checkpoint {saved['zero_optimizer']!r}, this run "
+                     f"{current.get('zero_optimizer')!r} (DeepSpeed's optimizer wrapper, chosen by the DeepSpeed "
+                     f"JSON's precision and data_types.grad_accum_dtype; its state files differ: resume with the "
+                     f"precision and DeepSpeed JSON the checkpoint was written with)")
+    for key in sorted(set(saved) - {"param_shapes", "zero_stage", "flat_layout", "zero_optimizer"} - NOT_COMPARED):
         if saved.get(key) != current.get(key):
             diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}")
     return diffs

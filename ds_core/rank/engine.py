@@ -18,6 +18,7 @@ import torch
 
 from ds_core.errors import ConfigError
 from ds_core.rank.flat_norm import use_flat_grad_norm
+from ds_core.rank.grad_hook import use_one_op_grad_hook
 from ds_core.rank.parent_watch import watch_parent
 from ds_core.rank.rendezvous import free_port, rank_variables
 from ds_core.rank.venv import torch_extensions_env
@@ -220,6 +221,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, optimizer=None, lr_
                                            lr_scheduler=lr_scheduler, config=ds_config)
     engine.flat_layout = flat_layout(moved)  # recorded in checkpoints' fingerprints (ds_core.checkpoint)
     use_flat_grad_norm(engine)  # ZeRO-1/2's global gradient norm in a few ops over its flat buffer, not per tensor
+    use_one_op_grad_hook(engine, get_accelerator().device_name())  # BF16_Optimizer's per-tensor hook: 2 ops, not 5
     return engine
 
 
