@@ -17,7 +17,9 @@ number of encoder layers; for BridgeTower N is the number of cross-modal layers,
 (the Large preset's 24 : 24 : 6), extrapolated to 6. BERT's --settings compare DeepSpeed's default
 ("bf16": {"check_grad_overflow": true}) with ds_configs/*_bf16.json's (false) in a bench JSON that clips in
 DeepSpeed at 1.0, and count the preset's recipe JSON as bert_ref.train runs it ("recipe": clipping inside NVLAMB /
-LANS, DeepSpeed's clip 0); BridgeTower uses its JSON as it is."""
+LANS, DeepSpeed's clip 0); BridgeTower's --bt_settings count its JSON as it is ("json") and with DeepSpeed's default
+bf16 gradient accumulation ("bf16_accum": DeepSpeedZeroOptimizer instead of BF16_Optimizer in bf16); --image_size
+shrinks its images for emulated bf16 on a CPU."""
 from __future__ import annotations
 
 import argparse
@@ -97,7 +99,7 @@ def _bt_config(name: str, layers: int, image_size: int = 0):
     from bridgetower_ds.configs import preset
 
     cfg = preset("debug" if name == "bt_debug" else name)
-    if image_size:  # the op counts do not depend on it; the emulated bf16 matmuls of a CPU do
+    if image_size:  # dispatched ops do not depend on it (profiler events by ~0.1 %); emulated bf16 time does
         cfg.vision_config.image_size = image_size
     if layers:
         tower = BT_TOWER_PER_CROSS * layers
@@ -272,8 +274,8 @@ def main() -> None:
                          "DeepSpeed's BF16_Optimizer in bf16), bf16_accum (DeepSpeed's default bf16 accumulation: "
                          "DeepSpeedZeroOptimizer)")
     ap.add_argument("--image_size", type=int, default=0,
-                    help="BridgeTower's image size (0: the preset's); the counts do not depend on it, the time of "
-                         "emulated bf16 on a CPU does")
+                    help="BridgeTower's image size (0: the preset's); the dispatched counts do not depend on it (the "
+                         "profiler's by ~0.1 %%), the time of emulated bf16 on a CPU does")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     if a.dtype == "auto":
