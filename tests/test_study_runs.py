@@ -24,7 +24,10 @@ def study_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def bt_study(tmp_path: Path, workers: str) -> Path:
     # --bf16: the mixed-precision path fast_ddp is about (auto is fp32 on a CPU without native bf16)
     # ZeRO-1 with a reduce bucket far smaller than the debug model's gradients: "buckets" must need several
+    # bf16 gradient accumulation: DeepSpeedZeroOptimizer, whose bucketed reduction the `single` axis changes (the
+    # shipped JSON's fp32 accumulation runs BF16_Optimizer, which all-reduces its flat buffer once whatever the keys)
     cfg = json.loads((REPO / "ds_configs" / "bridgetower_zero1_bf16.json").read_text())
+    cfg["data_types"] = {"grad_accum_dtype": "bf16"}
     cfg["zero_optimization"]["reduce_bucket_size"] = 20000
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     path = tmp_path / "bt.toml"
