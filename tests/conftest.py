@@ -57,3 +57,46 @@ def run_deepspeed(args: list[str], num_ranks: int = 2, timeout: float = 600, env
     if check and proc.returncode != 0:
         pytest.fail(f"{launcher} run failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-8000:]}")
     return proc
+
+
+# A C++ compiler (g++) that rejects the Adam ops' sources: a real JIT build of the optimizer's op that fails to
+# compile, while DeepSpeed's CPU communication op (built at init_distributed) still compiles.
+FAILING_CXX = """#!/bin/sh
+for a in "$@"; do case "$a" in *adam*.cpp|*adam*.cu)
+  echo "$a:1:1: error: this compiler rejects the Adam sources" >&2; exit 1;; esac; done
+exec g++ "$@"
+"""
+
+
+@pytest.fixture(scope="session")
+def bt_engine_starts(tmp_path_factory) -> tuple[Path, str]:
+    """The debug BridgeTower's engine starts (tests/bt_engine_start.py), one after the other in one 2-rank launch whose
+    fused_adam JIT build fails (FAILING_CXX, an empty op cache), as (out_dir, the launch's output); each start's rank
+    records are out_dir/NAME/rank<R>.json:
+
+    fallback  the shipped BridgeTower JSON (AdamW, DeepSpeed's FusedAdam), logit_scale as bridgetower_ds.train makes
+              it ([1]): its optimizer's op fails to build, torch's AdamW takes over (tests/test_ops_check.py), and it
+              trains in bf16 (tests/test_bt_logit_scale_ds.py)
+    0d_bf16, 0d_fp32  transformers' 0-dim logit_scale (torch_adam: no op needed), the controls DeepSpeed refuses
+    """
+    import json
+
+    tmp = tmp_path_factory.mktemp("bt_engine_starts")
+    cxx = tmp / "cxx"
+    cxx.write_text(FAILING_CXX)
+    cxx.chmod(0o755)
+    shipped = json.loads((REPO / "ds_configs" / "bridgetower_zero1_bf16.json").read_text())
+    runs = []
+    for name, logit_scale, bf16, torch_adam in (("fallback", "1d", True, False), ("0d_bf16", "0d", True, True),
+                                                ("0d_fp32", "0d", False, True)):
+        cfg = json.loads(json.dumps(shipped))
+        cfg["bf16"]["enabled"] = bf16
+        cfg["optimizer"]["params"]["lr"] = 1e-3
+        if torch_adam:
+            cfg["optimizer"]["params"]["torch_adam"] = True
+        (tmp / f"{name}.json").write_text(json.dumps(cfg))
+        runs += ["--run", f"{name}:{logit_scale}:{tmp / f'{name}.json'}"]
+    env = dist_env(CXX=str(cxx), TORCH_EXTENSIONS_DIR=str(tmp / "ext"))
+    out = run_deepspeed(["tests/bt_engine_start.py", "--out_dir", str(tmp / "out"), *runs], env=env,
+                        timeout=600).stdout
+    return tmp / "out", out

@@ -2,13 +2,14 @@
 gradients of the debug BERT (bf16 weights, fp32 gradient accumulation as the recipe's JSONs); driven by
 tests/test_flat_norm.py:
 
-    python -m launch.local_ranks -n 2 tests/flat_norm_run.py OUT_DIR STAGE
+    python -m launch.local_ranks -n 2 tests/flat_norm_run.py OUT_DIR STAGE [STAGE ...]
 
-STAGE 1: DeepSpeed's BF16_Optimizer (what ZeRO-1 with these data types runs); 2: DeepSpeedZeroOptimizer with its flat
+One engine per STAGE, built one after the other in the same processes (one launch for all). STAGE 1: DeepSpeed's
+BF16_Optimizer (what ZeRO-1 with these data types runs); 2: DeepSpeedZeroOptimizer with its flat
 fp32 gradient partition; 1-bf16acc: ZeRO-1 with bf16 gradient accumulation (BridgeTower's JSON), DeepSpeedZeroOptimizer
 with per-tensor gradient views. Each rank
 trains one step on its own batch, then, at the boundary (after backward, before engine.step), evaluates both methods
-on the same gradients and counts their aten ops; writes OUT_DIR/rank<R>.json."""
+on the same gradients and counts their aten ops; writes OUT_DIR/STAGE/rank<R>.json."""
 from __future__ import annotations
 
 import json
@@ -21,8 +22,20 @@ from ds_core.rank.process_end import run_main
 
 
 def main() -> None:
-    out_dir, mode = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    out_dir, stage, fp32_acc = Path(out_dir), int(mode[0]), not mode.endswith("bf16acc")
+    from ds_core.rank.engine import init_distributed, shutdown_distributed
+
+    out_dir, *modes = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    dist = init_distributed()
+    for mode in modes:
+        out = measure(dist, mode)
+        (Path(out_dir) / mode).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / mode / f"rank{dist.rank}.json").write_text(json.dumps(out))
+    shutdown_distributed()
+
+
+def measure(dist, mode: str) -> dict:
+    """One engine of `mode` (the module's STAGE), one step: both norms on the same gradients, and their op counts."""
+    stage, fp32_acc = int(mode[0]), not mode.endswith("bf16acc")
     from bert_ref.configs import debug
     from bert_ref.layerwise import attach_zero_layout
     from bert_ref.model import build_model
@@ -30,10 +43,9 @@ def main() -> None:
     from bert_ref.step import step_fn
     from ds_core.config import DS_CONFIG_DIR
     from ds_core.config.optim import OptimArgs
-    from ds_core.rank.engine import build_engine, init_distributed, set_seed, shutdown_distributed
+    from ds_core.rank.engine import build_engine, set_seed
     from ds_tools.op_count import OpCounter
 
-    dist = init_distributed()
     set_seed(0)
     preset = debug(1)
     cfg = json.loads((DS_CONFIG_DIR / "bert_debug_zero1_bf16.json").read_text())
@@ -79,11 +91,8 @@ def main() -> None:
                        "deepspeed_ops": ref_count.total, "float64": truth})
     engine.step()
     method = "get_grads_for_norm" if stage == 1 else "get_grad_norm_direct"
-    out = {"rank": dist.rank, "world": dist.world_size, "optimizer": type(zo).__name__, "groups": groups,
-           "installed": method in vars(zo), "grad_hook": hook}  # installed: the instance's own method, not the class's
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{dist.rank}.json").write_text(json.dumps(out))
-    shutdown_distributed()
+    return {"rank": dist.rank, "world": dist.world_size, "optimizer": type(zo).__name__, "groups": groups,
+            "installed": method in vars(zo), "grad_hook": hook}  # installed: the instance's own method, not the class's
 
 
 def compare_grad_hooks(engine, zo, backward, counter) -> dict | None:
@@ -115,6 +124,7 @@ def compare_grad_hooks(engine, zo, backward, counter) -> dict | None:
             "deepspeed_ops": runs["deepspeed"][1],
             "bitwise": all(torch.equal(a, b) for a, b in zip(runs["ours"][0], runs["deepspeed"][0])),
             "nonzero": all(bool(f.abs().sum() > 0) for f in runs["ours"][0])}
+
 
 if __name__ == "__main__":
     run_main(main)

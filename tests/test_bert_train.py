@@ -1,7 +1,8 @@
 """bert_ref.train on the real DeepSpeed engine, 2 CPU ranks: ZeRO-1 and ZeRO-3 overfit a tiny repeated corpus,
 a run resumed from a mid-run checkpoint continues with exactly the losses of the uninterrupted run, held-out eval
-counts every test sample once (2 ranks and 1), phase 2 starts from phase 1's fp32 master weights and continues its
-step numbers, and out-of-vocabulary ids stop a run before its first step.
+counts every test sample once (2 ranks and 1; the 1-rank run also shows that a training rank loads no tool), phase 2
+starts from phase 1's fp32 master weights and continues its step numbers, and out-of-vocabulary ids stop a run before
+its first step.
 
 Launches: phase 1 = ZeRO-1 uninterrupted (LAMB, via --module, eval every 10 steps), ZeRO-1 resumed from its step-10
 checkpoint, phase 2 from it, ZeRO-3 (LANS, activation checkpointing, via the file path), one 1-rank eval run and one
@@ -158,12 +159,19 @@ def test_phase2_starts_from_phase1_fp32_master_weights(phase1, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_on_one_rank_counts_every_sample_once(shards, tmp_path):
+def test_eval_on_one_rank_counts_every_sample_once_and_the_rank_loads_no_tool(shards, tmp_path):
+    """Started through tests/test_layering.py's RANK_PROBE: the rank that trained, evaluated and saved its final
+    checkpoint has imported neither ds_tools nor matplotlib."""
+    from test_layering import RANK_PROBE, check_rank_imports
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(RANK_PROBE)
     run_dir = tmp_path / "one"
-    run_deepspeed(["--module", "bert_ref.train",
-                   *_args(shards, run_dir, "bert_debug_zero1_bf16.json", *PHASE1_ARGS), "--max_steps", "1"],
-                  num_ranks=1)
+    proc = run_deepspeed([str(probe), *_args(shards, run_dir, "bert_debug_zero1_bf16.json", *PHASE1_ARGS),
+                          "--max_steps", "1"], num_ranks=1)
     _assert_eval_counts(run_dir, shards, [1])  # --eval_every 0: once, at the end
+    assert (run_dir / "checkpoints" / "global_step1" / "COMPLETE").is_file()
+    check_rank_imports(proc.stdout)
 
 
 @pytest.mark.slow

@@ -15,12 +15,28 @@ pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "tests" / "tiny_train.py")
 
 
-def ds_ckpt(*args):
+def ds_ckpt_process(*args):
+    """`python -m ds_tools.ckpt_cli ARGS`, what the ds-ckpt console script runs."""
     return subprocess.run([sys.executable, "-m", "ds_tools.ckpt_cli", *map(str, args)], capture_output=True, text=True,
                           cwd=REPO, env=dist_env(), timeout=300)
 
 
-def test_info_universal_and_export_hf_of_a_zero3_checkpoint(tmp_path):
+@pytest.fixture
+def ds_ckpt(capsys):
+    """ds-ckpt's main(ARGS) in this process (exit status, stdout, stderr as a finished process has them): the entry
+    point's own process is ds_ckpt_process, started once below; each further start would only import torch again."""
+    from ds_tools.ckpt_cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["ds-ckpt", *map(str, args)], code, out, err)
+
+    return run
+
+
+def test_info_universal_and_export_hf_of_a_zero3_checkpoint(tmp_path, ds_ckpt):
     run = tmp_path / "run"
     run_deepspeed([SCRIPT, "--run_dir", str(run), "--deepspeed_config", ds_json(tmp_path, 3), "--max_steps", "3",
                    "--num_steps_per_checkpoint", "2", "--progress_bar", "false", "--num_samples", "256",
@@ -30,7 +46,7 @@ def test_info_universal_and_export_hf_of_a_zero3_checkpoint(tmp_path):
     shutil.copytree(root / "global_step2", root / "global_step9")
     (root / "global_step9" / "COMPLETE").unlink()
 
-    proc = ds_ckpt("info", run)
+    proc = ds_ckpt_process("info", run)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "latest complete global_step3" in out

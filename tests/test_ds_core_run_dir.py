@@ -112,18 +112,29 @@ def test_negative_lr_is_refused_before_distributed_init(tmp_path):
 # 2 ranks, real engine
 
 pytest_slow = pytest.mark.slow
+REF_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted ZeRO-1 run of REF_STEPS steps that the interrupted and resumed runs below must match, loss for
+    loss (a constant LR: a shorter run's steps are this run's first ones)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    ref = tmp / "ref"
+    run_deepspeed([SCRIPT, "--run_dir", str(ref), "--deepspeed_config", ds_json(tmp, 1), "--max_steps", str(REF_STEPS),
+                   "--progress_bar", "false", "--throughput_warmup_steps", "0", "--save_final_checkpoint", "false"])
+    return ref
 
 
 @pytest_slow
-def test_signal_on_one_rank_stops_all_then_resume_matches_uninterrupted(tmp_path):
+def test_signal_on_one_rank_stops_all_then_resume_matches_uninterrupted(tmp_path, reference):
     """SIGTERM reaches rank 1 only (in step 4): both ranks finish step 4, save, exit 75. --max_steps_this_run stops
     the resumed run the same way; the last resume finishes with the losses of an uninterrupted run. The stopped run
     also records each rank's first dropout mask: the ranks must draw different ones (seed + rank)."""
     cfg = ds_json(tmp_path, 1)
-    common = ["--deepspeed_config", cfg, "--max_steps", "10", "--progress_bar", "false",
+    common = ["--deepspeed_config", cfg, "--max_steps", str(REF_STEPS), "--progress_bar", "false",
               "--throughput_warmup_steps", "0"]
-    ref = tmp_path / "ref"
-    run_deepspeed([SCRIPT, "--run_dir", str(ref), *common, "--save_final_checkpoint", "false"])
+    ref = reference
 
     run, masks = tmp_path / "run", tmp_path / "masks"
     masks.mkdir()
@@ -153,20 +164,22 @@ def test_signal_on_one_rank_stops_all_then_resume_matches_uninterrupted(tmp_path
 
 
 @pytest_slow
-def test_used_run_dir_and_resume_metrics_and_save_total_limit(tmp_path):
-    """Rank 0 is killed inside the save of step 6 (checkpoints every 2, keep 2); re-running without --resume is
-    refused before any rank starts; --resume leaves one record per step and only the newest 2 checkpoints;
-    --overwrite_run_dir moves the run aside."""
+def test_kill_during_save_used_run_dir_resume_bitwise_and_save_total_limit(tmp_path, reference):
+    """Rank 0 is killed with SIGKILL inside the save of step 6 (checkpoints every 2, keep 2), after DeepSpeed wrote
+    its files: `latest` stays at the complete step 4; re-running without --resume is refused before any rank starts;
+    --resume goes back to step 4 and trains steps 5-8 with exactly the losses of the uninterrupted run, leaves one
+    record per step and only the newest 2 checkpoints; --overwrite_run_dir moves the run aside."""
     cfg = ds_json(tmp_path, 1)
     run = tmp_path / "run"
     common = ["--run_dir", str(run), "--deepspeed_config", cfg, "--max_steps", "8", "--num_steps_per_checkpoint", "2",
-              "--save_total_limit", "2", "--progress_bar", "false"]
-    proc = run_deepspeed([SCRIPT, *common], env=dist_env(TINY_KILL_IN_SAVE="6"), check=False)
+              "--save_total_limit", "2", "--progress_bar", "false", "--throughput_warmup_steps", "0"]
+    proc = run_deepspeed([SCRIPT, *common], env=dist_env(TINY_KILL_IN_SAVE="6"), check=False, timeout=300)
     assert proc.returncode != 0
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "global_step4"
     assert sorted(p.name for p in ckpts.glob("global_step*") if (p / "COMPLETE").exists()) \
         == ["global_step2", "global_step4"]
+    assert (ckpts / "global_step6").is_dir() and not (ckpts / "global_step6" / "COMPLETE").exists()
     # step 5 was logged after the checkpoint of step 4; step 6's record is written after its save (it carries
     # checkpoint_s), which the kill interrupted
     assert max(step_counts(run)) == 5
@@ -181,6 +194,10 @@ def test_used_run_dir_and_resume_metrics_and_save_total_limit(tmp_path):
 
     run_deepspeed([SCRIPT, *common, "--resume", "true"])
     assert step_counts(run) == {s: 1 for s in range(1, 9)}
+    ref_l, run_l = losses(reference), losses(run)
+    for step in range(5, 9):
+        assert run_l[step] == ref_l[step], f"step {step}: resumed {run_l[step]} != uninterrupted {ref_l[step]}"
+    assert (ckpts / "latest").read_text().strip() == "global_step8"
     assert sorted(p.name for p in ckpts.glob("global_step*")) == ["global_step6", "global_step8"]
 
     run_deepspeed([SCRIPT, *common, "--overwrite_run_dir", "true", "--max_steps", "1"])

@@ -5,19 +5,28 @@ also ds_core.rank.grad_hook: its per-tensor gradient hook accumulates the same f
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from conftest import run_deepspeed
 
 pytestmark = pytest.mark.slow
+MODES = {"1": ("BF16_Optimizer", 1), "2": ("DeepSpeedZeroOptimizer", 2), "1-bf16acc": ("DeepSpeedZeroOptimizer", 2)}
 
 
-@pytest.mark.parametrize("mode,wrapper,parts", [("1", "BF16_Optimizer", 1), ("2", "DeepSpeedZeroOptimizer", 2),
-                                                ("1-bf16acc", "DeepSpeedZeroOptimizer", 2)])
-def test_flat_grad_norm_equals_deepspeeds_per_tensor_norm_in_a_few_ops(tmp_path, mode, wrapper, parts):
-    run_deepspeed(["tests/flat_norm_run.py", str(tmp_path), mode], timeout=600)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> Path:
+    """Every mode's engine in one 2-rank launch (tests/flat_norm_run.py builds them one after the other)."""
+    out = tmp_path_factory.mktemp("flat_norm")
+    run_deepspeed(["tests/flat_norm_run.py", str(out), *MODES], timeout=600)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_flat_grad_norm_equals_deepspeeds_per_tensor_norm_in_a_few_ops(measured, mode):
+    wrapper, parts = MODES[mode]
+    ranks = [json.loads((measured / mode / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["world"] == 2 and r["optimizer"] == wrapper and r["installed"], r
         assert len(r["groups"]) == parts, r  # ZeRO-1/2: per parameter group (decayed; biases and norms)

@@ -1,9 +1,9 @@
 """`make gpu-check` on a machine without CUDA: the plan (parts most valuable first, skipped when the budget left
 cannot hold their estimate; the results file valid JSON after each part), and: `python -m bench.gpu_check --cpu_smoke`
-runs every part's plumbing
-(pytest -m gpu, bench.bert_step with its Trainer side, bridgetower_ds.train host + device pipelines and the Trainer
-baseline, the BERT-1.5B micro-batch search against ds-tune) with debug presets, and ends with one JSON line that
-matches the results file. What it measures here means nothing; that it runs keeps the GPU call from rotting."""
+runs every part's plumbing (pytest -m gpu, bench.bert_step with its Trainer side doing our side's work,
+bridgetower_ds.train host + device pipelines and the Trainer baseline, the BERT-1.5B micro-batch search against
+ds-tune) with debug presets, and ends with one JSON line that matches the results file. What it measures here means
+nothing; that it runs keeps the GPU call from rotting."""
 from __future__ import annotations
 
 import json
@@ -84,6 +84,8 @@ def test_cpu_smoke_runs_every_part_and_reports_one_json_line(tmp_path):
         for side in ("ours", "trainer"):  # where the time went, from CPU events here
             prof = b["profile"][side]
             assert prof["aten_ops_per_step"] > 0 and len(prof["top10_us_per_step"]) == 10, prof
+        assert_bench_sides_do_the_same_work(out / "logs" / f"bert_large_micro{b['micro_batch']}_accum{accum}.log",
+                                            b["micro_batch"] * accum)
     assert parts["bert_large"]["accum2_compiled"] == {"skipped": "cpu smoke: no compile"}
     bt = parts["bridgetower"]
     assert {v["pipeline_taken"] for v in bt["samples_per_s"].values()} == {"host", "device-cpu"}
@@ -94,3 +96,23 @@ def test_cpu_smoke_runs_every_part_and_reports_one_json_line(tmp_path):
     for stage in ("zero1", "zero3"):
         z = parts["bert_1p5b"][stage]
         assert z["ds_tune_predicted_micro"] > 0 and z["largest_fit_micro"] >= 1
+
+
+def assert_bench_sides_do_the_same_work(log, samples_per_step: int) -> None:
+    """bench.bert_step's last JSON line (in the smoke's log of that cell): our loop and transformers' Trainer, each in
+    its own process, both step our NVLAMB with per-tensor trust ratios (transformers' deepspeed_init drops
+    optimizers=(opt, None) and builds AdamW: the bench once compared against that), on as many samples per step."""
+    import torch
+
+    from bert_ref.configs import debug
+    from bert_ref.model import hf_config, model_class
+
+    res = json.loads(next(x for x in reversed(log.read_text().splitlines()) if x.startswith("{")))
+    with torch.device("meta"):
+        n_tensors = len(list(model_class(debug(1))(hf_config(debug(1))).parameters()))  # tied weights once
+    assert res["both_optimizer"] == "NVLAMB"
+    assert res["cpu_step_ratio"] > 0
+    assert res["both_trust_ratio_tensors"] == n_tensors  # per parameter tensor, not per ZeRO flat partition
+    assert res["both_samples_per_step"] == samples_per_step  # micro batch x accumulation
+    assert res["both_threads"] == 1
+    assert len(res["step_ratio_rounds"]) == 1 and res["step_ratio"] > 0

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import REPO, dist_env, run_deepspeed
+from conftest import REPO
 from ds_core.device.ops_check import apply_ops_fallback, arch_list_for_deepspeed, needed_op, prepare_optimizer_ops
 
 
@@ -94,31 +94,15 @@ def test_a_failed_load_gives_torch_adamw_with_the_reason_on_any_accelerator():
     assert (got, note) == (cfg, None)
 
 
-# A C++ compiler (g++) that rejects the Adam ops' sources: a real JIT build of the optimizer's op that fails to
-# compile, while DeepSpeed's CPU communication op (built at init_distributed) still compiles.
-FAILING_CXX = """#!/bin/sh
-for a in "$@"; do case "$a" in *adam*.cpp|*adam*.cu)
-  echo "$a:1:1: error: this compiler rejects the Adam sources" >&2; exit 1;; esac; done
-exec g++ "$@"
-"""
-
-
 @pytest.mark.slow
-def test_a_build_that_fails_on_two_ranks_trains_with_torch_adamw_and_says_why_once(tmp_path):
+def test_a_build_that_fails_on_two_ranks_trains_with_torch_adamw_and_says_why_once(bt_engine_starts):
     """The shipped BridgeTower JSON (AdamW, DeepSpeed's FusedAdam) on 2 gloo ranks whose fused_adam JIT build fails
-    to compile (an empty op cache, the compiler above): both ranks reach deepspeed.initialize with torch's AdamW and
+    to compile (an empty op cache, conftest.FAILING_CXX): both ranks reach deepspeed.initialize with torch's AdamW and
     take optimizer steps; one line names the op and the compiler's error. (Without the fallback this run ends in
-    deepspeed.initialize with "Error building extension 'fused_adam'".)"""
-    cxx = tmp_path / "cxx"
-    cxx.write_text(FAILING_CXX)
-    cxx.chmod(0o755)
-    cfg = json.loads((REPO / "ds_configs" / "bridgetower_zero1_bf16.json").read_text())
-    cfg["optimizer"]["params"]["lr"] = 1e-3
-    (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    env = dist_env(CXX=str(cxx), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    out = run_deepspeed(["tests/bt_engine_start.py", "--ds_json", str(tmp_path / "ds.json"), "--out_dir",
-                         str(tmp_path / "out")], env=env, timeout=600).stdout
-    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    deepspeed.initialize with "Error building extension 'fused_adam'".) The launch is shared with
+    tests/test_bt_logit_scale_ds.py (conftest.bt_engine_starts); its other starts need no op."""
+    out_dir, out = bt_engine_starts
+    ranks = [json.loads((out_dir / "fallback" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r.get("error") for r in ranks] == [None, None], ranks
     assert {r["optimizer"] for r in ranks} == {"torch.optim.adamw.AdamW"}, ranks
     assert all(len(r["losses"]) == 2 for r in ranks)

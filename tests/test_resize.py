@@ -62,16 +62,39 @@ def assert_same_optimizer(a: Path, b: Path) -> None:
 
 # bf16 ZeRO-1: the saved run (accumulation 1) has DeepSpeed's ZeRO-1 optimizer, the resized one (accumulation 2,
 # fp32 accumulation) its BF16_Optimizer; the universal checkpoint carries the state from one to the other.
+@pytest.fixture(scope="module")
+def two_rank_save(tmp_path_factory):
+    """two_rank_save(stage, precision) -> a fresh copy of a directory holding run/ (two ranks saved at step 4 and
+    trained on to step 5 uninterrupted, as a run that crashed after its last checkpoint), log/ (the samples each
+    rank trained), saved.pt (the optimizer state the checkpoint holds) and the DeepSpeed JSON; each 2-rank run is
+    made once for the module's tests and copied for each use, which may change its copy."""
+    import shutil
+
+    made: dict = {}
+
+    def get(stage: int, precision: str) -> Path:
+        if (stage, precision) not in made:
+            d = tmp_path_factory.mktemp(f"save_z{stage}_{precision}")
+            (d / "log").mkdir()
+            tiny_run(d / "run", ds_json(d, stage), 2, "--max_steps", "5", "--num_steps_per_checkpoint", "4",
+                     "--save_final_checkpoint", "false", precision=precision,
+                     TINY_DUMP_OPT_AT_SAVE=str(d / "saved.pt"), TINY_SAMPLE_LOG=str(d / "log"))
+            made[stage, precision] = d
+        copy = tmp_path_factory.mktemp(f"copy_z{stage}_{precision}")
+        shutil.copytree(made[stage, precision], copy, dirs_exist_ok=True)
+        return copy
+
+    return get
+
+
 @pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")])
-def test_two_ranks_to_one_keeps_optimizer_state_batch_and_samples(tmp_path, stage, precision):
+def test_two_ranks_to_one_keeps_optimizer_state_batch_and_samples(tmp_path, two_rank_save, stage, precision):
+    saved = two_rank_save(stage, precision)
     cfg = ds_json(tmp_path, stage)
     tiny = functools.partial(tiny_run, precision=precision)
-    run, log = tmp_path / "run", tmp_path / "log"
-    log.mkdir()
-    # Two ranks save at step 4 and train on to step 5 uninterrupted (the reference loss), as a run that crashed after
-    # its last checkpoint: the resume goes back to step 4 and the samples of step 5 are to be trained again.
-    tiny(run, cfg, 2, "--max_steps", "5", "--num_steps_per_checkpoint", "4", "--save_final_checkpoint", "false",
-         TINY_DUMP_OPT_AT_SAVE=str(tmp_path / "saved.pt"), TINY_SAMPLE_LOG=str(log))
+    run, log = saved / "run", saved / "log"
+    # Two ranks saved at step 4 and trained on to step 5 uninterrupted (the reference loss), as a run that crashed
+    # after its last checkpoint: the resume goes back to step 4 and the samples of step 5 are to be trained again.
     ref_loss5 = losses(run)[5]
     for f in log.glob("samples_rank*.txt"):  # what the checkpoint's 4 steps trained: 4 micro batches per rank
         f.write_text("".join(f.read_text().splitlines(keepends=True)[:4 * MICRO]))
@@ -81,7 +104,7 @@ def test_two_ranks_to_one_keeps_optimizer_state_batch_and_samples(tmp_path, stag
                TINY_DUMP_OPT_ON_RESUME=str(tmp_path / "loaded.pt")).stdout
     # ZeRO-0 (fp32) keeps the whole optimizer state in one file: it loads on any size without a conversion
     assert (run / "checkpoints" / "global_step4_universal" / "COMPLETE").is_file() == (stage > 0)
-    assert_same_optimizer(tmp_path / "saved.pt", tmp_path / "loaded.pt")
+    assert_same_optimizer(saved / "saved.pt", tmp_path / "loaded.pt")
     assert "data-parallel size 2 -> 1 (--on_resize keep_batch): global batch kept at 16 (gradient accumulation " \
            "1 -> 2)" in out
     resize = records(run, "resize")[-1]
@@ -114,19 +137,20 @@ def test_one_rank_to_two_and_scale_lr(tmp_path):
     assert sum(seen.values()) == 208 and set(seen.values()) == {1}
 
 
-def test_refused_changes_name_what_differs(tmp_path):
+def test_refused_changes_name_what_differs(tmp_path, two_rank_save):
+    """Resumes on one rank of the 2-rank ZeRO-1 checkpoint (step 4) that the test above resizes."""
     cfg = ds_json(tmp_path, 1)
-    run = tmp_path / "run"
-    tiny_run(run, cfg, 2, "--max_steps", "2")
+    run = two_rank_save(1, "fp32") / "run"
+    tiny = functools.partial(tiny_run, precision="fp32")
     # the global batch 16 cannot be kept with micro batch 12 on one rank
-    proc = tiny_run(run, cfg, 1, "--resume", "--max_steps", "4", "--micro_batch_size", "12", check=False)
+    proc = tiny(run, cfg, 1, "--resume", "--max_steps", "8", "--micro_batch_size", "12", check=False)
     assert proc.returncode != 0
     assert "global batch 16 is not divisible by micro batch 12 x 1 ranks = 12" in proc.stdout
     # a data source without load_state_dicts cannot be resized
-    proc = tiny_run(run, cfg, 1, "--resume", "--max_steps", "4", check=False, TINY_NO_RESIZE="1")
+    proc = tiny(run, cfg, 1, "--resume", "--max_steps", "8", check=False, TINY_NO_RESIZE="1")
     assert proc.returncode != 0 and "SyntheticData has no load_state_dicts" in proc.stdout
     # another ZeRO stage and another model shape are named, before any conversion
-    proc = tiny_run(run, ds_json(tmp_path, 3), 1, "--resume", "--max_steps", "4", "--vocab", "80", check=False)
+    proc = tiny(run, ds_json(tmp_path, 3), 1, "--resume", "--max_steps", "8", "--vocab", "80", check=False)
     assert proc.returncode != 0
     assert "zero_stage: checkpoint 1, this run 3" in proc.stdout and "parameter shape(s) differ" in proc.stdout
-    assert not (run / "checkpoints" / "global_step2_universal").exists()
+    assert not (run / "checkpoints" / "global_step4_universal").exists()
