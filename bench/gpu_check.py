@@ -306,16 +306,14 @@ def part_bridgetower(ctx: Ctx) -> dict:
             "--image_pipeline", pipeline, "--save_final_checkpoint", "false", "--save_model", "false",
             "--progress_bar", "false", "--compile", "on" if compiled else "off"])
         if rc:  # recorded, and the grid goes on: one broken cell should not hide the others' numbers
-            table[cell] = {"error": f"exit {rc}{' (part deadline)' if rc == 124 else ''}: "
-                                                        f"{out[-1500:]}"}
+            table[cell] = {"error": f"exit {rc}{' (part deadline)' if rc == 124 else ''}: {out[-1500:]}"}
             if rc == 124:
                 break
             continue
         s = _summary(run_dir)
         taken = re.search(r"image pipeline: (\S+)", out)
         table[cell] = {"samples_per_s": s["samples_per_s"], "mfu": s.get("mfu"),
-                                          "pipeline_taken": taken.group(1) if taken else None,
-                                          "profile": s.get("profile")}
+                       "pipeline_taken": taken.group(1) if taken else None, "profile": s.get("profile")}
         ctx.progress({"samples_per_s": table})
     base_out = ctx.work / "bt_baseline.json"
     rc, out = ctx.run("bt_trainer_baseline", [

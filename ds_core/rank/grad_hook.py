@@ -1,4 +1,4 @@
-"""BF16_Optimizer's per-parameter gradient hook in one in-place op instead of five.
+"""BF16_Optimizer's per-parameter gradient hook as one in-place add: two aten ops instead of five.
 
 DeepSpeed 0.19's BF16_Optimizer (bf16 ZeRO-1 with "data_types": {"grad_accum_dtype": "fp32"}: the BERT and
 BridgeTower JSONs) adds each parameter's bf16 gradient into its fp32 view of the flat gradient buffer the moment
