@@ -93,9 +93,12 @@ MODEL_ORDER = "model order"
 NOT_COMPARED = frozenset({"dp_world_size"})
 
 
-def describe_mismatch(saved: dict, current: dict) -> list[str]:
+def describe_mismatch(saved: dict, current: dict, universal: bool = False) -> list[str]:
     """What differs between a checkpoint's fingerprint and this run's (keys the checkpoint lacks are not compared,
-    so checkpoints written before a key existed still load)."""
+    so checkpoints written before a key existed still load). universal: loaded through DeepSpeed's universal format (a
+    resize), which holds each parameter's fp32 weights and optimizer state whichever wrapper wrote them, so DeepSpeed's
+    optimizer wrapper may differ (a resize that changes the accumulation can change it: ds_core.config adds fp32
+    accumulation when a smaller world keeps the batch with more micro steps)."""
     diffs = []
     for key in ("zero_stage",):
         if saved.get(key) != current.get(key):
@@ -114,7 +117,7 @@ def describe_mismatch(saved: dict, current: dict) -> list[str]:
         diffs.append(f"flat_layout: checkpoint {saved.get('flat_layout', MODEL_ORDER)!r}, this run "
                      f"{current.get('flat_layout', MODEL_ORDER)!r} (the order of the parameters in DeepSpeed's flat "
                      f"optimizer buffers; the optimizer state would load onto other parameters)")
-    if "zero_optimizer" in saved and saved["zero_optimizer"] != current.get("zero_optimizer"):
+    if not universal and "zero_optimizer" in saved and saved["zero_optimizer"] != current.get("zero_optimizer"):
         diffs.append(f"zero_optimizer: checkpoint {saved['zero_optimizer']!r}, this run "
                      f"{current.get('zero_optimizer')!r} (DeepSpeed's optimizer wrapper, chosen by the DeepSpeed "
                      f"JSON's precision and data_types.grad_accum_dtype; its state files differ: resume with the "
@@ -343,10 +346,11 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
     if tag is None:
         return None
     saved = json.loads((root / tag / COMPLETE).read_text())["fingerprint"]
-    diffs = describe_mismatch(saved, fingerprint)
+    saved_world, world = saved_world_size(root, tag), engine.dp_world_size
+    resize = saved_world != world and engine.zero_optimization_stage() > 0  # loaded from the universal format
+    diffs = describe_mismatch(saved, fingerprint, universal=resize)
     if diffs:
         raise ConfigError(f"checkpoint {root / tag} does not match this run: " + " | ".join(diffs))
-    saved_world, world = saved_world_size(root, tag), engine.dp_world_size
     states = read_client_states(root, tag, saved_world)  # before any loading: a missing file fails first
     load_tag = tag
     if saved_world != world:
