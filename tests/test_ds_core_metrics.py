@@ -4,7 +4,7 @@ import json
 import pytest
 
 from ds_core.device.precision import cpu_peak_tflops
-from ds_core.outputs.metrics import Metrics, RunInfo
+from ds_core.outputs.metrics import REPROBE_MIN_S, Metrics, RunInfo
 
 SUMMARY_FIELDS = ["model", "world_size", "nodes", "accelerators_per_node", "accelerator", "micro_batch", "grad_accum",
                   "zero_stage", "precision", "warmup_steps_excluded", "samples_per_s", "seqs_per_s_per_accelerator",
@@ -77,16 +77,31 @@ def test_cpu_peak_probe_measures_something():
 
 
 def test_a_better_peak_probe_at_the_end_lowers_mfu(tmp_path):
-    """A measured peak that read low (busy machine) is re-probed at the end; the better probe wins."""
+    """A measured peak that read low (busy machine) is re-probed at the end of a run whose timed window lasted
+    REPROBE_MIN_S; the better probe wins."""
     clock = Clock()
     m = make(tmp_path, clock, warmup=0, peak_probe=lambda: 20.0)  # first probe said 10 TFLOPs
     m.begin()
-    clock.t += 2.0
+    clock.t += REPROBE_MIN_S
     m.step(1, samples=64)
     s = m.summary()
     m.close()
     assert s["peak_tflops_per_accelerator"] == 20.0
     assert s["mfu"] == pytest.approx(s["tflops_per_accelerator"] / 20.0)
+
+
+def test_a_run_shorter_than_the_probe_is_worth_keeps_the_cached_peak(tmp_path):
+    """A timed window under REPROBE_MIN_S does not pay the re-probe (seconds in emulated bf16): the start-up peak
+    stays."""
+    clock, calls = Clock(), []
+    m = make(tmp_path, clock, warmup=0, peak_probe=lambda: calls.append(1) or 20.0)
+    m.begin()
+    clock.t += REPROBE_MIN_S - 1.0
+    m.step(1, samples=64)
+    s = m.summary()
+    m.close()
+    assert calls == [] and s["peak_tflops_per_accelerator"] == 10.0
+    assert s["mfu"] == pytest.approx(s["tflops_per_accelerator"] / 10.0)
 
 
 def read(tmp_path):
@@ -164,8 +179,8 @@ def test_step_record_has_grad_norm_data_wait_and_console_line(tmp_path, capsys):
 def test_mfu_above_one_is_never_written(tmp_path):
     """A peak probe that reads low (emulated bf16 on a CPU without native bf16, a busy moment) would give MFU > 1."""
     clock = Clock()
-    m = make(tmp_path, clock, warmup=0, peak_probe=lambda: 0.5)  # table/probe 10, re-probe even lower: kept 10
-    m.peak = 0.001  # a start-up probe that read low
+    m = make(tmp_path, clock, warmup=0, peak_probe=lambda: 0.5)  # a 2 s window: no re-probe
+    m.peak = m.static["peak_tflops_per_accelerator"] = 0.001  # a start-up probe that read low
     m.begin()
     clock.t += 2.0
     m.step(1, samples=64)

@@ -106,7 +106,7 @@ def peak_cache_key(dtype: str, threads: int | None = None) -> str:
     return f"{cpu_model()}|torch {torch.__version__}|{dtype}|threads {threads or torch.get_num_threads()}"
 
 
-def _read_cache(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):  # missing or corrupt (a killed writer cannot leave one: writes are atomic): re-probe
@@ -114,10 +114,10 @@ def _read_cache(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(path: Path, key: str, value: float) -> None:
+def write_cache(path: Path, key: str, value: object) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_cache(path)
+        data = read_cache(path)
         data[key] = value
         tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
@@ -129,20 +129,20 @@ def _write_cache(path: Path, key: str, value: float) -> None:
 def cached_cpu_peak(dtype: str, probe: Callable[[], float] | None = None) -> float:
     """This CPU's matmul peak in `dtype` from the per-machine cache, probing (and caching) it on a miss."""
     path, key = cache_path(), peak_cache_key(dtype)
-    value = _read_cache(path).get(key)
+    value = read_cache(path).get(key)
     if isinstance(value, (int, float)) and value > 0:
         return float(value)
     value = (probe or (lambda: cpu_peak_tflops(dtype)))()
-    _write_cache(path, key, value)
+    write_cache(path, key, value)
     return value
 
 
 def update_cpu_peak(dtype: str, value: float) -> None:
     """Keep the better of the cached and a new probe (a probe in a busy moment reads low; the cache keeps the best)."""
     path, key = cache_path(), peak_cache_key(dtype)
-    old = _read_cache(path).get(key)
+    old = read_cache(path).get(key)
     if not isinstance(old, (int, float)) or value > old:
-        _write_cache(path, key, value)
+        write_cache(path, key, value)
 
 
 def cpu_peak_tflops(dtype: str = "bf16", n: int = 1024, seconds: float = 0.5) -> float:

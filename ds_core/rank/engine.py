@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ds_core.device.cpu_info import use_cached_cpu_info
 from ds_core.errors import ConfigError
 from ds_core.rank.flat_norm import use_flat_grad_norm
 from ds_core.rank.grad_hook import use_one_op_grad_hook
@@ -121,6 +122,8 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     # not pass the starter's TORCH_EXTENSIONS_DIR to other nodes); a value set by the user wins
     os.environ.update(torch_extensions_env(os.environ))
     accel = get_accelerator()
+    if accel.device_name() == "cpu":
+        use_cached_cpu_info()  # DeepSpeed's op load asks py-cpuinfo twice, ~1.3 s each (ds_core.device.cpu_info)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         for lock, age in stale_build_locks():
             print(f"[ds_core] warning: {lock} is {age / 60:.0f} min old: a torch extension build that held it was "
