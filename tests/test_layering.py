@@ -82,12 +82,12 @@ def _bench_modules_imported(path: Path) -> set[str]:
 # Run as the training rank's program: bert_ref.train itself (runpy), then the top-level packages it loaded (a line
 # "LOADED [...]"). tests/test_bert_train.py's one-rank eval run starts through it: check_rank_imports then shows that
 # the runtime apart from the tools, a rank that trained, evaluated and saved a checkpoint, has imported neither
-# ds_tools nor matplotlib (the tools' plotting).
+# ds_tools nor matplotlib (the tools' plotting), and, not compiling, no Inductor (a line "INDUCTOR false").
 RANK_PROBE = """
 import atexit, json, runpy, sys
 # at exit: the rank's __main__ ends through ds_core.rank.process_end.run_main, which runs atexit handlers, then os._exit
-atexit.register(lambda: print("LOADED " + json.dumps(sorted({m.split(".")[0] for m in list(sys.modules)})),
-                              flush=True))
+atexit.register(lambda: print("LOADED " + json.dumps(sorted({m.split(".")[0] for m in list(sys.modules)})) +
+                              "\\nINDUCTOR " + json.dumps("torch._inductor.compile_fx" in sys.modules), flush=True))
 runpy.run_module("bert_ref.train", run_name="__main__", alter_sys=True)
 """
 
@@ -98,3 +98,6 @@ def check_rank_imports(output: str) -> None:
     loaded = set(json.loads(line[len("LOADED "):]))
     assert {"bert_ref", "ds_core", "deepspeed"} <= loaded, loaded   # the probe ran after a real training run
     assert not loaded & {"ds_tools", "matplotlib"}, sorted(loaded & {"ds_tools", "matplotlib"})
+    # an eager run imports no Inductor (~2 s of every rank's start): DeepSpeed's Muon module, which ZeRO's optimizer
+    # check imports, compiles nothing at import (ds_core.rank.lazy_compile)
+    assert next(x for x in output.splitlines() if x.startswith("INDUCTOR ")) == "INDUCTOR false"

@@ -29,10 +29,10 @@ def shards(tmp_path_factory) -> Path:
     return d
 
 
-def _count(shards: Path, tmp: Path, *extra: str) -> dict:
+def _count(shards: Path, tmp: Path, *extra: str, ds_config: str = "ds_configs/bert_debug_zero1_bf16.json") -> dict:
     out = tmp / "syncs.json"
     run_deepspeed(["tests/count_syncs_run.py", str(out), "--",
-                   "--preset", "debug", "--deepspeed_config", "ds_configs/bert_debug_zero1_bf16.json",
+                   "--preset", "debug", "--deepspeed_config", ds_config,
                    "--input_dir", str(shards), "--run_dir", str(tmp / "run"), "--max_steps", str(STEPS),
                    "--log_every", str(LOG_EVERY), "--throughput_warmup_steps", "0", "--progress_bar", "false",
                    "--optimizer", "lamb", "--learning_rate", "0.01", "--precision", "bf16", "--export_hf", "false",
@@ -68,10 +68,19 @@ def test_zero1_bf16_step_reads_nothing_of_its_own(shards, tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_optimizer_step_has_only_deepspeeds_finite_check(shards, tmp_path):
+@pytest.mark.parametrize("clip", ["optimizer", "deepspeed"])
+def test_bf16_optimizer_step_has_only_deepspeeds_finite_check(shards, tmp_path, clip):
     """Accumulation 2 (fp32 accumulation: DeepSpeed's BF16_Optimizer, the BERT-Large recipe's path): at most one
-    read stalls a quiet step, DeepSpeed's non-finite gradient check."""
-    info = _count(shards, tmp_path, "--gradient_accumulation_steps", "2")
+    read stalls a quiet step, DeepSpeed's non-finite gradient check. The global clip at 1.0 either in NVLAMB
+    (gradient_clipping 0, the BERT JSONs) or in DeepSpeed (gradient_clipping 1.0, as BridgeTower's JSON and Habana's
+    LANS recipe): DeepSpeed's own clip reads the norm (`if clip_coef < 1`), ds_core.rank.flat_norm's does not."""
+    config = "ds_configs/bert_debug_zero1_bf16.json"
+    if clip == "deepspeed":
+        ds = json.loads(Path(config).read_text())
+        ds["gradient_clipping"] = 1.0  # NVLAMB's max_grad_norm: DeepSpeed clips, the optimizer leaves it
+        config = str(tmp_path / "clip_in_deepspeed.json")
+        Path(config).write_text(json.dumps(ds))
+    info = _count(shards, tmp_path, "--gradient_accumulation_steps", "2", ds_config=config)
     others = _check_deferred(info, _quiet_steps(info))
     for step, sites in others.items():
         assert len(sites) <= 1 and all(BF16_OPTIMIZER_CHECK in s for s in sites), (step, sites)

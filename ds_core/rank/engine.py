@@ -20,6 +20,7 @@ from ds_core.device.cpu_info import use_cached_cpu_info
 from ds_core.errors import ConfigError
 from ds_core.rank.flat_norm import use_flat_grad_norm
 from ds_core.rank.grad_hook import use_one_op_grad_hook
+from ds_core.rank.lazy_compile import import_muon_lazily
 from ds_core.rank.parent_watch import watch_parent
 from ds_core.rank.rendezvous import free_port, rank_variables
 from ds_core.rank.venv import torch_extensions_env
@@ -220,6 +221,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, optimizer=None, lr_
     ds_config = prepare_optimizer_ops(ds_config, get_accelerator().device_name(), rank,
                                       say=lambda line: print(line, flush=True))
     ds_config = without_throughput_timer(ds_config)
+    import_muon_lazily()  # imported by ZeRO's optimizer check; its torch.compile decorations would import Inductor
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, optimizer=optimizer,
                                            lr_scheduler=lr_scheduler, config=ds_config)
     engine.flat_layout = flat_layout(moved)  # recorded in checkpoints' fingerprints (ds_core.checkpoint)

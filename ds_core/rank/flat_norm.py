@@ -15,13 +15,18 @@ host ops per BERT-Large step on the CPU proxy), work that grows with the number 
   (float64 results: a fused multi-tensor kernel on CUDA). Either way all-reduced over the data-parallel group and
   masked as DeepSpeed masks a non-finite norm.
 DeepSpeed has no setting for either (zero_optimization.compute_grad_norm=false drops the norm, which NVLAMB / LANS
-clip by and the metrics log), so the methods are replaced on the engine's optimizer instance. Where DeepSpeed's norm
+clip by and the metrics log), so the methods are replaced on the engine's optimizer instance.
+BF16_Optimizer then clips by that norm (the JSON's gradient_clipping, BridgeTower's 1.0) with DeepSpeed's
+clip_tensors_by_global_norm, whose `if clip_coef < 1` reads the norm on the host: a device sync every step. Its name in
+deepspeed.runtime.bf16_optimizer is replaced by device_clip: the same coefficient, clamped to 1 on the device and
+multiplied into the flat buffers in one multi-tensor call (the same bits: a gradient under the threshold is
+multiplied by exactly 1). Where DeepSpeed's norm
 has more to do (model or pipeline parallelism, MoE, CPU offload, another norm type, no flat buffer) its own method
 stays.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,6 +62,7 @@ def use_flat_grad_norm(engine: Any) -> bool:
             return [torch.cat([chunk_norms(f.view(-1)) for f in flats])], {}
 
         opt.get_grads_for_norm = get_grads_for_norm
+        use_device_clip()
         return True
     if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload:
         return False
@@ -81,6 +87,33 @@ def use_flat_grad_norm(engine: Any) -> bool:
 
     opt.get_grad_norm_direct = get_grad_norm_direct
     return True
+
+
+def device_clip(host_clip: Callable) -> Callable:
+    """deepspeed.runtime.utils.clip_tensors_by_global_norm without its host read where the norm is a tensor:
+    tensors *= min(1, max_norm / (norm + eps)), the coefficient computed as DeepSpeed computes it and kept on the
+    device. A norm given as a number, or none, goes to DeepSpeed's `host_clip`."""
+
+    def clip_tensors_by_global_norm(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6):
+        tensors = list(input_tensors)
+        if not torch.is_tensor(global_norm) or not tensors:
+            return host_clip(input_tensors, max_norm=max_norm, global_norm=global_norm, mpu=mpu, eps=eps)
+        with torch.no_grad():  # DeepSpeed's tensor.detach().mul_(), without one detach per tensor
+            coef = (max_norm / (global_norm + eps)).clamp_(max=1.0)
+            torch._foreach_mul_(tensors, coef)
+        return global_norm
+
+    clip_tensors_by_global_norm.ds_core_device_clip = True
+    return clip_tensors_by_global_norm
+
+
+def use_device_clip() -> None:
+    """BF16_Optimizer.step's clip through device_clip (idempotent; every BF16_Optimizer of the process: the same
+    result as DeepSpeed's, without the sync)."""
+    from deepspeed.runtime import bf16_optimizer
+
+    if not getattr(bf16_optimizer.clip_tensors_by_global_norm, "ds_core_device_clip", False):
+        bf16_optimizer.clip_tensors_by_global_norm = device_clip(bf16_optimizer.clip_tensors_by_global_norm)
 
 
 def _norm_dtype() -> torch.dtype:
@@ -109,4 +142,4 @@ def global_norm(norms: torch.Tensor, group: Any, device: Any) -> torch.Tensor:
     return total
 
 
-__all__ = ["use_flat_grad_norm", "chunk_norms", "global_norm", "CHUNK"]
+__all__ = ["use_flat_grad_norm", "use_device_clip", "device_clip", "chunk_norms", "global_norm", "CHUNK"]

@@ -1,0 +1,47 @@
+"""ds_core.rank.lazy_compile: DeepSpeed's Muon module imported without importing Inductor, its torch.compile
+decorations compiled by the real torch.compile, with their arguments, on the first call."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO
+from ds_core.rank.lazy_compile import deferred_compile
+
+
+def test_deferred_compile_compiles_on_the_first_call_with_the_same_arguments():
+    calls = []
+
+    def real(fn, **kwargs):
+        calls.append((fn.__name__, kwargs))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    compile_ = deferred_compile(real)
+
+    @compile_
+    def plain(x):
+        return x + 1
+
+    @compile_(dynamic=False, mode="max-autotune")
+    def with_options(x, y=0):
+        return x * y
+
+    assert calls == [] and plain.__name__ == "plain"  # decorating compiles nothing
+    assert plain(1) == ("compiled", 2) and plain(2) == ("compiled", 3)
+    assert with_options(2, y=3) == ("compiled", 6)
+    assert calls == [("plain", {}), ("with_options", {"dynamic": False, "mode": "max-autotune"})]  # once each
+
+
+def test_muon_imported_lazily_leaves_inductor_out_and_torch_compile_as_it_was():
+    code = """
+import sys, torch
+real = torch.compile
+from ds_core.rank.lazy_compile import MUON_MODULE, import_muon_lazily
+import_muon_lazily()
+assert MUON_MODULE in sys.modules, "DeepSpeed's Muon module was not imported"
+assert torch.compile is real
+print("INDUCTOR", "torch._inductor.compile_fx" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "INDUCTOR False" in proc.stdout, proc.stdout[-3000:]
