@@ -55,17 +55,31 @@ else:
 def _run(tmp_path, how: str, status: int) -> subprocess.CompletedProcess:
     out = tmp_path / f"{how}_{status}"
     out.mkdir()
-    return subprocess.run([sys.executable, "-c", RANK, str(out), how, str(status)], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-c", RANK, str(out), how.rstrip("0123456789"), str(status)], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
 
 
+# how the finalising interpreter ends the late thread: an abort (pthread_exit through noexcept frames, or CPython's
+# fatal error) or, when it meets the thread's state half torn down, a segfault
+CRASHES = (-signal.SIGABRT, 128 + signal.SIGABRT, -signal.SIGSEGV, 128 + signal.SIGSEGV)
+CONTROL_TRIES = 3
+
+
 def test_plain_exit_aborts_where_run_main_exits_with_the_rank_status(tmp_path):
-    plain = _run(tmp_path, "plain", 0)
-    # the control: without run_main this torch + CPython aborts (if a future version stops doing so, this says it)
-    # (the thread is ended one of two ways, depending on where it meets the finalising interpreter)
-    assert plain.returncode in (-signal.SIGABRT, 128 + signal.SIGABRT), (plain.returncode, plain.stderr[-2000:])
-    assert ("terminate called without an active exception" in plain.stderr
-            or "Fatal Python error" in plain.stderr), plain.stderr[-2000:]
+    # the control: without run_main this torch + CPython crashes at exit (if a future version stops doing so, this
+    # says it). It is a race against finalisation: on a loaded machine the interpreter can, rarely, be gone before the
+    # late thread wakes, and the process exits 0. A quiet machine crashes every time; three clean exits in a row
+    # mean the hazard is gone.
+    tries = []
+    for i in range(CONTROL_TRIES):
+        plain = _run(tmp_path, f"plain{i}", 0)
+        tries.append((plain.returncode, plain.stderr[-2000:]))
+        if plain.returncode in CRASHES:
+            break
+    assert plain.returncode in CRASHES, tries
+    if plain.returncode in (-signal.SIGABRT, 128 + signal.SIGABRT):
+        assert ("terminate called without an active exception" in plain.stderr
+                or "Fatal Python error" in plain.stderr), plain.stderr[-2000:]
 
     for status in (0, 75):  # 75: the trainer's planned stop (SystemExit) keeps its status
         res = _run(tmp_path, "run_main", status)
