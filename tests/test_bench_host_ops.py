@@ -15,25 +15,31 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def count(*args) -> dict:
-    """bench.host_ops.count in a process of its own: it starts a process group (DeepSpeed's engine), whose port and
-    environment (MASTER_PORT, RANK, ...) must not stay in the test process for the tests after it."""
-    code = f"import json; from bench.host_ops import count; print(json.dumps(count(*{args!r})))"
+def count(*specs: tuple) -> list[dict]:
+    """bench.host_ops.count of each spec, one after the other in one process of its own (a process start costs more
+    than a count): it starts a process group (DeepSpeed's engine), whose port and environment (MASTER_PORT, RANK,
+    ...) must not stay in the test process for the tests after it."""
+    code = f"import json; from bench.host_ops import count; print(json.dumps([count(*a) for a in {specs!r}]))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# every count this module's tests read, made in one process the first time a test asks
+SPECS = {(dtype, layers): ("bt_debug", layers, "json", dtype) for dtype, layers in
+         (("fp32", 1), ("fp32", 2), ("fp32", 3), ("bf16", 1), ("bf16", 2))}
+
+
 @pytest.fixture(scope="module")
 def counts():
-    """count("bt_debug", layers, "json", "fp32") by layers, each measured once for this module's tests."""
-    done: dict[int, dict] = {}
+    """counts(dtype, layers): count("bt_debug", layers, "json", dtype)."""
+    done: dict[tuple, dict] = {}
 
-    def at(layers: int) -> dict:
-        if layers not in done:
-            done[layers] = count("bt_debug", layers, "json", "fp32")
-        return done[layers]
+    def at(dtype: str, layers: int) -> dict:
+        if not done:
+            done.update(zip(SPECS, count(*SPECS.values())))
+        return done[dtype, layers]
 
     return at
 
@@ -47,15 +53,15 @@ def assert_no_item_of_ours(r: dict) -> None:
 
 def test_bridgetower_step_has_no_item_of_ours(counts):
     """One layer: the syncs of a step are per step, not per layer (the test below), so one shows them all."""
-    assert_no_item_of_ours(counts(1))
+    assert_no_item_of_ours(counts("fp32", 1))
 
 
-def test_bridgetower_bf16_step_does_not_grow_with_the_number_of_tensors():
+def test_bridgetower_bf16_step_does_not_grow_with_the_number_of_tensors(counts):
     """The shipped BridgeTower JSON in bf16 (what a GPU runs) accumulates gradients in fp32, which makes DeepSpeed
     take BF16_Optimizer: its step works on flat buffers (the norm through ds_core.rank.flat_norm), where
     DeepSpeedZeroOptimizer copies every parameter's gradient and weight one by one (~5 ops per tensor per step, and
     ~13 more in its backward hooks)."""
-    runs = {n: count("bt_debug", n, "json", "bf16") for n in (1, 2)}
+    runs = {n: counts("bf16", n) for n in (1, 2)}
     assert {r["zero_optimizer"] for r in runs.values()} == {"BF16_Optimizer"}
     assert runs[1]["engine_step"]["ops"] == runs[2]["engine_step"]["ops"], [r["engine_step"] for r in runs.values()]
     assert runs[2]["total"]["ops"] > runs[1]["total"]["ops"]  # the second layer is there: the model's ops grew
@@ -63,7 +69,7 @@ def test_bridgetower_bf16_step_does_not_grow_with_the_number_of_tensors():
 
 @pytest.mark.slow
 def test_bridgetower_counts_are_linear_in_layers(counts):
-    runs = {n: counts(n) for n in (1, 2, 3)}
+    runs = {n: counts("fp32", n) for n in (1, 2, 3)}
     for key in ("total", "engine_step", "prof_total"):
         ops = [runs[n][key]["ops"] for n in (1, 2, 3)]
         assert ops[1] - ops[0] == ops[2] - ops[1] > 0, (key, ops)
