@@ -118,7 +118,7 @@ def _live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
-def worker(cases: list, out: Path) -> None:
+def worker(cases: list, out: Path, seq: int) -> None:
     import deepspeed
     import torch
     from transformers import BertConfig, BertForPreTraining
@@ -159,7 +159,7 @@ def worker(cases: list, out: Path) -> None:
         for _ in range(STEPS):
             _reset_hwm()
             for _ in range(c["grad_accum"]):
-                ids = torch.randint(0, BERT["vocab_size"], (MICRO, SEQ), generator=g)
+                ids = torch.randint(0, BERT["vocab_size"], (MICRO, seq), generator=g)
                 out_ = engine(input_ids=ids, labels=ids, next_sentence_label=torch.zeros(MICRO, dtype=torch.long))
                 engine.backward(out_.loss)
                 if not engine.is_gradient_accumulation_boundary():
@@ -170,7 +170,7 @@ def worker(cases: list, out: Path) -> None:
             phase["step"] = max(phase["step"], _hwm() - rss0)
         del out_
         gc.collect()
-        rec = {"case": case, **c, "rank": rank, "rss_before_model": rss0, "init_delta": rss_init - rss0,
+        rec = {"case": case, **c, "rank": rank, "seq": seq, "rss_before_model": rss0, "init_delta": rss_init - rss0,
                "peak_delta": max(phase.values()), "phase_peak_delta": phase,
                "tensors_after_step": _live_tensor_bytes() - tensors0, "hwm_reset": reset_ok,
                "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
@@ -186,11 +186,12 @@ def worker(cases: list, out: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------- driver
 
-def measure(cases: list, tmp: Path, timeout: float) -> list:
+def measure(cases: list, tmp: Path, timeout: float, seq: int) -> list:
     out = tmp / "records"
     out.mkdir()
     env = bench_env(threads=1, DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
-    run_local_ranks(2, ["-m", "bench.zero_memory", "--worker", "--cases", ",".join(cases), "--out", str(out)],
+    run_local_ranks(2, ["-m", "bench.zero_memory", "--worker", "--cases", ",".join(cases), "--out", str(out),
+                        "--seq", str(seq)],
                     env=env, log=tmp / "ranks.log", timeout_s=timeout, what="ZeRO memory run")
     recs = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
     if len(recs) != 2 * len(cases):
@@ -224,25 +225,31 @@ def main() -> None:
     ap.add_argument("--save", type=Path, help="also write the measured records (JSON) here")
     ap.add_argument("--measured", type=Path, help="compare against records saved by --save instead of running")
     ap.add_argument("--target", type=float, default=0.10, help="max relative error per case")
+    ap.add_argument("--seq", type=int, default=SEQ,
+                    help=f"tokens per sample (default {SEQ}; the prediction uses the same). Fewer is faster where the "
+                         "CPU has no native bf16 and makes activations an even smaller share")
     a = ap.parse_args()
     cases = list(SMALL) if a.cases == "small" else [c for c in a.cases.split(",") if c]
     for c in cases:
         parse_case(c)
     if a.worker:
-        return worker(cases, a.out)
+        return worker(cases, a.out, a.seq)
 
     from ds_tools.tuning import GB, model_shape
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         spec = tmp / "bert_bench.json"
-        spec.write_text(json.dumps({**BERT, "seq_len": SEQ}))
-        shape = model_shape(str(spec), SEQ)
+        spec.write_text(json.dumps({**BERT, "seq_len": a.seq}))
+        shape = model_shape(str(spec), a.seq)
         t0 = time.time()
         if a.measured:
             recs = [r for r in json.loads(a.measured.read_text()) if r["case"] in cases]
+            seqs = {r.get("seq", SEQ) for r in recs}  # records saved before --seq existed ran SEQ tokens
+            if seqs != {a.seq}:
+                sys.exit(f"{a.measured}: the records ran {sorted(seqs)} tokens per sample; pass --seq to match")
         else:
-            recs = measure(cases, tmp, a.timeout)
+            recs = measure(cases, tmp, a.timeout, a.seq)
         if a.save:
             a.save.write_text(json.dumps(recs, indent=1) + "\n")
     rows = []
@@ -251,8 +258,8 @@ def main() -> None:
         err = (est.total - r["peak_delta"]) / r["peak_delta"]
         err_res = (est.resident - r["tensors_after_step"]) / r["tensors_after_step"]
         rows.append((r, est, err, err_res))
-    print(f"BERT {shape.params / 1e6:.1f} M parameters, 2 CPU ranks, micro batch {MICRO} x {SEQ} tokens, torch AdamW, "
-          f"buckets {REDUCE_BUCKET:.0e}, contiguous gradients, no overlap; GB = 1e9 bytes; "
+    print(f"BERT {shape.params / 1e6:.1f} M parameters, 2 CPU ranks, micro batch {MICRO} x {a.seq} tokens, "
+          f"torch AdamW, buckets {REDUCE_BUCKET:.0e}, contiguous gradients, no overlap; GB = 1e9 bytes; "
           f"{time.time() - t0:.0f} s")
     print("| case | ZeRO | precision | accum | accum dtype | rank | DeepSpeed optimizer | predicted peak | "
           "measured peak (RSS) | error | predicted resident | measured live tensors | error |")
