@@ -109,3 +109,58 @@ def test_a_build_that_fails_on_two_ranks_trains_with_torch_adamw_and_says_why_on
     lines = [x for x in out.splitlines() if "DeepSpeed's fused_adam op cannot be had here" in x]
     assert len(lines) == 1, out[-6000:]
     assert "rejects the Adam sources" in lines[0] and "torch.optim's AdamW" in lines[0]
+
+
+class _Builder:
+    def __init__(self, fail: str | None = None):
+        self.fail, self.loads = fail, 0
+
+    def load(self, verbose=True):
+        self.loads += 1
+        if self.fail:
+            raise RuntimeError(self.fail)
+
+
+class _Accel:
+    def __init__(self, name: str, builders: dict):
+        self.name, self.builders = name, builders
+
+    def device_name(self):
+        return self.name
+
+    def create_op_builder(self, cls):
+        return self.builders.get(cls)
+
+
+def test_build_ahead_loads_each_op_of_the_accelerator_and_names_a_failure_without_raising():
+    from ds_core.device.ops_check import build_ahead
+
+    shm, adam = _Builder(), _Builder(fail="Error building extension 'fused_adam': [1/3] c++ ...\n"
+                                          "fused_adam.cpp:1:1: error: this compiler rejects the Adam sources")
+    said: list[str] = []
+    out = build_ahead(said.append, _Accel("cpu", {"ShareMemCommBuilder": shm, "FusedAdamBuilder": adam}))
+    assert shm.loads == adam.loads == 1
+    assert out["shm_comm"] is None and "this compiler rejects the Adam sources" in out["fused_adam"]
+    assert said[0].startswith("[build_ops] cpu shm_comm: ready")
+    assert said[1].startswith("[build_ops] cpu fused_adam: not built (RuntimeError: Error building extension")
+    # an accelerator without a builder of a name (CUDA has no shm collectives) has nothing to build for it
+    assert set(build_ahead(said.append, _Accel("hpu", {"FusedAdamBuilder": _Builder()}))) == {"fused_adam"}
+
+
+def test_build_ahead_on_cuda_rewrites_the_arch_list_and_checks_the_tools_first(monkeypatch):
+    from ds_core.device import ops_check
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    monkeypatch.setattr(ops_check, "fused_adam_problem", lambda env=None: "no CUDA compiler (nvcc) in PATH")
+    adam, said = _Builder(), []
+    out = ops_check.build_ahead(said.append, _Accel("cuda", {"FusedAdamBuilder": adam}))
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0" and "'9.0a' -> '9.0'" in said[0]
+    assert out == {"fused_adam": "no CUDA compiler (nvcc) in PATH"} and adam.loads == 0  # no compiler traceback
+
+
+def test_make_setup_builds_the_ops_last_unless_told_not_to():
+    text = (REPO / "Makefile").read_text()
+    recipe = text[text.index("$(STAMP): pyproject.toml"):text.index("@touch $(STAMP)")]
+    last = recipe.strip().splitlines()[-1]
+    assert "$(BUILD_OPS)" in last and "-m ds_tools.build_ops" in last
+    assert "\nBUILD_OPS ?= 1\n" in text

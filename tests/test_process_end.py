@@ -55,7 +55,8 @@ else:
 def _run(tmp_path, how: str, status: int) -> subprocess.CompletedProcess:
     out = tmp_path / f"{how}_{status}"
     out.mkdir()
-    return subprocess.run([sys.executable, "-c", RANK, str(out), how.rstrip("0123456789"), str(status)], cwd=REPO, capture_output=True,
+    mode = how.rstrip("0123456789")  # "plain1": the second try of the plain control
+    return subprocess.run([sys.executable, "-c", RANK, str(out), mode, str(status)], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
 
 

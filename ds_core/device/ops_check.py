@@ -196,6 +196,51 @@ def agreed_problem(problem: str | None) -> str | None:
     return f"rank {r}: {p}"
 
 
+# What ds_tools.build_ops (the last step of `make setup`) builds before the first run, by DeepSpeed's builder class:
+# the CPU accelerator's shared-memory collectives (deepspeed.comm loads them at init_distributed, in every CPU run)
+# and FusedAdam (the Adam / AdamW of the shipped DeepSpeed JSONs). An accelerator without a builder of that name has
+# nothing to build for it.
+AHEAD = {"shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder"}
+
+
+def build_ahead(say: Callable[[str], None] = print, accel=None) -> dict[str, str | None]:
+    """Load the AHEAD ops of the accelerator DeepSpeed finds (`accel`: its get_accelerator()), building what is not
+    built yet into the op cache runs use (TORCH_EXTENSIONS_DIR), so that a first run loads them instead of compiling
+    for minutes inside init_distributed and deepspeed.initialize. {op: None (ready) or why not, in one line}; a
+    failure is no error here: a run then takes torch's optimizer (prepare_optimizer_ops) and says why."""
+    import time
+
+    if accel is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accel = get_accelerator()
+    name = accel.device_name()
+    if name == "cuda":  # what prepare_optimizer_ops does before a run's build: the same build here
+        value, note = arch_list_for_deepspeed(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        if note:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = value
+            say(f"[build_ops] {note}")
+    out: dict[str, str | None] = {}
+    for op, cls in AHEAD.items():
+        builder = accel.create_op_builder(cls)
+        if builder is None:
+            continue
+        t0 = time.monotonic()
+        problem = fused_adam_problem() if name == "cuda" and op == "fused_adam" else None
+        if problem is None:
+            try:
+                builder.load(verbose=False)
+            except Exception as err:  # noqa: BLE001 - any failure means the same: the run falls back and says why
+                problem = _one_line(err)
+        out[op] = problem
+        if problem is None:
+            say(f"[build_ops] {name} {op}: ready ({time.monotonic() - t0:.0f} s)")
+        else:
+            say(f"[build_ops] {name} {op}: not built ({problem}); runs that need it fall back to torch's "
+                f"optimizer and say so")
+    return out
+
+
 def prepare_optimizer_ops(ds_config: dict, accelerator: str, rank: int = 0,
                           say: Callable[[str], None] = print) -> dict:
     """The config this rank gives deepspeed.initialize (see the module docstring); on CUDA the process's
