@@ -13,7 +13,7 @@ from ds_core.cli import ArgumentParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ArgumentParser(prog="python -m ds_tools.build_ops", description=__doc__).parse_args(argv)
+    ArgumentParser(prog="python -m ds_tools.build_ops", description=__doc__, allow_abbrev=False).parse_args(argv)
     from ds_core.device.ops_check import build_ahead
 
     build_ahead()
