@@ -164,3 +164,4 @@ def test_make_setup_builds_the_ops_last_unless_told_not_to():
     last = recipe.strip().splitlines()[-1]
     assert "$(BUILD_OPS)" in last and "-m ds_tools.build_ops" in last
     assert "\nBUILD_OPS ?= 1\n" in text
+    assert "\ngpu-check: BUILD_OPS = 0\n" in text  # the budgeted GPU check builds in the parts that need the ops
