@@ -111,9 +111,9 @@ def bt_engine_starts(tmp_path_factory) -> tuple[Path, str]:
             cfg["optimizer"]["params"]["torch_adam"] = True
         (tmp / f"{name}.json").write_text(json.dumps(cfg))
         runs += ["--run", f"{name}:{logit_scale}:{tmp / f'{name}.json'}"]
-    env = {k: v for k, v in dist_env(TORCH_EXTENSIONS_DIR=str(tmp / "ext")).items() if k != "CXX"}
-    env["PATH"] = f"{cxx.parent}{os.pathsep}{env.get('PATH', os.defpath)}"
-    seed_shm_op(Path(dist_env()["TORCH_EXTENSIONS_DIR"]), tmp / "ext")
+    env = {k: v for k, v in dist_env().items() if k != "CXX"}
+    seed_shm_op(Path(env["TORCH_EXTENSIONS_DIR"]), tmp / "ext")  # from the venv's op cache
+    env.update(TORCH_EXTENSIONS_DIR=str(tmp / "ext"), PATH=f"{cxx.parent}{os.pathsep}{env.get('PATH', os.defpath)}")
     out = run_deepspeed(["tests/bt_engine_start.py", "--out_dir", str(tmp / "out"), *runs], env=env,
                         timeout=600).stdout
     return tmp / "out", out

@@ -27,8 +27,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 ADAM_TYPES = ("adam", "adamw")
-# DeepSpeed's op builder class for each op its Adam optimizers load (deepspeed.ops.op_builder, per accelerator)
-BUILDERS = {"fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder"}
+# DeepSpeed's op builder class for each op its Adam optimizers load, and for the CPU accelerator's shared-memory
+# collectives that deepspeed.comm loads at init_distributed (deepspeed.ops.op_builder, per accelerator)
+BUILDERS = {"fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder", "shm_comm": "ShareMemCommBuilder"}
 # One TORCH_CUDA_ARCH_LIST entry as torch.utils.cpp_extension reads it: major.minor, an optional arch-specific ("a",
 # sm_90a) or family-specific ("f", CUDA 12.9+) suffix, an optional +PTX.
 _ARCH = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$")
@@ -125,13 +126,14 @@ def _one_line(err: BaseException) -> str:
     return text
 
 
-def load_op(op: str) -> str | None:
-    """Load `op` the way deepspeed.initialize will (this accelerator's builder; pre-built or JIT); None when it
-    loaded, else why not, in one line. Any failure counts: a missing compiler, a compile error, DeepSpeed's own
-    parsing of the build settings."""
-    from deepspeed.accelerator import get_accelerator
+def load_op(op: str, accel=None) -> str | None:
+    """Load `op` the way deepspeed.initialize will (this accelerator's builder, `accel`: DeepSpeed's
+    get_accelerator() unless given; pre-built or JIT); None when it loaded, else why not, in one line. Any failure
+    counts: a missing compiler, a compile error, DeepSpeed's own parsing of the build settings."""
+    if accel is None:
+        from deepspeed.accelerator import get_accelerator
 
-    accel = get_accelerator()
+        accel = get_accelerator()
     builder = accel.create_op_builder(BUILDERS[op])
     if builder is None:
         return f"DeepSpeed has no {op} op for the {accel.device_name()} accelerator"
@@ -196,18 +198,27 @@ def agreed_problem(problem: str | None) -> str | None:
     return f"rank {r}: {p}"
 
 
-# What ds_tools.build_ops (the last step of `make setup`) builds before the first run, by DeepSpeed's builder class:
-# the CPU accelerator's shared-memory collectives (deepspeed.comm loads them at init_distributed, in every CPU run)
-# and FusedAdam (the Adam / AdamW of the shipped DeepSpeed JSONs). An accelerator without a builder of that name has
-# nothing to build for it.
-AHEAD = {"shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder"}
+# What ds_tools.build_ops (the last step of `make setup`) builds before the first run: the CPU accelerator's
+# shared-memory collectives (deepspeed.comm loads them at init_distributed, in every CPU run) and FusedAdam (the Adam /
+# AdamW of the shipped DeepSpeed JSONs). An accelerator without a builder for one has nothing to build for it.
+AHEAD = ("shm_comm", "fused_adam")
+
+
+def use_deepspeed_arch_list(say: Callable[[str], None], prefix: str) -> None:
+    """Rewrite this process's TORCH_CUDA_ARCH_LIST to one DeepSpeed parses (arch_list_for_deepspeed) before a CUDA
+    op build, saying so once when it changed."""
+    value, note = arch_list_for_deepspeed(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+    if note:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = value
+        say(f"{prefix} {note}")
 
 
 def build_ahead(say: Callable[[str], None] = print, accel=None) -> dict[str, str | None]:
     """Load the AHEAD ops of the accelerator DeepSpeed finds (`accel`: its get_accelerator()), building what is not
-    built yet into the op cache runs use (TORCH_EXTENSIONS_DIR), so that a first run loads them instead of compiling
-    for minutes inside init_distributed and deepspeed.initialize. {op: None (ready) or why not, in one line}; a
-    failure is no error here: a run then takes torch's optimizer (prepare_optimizer_ops) and says why."""
+    built yet into the op cache runs use (TORCH_EXTENSIONS_DIR), as a run would (op_problem), so that a first run
+    loads them instead of compiling for minutes inside init_distributed and deepspeed.initialize. {op: None (ready)
+    or why not, in one line}; a failure is no error here: a run then takes torch's optimizer
+    (prepare_optimizer_ops) and says why."""
     import time
 
     if accel is None:
@@ -215,24 +226,14 @@ def build_ahead(say: Callable[[str], None] = print, accel=None) -> dict[str, str
 
         accel = get_accelerator()
     name = accel.device_name()
-    if name == "cuda":  # what prepare_optimizer_ops does before a run's build: the same build here
-        value, note = arch_list_for_deepspeed(os.environ.get("TORCH_CUDA_ARCH_LIST"))
-        if note:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = value
-            say(f"[build_ops] {note}")
+    if name == "cuda":
+        use_deepspeed_arch_list(say, "[build_ops]")
     out: dict[str, str | None] = {}
-    for op, cls in AHEAD.items():
-        builder = accel.create_op_builder(cls)
-        if builder is None:
+    for op in AHEAD:
+        if accel.create_op_builder(BUILDERS[op]) is None:
             continue
         t0 = time.monotonic()
-        problem = fused_adam_problem() if name == "cuda" and op == "fused_adam" else None
-        if problem is None:
-            try:
-                builder.load(verbose=False)
-            except Exception as err:  # noqa: BLE001 - any failure means the same: the run falls back and says why
-                problem = _one_line(err)
-        out[op] = problem
+        out[op] = problem = op_problem(op, name, load=lambda o: load_op(o, accel))
         if problem is None:
             say(f"[build_ops] {name} {op}: ready ({time.monotonic() - t0:.0f} s)")
         else:
@@ -246,11 +247,7 @@ def prepare_optimizer_ops(ds_config: dict, accelerator: str, rank: int = 0,
     """The config this rank gives deepspeed.initialize (see the module docstring); on CUDA the process's
     TORCH_CUDA_ARCH_LIST is rewritten first. Rank 0 says what changed, one line each."""
     if accelerator == "cuda":
-        value, note = arch_list_for_deepspeed(os.environ.get("TORCH_CUDA_ARCH_LIST"))
-        if note:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = value
-            if rank == 0:
-                say(f"[ds_core] {note}")
+        use_deepspeed_arch_list(say if rank == 0 else (lambda _: None), "[ds_core]")
     op = needed_op(ds_config)
     if op is None:
         return ds_config
