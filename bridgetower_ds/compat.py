@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ds_core.compat.hf import bridgetower_image_processor
 from ds_core.config import TrainConfig
 from ds_core.config.optim import OptimArgs, schedule_for
 from ds_core.errors import ConfigError
@@ -116,15 +117,15 @@ def engine_kwargs(model: torch.nn.Module, optim: OptimArgs, ds_config: dict, lr:
 
 def image_processor(source_dir: str, image_size: int):
     """The checkpoint's image processor when it has one, else BridgeTower's with this pipeline's geometry (shorter
-    side S, S x S center crop, size divisor 32, CLIP mean/std: bridgetower_ds.images)."""
-    from transformers import BridgeTowerImageProcessorPil
-
+    side S, S x S center crop, size divisor 32, CLIP mean/std: bridgetower_ds.images). The PIL-backed class of the
+    installed transformers (ds_core.compat.hf.bridgetower_image_processor)."""
+    processor_cls = bridgetower_image_processor()
     if source_dir and (Path(source_dir) / "preprocessor_config.json").is_file():
-        proc = BridgeTowerImageProcessorPil.from_pretrained(source_dir)
+        proc = processor_cls.from_pretrained(source_dir)
     else:
-        proc = BridgeTowerImageProcessorPil(size={"shortest_edge": image_size}, crop_size={"shortest_edge": image_size},
-                                            size_divisor=SIZE_DIVISOR, do_center_crop=True,
-                                            image_mean=list(CLIP_MEAN), image_std=list(CLIP_STD))
+        proc = processor_cls(size={"shortest_edge": image_size}, crop_size={"shortest_edge": image_size},
+                             size_divisor=SIZE_DIVISOR, do_center_crop=True, image_mean=list(CLIP_MEAN),
+                             image_std=list(CLIP_STD))
     got = proc.size.get("shortest_edge") if isinstance(proc.size, dict) else getattr(proc.size, "shortest_edge", None)
     if got != image_size:
         raise ConfigError(f"{source_dir}/preprocessor_config.json: size.shortest_edge {got} != the model's vision "

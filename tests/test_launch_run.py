@@ -13,7 +13,11 @@ import pytest
 from conftest import REPO, dist_env, free_port
 from ds_core.cli import split_passthrough
 from launch import run as runmod
+from launch.local_ranks import deepspeed_launcher
 from launch.settings import DEFAULT_DIST_TIMEOUT_S, LAUNCHERS
+
+# DeepSpeed's launcher as launch.run starts it: its script beside this Python, else `python -u -m` its module
+LAUNCHER = len(deepspeed_launcher())
 
 
 def py(module: str, *args: str, cwd: Path, env=None, timeout=60) -> subprocess.CompletedProcess:
@@ -51,7 +55,7 @@ def test_named_settings_come_from_env_with_defaults(hosts):
     out = dry(hosts, "--launcher", "no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1")
     argv = out["argv"]
     # every rank runs under launch.guard: the collective timeout (module default 1800 s) plus the 60 s grace
-    assert argv[1:] == ["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
+    assert argv[LAUNCHER:] == ["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
                         "--master_port", "29500", "--module", "launch.guard", "--stall_timeout_s", "1860",
                         "bert_ref.train"]  # the module's own default DeepSpeed JSON
     env = dist_env(LAUNCH_LAUNCHER="no_ssh", LAUNCH_NODE_RANK="0", MASTER_ADDR="10.0.0.9", MASTER_PORT="29611",
@@ -80,7 +84,7 @@ def test_arguments_stay_whole_and_nothing_runs(hosts):
 def test_each_launcher_builds_its_command(hosts):
     (hosts / ".deepspeed_env").write_text("HCCL_OVER_OFI=0\nHCCL_OVER_TCP=0\nHCCL_SOCKET_IFNAME=eth0\n")
     pdsh = dry(hosts, "--profile", "roce", "--preset", "debug")["argv"]
-    assert pdsh[1:3] == ["--hostfile", "hostfile"] and "--no_ssh" not in pdsh
+    assert pdsh[LAUNCHER:LAUNCHER + 2] == ["--hostfile", "hostfile"] and "--no_ssh" not in pdsh
     mpi = dry(hosts, "--launcher", "openmpi", "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1",
               "--master_addr", "10.0.0.1")["argv"]
     assert mpi[mpi.index("--launcher") + 1] == "openmpi"
@@ -229,7 +233,7 @@ def test_launcher_args_reach_deepspeed_whole(hosts):
 
     argv = dry(hosts, "--launcher", "openmpi", "--master_addr", "10.0.0.1", "--launcher_arg=--allow-run-as-root",
                "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1")["argv"]
-    ds = parse_args(argv[1:])
+    ds = parse_args(argv[LAUNCHER:])
     assert shlex.split(ds.launcher_args) == ["--allow-run-as-root", "--mca", "btl_tcp_if_include eth1"]
     assert ds.module and ds.user_script == "launch.guard" and ds.master_addr == "10.0.0.1"
 
@@ -241,7 +245,7 @@ def test_mpich_command_as_deepspeed_builds_it(hosts):
     from deepspeed.launcher.runner import parse_args
 
     argv = dry(hosts, "--launcher", "mpich", "--master_addr", "10.0.0.1", "--master_port", "29611")["argv"]
-    ds = parse_args(argv[1:])
+    ds = parse_args(argv[LAUNCHER:])
     pool = {"node0": 2, "node1": 2}
     cmd = MPICHRunner(ds, "e30=", pool).get_cmd(dict(), pool)
     helper = next(i for i, a in enumerate(cmd) if a.endswith("launcher_helper.py"))

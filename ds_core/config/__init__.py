@@ -535,10 +535,12 @@ def settle_grad_accum_dtype(cfg: dict, source: str = "DeepSpeed config") -> None
     """bf16 with accumulation > 1: accumulate gradients in fp32 (fills data_types.grad_accum_dtype when absent, warns
     when the config asks for bf16 accumulation). Modifies cfg in place.
 
-    DeepSpeed 0.19 accumulates in the model dtype unless data_types.grad_accum_dtype says otherwise
-    (engine.get_data_types). With "fp32": ZeRO-1 switches to BF16_Optimizer (fp32 gradient buffers), ZeRO-2 and
-    ZeRO-3 keep fp32 partition buffers (stage_1_and_2.py / stage3.py gradient_accumulation_dtype). ZeRO-0 has no such
-    path: _do_optimizer_sanity_check raises NotImplementedError for bf16 params with fp32 accumulation."""
+    DeepSpeed accumulates in the model dtype unless data_types.grad_accum_dtype says otherwise (engine.get_data_types).
+    With "fp32": ZeRO-1 switches to BF16_Optimizer (fp32 gradient buffers), ZeRO-2 and ZeRO-3 keep fp32 partition
+    buffers (stage_1_and_2.py / stage3.py gradient_accumulation_dtype). ZeRO-0 differs by release, so it is asked of the
+    installed DeepSpeed (ds_core.compat.deepspeed_behaviour.optimizer_wrapper): 0.19 runs bf16 ZeRO-0 only with bf16
+    accumulation, Habana's fork (0.16.1) only with fp32 accumulation (BF16_Optimizer); a dtype the installed one refuses
+    is a ConfigError, one it needs is filled in with a notice."""
     bf16 = (cfg.get("bf16") or {}).get("enabled") or (cfg.get("bfloat16") or {}).get("enabled")
     ga = cfg.get("gradient_accumulation_steps") or 1
     data_types = cfg.get("data_types") or {}
@@ -548,20 +550,48 @@ def settle_grad_accum_dtype(cfg: dict, source: str = "DeepSpeed config") -> None
         raise ConfigError(f"{source}: data_types.grad_accum_dtype = {asked!r}: expected \"fp32\", \"bf16\" or \"fp16\"")
     if not bf16:
         return
-    if stage == 0 and asked == "fp32":
-        raise ConfigError(f"{source}: data_types.grad_accum_dtype = \"fp32\" with bf16 and zero_optimization.stage 0: "
-                          f"DeepSpeed 0.19 has no such path (NotImplementedError at deepspeed.initialize); use ZeRO "
-                          f"stage >= 1, or drop the key")
+    ok = _accum_dtypes(stage)  # the accumulation dtypes this DeepSpeed runs bf16 with at this stage
+    if asked in ok and ok[asked] is not True:
+        raise ConfigError(f"{source}: data_types.grad_accum_dtype = \"{asked}\" with bf16 and zero_optimization.stage "
+                          f"{stage}: {ok[asked]} at deepspeed.initialize; use {_accum_advice(ok, stage)}")
+    want = asked or ("fp32" if ga > 1 and stage > 0 else None)
+    if want is None and isinstance(ok.get("bf16"), str):  # this DeepSpeed has no bf16 accumulation at ZeRO-0
+        cfg["data_types"] = dict(data_types, grad_accum_dtype="fp32")
+        _notice(f"{source}: bf16 at zero_optimization.stage 0: gradients accumulate in fp32 (data_types."
+                f"grad_accum_dtype added; bf16 accumulation at this stage: {ok['bf16']})")
+        return
     if ga <= 1:
         return
-    if asked is None and stage > 0:
+    if asked is None and want == "fp32":
         cfg["data_types"] = dict(data_types, grad_accum_dtype="fp32")
         _notice(f"{source}: bf16 with gradient_accumulation_steps {ga}: gradients accumulate in fp32 "
                 f"(data_types.grad_accum_dtype added; DeepSpeed's default would accumulate in bf16)")
-    elif asked != "fp32":
-        why = ("ZeRO stage 0 cannot accumulate bf16 gradients in fp32 in DeepSpeed 0.19" if stage == 0 else
+    elif (want or "bf16") != "fp32":
+        why = ("this DeepSpeed cannot accumulate bf16 gradients in fp32 at ZeRO stage 0" if asked is None else
                f"data_types.grad_accum_dtype is {asked!r}")
         _notice(f"warning: {source}: bf16 with gradient_accumulation_steps {ga} accumulates gradients in bf16 "
                 f"({why}); measured: {BF16_ACCUM_ERROR}. Use ZeRO >= 1 with data_types.grad_accum_dtype \"fp32\".")
+
+
+def _accum_dtypes(stage: int) -> dict[str, Any]:
+    """{"fp32": True | DeepSpeed's refusal, "bf16": ...} for bf16 weights at ZeRO `stage`. Stages >= 1 run both on
+    every supported DeepSpeed (no import); ZeRO-0 is asked of the installed one."""
+    if stage > 0:
+        return {"fp32": True, "bf16": True}
+    from ds_core.compat.deepspeed_behaviour import WrapperRefused, deepspeed_version, optimizer_wrapper
+
+    out: dict[str, Any] = {}
+    for acc in ("fp32", "bf16"):
+        try:
+            optimizer_wrapper(0, "bf16", acc)
+            out[acc] = True
+        except WrapperRefused as e:
+            out[acc] = f"DeepSpeed {deepspeed_version()} refuses it ({e})"
+    return out
+
+
+def _accum_advice(ok: dict[str, Any], stage: int) -> str:
+    works = [f"data_types.grad_accum_dtype \"{acc}\"" for acc, v in ok.items() if v is True]
+    return " or ".join(works) + (" at this stage" if works else "") + ", or ZeRO stage >= 1" * (stage == 0)
 
 

@@ -7,6 +7,7 @@ models goes into those or into a Trainer component, never into a second loop.
 """
 from __future__ import annotations
 
+import math
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -23,10 +24,18 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or inf; no update was applied and the last good checkpoint stays the latest."""
 
 
+class NonFiniteGradNorm(RuntimeError):
+    """DeepSpeed's optimizer stopped on a non-finite gradient norm instead of skipping the update (Habana's fork:
+    BF16_Optimizer.step asserts `all_groups_norm > 0`); the trainer turns it into the divergence verdict."""
+
+
 # Exit status of a run stopped early on purpose (SIGTERM / SIGUSR1, or --max_steps_this_run) after saving a
 # checkpoint: "run me again with --resume". 75 is EX_TEMPFAIL of sysexits.h ("temporary failure, retry"); a job
 # script loops while the status is 75. 0 means training finished; anything else is a failure.
 EXIT_STOPPED = 75
+# A diverged run (ds_core.run.divergence, a NaN/inf loss): rank 0 exits with its one-line message (status 1, as
+# Python's sys.exit("message")), the other ranks with this status and no output.
+EXIT_DIVERGED = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -271,7 +280,7 @@ class Step:
         grad_norm = fp32_grad_norm(engine)
         skipped_before = engine.skipped_steps
         phases.begin("step")
-        engine.step()
+        step_or_stop(engine)
         phases.end("step")
         if grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
@@ -284,6 +293,29 @@ class Step:
         pending = PendingStep(torch.cat([vec] + norm) if norm else vec, keys, lr, skipped, bool(norm))
         self.acc.reset()
         return pending
+
+
+def step_or_stop(engine) -> None:
+    """engine.step(); NonFiniteGradNorm where the optimizer asserted on a non-finite gradient norm. What a non-finite
+    norm does is DeepSpeed's (ds_core.compat.deepspeed_behaviour): 0.19's BF16_Optimizer skips the update (counted in
+    engine.skipped_steps, judged by the divergence guard); Habana's fork's asserts the norm is > 0 after masking a
+    non-finite one as -1. Only that case is caught: any other assertion is DeepSpeed's and propagates."""
+    try:
+        engine.step()
+    except AssertionError:
+        norm = getattr(engine.optimizer, "_global_grad_norm", None)
+        value = float(norm) if isinstance(norm, (torch.Tensor, float, int)) else None
+        if value is None or (math.isfinite(value) and value > 0):
+            raise
+        raise NonFiniteGradNorm(f"{type(engine.optimizer).__name__} of DeepSpeed {_ds_version()} stops on it "
+                                f"(gradient norm {value:g}: its mark of inf/NaN) rather than skipping the update") \
+            from None
+
+
+def _ds_version() -> str:
+    import deepspeed
+
+    return str(deepspeed.__version__)
 
 
 def apply_lr_factor(engine, factor: float) -> None:

@@ -37,7 +37,9 @@ from ds_core.rank.engine import shutdown_distributed
 from ds_core.run.components import Callback, Checkpointing, EvalTask, Evaluation, ModelInfo, Position, ProfileSteps
 from ds_core.run.divergence import DivergenceGuard
 from ds_core.run.loop import (
+    EXIT_DIVERGED,
     EXIT_STOPPED,
+    NonFiniteGradNorm,
     PendingStep,
     Step,
     StepFn,
@@ -124,6 +126,9 @@ class Trainer:
             self.metrics.begin()
             self._run_epochs()
             summary = self._end_training()
+        except TrainingDiverged as e:
+            # one line for the run, not a traceback per rank: every rank reaches the same verdict from shared values
+            raise SystemExit(f"[ds_core] error: {e}" if self.dist.rank == 0 else EXIT_DIVERGED) from None
         finally:
             self.metrics.close()
             if not self.stopped:
@@ -206,7 +211,15 @@ class Trainer:
         batches, batch_iter = 0, iter(self.run.data)
         while (batch := self._next_batch(batch_iter)) is not _END:
             batches += 1
-            pending = self.stepper(batch)
+            try:
+                pending = self.stepper(batch)
+            except NonFiniteGradNorm as e:
+                self._read()  # the steps before it recorded (and judged) first
+                self.metrics.persist()
+                raise TrainingDiverged(
+                    f"training diverged: the gradient norm of optimizer step {self.step + 1} is not finite, and {e}. "
+                    f"Stopped without saving; the latest checkpoint is still {self.checkpoints.latest()} in "
+                    f"{self.checkpoints.root} (resume from it with a lower learning rate)") from None
             if pending is not None and self._after_optimizer_step(pending):
                 break
         return batches
