@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bert_ref.habana_ckpt import is_habana_checkpoint
+from bert_ref.recipes import RECIPES, check_recipe_name
 from ds_core.config import TrainConfig, arg
 from ds_core.config.optim import OptimArgs
 from ds_core.errors import ConfigError
@@ -144,7 +145,12 @@ def tuning_spec(preset: BertPreset) -> dict[str, Any]:
 class BertArgs:
     """Model and data settings of bert_ref.train (optimizer settings: ds_core.config.optim.OptimArgs)."""
 
-    preset: str = arg(f"Model preset: one of {', '.join(PRESETS)}.", default="bert_large")
+    recipe: str = arg(f"A published run, one of {', '.join(RECIPES)} (bert_ref.recipes; docs/bert_pretraining.md): "
+                      "sets every setting the reference fixes (preset, phase, DeepSpeed JSON, optimizer, LR schedule, "
+                      "steps, seed); flags given as well override it. '' = none.", default="")
+    preset: str = arg(f"Model preset: one of {', '.join(PRESETS)}. Each brings its DeepSpeed JSON (ds_configs."
+                      "DEFAULT_JSON: bert_large_zero1_bf16.json, bert_1p5b_zero1_bf16.json = Habana's 1.5B JSON, "
+                      "bert_debug_zero1_bf16.json) unless --deepspeed_config names one.", default="bert_large")
     phase: int = arg("1: seq 128 / 20 masked positions; 2: seq 512 / 80 (usually with --init_checkpoint).",
                        default=1)
     input_dir: str = arg("Directory of pretraining shards written by `python -m bert_ref.prep shards`.",
@@ -171,6 +177,7 @@ class BertArgs:
                             "--init_checkpoint of the next phase.", default=True)
 
     def validate(self) -> None:
+        check_recipe_name(self.recipe)
         get_preset(self.preset, self.phase)
         if not self.input_dir:
             raise InputDirError("--input_dir is required: a directory of shards from `python -m bert_ref.prep shards`")

@@ -84,12 +84,17 @@ def expand_recipe(argv: list[str]) -> tuple[list[str], str]:
                 name, i = argv[i + 1], i + 2
             else:
                 name, i = a.split("=", 1)[1], i + 1
-            if name not in RECIPES:
-                raise ConfigError(f"--recipe {name!r}: unknown; expected one of {', '.join(RECIPES)}")
+            check_recipe_name(name)
+            out += ["--recipe", name]
             continue
         out.append(a)
         i += 1
     return (list(RECIPES[name].flags) + out if name else out), name
+
+
+def check_recipe_name(name: str) -> None:
+    if name and name not in RECIPES:
+        raise ConfigError(f"--recipe {name!r}: unknown; expected one of {', '.join(RECIPES)}")
 
 
 def check_recipe_batch(name: str, batch: Batch) -> None:
@@ -110,4 +115,4 @@ def check_recipe_batch(name: str, batch: Batch) -> None:
                       f"{batch.accumulation} x world size {world}): use {hint}")
 
 
-__all__ = ["PublishedRun", "RECIPES", "expand_recipe", "check_recipe_batch"]
+__all__ = ["PublishedRun", "RECIPES", "expand_recipe", "check_recipe_name", "check_recipe_batch"]
