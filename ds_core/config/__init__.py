@@ -87,8 +87,10 @@ class TrainConfig:
                                   "communication, optimizer step, wait for the slowest rank: ds_core.outputs.phases); "
                                   "0 turns it off.", default=10)
     seed: int = arg("Seed for python, numpy and torch.", default=42)
-    micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
-                                  default=0, aliases=["--per_device_train_batch_size"])
+    micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it. A JSON "
+                                "that fixes train_batch_size (and no gradient_accumulation_steps) keeps its global "
+                                "batch: the accumulation follows.", default=0,
+                                aliases=["--per_device_train_batch_size"])
     gradient_accumulation_steps: int = arg("Override gradient_accumulation_steps of the DeepSpeed JSON; 0 keeps it.",
                                              default=0)
     zero_stage: int = arg("Override zero_optimization.stage of the DeepSpeed JSON; -1 keeps it.", default=-1)
@@ -440,8 +442,10 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
                    grad_accum: int = 0, zero_stage: int = -1) -> dict:
     """Load, validate and resolve a DeepSpeed JSON for `world_size` data-parallel ranks.
 
-    Overrides (micro_batch, grad_accum > 0; zero_stage >= 0) replace the JSON's values; when micro batch or
-    accumulation is overridden, train_batch_size is re-derived rather than kept, so the override cannot conflict.
+    Overrides (micro_batch, grad_accum > 0; zero_stage >= 0) replace the JSON's values. A JSON that fixes the global
+    batch (train_batch_size without gradient_accumulation_steps, as Habana's BERT-1.5B JSON) keeps it under a micro
+    batch override: the accumulation follows, as DeepSpeed derives it. Otherwise, when micro batch or accumulation is
+    overridden, train_batch_size is re-derived rather than kept, so the override cannot conflict.
     """
     if isinstance(path_or_dict, dict):
         cfg, source = json.loads(json.dumps(path_or_dict)), "DeepSpeed config"
@@ -452,7 +456,8 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
         cfg["train_micro_batch_size_per_gpu"] = micro_batch
     if grad_accum:
         cfg["gradient_accumulation_steps"] = grad_accum
-    if micro_batch or grad_accum:
+    fixes_global = "train_batch_size" in cfg and "gradient_accumulation_steps" not in cfg
+    if grad_accum or (micro_batch and not fixes_global):
         cfg.pop("train_batch_size", None)
     tb, mb, ga = check_batch_arithmetic(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"),
                                         cfg.get("gradient_accumulation_steps"), world_size, source)
