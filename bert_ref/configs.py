@@ -19,6 +19,7 @@ from bert_ref.recipes import RECIPES, check_recipe_name
 from ds_core.config import TrainConfig, arg
 from ds_core.config.optim import OptimArgs
 from ds_core.errors import ConfigError
+from ds_core.outputs.monitors import REPORT_TO_HELP, report_to_names
 
 BERT_VOCAB = 30522  # the uncased WordPiece vocabulary of the original BERT release
 PHASES = {1: (128, 20), 2: (512, 80)}  # phase -> (max_seq_length, max_predictions_per_seq)
@@ -173,11 +174,13 @@ class BertArgs:
                            "fewer FLOPs (and the reported FLOPs count only those positions).", default=False)
     fast_dropout: bool = arg("Hidden dropouts draw 16-bit random numbers (bert_ref.model.FastDropout, p rounded to "
                              "a multiple of 2^-15): faster on CPU.", default=False)
+    report_to: str = arg(REPORT_TO_HELP + "; as transformers' Trainer and bridgetower_ds.train.", default="none")
     export_hf: bool = arg("At the end write run_dir/hf_model (save_pretrained format, ZeRO-3 gathered): the "
                             "--init_checkpoint of the next phase.", default=True)
 
     def validate(self) -> None:
         check_recipe_name(self.recipe)
+        report_to_names(self.report_to)
         get_preset(self.preset, self.phase)
         if not self.input_dir:
             raise InputDirError("--input_dir is required: a directory of shards from `python -m bert_ref.prep shards`")

@@ -20,6 +20,7 @@ from bert_ref.step import make_step_fn
 from ds_core.checkpoint import export_hf
 from ds_core.config.optim import schedule_for
 from ds_core.errors import ConfigError
+from ds_core.outputs.monitors import apply_report_to
 from ds_core.rank.engine import build_engine, compile_model, shutdown_distributed
 from ds_core.rank.process_end import run_main
 from ds_core.run.setup import Run, RunSpec, start_run
@@ -47,8 +48,13 @@ def resolve(cfg: BertSettings) -> tuple[BertSettings, list[str]]:
     return dataclasses.replace(cfg, optim=for_preset(cfg.optim, preset.name, preset.phase)), []
 
 
+def adjust_ds_config(cfg: BertSettings, ds_config: dict) -> list[str]:
+    """The --report_to monitors, written into the resolved DeepSpeed config (as bridgetower_ds.train does)."""
+    return apply_report_to(cfg.model.report_to, ds_config, cfg.train.run_dir, job_name="bert")
+
+
 SPEC = RunSpec(settings=BertSettings, default_ds_config=default_ds_config, optimizer_in_code=True,
-               description=__doc__, prog=f"python -m {MODULE}", resolve=resolve,
+               description=__doc__, prog=f"python -m {MODULE}", resolve=resolve, adjust_ds_config=adjust_ds_config,
                check_batch=lambda cfg, batch: check_recipe_batch(cfg.model.recipe, batch))  # a recipe's global batch
 
 

@@ -36,6 +36,7 @@ def no_init(monkeypatch):
     (["--preset", "debug", "--input_dir", "{tmp}/nowhere"], "--input_dir {tmp}/nowhere: no such directory"),
     (["--preset", "debug", "--input_dir", "{tmp}", "--deepspeed_config", "{tmp}/bad.json"],
      "unknown top-level key(s) 'zero_optimisation' (did you mean 'zero_optimization'?)"),
+    (["--preset", "debug", "--input_dir", "{tmp}", "--report_to", "mlflow"], "--report_to 'mlflow': expected one of"),
 ])
 def test_bert_mistakes_are_config_errors_naming_the_thing(argv, message, tmp_path, no_init):
     (tmp_path / "bad.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 4,
