@@ -271,9 +271,10 @@ def format_md(groups: Sequence[Group]) -> str:
 
 
 def _md_lost(g: Group) -> list:
-    """The breakdown table: points of efficiency each phase cost, per run larger than the baseline."""
+    """The breakdown table: points of efficiency each phase cost, per run larger than the baseline. Left out where no
+    run has phase timing (published numbers): every row would be zeros and the whole loss under "anything else"."""
     rows = [r for r in rows_of(g) if not r["baseline"]]
-    if not rows:
+    if not any(r["lost"]["timed"] for r in rows):
         return []
     heads = [explain.BUCKET_TITLES[k] for k in explain.BUCKETS]
     out = ["\nWhat grew against the baseline: points of scaling efficiency lost to each part of the step "
@@ -323,7 +324,9 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
+    timed = any(r["lost"]["timed"] for g in groups for r in rows_of(g) if not r["baseline"])
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.2))
+    ax1, ax2 = axes[:2]
     for i, g in enumerate(groups):
         rows = rows_of(g)
         x = [r["accelerators"] for r in rows]
@@ -349,7 +352,8 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
         if len({a for g in groups for a in (r.accelerators for r in g.runs)}) > 2:
             ax.set_xscale("log", base=2)
     ax1.legend(fontsize=7)
-    _plot_lost(ax3, groups)
+    if timed:  # without phase timing every bar would be "anything else": the panel says nothing
+        _plot_lost(axes[2], groups)
     if len(groups) == 1:
         fig.suptitle(groups[0].title, fontsize=9)
     fig.tight_layout()
@@ -398,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(*flag("--baseline_nodes"), type=int, default=None,
                    help="node count of the baseline run (default: the smallest run of each group)")
     p.add_argument("--format", choices=("md", "csv", "json"), default="md", help="output format (default md)")
-    p.add_argument("--plot", metavar="FILE.png", help="write throughput and efficiency against accelerators")
+    p.add_argument("--plot", metavar="FILE.png", help="write throughput and efficiency against accelerators (and, for "
+                                                      "runs with phase timing, what grew)")
     p.add_argument("--out", metavar="FILE", help="write the report here instead of stdout")
     return p
 

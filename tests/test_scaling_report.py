@@ -122,6 +122,16 @@ def test_plot_writes_a_png_that_opens(tmp_path, capsys):
         im.verify()
     with Image.open(png) as im:
         assert im.format == "PNG" and im.size[0] > 400 and im.size[1] > 200
+        untimed_width = im.size[0]
+    # published numbers have no phase timing: two panels, no "what grew" bars that would all be "anything else";
+    # runs with phase timing get the third panel
+    runs = scaling.read_table(csv)
+    for r in runs:
+        r.phases = {k: 1.0 for k in ("phase_data_s", "phase_forward_s", "phase_backward_s", "phase_comm_s",
+                                     "phase_step_s", "phase_wait_s")}
+    scaling.plot(scaling.group_runs(runs), tmp_path / "timed.png")
+    with Image.open(tmp_path / "timed.png") as im:
+        assert im.size[0] > 1.3 * untimed_width
 
 
 @pytest.mark.slow
