@@ -8,7 +8,8 @@ every group after the first says how it differs.
 
     ds-scaling-report runs/n1 runs/n2 --format md --plot scaling.png
     ds-scaling-report predict --from runs/n1 --fabric dgx-a100 --nodes 2 4 8     (ds_tools/predict.py)
-    python -m ds_tools.scaling --from_table published.csv --format json
+    python -m ds_tools.scaling --from_table studies/published/bert_large_dl1.csv --format json
+    python -m ds_tools.scaling predict ...                                       (the same commands)
 """
 from __future__ import annotations
 
@@ -430,6 +431,13 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`ds-scaling-report RUNS...` or `ds-scaling-report predict ...` (ds_tools.predict), also as `python -m
+    ds_tools.scaling`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["predict"]:
+        from ds_tools import predict  # here, not at the top: predict imports this module's readers
+
+        return predict.main(argv[1:])
     # OSError: a run directory, table or output path the user named
     return cli_main(argv, build_parser, _main, (ScalingError, OSError))
 

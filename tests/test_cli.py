@@ -177,6 +177,9 @@ BAD_INPUT = [
     ("ds_tools.scaling", "ds-scaling-report", ["{tmp}/missing"], "{tmp}/missing: no such run directory"),
     ("ds_tools.scaling_cli", "ds-scaling-report predict", ["predict", "--measured", "100", "--nodes", "2"],
      "--measured SEQ_PER_S with --measured_nodes"),
+    # the module form the docs name (`python -m ds_tools.scaling predict ...`) dispatches as the console script does
+    ("ds_tools.scaling", "ds-scaling-report predict", ["predict", "--measured", "100", "--nodes", "2"],
+     "--measured SEQ_PER_S with --measured_nodes"),
     ("ds_tools.tuning", "ds-tune", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64",
                                    "--accelerators_per_node", "0"], "--accelerators_per_node and --nodes must"),
     ("ds_tools.study.__main__", "ds-study", ["report", "{tmp}"], "{tmp}: no study.toml"),
