@@ -192,8 +192,9 @@ def group_runs(runs: Sequence[Run], baseline_nodes: int | None = None) -> list:
         else:
             cands = [r for r in members if r.nodes == baseline_nodes]
             if not cands:
-                raise ScalingError(f"--baseline_nodes {baseline_nodes}: group {dict(zip(GROUP_KEYS, key))} has "
-                                   f"runs at nodes {sorted({r.nodes for r in members})} only")
+                nodes = ", ".join(map(str, sorted({r.nodes for r in members})))
+                raise ScalingError(f"--baseline_nodes {baseline_nodes}: group {Group(key, members, members[0]).title} "
+                                   f"has runs at {nodes} node(s) only")
             base = cands[0]
         reason = ""
         if groups:

@@ -83,7 +83,7 @@ def load_spec(model: str) -> tuple:
     if not p.is_file():
         shipped = MODEL_DIR / f"{MODEL_ALIASES.get(model, model)}.json"
         if p.parent != Path(".") or not shipped.is_file():
-            raise TuningError(f"--model {model!r}: not one of {shipped_models() + sorted(MODEL_ALIASES)} "
+            raise TuningError(f"--model {model!r}: not one of {', '.join(shipped_models() + sorted(MODEL_ALIASES))} "
                               f"(ds_configs/models/) and not an HF config.json file")
         p = shipped
     try:

@@ -159,7 +159,7 @@ def _flatten_json(data: dict, types: Sequence[type], source: str) -> dict:
     return flat
 
 
-def _settings_parser(types: Sequence[type], description: str | None, prog: str | None):
+def settings_parser(types: Sequence[type], description: str | None, prog: str | None):
     """HfArgumentParser over the settings dataclasses, as a user reads it: usage names the command (`python -m
     bert_ref.train`, not the file), each `--no_X` says that it turns X off, and a bad value is a ConfigError (one
     line from one rank: ds_core.rank.process_end.run_main) instead of argparse's usage block and exit on every rank."""
@@ -194,7 +194,7 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     Launchers add `--local_rank=N`; it is accepted and ignored (LOCAL_RANK from the environment is what counts).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _settings_parser(types, description, prog)
+    parser = settings_parser(types, description, prog)
     parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name), "
                                                        "or a run directory (its run_config.json); flags given on the "
                                                        "command line override it.")
