@@ -432,16 +432,13 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`ds-scaling-report RUNS...` or `ds-scaling-report predict ...` (ds_tools.predict), also as `python -m
-    ds_tools.scaling`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["predict"]:
-        from ds_tools import predict  # here, not at the top: predict imports this module's readers
-
-        return predict.main(argv[1:])
     # OSError: a run directory, table or output path the user named
     return cli_main(argv, build_parser, _main, (ScalingError, OSError))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m ds_tools.scaling` is the console script `ds-scaling-report`, `predict` included: its dispatcher
+    # (ds_tools.scaling_cli) runs as the program. Run, not imported: it imports this module (and predict does).
+    import runpy
+
+    runpy.run_module("ds_tools.scaling_cli", run_name="__main__", alter_sys=True)

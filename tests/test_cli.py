@@ -177,9 +177,6 @@ BAD_INPUT = [
     ("ds_tools.scaling", "ds-scaling-report", ["{tmp}/missing"], "{tmp}/missing: no such run directory"),
     ("ds_tools.scaling_cli", "ds-scaling-report predict", ["predict", "--measured", "100", "--nodes", "2"],
      "--measured SEQ_PER_S with --measured_nodes"),
-    # the module form the docs name (`python -m ds_tools.scaling predict ...`) dispatches as the console script does
-    ("ds_tools.scaling", "ds-scaling-report predict", ["predict", "--measured", "100", "--nodes", "2"],
-     "--measured SEQ_PER_S with --measured_nodes"),
     ("ds_tools.tuning", "ds-tune", ["--model", "bert-large", "--accelerator", "gaudi2", "--global_batch", "64",
                                    "--accelerators_per_node", "0"], "--accelerators_per_node and --nodes must"),
     ("ds_tools.study.__main__", "ds-study", ["report", "{tmp}"], "{tmp}: no study.toml"),
@@ -252,3 +249,15 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(argv):
     err = proc.stderr.read()
     assert proc.wait(timeout=120) in (0, 141), err  # 0: what was written fit the pipe before it closed
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_the_module_form_of_ds_scaling_report_takes_predict():
+    """`python -m ds_tools.scaling predict ...`, the module form the docs name, is `ds-scaling-report predict`."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "ds_tools.scaling", "predict", "--measured", "100", "--nodes", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == USAGE_ERROR, proc.stderr
+    line = proc.stderr.splitlines()[-1]
+    assert line.startswith("ds-scaling-report predict: error: ") and "--measured SEQ_PER_S with --measured_nodes" \
+        in line, proc.stderr
