@@ -58,6 +58,9 @@ def json_for_args(module: str, args: Sequence[str]) -> tuple[str, str]:
         chosen = DEFAULT_JSON[module].get("recipe", {}).get(recipe, "")
         return chosen, f"--recipe {recipe}" if chosen else f"--recipe {recipe}: not a recipe of {module}"
     preset = _last_value(args, "--preset") or ""
+    table = DEFAULT_JSON[module].get("preset", {})
+    if preset not in table and set(table) != {""}:
+        return "", f"--preset {preset}: not a preset of {module} (the module says which are)"
     chosen = preset_json(module, preset)
     return chosen, (f"--preset {preset}" if preset else f"{module}'s default preset") if chosen else \
         f"--preset {preset} has no DeepSpeed JSON of its own: give --deepspeed_config"
