@@ -31,7 +31,8 @@ PY_VER   ?= 3.12
 PLATFORM ?= manylinux_2_28_x86_64
 BASE     ?= tools/base/cuda_image.txt
 WHEELS   ?= wheelhouse
-# a size cap the user sets for the wheelhouse (MB; 0: none): an image holding only torch legitimately needs ~160 MB
+# a size cap the user sets for the wheelhouse (MB; 0: none): its size depends on BASE (an image holding only torch
+# needs every other requirement), so no fixed cap fits every target
 WHEELHOUSE_MAX_MB ?= 0
 
 .PHONY: setup demo test test-fast lint bench clean wheelhouse gpu-check
