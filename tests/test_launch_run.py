@@ -346,3 +346,20 @@ def test_settings_flags_are_the_fields_and_to_argv_round_trips(monkeypatch, caps
                                                      "--launcher_arg=--bind-to=none"]
     with pytest.raises(ValueError, match="'hosts'"):
         s.to_argv(["hosts"])
+
+
+def test_dry_run_names_the_deepspeed_json_the_run_will_use(hosts):
+    """Each preset brings its own JSON (ds_configs.DEFAULT_JSON): the dry run names the file and what chose it, so a
+    1.5B run is seen to take Habana's 1.5B JSON, not BERT-Large's."""
+    def chosen(*args: str) -> dict:
+        return dry(hosts, *args)["deepspeed_config"]
+
+    one = chosen("--preset", "bert_1p5b")
+    assert Path(one["file"]).name == "bert_1p5b_zero1_bf16.json" and one["chosen_by"] == "--preset bert_1p5b"
+    assert Path(one["file"]).is_file()  # resolved where the module will open it
+    assert Path(chosen()["file"]).name == "bert_large_zero1_bf16.json"  # the module's default preset
+    assert Path(chosen("--", "--recipe", "habana_1p5b_8x")["file"]).name == "bert_1p5b_zero1_bf16.json"
+    given = chosen("--preset", "bert_1p5b", "--", "--deepspeed_config", "bert_1p5b_zero3_bf16.json")
+    assert Path(given["file"]).name == "bert_1p5b_zero3_bf16.json" and given["chosen_by"] == "--deepspeed_config"
+    assert Path(chosen("--module", "bridgetower_ds.train")["file"]).name == "bridgetower_zero1_bf16.json"
+    assert chosen("--preset", "bert_huge")["file"] is None  # the module itself refuses an unknown preset

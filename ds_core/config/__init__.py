@@ -6,6 +6,7 @@ the data-parallel world size here (llm-foundry's validate_config, HF's HfArgumen
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -86,8 +87,10 @@ class TrainConfig:
                                   "communication, optimizer step, wait for the slowest rank: ds_core.outputs.phases); "
                                   "0 turns it off.", default=10)
     seed: int = arg("Seed for python, numpy and torch.", default=42)
-    micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
-                                  default=0, aliases=["--per_device_train_batch_size"])
+    micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it. A JSON "
+                                "that fixes train_batch_size (and no gradient_accumulation_steps) keeps its global "
+                                "batch: the accumulation follows.", default=0,
+                                aliases=["--per_device_train_batch_size"])
     gradient_accumulation_steps: int = arg("Override gradient_accumulation_steps of the DeepSpeed JSON; 0 keeps it.",
                                              default=0)
     zero_stage: int = arg("Override zero_optimization.stage of the DeepSpeed JSON; -1 keeps it.", default=-1)
@@ -156,21 +159,42 @@ def _flatten_json(data: dict, types: Sequence[type], source: str) -> dict:
     return flat
 
 
-def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, description: str | None = None) -> tuple:
-    """Parse dataclass types from `--config FILE.json` (defaults) and flags (overrides); one instance per type.
-
-    Launchers add `--local_rank=N`; it is accepted and ignored (LOCAL_RANK from the environment is what counts).
-    """
+def settings_parser(types: Sequence[type], description: str | None, prog: str | None):
+    """HfArgumentParser over the settings dataclasses, as a user reads it: usage names the command (`python -m
+    bert_ref.train`, not the file), each `--no_X` says that it turns X off, and a bad value is a ConfigError (one
+    line from one rank: ds_core.rank.process_end.run_main) instead of argparse's usage block and exit on every rank."""
     from transformers import HfArgumentParser
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     # allow_abbrev=False: a prefix is never taken for a longer flag (`--use_hpu_graphs` is not
     # `--use_hpu_graphs_for_inference`, `--deepspeed` is not ambiguous)
-    parser = HfArgumentParser(list(types), description=description, allow_abbrev=False)
+    parser = HfArgumentParser(list(types), prog=prog, description=description, allow_abbrev=False)
+
+    def refuse(message: str) -> None:
+        raise ConfigError(message)
+
+    parser.error = refuse  # argparse's own check of a value (`--max_steps x`): the message names flag and value
+    positive = {a.dest: a for a in parser._actions if a.option_strings and a.option_strings[0].startswith("--")  # noqa: SLF001
+                and not a.option_strings[0].startswith("--no_")}
     for action in parser._actions:  # noqa: SLF001 (argparse lists its actions nowhere public)
         # argparse %-formats every help string; a field's help is plain text ("40 % of train"), so escape it once here
         if action.help:
             action.help = action.help.replace("%", "%%")
+        # HfArgumentParser gives `--no_X` the help of X and a default of False: say what "no" does instead
+        if action.option_strings and action.option_strings[0].startswith("--no_") and action.dest in positive:
+            action.help = f"Turns {positive[action.dest].option_strings[0]} off (the same as " \
+                          f"{positive[action.dest].option_strings[0]} false)."
+            action.default = argparse.SUPPRESS  # the default is X's, shown there
+    return parser
+
+
+def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, description: str | None = None,
+               prog: str | None = None) -> tuple:
+    """Parse dataclass types from `--config FILE.json` (defaults) and flags (overrides); one instance per type.
+
+    Launchers add `--local_rank=N`; it is accepted and ignored (LOCAL_RANK from the environment is what counts).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = settings_parser(types, description, prog)
     parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name), "
                                                        "or a run directory (its run_config.json); flags given on the "
                                                        "command line override it.")
@@ -193,7 +217,9 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         known = [a for act in parser._actions for a in act.option_strings if "-" not in a.lstrip("-")]
-        raise ConfigError(f"unknown command-line argument(s): {', '.join(_flag_hint(u, known) for u in unknown)}")
+        # a value right after an unknown flag is that flag's value, not a second unknown argument
+        flags = [u for i, u in enumerate(unknown) if u.startswith("-") or i == 0 or not unknown[i - 1].startswith("-")]
+        raise ConfigError(f"unknown command-line argument(s): {', '.join(_flag_hint(u, known) for u in flags)}")
     out = []
     values = vars(ns)
     for t in types:
@@ -215,12 +241,13 @@ def sections_of(cfg: Any) -> list:
     return [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]
 
 
-def parse_settings(tree: type[T], argv: Sequence[str] | None = None, description: str | None = None) -> T:
+def parse_settings(tree: type[T], argv: Sequence[str] | None = None, description: str | None = None,
+                   prog: str | None = None) -> T:
     """One settings tree from flags and `--config FILE.json` (parse_args, one section per field of `tree`): a run
     reads a setting by name, `cfg.train.max_steps`, never by position. The JSON format is parse_args': flat, or
     sectioned by class name, as run_config.json is written (so files written before the tree existed still load)."""
     types = section_types(tree)
-    sections = parse_args(list(types.values()), argv, description=description)
+    sections = parse_args(list(types.values()), argv, description=description, prog=prog)
     return tree(**dict(zip(types, sections)))
 
 
@@ -415,8 +442,10 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
                    grad_accum: int = 0, zero_stage: int = -1) -> dict:
     """Load, validate and resolve a DeepSpeed JSON for `world_size` data-parallel ranks.
 
-    Overrides (micro_batch, grad_accum > 0; zero_stage >= 0) replace the JSON's values; when micro batch or
-    accumulation is overridden, train_batch_size is re-derived rather than kept, so the override cannot conflict.
+    Overrides (micro_batch, grad_accum > 0; zero_stage >= 0) replace the JSON's values. A JSON that fixes the global
+    batch (train_batch_size without gradient_accumulation_steps, as Habana's BERT-1.5B JSON) keeps it under a micro
+    batch override: the accumulation follows, as DeepSpeed derives it. Otherwise, when micro batch or accumulation is
+    overridden, train_batch_size is re-derived rather than kept, so the override cannot conflict.
     """
     if isinstance(path_or_dict, dict):
         cfg, source = json.loads(json.dumps(path_or_dict)), "DeepSpeed config"
@@ -427,7 +456,8 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
         cfg["train_micro_batch_size_per_gpu"] = micro_batch
     if grad_accum:
         cfg["gradient_accumulation_steps"] = grad_accum
-    if micro_batch or grad_accum:
+    fixes_global = "train_batch_size" in cfg and "gradient_accumulation_steps" not in cfg
+    if grad_accum or (micro_batch and not fixes_global):
         cfg.pop("train_batch_size", None)
     tb, mb, ga = check_batch_arithmetic(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"),
                                         cfg.get("gradient_accumulation_steps"), world_size, source)
