@@ -28,6 +28,8 @@ class Change:
     test: str
     missing: Callable[[], str | None]  # what the installed DeepSpeed lacks for it (None: it has everything)
     checked: str = CHECKED
+    # why the installed DeepSpeed does not need it (a fix of an older release's behaviour), or None: needed
+    not_needed: Callable[[], str | None] = lambda: None
 
 
 def _attr(module: str, name: str) -> Any:
@@ -104,6 +106,17 @@ def _comm_backend() -> str | None:
     return None if hasattr(comm, "cdb") else "deepspeed.comm.comm has no backend object `cdb` to time"
 
 
+def _group_norms() -> str | None:
+    return signature_differs("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "scaled_global_norm",
+                             ["norm_type"])
+
+
+def _group_norms_fixed() -> str | None:
+    if _attr("deepspeed.runtime.utils", "combine_grad_norm_groups") is not None:
+        return "this DeepSpeed combines group norms keeping a non-finite one (combine_grad_norm_groups)"
+    return None
+
+
 def _zero_layout() -> str | None:
     return None  # read per wrapper instance when the optimizer attaches (ds_core.compat.zero_layout.missing_attributes)
 
@@ -115,6 +128,10 @@ CHANGES: tuple[Change, ...] = (
     Change("flat_grad_norm_zero", "ZeRO-1/2's global gradient norm over its flat partition, or one multi-tensor norm",
            "DeepSpeedZeroOptimizer.get_grad_norm_direct (one float64 norm per tensor)", "ds_core.compat.flat_norm",
            "tests/test_flat_norm.py", _zero_norm),
+    Change("nonfinite_group_norm", "a non-finite group norm makes ZeRO-1/2's global norm inf, as DeepSpeed 0.19 does",
+           "DeepSpeedZeroOptimizer.scaled_global_norm, whose vector norm of the groups' norms turns their -1 mark of "
+           "inf/NaN into a finite norm (DeepSpeed before combine_grad_norm_groups)", "ds_core.compat.flat_norm",
+           "tests/test_ckpt_verify.py", _group_norms, not_needed=_group_norms_fixed),
     Change("device_clip", "the clip coefficient kept on the device (no host read of the norm)",
            "deepspeed.runtime.bf16_optimizer.clip_tensors_by_global_norm", "ds_core.compat.flat_norm",
            "tests/test_device_clip.py", _device_clip),
@@ -142,9 +159,15 @@ def missing(name: str) -> str | None:
 
 
 def status() -> dict[str, str]:
-    """{change: "on" | "off: <why>"} for the installed DeepSpeed (its classes; engine-specific conditions such as
-    the optimizer wrapper a run gets are decided when the engine is built)."""
-    return {c.name: "on" if (why := c.missing()) is None else f"off: {why}" for c in CHANGES}
+    """{change: "on" | "off: <why>" | "not needed: <why>"} for the installed DeepSpeed (its classes; engine-specific
+    conditions such as the optimizer wrapper a run gets are decided when the engine is built)."""
+    out = {}
+    for c in CHANGES:
+        if (fixed := c.not_needed()) is not None:
+            out[c.name] = f"not needed: {fixed}"
+        else:
+            out[c.name] = "on" if (why := c.missing()) is None else f"off: {why}"
+    return out
 
 
 def say_off(name: str, why: str, say: Callable[[str], None] | None) -> None:

@@ -62,6 +62,7 @@ def use_flat_grad_norm(engine: Any, say: Callable[[str], None] | None = None) ->
         return True
     if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload:
         return False
+    use_group_norm_sentinel(opt, say)  # a fix of older DeepSpeed's combined norm, whether or not the flat norm applies
     if why := missing("flat_grad_norm_zero"):
         say_off("flat_grad_norm_zero", why, say)
         return False
@@ -71,6 +72,33 @@ def use_flat_grad_norm(engine: Any, say: Callable[[str], None] | None = None) ->
     if any(getattr(p, PIPE_REPLICATED, False) for g in opt.params_in_partition for p in g):
         return False
     _install_zero(opt)
+    return True
+
+
+def use_group_norm_sentinel(opt: Any, say: Callable[[str], None] | None = None) -> bool:
+    """Where DeepSpeed's ZeRO-1/2 combines its groups' norms with a plain vector norm (before 0.19's
+    combine_grad_norm_groups), a group whose norm is non-finite (masked as -1) yields a finite global norm (sqrt of
+    the others' squares plus 1): the update is applied with NaN gradients and a norm that looks healthy, and a
+    checkpoint of NaN weights is saved. Here the combined norm is inf when any group's is non-finite or negative, as
+    0.19 returns it; the divergence guard then stops the run at that step (ds_core.run.divergence). Not needed where
+    DeepSpeed has the fix; CPU offload and MoE keep DeepSpeed's own method."""
+    from ds_core.compat.changes import BY_NAME, missing, say_off
+
+    if BY_NAME["nonfinite_group_norm"].not_needed() is not None or opt.cpu_offload or opt.has_moe_layers:
+        return False
+    if why := missing("nonfinite_group_norm"):
+        say_off("nonfinite_group_norm", why, say)
+        return False
+
+    def scaled_global_norm(norm_type=2):
+        assert norm_type == 2, "only L2 norm supported"
+        norms = torch.stack([opt.get_grad_norm_direct(opt.averaged_gradients[i], opt.params_in_partition[i])
+                             for i in range(len(opt.bit16_groups))])
+        combined = torch.linalg.vector_norm(norms, ord=norm_type)
+        invalid = (~torch.isfinite(norms) | (norms < 0)).any()
+        return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+
+    opt.scaled_global_norm = scaled_global_norm
     return True
 
 
@@ -176,5 +204,5 @@ def global_norm(norms: torch.Tensor, group: Any, device: Any) -> torch.Tensor:
     return total.masked_fill_(total.isinf().logical_or(total.isnan()), -1.0)
 
 
-__all__ = ["use_flat_grad_norm", "use_device_clip", "device_clip", "chunk_norms", "global_norm", "norm_dtype",
-           "CHUNK"]
+__all__ = ["use_flat_grad_norm", "use_group_norm_sentinel", "use_device_clip", "device_clip", "chunk_norms",
+           "global_norm", "norm_dtype", "CHUNK"]

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-from ds_core.errors import ConfigError
+from ds_core.errors import ConfigError, RunVerdict
 
 USAGE_ERROR = 2  # ds_core.cli.USAGE_ERROR: argparse's status for a bad command line
 
@@ -96,13 +96,17 @@ def run_main(main: Callable[[], object]) -> NoReturn:
     MISTAKE_LINGER_S first: when rank 0 made the same mistake, rank 0's exit ends this rank through the launcher
     (DeepSpeed's, launch.local_ranks, mpirun) before it says anything, and a rank that exits first would get rank 0
     killed before it spoke. A rank still alive after the wait made a mistake rank 0 did not (a path missing on its
-    node): the first rank of its node says it, naming the rank. Any other exception escaping main takes Python's usual
-    path (its traceback, status 1): that is a failure of the run, and its error must not be hidden."""
+    node): the first rank of its node says it, naming the rank. A RunVerdict (a diverged run: every rank reads the same
+    all-reduced values) is said the same way and ends with its status (1). Any other exception escaping main takes
+    Python's usual path (its traceback, status 1): that is a failure of the run, and its error must not be hidden."""
     try:
         main()
     except ConfigError as mistake:
         say_mistake(mistake)
         end_process(USAGE_ERROR)
+    except RunVerdict as verdict:  # the same verdict on every rank (a diverged run), said once as a mistake is
+        say_mistake(verdict)
+        end_process(verdict.status)
     except SystemExit as stop:
         code = stop.code
         if code is not None and not isinstance(code, int):

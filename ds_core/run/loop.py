@@ -16,12 +16,13 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.distributed as tdist
 
-from ds_core.errors import ConfigError
+from ds_core.errors import ConfigError, RunVerdict
 from ds_core.outputs.phases import PhaseTimer
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or inf; no update was applied and the last good checkpoint stays the latest."""
+class TrainingDiverged(RunVerdict):
+    """The run diverged (a NaN/inf loss, ds_core.run.divergence's verdict, a non-finite gradient norm DeepSpeed stops
+    on); no checkpoint holds the diverged state. Said in one line by ds_core.rank.process_end.run_main, status 1."""
 
 
 class NonFiniteGradNorm(RuntimeError):
@@ -33,9 +34,6 @@ class NonFiniteGradNorm(RuntimeError):
 # checkpoint: "run me again with --resume". 75 is EX_TEMPFAIL of sysexits.h ("temporary failure, retry"); a job
 # script loops while the status is 75. 0 means training finished; anything else is a failure.
 EXIT_STOPPED = 75
-# A diverged run (ds_core.run.divergence, a NaN/inf loss): rank 0 exits with its one-line message (status 1, as
-# Python's sys.exit("message")), the other ranks with this status and no output.
-EXIT_DIVERGED = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

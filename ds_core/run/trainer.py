@@ -37,7 +37,6 @@ from ds_core.rank.engine import shutdown_distributed
 from ds_core.run.components import Callback, Checkpointing, EvalTask, Evaluation, ModelInfo, Position, ProfileSteps
 from ds_core.run.divergence import DivergenceGuard
 from ds_core.run.loop import (
-    EXIT_DIVERGED,
     EXIT_STOPPED,
     NonFiniteGradNorm,
     PendingStep,
@@ -126,9 +125,6 @@ class Trainer:
             self.metrics.begin()
             self._run_epochs()
             summary = self._end_training()
-        except TrainingDiverged as e:
-            # one line for the run, not a traceback per rank: every rank reaches the same verdict from shared values
-            raise SystemExit(f"[ds_core] error: {e}" if self.dist.rank == 0 else EXIT_DIVERGED) from None
         finally:
             self.metrics.close()
             if not self.stopped:
@@ -305,8 +301,8 @@ class Trainer:
         return None
 
     def _diverged(self, loss: float, step: int, epoch: int) -> str:
-        return (f"loss is {loss} at optimizer step {step} (epoch {epoch}); stopped without saving: the latest "
-                f"checkpoint is still {self.checkpoints.latest()} in {self.checkpoints.root}")
+        return (f"training diverged: loss is {loss} at optimizer step {step} (epoch {epoch}); stopped without saving: "
+                f"the latest checkpoint is still {self.checkpoints.latest()} in {self.checkpoints.root}")
 
     # -- evaluation, saving, the end ------------------------------------------------------------------------------
     def _evaluate(self) -> None:
