@@ -80,6 +80,7 @@ def phase1(shards, tmp_path_factory) -> Path:
     return full
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 def test_zero1_overfits_and_resume_matches_uninterrupted(shards, phase1, tmp_path):
     full, resumed = phase1, tmp_path / "resumed"
@@ -140,6 +141,7 @@ def _step_counters(ckpt_dir: Path) -> list[int]:
     return out
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 def test_phase2_starts_from_phase1_fp32_master_weights(phase1, tmp_path):
     """Phase 2 (seq 512 shards) from the phase-1 run directory: step numbers continue at 21, the optimizer's step
@@ -212,13 +214,15 @@ def test_out_of_vocab_ids_stop_the_run_before_the_first_step(tmp_path):
     assert not (run_dir / "metrics.jsonl").exists() or not _records(run_dir)
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 def test_zero3_lans_activation_checkpointing_overfits_and_exports(shards, tmp_path):
     """Also the sparse MLM head: same objective, and the summary's FLOPs count only the masked positions."""
     run_dir = tmp_path / "z3"
     run_deepspeed(["bert_ref/train.py",
                    *_args(shards, run_dir, "bert_debug_zero3_bf16.json", "--optimizer", "lans", "--learning_rate",
-                          "0.02", "--activation_checkpointing", "true", "--sparse_mlm", "true")])
+                          "0.02", "--activation_checkpointing", "true", "--sparse_mlm", "true", "--precision",
+                          "bf16")])
     _assert_overfits(_records(run_dir))
     _assert_eval_counts(run_dir, shards, [STEPS])  # ZeRO-3 (collective forwards) and the sparse head
     summary = _records(run_dir, "summary")[-1]
@@ -234,6 +238,15 @@ def test_zero3_lans_activation_checkpointing_overfits_and_exports(shards, tmp_pa
 
     model = build_model(debug(2), init_checkpoint=str(run_dir / "hf_model"))
     assert model.bert.embeddings.word_embeddings.weight.shape == (1024, 64)
+    # trained in bf16, exported as the fp32 master weights, and said so under the name this transformers reads
+    # (`dtype`, or `torch_dtype` before 4.56): the "auto" dtype reloads them as fp32
+    from transformers import BertForPreTraining
+
+    from ds_core.compat.hf import dtype_field, dtype_kwargs
+
+    assert json.loads((run_dir / "hf_model" / "config.json").read_text())[dtype_field()] == "float32"
+    auto = BertForPreTraining.from_pretrained(str(run_dir / "hf_model"), local_files_only=True, **dtype_kwargs("auto"))
+    assert auto.dtype == torch.float32
     assert json.loads((run_dir / "run_config.json").read_text())["BertArgs"]["preset"] == "debug"
 
 

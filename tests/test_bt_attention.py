@@ -99,6 +99,7 @@ def test_sdpa_runs_every_attention_fused():
     assert sum(ops_s.values()) < sum(ops_e.values())
 
 
+@pytest.mark.stack
 def test_build_model_attention_flag(capsys):
     default = build_model(ModelArgs(preset="debug")).config._attn_implementation  # --attn_implementation sdpa
     if NO_SWITCH is None:

@@ -255,6 +255,7 @@ def test_hub_model_id_resolves_from_the_hub_cache_only(tmp_path, monkeypatch):
     assert Path(resolve_pretrained("BridgeTower/bt")) == snap
 
 
+@pytest.mark.stack
 def test_image_processor_config_is_the_checkpoints_or_the_pipelines(tmp_path):
     from ds_core.compat.hf import bridgetower_image_processor
 

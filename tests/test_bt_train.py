@@ -71,6 +71,7 @@ COMMON = ["--max_steps", "16", "--micro_batch_size", "8", "--max_seq_length", "1
           "--bf16"]  # transformers' flag for --precision bf16 (auto is fp32 on a CPU without native bf16)
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 def test_zero1_two_ranks_host_pipeline_global_negatives_train_eval_predict(caption_set, tmp_path):
     run = tmp_path / "run"
@@ -99,6 +100,7 @@ def test_zero1_two_ranks_host_pipeline_global_negatives_train_eval_predict(capti
     assert "image pipeline: host" in proc.stdout
 
 
+@pytest.mark.stack
 @pytest.mark.slow
 def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(caption_set, tmp_path):
     run, export = tmp_path / "run3", tmp_path / "export"
@@ -142,9 +144,11 @@ def test_zero3_two_ranks_device_pipeline_eval_export_then_reload_eval_only(capti
 
     from bridgetower_ds.configs import ModelArgs
     from bridgetower_ds.model import build_model
+    from ds_core.compat.hf import dtype_kwargs
 
-    exported = BridgeTowerForContrastiveLearning.from_pretrained(export, local_files_only=True).float()
-    assert exported.logit_scale.shape == ()
+    # the fp32 export reloads as fp32 under the "auto" dtype (its config says float32 under this transformers' name)
+    exported = BridgeTowerForContrastiveLearning.from_pretrained(export, local_files_only=True, **dtype_kwargs("auto"))
+    assert exported.dtype == torch.float32 and exported.logit_scale.shape == ()
     torch.manual_seed(42)  # the run's --seed: the same initial weights
     fresh = build_model(ModelArgs(preset="debug"))
     pooler, head = "bridgetower.text_model.pooler.dense.weight", "itc_text_head.fc.weight"

@@ -16,6 +16,8 @@ from ds_core.config import DS_CONFIG_DIR
 from ds_core.config.ds_json import check_before_spawn, check_ds_json, ds_config_in
 from ds_core.errors import ConfigError
 
+pytestmark = pytest.mark.stack
+
 BASE = json.loads((DS_CONFIG_DIR / "zero1_bf16.json").read_text())
 
 

@@ -224,6 +224,7 @@ def test_hostfile_is_checked_before_deepspeeds_parser(hosts, line, message):
         assert proc.returncode == 2 and message in proc.stderr, (launcher, proc.stderr)
 
 
+@pytest.mark.stack
 def test_launcher_args_reach_deepspeed_whole(hosts):
     """Parsed by DeepSpeed's own argument parser: one --launcher_args value that splits back into our arguments,
     a leading '-' included (--allow-run-as-root was refused as a separate token)."""
@@ -238,6 +239,7 @@ def test_launcher_args_reach_deepspeed_whole(hosts):
     assert ds.module and ds.user_script == "launch.guard" and ds.master_addr == "10.0.0.1"
 
 
+@pytest.mark.stack
 def test_mpich_command_as_deepspeed_builds_it(hosts):
     """DeepSpeed's MPICHRunner.get_cmd with what launch.run passes: python runs the helper script by path, and the
     helper runs our guard by path (with --module it would be `python -m /path/launcher_helper.py`)."""

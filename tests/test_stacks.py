@@ -56,6 +56,22 @@ def test_the_gaudi_stack_is_a_gaudi_image():
             pins["datasets"]) == (["2", "9"], "0.16.1", "4.55.4", "1.10.1", "3.6.0")
 
 
+def test_the_docs_matrix_is_the_stack_files():
+    """docs/gaudi.md's table: each package's version per stack, as the stack files pin it."""
+    pins = {name: stacks.read_stack(name)[0] for name in ("gaudi", "latest")}
+    text = (REPO / "docs" / "gaudi.md").read_text()
+    section = text.split("## The support matrix", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ")]
+    checked = 0
+    for row in rows[1:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        name = stacks.canon(cells[0])
+        if name in pins["gaudi"]:
+            assert cells[1].split()[0] == pins["gaudi"][name] and cells[2] == pins["latest"][name], row
+            checked += 1
+    assert checked >= 7
+
+
 @pytest.mark.parametrize("have, stack", [
     ({}, "latest"),  # a fresh machine: set-up installs the newest stack
     ({"deepspeed": "0.16.1+unknown", "transformers": "4.55.4", "torch": "2.9.1"}, "gaudi"),  # a Gaudi image

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, run_deepspeed
 from test_launch_multinode import make_data
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.stack]
 STEPS = 2
 
 

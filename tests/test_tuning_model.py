@@ -9,6 +9,8 @@ import pytest
 from ds_core.config import load_ds_config
 from ds_tools import tuning, zero_memory_model as zmm
 
+pytestmark = pytest.mark.stack  # ds-tune's memory model asks the installed DeepSpeed
+
 GB = tuning.GB
 
 
@@ -43,7 +45,9 @@ def test_model_shapes_are_exact_parameter_counts(tmp_path):
 def test_memory_rises_with_micro_batch(bert_large):
     for stage in zmm.STAGES:
         for ckpt in (False, True):
-            runs = [zmm.estimate(bert_large, stage, m, 8, 2, checkpointing=ckpt) for m in (1, 2, 4, 8, 16)]
+            acc = zmm.grad_accum_dtype_for(stage, "bf16")  # what ds-tune uses: an accumulation DeepSpeed runs
+            runs = [zmm.estimate(bert_large, stage, m, 8, 2, checkpointing=ckpt, grad_accum_dtype=acc)
+                    for m in (1, 2, 4, 8, 16)]
             totals = [e.total for e in runs]
             acts = [e.activations for e in runs]
             # the peak is the larger of the step (no activations) and forward/backward: it never falls
@@ -59,7 +63,10 @@ def test_memory_falls_with_stage_and_with_more_ranks(bert_large):
     for nodes in (1, 2, 8):
         runs = [zmm.estimate(bert_large, s, 8, 8, nodes, grad_accum_dtype=fp32_acc[s]) for s in zmm.STAGES]
         states = [e.model_states for e in runs]
-        assert states == sorted(states, reverse=True) and len(set(states)) == 4, states
+        assert states == sorted(states, reverse=True) and len(set(states[1:])) == 3, states
+        # ZeRO-0 holds more than ZeRO-1, except where both get BF16_Optimizer (Habana's fork runs bf16 ZeRO-0 with
+        # it: the same partitioned fp32 master weights and moments)
+        assert states[0] > states[1] or {runs[0].optimizer, runs[1].optimizer} == {"BF16_Optimizer"}, states
         totals = [e.total for e in runs]
         # ZeRO-3 is not below ZeRO-2 at the peak: the parameters it gathers stay live during forward/backward up to
         # stage3_max_live_parameters (1e9 elements, more than BERT-Large has)
@@ -72,8 +79,9 @@ def test_memory_falls_with_stage_and_with_more_ranks(bert_large):
         resident = [zmm.resident_state_bytes(bert_large, stage, 8 * n) for n in (1, 2, 4, 8)]
         assert resident == sorted(resident, reverse=True)
         assert all(r < zmm.estimate(bert_large, stage, 1, 8, n).total for r, n in zip(resident, (1, 2, 4, 8)))
-    # ZeRO-0 replicates everything: more ranks change nothing
-    assert len({zmm.estimate(bert_large, 0, 8, 8, n).total for n in (1, 2, 4)}) == 1
+    # ZeRO-0 without a partitioning wrapper (fp32: the optimizer itself) replicates everything: more ranks change
+    # nothing (bf16 ZeRO-0 on Habana's fork is BF16_Optimizer, which partitions: tests/test_deepspeed_behaviour.py)
+    assert len({zmm.estimate(bert_large, 0, 8, 8, n, precision="fp32").total for n in (1, 2, 4)}) == 1
 
 
 def test_the_optimizer_deepspeed_picks_and_its_buffers():
@@ -91,9 +99,15 @@ def test_the_optimizer_deepspeed_picks_and_its_buffers():
     e_bf16 = zmm.estimate(big, 1, 32, 8, 8, grad_accum=2, grad_accum_dtype="bf16")
     assert e_bf16.optimizer == "DeepSpeedZeroOptimizer" and e_bf16.model_states < e.model_states - 3.9 * P
     assert zmm.estimate(big, 0, 1, 8, 1, precision="fp32").optimizer == "basic"
-    assert zmm.estimate(big, 0, 1, 8, 1, fused_adam=False).optimizer == "FP16_UnfusedOptimizer"
-    with pytest.raises(zmm.TuningError, match="NotImplementedError"):
-        zmm.estimate(big, 0, 1, 8, 1, grad_accum_dtype="fp32")
+    # bf16 at ZeRO-0 is where the releases of the support matrix differ (the installed one decides:
+    # tests/test_deepspeed_behaviour.py): 0.19 runs it with bf16 accumulation only, Habana's fork with fp32 only
+    import deepspeed
+
+    on, off = (("fp32", None) if deepspeed.__version__.startswith("0.16.") else (None, "fp32"))
+    want = "BF16_Optimizer" if on == "fp32" else "FP16_UnfusedOptimizer"
+    assert zmm.estimate(big, 0, 1, 8, 1, fused_adam=False, grad_accum_dtype=on).optimizer == want
+    with pytest.raises(zmm.TuningError, match="refuses it at deepspeed.initialize"):
+        zmm.estimate(big, 0, 1, 8, 1, grad_accum_dtype=off)
     # overlap_comm doubles the reduce bucket; the CPU's non-fused Adam adds two fp32 copies of the partition
     small = zmm.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32")
     both = zmm.estimate(big, 2, 1, 8, 8, grad_accum_dtype="fp32", overlap_comm=True)

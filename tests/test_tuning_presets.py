@@ -8,6 +8,8 @@ import torch
 
 from ds_tools import tuning
 
+pytestmark = pytest.mark.stack
+
 PRESET_FILES = {"bert_large": ("bert", "bert_large"), "bert_1p5b": ("bert", "bert_1p5b"),
                 "bridgetower_large": ("bridgetower", "bridgetower_large")}
 

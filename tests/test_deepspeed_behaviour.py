@@ -1,0 +1,58 @@
+"""Behaviour that differs between the DeepSpeed releases of the support matrix, read from the installed one
+(ds_core.compat.deepspeed_behaviour), stated here per release: which optimizer wrapper a configuration gets (what
+ds-tune's memory model and the config checks ask), and whether the comms logger's timer is cumulative."""
+from __future__ import annotations
+
+import pytest
+
+from ds_core.compat.deepspeed_behaviour import WrapperRefused, comms_timer_cumulative, optimizer_wrapper
+from ds_core.config import settle_grad_accum_dtype
+from ds_core.errors import ConfigError
+
+pytestmark = pytest.mark.stack
+
+REFUSED = "refused"
+# (stage, precision, grad_accum_dtype) -> wrapper, per DeepSpeed release (major, minor); fused_adam=True
+WRAPPERS = {
+    (0, 19): {(0, "fp32", None): "basic", (0, "bf16", None): "FP16_Optimizer", (0, "bf16", "fp32"): REFUSED,
+              (1, "bf16", "fp32"): "BF16_Optimizer", (1, "bf16", None): "DeepSpeedZeroOptimizer",
+              (2, "bf16", "fp32"): "DeepSpeedZeroOptimizer", (3, "bf16", "fp32"): "DeepSpeedZeroOptimizer_Stage3"},
+    (0, 16): {(0, "fp32", None): "basic", (0, "bf16", None): REFUSED, (0, "bf16", "fp32"): "BF16_Optimizer",
+              (1, "bf16", "fp32"): "BF16_Optimizer", (1, "bf16", None): "DeepSpeedZeroOptimizer",
+              (2, "bf16", "fp32"): "DeepSpeedZeroOptimizer", (3, "bf16", "fp32"): "DeepSpeedZeroOptimizer_Stage3"},
+}
+CUMULATIVE = {(0, 19): True, (0, 16): False}
+
+
+@pytest.fixture(scope="module")
+def release() -> tuple[int, int]:
+    import deepspeed
+
+    got = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
+    assert got in WRAPPERS, f"DeepSpeed {deepspeed.__version__} is not a release of the support matrix (stacks/)"
+    return got
+
+
+def test_the_wrapper_is_the_installed_deepspeeds_decision(release):
+    for (stage, precision, acc), want in WRAPPERS[release].items():
+        try:
+            got = optimizer_wrapper(stage, precision, acc)
+        except WrapperRefused:
+            got = REFUSED
+        assert got == want, (stage, precision, acc)
+
+
+def test_bf16_zero0_accumulation_follows_the_installed_deepspeed(release):
+    """A bf16 ZeRO-0 JSON: the accumulation this DeepSpeed refuses is one ConfigError naming the key; where it needs
+    fp32 accumulation (the fork), the JSON gets it with a notice."""
+    fp32_path = WRAPPERS[release][(0, "bf16", "fp32")] != REFUSED
+    cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}
+    settle_grad_accum_dtype(cfg)
+    assert cfg.get("data_types", {}).get("grad_accum_dtype") == ("fp32" if fp32_path else None)
+    refused = "bf16" if fp32_path else "fp32"
+    with pytest.raises(ConfigError, match=f'data_types.grad_accum_dtype = "{refused}".*refuses it'):
+        settle_grad_accum_dtype({**cfg, "data_types": {"grad_accum_dtype": refused}})
+
+
+def test_the_comms_timer_is_read_as_this_deepspeed_keeps_it(release):
+    assert comms_timer_cumulative() is CUMULATIVE[release]
