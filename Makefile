@@ -113,13 +113,16 @@ bench: $(STAMP)
 	$(PY) -m bench.startup
 	$(PY) -m bench.host_ops --presets bert_large,bert_1p5b,bridgetower_large --settings after --layers 1
 
-# every wheel the toolkit needs beyond BASE (the packages the target already has), for Python PY_VER on PLATFORM;
+# every wheel the toolkit needs beyond BASE (the packages the target already has), for Python PY_VER on PLATFORM, at
+# the versions of the stack the target's set-up installs with (STACK; auto builds latest's: for a Gaudi image's
+# cluster, STACK=gaudi with a BASE of the image's packages);
 # DeepSpeed built here from its sdist (needs this machine's venv: pip, packaging, torch for DeepSpeed's setup.py).
 # `make wheelhouse PY=3.12 PLATFORM=manylinux_2_28_x86_64`: on this target PY names the target's Python version.
 wheelhouse:
 	@test -x $(VENV)/bin/python || { echo "make wheelhouse: run 'make setup' first (it needs $(VENV))" >&2; exit 1; }
 	$(VENV)/bin/python tools/wheelhouse.py --out $(WHEELS) --python $(or $(filter 3.%,$(PY)),$(PY_VER)) \
-	  --platform $(PLATFORM) --base $(BASE) --extras $(EXTRAS) --max_mb $(WHEELHOUSE_MAX_MB)
+	  --platform $(PLATFORM) --base $(BASE) --extras $(EXTRAS) --max_mb $(WHEELHOUSE_MAX_MB) \
+	  --constraints stacks/$(if $(filter auto,$(STACK)),latest,$(STACK)).txt
 
 # the whole CUDA check (bench/gpu_check.py), planned into GPU_CHECK_BUDGET seconds counted from make's start (the
 # install included), most valuable part first; on a CPU-only machine the same

@@ -40,7 +40,8 @@ def test_wheelhouse_stops_at_the_base_and_follows_markers(tmp_path):
     fake_wheel(links, "pysbd", "0.3.4", ("fakedep>=1", 'neverwanted; extra == "never"'))
     fake_wheel(links, "fakedep", "0.5")
     fake_wheel(links, "fakedep", "1.0")
-    fake_wheel(links, "h5py", "3.9.0")
+    fake_wheel(links, "fakedep", "1.1")  # the newest: taken unless the stack's constraints pin 1.0
+    fake_wheel(links, "h5py", "99.0")  # above the toolkit's floor
     fake_wheel(links, "setuptools", "99.0")
     fake_wheel(links, "wheel", "0.99", ("packaging>=24",))
     fake_wheel(links, "packaging", "24.0")
@@ -50,15 +51,18 @@ def test_wheelhouse_stops_at_the_base_and_follows_markers(tmp_path):
     base.write_text("# the target\ntorch==2.11.0\nsetuptools\nwheel\npackaging\nh5py==1.0\n" +
                     "".join(f"{n}\n" for n in deps if n not in ("pysbd", "h5py")))
     out = tmp_path / "wh"
+    # the stack's pins (what set-up installs with, stacks/*.txt) hold here too: the wheelhouse has what set-up asks for
+    constraints = tmp_path / "stack.txt"
+    constraints.write_text("fakedep==1.0\n")
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "wheelhouse.py"), "--out", str(out), "--python", "3.12",
                            "--platform", "manylinux_2_28_x86_64", "--base", str(base), "--pip_arg=--no-index",
-                           f"--pip_arg=--find-links={links}"], cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=600)
+                           f"--pip_arg=--find-links={links}", "--constraints", str(constraints)], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     m = json.loads((out / "MANIFEST.json").read_text())
     got = {f["wheel"]: f["for"] for f in m["files"]}
     assert got == {"pysbd-0.3.4-py3-none-any.whl": "ds-scale-toolkit", "fakedep-1.0-py3-none-any.whl": "pysbd",
-                   "h5py-3.9.0-py3-none-any.whl": "ds-scale-toolkit",
+                   "h5py-99.0-py3-none-any.whl": "ds-scale-toolkit",
                    "setuptools-99.0-py3-none-any.whl": "build-system.requires",
                    "wheel-0.99-py3-none-any.whl": "build-system.requires",
                    "packaging-24.0-py3-none-any.whl": "build-system.requires (wheel)",
@@ -78,4 +82,5 @@ def test_make_wheelhouse_has_no_size_cap_unless_the_user_sets_one():
         return line
 
     assert "--max_mb 0" in command()
+    assert "--constraints stacks/latest.txt" in command() and "--constraints stacks/gaudi.txt" in command("STACK=gaudi")
     assert "--max_mb 200" in command("WHEELHOUSE_MAX_MB=200")

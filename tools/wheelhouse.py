@@ -207,13 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--platform", default="manylinux_2_28_x86_64", help="target wheel platform tag")
     ap.add_argument("--base", default="", help="packages already on the target: 'name' or 'name==version' lines")
     ap.add_argument("--extras", default="", help="toolkit extras to include, comma separated (e.g. mpi,test)")
+    ap.add_argument("--constraints", default="",
+                    help="pip constraints every download honours: the stack's file (stacks/*.txt), so that the "
+                         "wheelhouse holds the versions `make setup` installs with")
     ap.add_argument("--max_mb", type=float, default=0, help="fail when the wheelhouse is larger (0: no limit)")
     ap.add_argument("--pip_arg", action="append", default=[],
                     help="extra argument for pip download (repeatable), e.g. --pip_arg=--no-index "
                          "--pip_arg=--find-links=DIR")
     a = ap.parse_args(argv)
     extras = [e for e in a.extras.split(",") if e]
-    m = build(Path(a.out), a.python, a.platform, read_base(a.base), extras, a.pip_arg)
+    pip_args = a.pip_arg + (["-c", str(Path(a.constraints).resolve())] if a.constraints else [])
+    m = build(Path(a.out), a.python, a.platform, read_base(a.base), extras, pip_args)
     print(json.dumps({"wheelhouse": a.out, "files": len(m["files"]), "total_mb": m["total_mb"],
                       "from_base": len(m["from_base"])}))
     if a.max_mb and m["total_mb"] > a.max_mb:
