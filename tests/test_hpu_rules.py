@@ -65,6 +65,32 @@ def test_mark_step_and_compile_refusal_apply_to_hpu_lazy_mode_only():
     assert hpu.compile_refusal("hpu", False) is None and hpu.compile_refusal("cuda", True) is None
 
 
+def test_every_compile_takes_the_accelerators_backend(monkeypatch):
+    """BERT's compiled losses go through the backend DeepSpeed's accelerator names (hpu_backend on Gaudi), not
+    torch.compile's default (inductor, which Gaudi does not support): a recording backend in its place is called."""
+    from deepspeed.accelerator import get_accelerator
+
+    from bert_ref import step
+    from ds_core.rank.engine import compile_backend
+
+    assert compile_backend() == get_accelerator().get_compile_backend()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(type(get_accelerator()), "get_compile_backend", lambda self: recording)
+    torch._dynamo.reset()
+    logits, nsp = torch.randn(2, 4, 8), torch.randn(2, 2)
+    labels, nsl = torch.tensor([[1, -100, 3, -100], [-100, 2, -100, 5]]), torch.tensor([0, 1])
+    mlm, nsp_loss = step.compiled_losses()(logits, nsp, labels, nsl)
+    assert graphs, "the losses were compiled by another backend than the accelerator's"
+    want = step.pretraining_losses(logits, nsp, labels, nsl)
+    assert torch.allclose(mlm, want[0]) and torch.allclose(nsp_loss, want[1])
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------------------ the op list
 def test_the_op_list_has_no_segment_reduce_or_foreach_norm():
     for op in ("index_add_", "index_select", "repeat_interleave", "narrow", "pow", "sum", "stack", "norm"):
