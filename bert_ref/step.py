@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from bert_ref.data import IGNORE_INDEX
 from ds_core.errors import ConfigError
 from ds_core.rank.engine import compile_backend
-from ds_core.run.loop import StepOutput
+from ds_core.run.loop import StepOutput, to_device
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
@@ -83,7 +83,7 @@ def forward(engine: Any, batch: dict, sparse_predictions: int = 0) -> tuple[Any,
     (bert_ref.data), naming the file and row; the step does not look again. An SDPA model (BERT's, or the Pre-LN
     presets' SDPA attention: bert_ref.model.use_sdpa_attention) gets its attention mask in 4-D (sdpa_padding_mask)."""
     dev = engine.device
-    inputs = {k: batch[k].to(dev, non_blocking=True) for k in MODEL_INPUTS}
+    inputs = {k: to_device(batch[k], dev) for k in MODEL_INPUTS}  # through pinned memory on CUDA and HPU
     model = engine.module
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa" or \
             getattr(model, "sdpa_attention", False):  # BERT's SDPA; the Pre-LN presets' (bert_ref.model)
@@ -92,14 +92,14 @@ def forward(engine: Any, batch: dict, sparse_predictions: int = 0) -> tuple[Any,
     if sparse_predictions:
         pos = masked_positions(labels, sparse_predictions)
         labels = torch.gather(labels, 1, pos)
-        inputs["masked_lm_positions"] = pos.to(dev, non_blocking=True)
-    return engine(**inputs), labels.to(dev, non_blocking=True)
+        inputs["masked_lm_positions"] = to_device(pos, dev)
+    return engine(**inputs), to_device(labels, dev)
 
 
 def _step(engine: Any, batch: dict, sparse_predictions: int, losses=pretraining_losses) -> StepOutput:
     out, labels = forward(engine, batch, sparse_predictions)
     mlm, nsp = losses(out.prediction_logits, out.seq_relationship_logits, labels,
-                      batch["next_sentence_label"].to(engine.device, non_blocking=True))
+                      to_device(batch["next_sentence_label"], engine.device))
     loss = mlm + nsp
     ids = batch["input_ids"]
     # tokens = every position processed (padding included): that is what the FLOPs per sequence count.
