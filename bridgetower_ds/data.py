@@ -323,7 +323,7 @@ class CaptionData:
         self._loader = None
 
     def _resolve_pipeline(self, args: DataArgs, rank: int) -> ImagePipeline:
-        pipeline = ImagePipeline.resolve(args.requested_pipeline, self.device)
+        pipeline = ImagePipeline.resolve(args.requested_pipeline, self.device, args.pipeline_flag)
         pipeline.announce(rank)
         return pipeline
 

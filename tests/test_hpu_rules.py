@@ -26,6 +26,32 @@ def test_media_pipe_runs_on_gaudi2_and_gaudi3_only():
     assert not hpu.media_pipe_supported(None)
 
 
+@pytest.mark.parametrize("device_name", ["GAUDI", "GAUDI2", "GAUDI3"])
+def test_image_pipeline_on_each_gaudi(device_name, monkeypatch, capsys):
+    """--image_pipeline auto takes the media pipe on Gaudi2/3 and the host pipeline on first-generation Gaudi (with
+    the reason on one line); --image_pipeline device and --mediapipe_dataloader are refused on Gaudi1 before any data
+    source is built, naming the option the user gave."""
+    from bridgetower_ds import images
+    from bridgetower_ds.configs import DataArgs
+    from bridgetower_ds.image_pipeline import ImagePipeline
+    from ds_core.errors import ConfigError
+
+    monkeypatch.setattr(images, "hpu_available", lambda: (True, "HPU and habana_frameworks.mediapipe present"))
+    monkeypatch.setattr(images.hpu_rules, "device_generation", lambda: hpu.generation(device_name))
+    auto = ImagePipeline.resolve("auto", "hpu", "--image_pipeline auto")
+    if device_name == "GAUDI":
+        assert auto.name == "host" and "first-generation Gaudi" in auto.reason and "Gaudi2 and Gaudi3" in auto.reason
+        auto.announce(0)
+        assert capsys.readouterr().out.count("\n") == 1
+        for argv, flag in (([], "--mediapipe_dataloader"), (["device"], "--image_pipeline device")):
+            args = DataArgs(mediapipe_dataloader=not argv, image_pipeline=argv[0] if argv else "host")
+            with pytest.raises(ConfigError, match=f"^{flag}: this is a first-generation Gaudi .*Gaudi2 and Gaudi3"):
+                ImagePipeline.resolve(args.requested_pipeline, "hpu", args.pipeline_flag)
+    else:
+        assert auto.name == "device-hpu" and auto.media_pipe
+        assert ImagePipeline.resolve("device", "hpu", "--mediapipe_dataloader").name == "device-hpu"
+
+
 # ------------------------------------------------------------------------------------------------ dtypes
 def test_metric_sums_use_hccl_dtypes_on_hpu_only():
     assert hpu.sum_dtype("hpu") == torch.float32 and hpu.sum_dtype("hpu") in hpu.HCCL_DTYPES
