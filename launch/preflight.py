@@ -8,6 +8,11 @@ toolkit versions as this machine, accelerators >= slots, the profile's variables
 (the host's environment plus the .deepspeed_env DeepSpeed exports from here), the data directory readable. On the
 master host: the master port free. For the job: the DeepSpeed config valid for the world size the hostfile gives.
 Hosts named localhost, 127.x.x.x, ::1, or this machine's host name or addresses are checked in this process, no ssh.
+
+The fabric (launch.fabric), per host: the Gaudi cards' external NIC ports (hl-smi) where there are Gaudi cards,
+libfabric's version and providers (fi_info) where it is installed or the profile scales out through it, and on a
+Gaudi host the scale-out mode HCCL will pick from those, the kernel and the variables its ranks see (with settings
+that contradict each other).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import cli_main
-from launch import env as envmod, hostfile as hf
+from launch import env as envmod, fabric, hostfile as hf
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "-"
 PACKAGES = ("torch", "deepspeed", "ds-scale-toolkit")
@@ -104,7 +109,8 @@ def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "") -> dict:
         count, count_err = 0, f"{type(e).__name__}: {e}"
     out = {"hostname": socket.gethostname(), "python": platform.python_version(), "executable": sys.executable,
            "versions": {d: _version(d) for d in PACKAGES}, "accelerator": kind, "accelerators": count,
-           "accelerator_error": count_err, "env": {n: os.environ[n] for n in names if n in os.environ}}
+           "accelerator_error": count_err, "env": {n: os.environ[n] for n in names if n in os.environ},
+           "fabric": fabric.probe_fabric()}
     if port:
         out["port"] = port_free(port)
     if data_dir:
@@ -192,9 +198,10 @@ def run_checks(args) -> list[tuple[str, str, str, str]]:
     except envmod.EnvFileError as e:
         exported = {}
         rows.append(("(job)", ".deepspeed_env", FAIL, str(e)))
-    names = [n for n, _, _ in profile_raw]
+    names = list(dict.fromkeys([n for n, _, _ in profile_raw] + list(fabric.FABRIC_VARS)))
     master = args.master_addr or hosts[0].name
     here = probe(names)
+    infos: list[dict | None] = []
     for h in hosts:
         port = args.master_port if (h.name == master or (is_local(h.name) and is_local(master))) else 0
         if is_local(h.name):
@@ -202,34 +209,76 @@ def run_checks(args) -> list[tuple[str, str, str, str]]:
         else:
             info, how = probe_remote(h.name, args, names, port)
         rows.append((h.name, "reachable", PASS if info else FAIL, how))
-        if not info:
-            continue
-        rows.append((h.name, "python", PASS if info["python"] == here["python"] else FAIL,
-                     f"{info['python']} {info['executable']}" +
-                     ("" if info["python"] == here["python"] else f" (here {here['python']})")))
-        for dist in PACKAGES:
-            v, mine = info["versions"][dist], here["versions"][dist]
-            ok = v == mine and v != "missing"
-            rows.append((h.name, dist, PASS if ok else FAIL, v + ("" if v == mine else f" (here {mine})")))
-        ok = info["accelerators"] >= h.slots
-        rows.append((h.name, "accelerators", PASS if ok else FAIL,
-                     f"{info['accelerator']}: {info['accelerators']} >= slots {h.slots}" if ok else
-                     f"{info['accelerator']}: {info['accelerators']} < slots {h.slots} {info['accelerator_error']}"))
-        if port:
-            ok, detail = info["port"]
-            rows.append((h.name, "master_port", PASS if ok else FAIL, detail))
-        if args.profile and profile_raw:
+        infos.append(info)
+        if info:
             seen = dict(info["env"])
             seen.update(exported)
-            ok, detail = envmod.compare_with_profile(profile_raw, seen)
-            rows.append((h.name, f"profile {args.profile}", PASS if ok else FAIL, detail))
-        if args.data_dir:
-            ok, detail = info["data_dir"]
-            rows.append((h.name, "data_dir", PASS if ok else FAIL, detail))
+            rows += host_rows(h, info, here, args, profile_raw, seen, port)
     if args.deepspeed_config:
         world = sum(h.slots for h in hosts)
         ok, detail = ds_config_check(args.deepspeed_config, world)
         rows.append(("(job)", "deepspeed_config", PASS if ok else FAIL, detail))
+    return rows
+
+
+def host_rows(h: hf.Host, info: dict, here: dict, args, profile_raw: list, seen: dict, port: int) -> list:
+    """The rows of one reachable host: its software against this machine's, accelerators, port, profile, data, and
+    its fabric."""
+    rows = [(h.name, "python", PASS if info["python"] == here["python"] else FAIL,
+             f"{info['python']} {info['executable']}" +
+             ("" if info["python"] == here["python"] else f" (here {here['python']})"))]
+    for dist in PACKAGES:
+        v, mine = info["versions"][dist], here["versions"][dist]
+        ok = v == mine and v != "missing"
+        rows.append((h.name, dist, PASS if ok else FAIL, v + ("" if v == mine else f" (here {mine})")))
+    ok = info["accelerators"] >= h.slots
+    rows.append((h.name, "accelerators", PASS if ok else FAIL,
+                 f"{info['accelerator']}: {info['accelerators']} >= slots {h.slots}" if ok else
+                 f"{info['accelerator']}: {info['accelerators']} < slots {h.slots} {info['accelerator_error']}"))
+    if port:
+        ok, detail = info["port"]
+        rows.append((h.name, "master_port", PASS if ok else FAIL, detail))
+    if args.profile and profile_raw:
+        ok, detail = envmod.compare_with_profile(profile_raw, seen)
+        rows.append((h.name, f"profile {args.profile}", PASS if ok else FAIL, detail))
+    if args.data_dir:
+        ok, detail = info["data_dir"]
+        rows.append((h.name, "data_dir", PASS if ok else FAIL, detail))
+    return rows + fabric_rows(h.name, info, seen, args.profile)
+
+
+def fabric_rows(host: str, info: dict, env: dict, profile: str) -> list[tuple[str, str, str, str]]:
+    """Gaudi NIC ports, libfabric and HCCL's scale-out mode for one host (launch.fabric); only the rows that apply:
+    a CPU host without hl-smi or fi_info and a profile that needs neither gets none."""
+    facts, rows = info.get("fabric") or {}, []
+    cards, gaudi = facts.get("cards"), facts.get("cards") is not None or info["accelerator"] == "hpu"
+    if cards is not None:
+        ok, detail = fabric.port_summary(cards)
+        rows.append((host, "gaudi nics", PASS if ok else FAIL if profile == "roce" else SKIP,
+                     detail + ("" if ok or profile == "roce" else " (not used by this profile)")))
+    elif profile == "roce":
+        rows.append((host, "gaudi nics", FAIL, "no hl-smi here: the Gaudi NICs the profile scales out through "
+                                               "cannot be checked"))
+    over_host_nic = profile in ("efa", "hostnic")  # profiles whose scale-out goes through libfabric
+    if facts.get("libfabric") or over_host_nic:
+        providers = facts.get("providers") or []
+        wanted = [p for p in (env.get("FI_PROVIDER") or ("efa" if profile == "efa" else "")).split(",") if p]
+        missing = [p for p in wanted if p not in providers]
+        if facts.get("libfabric"):
+            detail = f"libfabric {facts['libfabric']}; providers with a device: {', '.join(providers) or 'none'}"
+        else:
+            detail = "no fi_info: libfabric not found"
+        ok = bool(facts.get("libfabric")) and bool(providers) and not missing
+        rows.append((host, "libfabric", PASS if ok else FAIL if over_host_nic else SKIP,
+                     detail + (f"; FI_PROVIDER / the profile wants {', '.join(missing)}" if missing else "")))
+    if gaudi:
+        mode, why = fabric.hccl_scaleout(facts, env)
+        problems = fabric.conflicts(env)
+        meant = fabric.PROFILE_MODES.get(profile)
+        if meant and mode not in meant:
+            problems.append(f"profile {profile} is for {' or '.join(meant)}")
+        rows.append((host, "hccl scale-out", FAIL if problems else PASS,
+                     f"{mode}: {why}" + "".join(f"; {p}" for p in problems)))
     return rows
 
 
