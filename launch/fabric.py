@@ -192,3 +192,19 @@ def port_summary(cards: list[dict]) -> tuple[bool, str]:
         head += f"; down: {', '.join(down[:6])}" + (" ..." if len(down) > 6 else "")
     return not down and total > 0, head
 
+
+# ------------------------------------------------------------------------------------------------ expected bandwidth
+def expected_gbit(profile: str, generation: str | None) -> tuple[float | None, str]:
+    """What the profile's fabric gives one process per host (the all-reduce's set-up): (Gbit/s or None, source)."""
+    if profile == "efa":
+        return 400.0, ("per host, dl1.24xlarge's 4 x 100 Gbit/s EFA (AWS Compute Blog, 'Amazon EC2 DL1 instances "
+                       "Deep Dive')")
+    if profile == "roce":
+        per_port = {"gaudi2": 100.0, "gaudi3": 200.0}.get(generation or "")
+        if per_port is None:
+            return None, "Gaudi NICs of an unknown generation"
+        return 3 * per_port, (f"per card, {generation}'s 3 external {per_port:g} GbE ports (ds_core.device."
+                              f"accelerators: {accelerators.get(generation).interconnect})")
+    if profile == "hostnic":
+        return None, "the host NICs' line rate, which the site knows: give --expect_gbit"
+    return None, "no published figure for this fabric"

@@ -12,7 +12,8 @@ Hosts named localhost, 127.x.x.x, ::1, or this machine's host name or addresses 
 The fabric (launch.fabric), per host: the Gaudi cards' external NIC ports (hl-smi) where there are Gaudi cards,
 libfabric's version and providers (fi_info) where it is installed or the profile scales out through it, and on a
 Gaudi host the scale-out mode HCCL will pick from those, the kernel and the variables its ranks see (with settings
-that contradict each other).
+that contradict each other). Across the hosts: a short all-reduce, one process per host, on the ranks' collective
+backend (launch.allreduce), its bus bandwidth printed next to what the profile's fabric gives.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import cli_main
-from launch import env as envmod, fabric, hostfile as hf
+from launch import allreduce, env as envmod, fabric, hostfile as hf
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "-"
 PACKAGES = ("torch", "deepspeed", "ds-scale-toolkit")
@@ -218,6 +219,8 @@ def run_checks(args) -> list[tuple[str, str, str, str]]:
         world = sum(h.slots for h in hosts)
         ok, detail = ds_config_check(args.deepspeed_config, world)
         rows.append(("(job)", "deepspeed_config", PASS if ok else FAIL, detail))
+    if len(hosts) > 1 and args.allreduce_mb > 0:
+        rows.append(allreduce_row(hosts, infos, args, exported, master, rows))
     return rows
 
 
@@ -282,6 +285,38 @@ def fabric_rows(host: str, info: dict, env: dict, profile: str) -> list[tuple[st
     return rows
 
 
+def allreduce_row(hosts: list, infos: list, args, exported: dict, master: str, rows: list) -> tuple:
+    """The job's all-reduce across the hosts (launch.allreduce), or why it was not run."""
+    name = "all_reduce"
+    if not all(infos):
+        return ("(job)", name, SKIP, "not run: a host is unreachable")
+    if any(r[1] == "master_port" and r[2] == FAIL for r in rows):
+        return ("(job)", name, SKIP, f"not run: master port {args.master_port} is in use")
+    world, nbytes = len(hosts), int(args.allreduce_mb * (1 << 20))
+    cmds = []
+    for rank, h in enumerate(hosts):
+        inner = allreduce.member_command(rank, world, master, args.master_port, nbytes, 5, args.allreduce_timeout)
+        if is_local(h.name):
+            cmds.append((inner, {**os.environ, **exported}))
+        else:
+            cmds.append((allreduce.remote_command(h.name, inner, exported, args.ssh_port, args.ssh_timeout), None))
+    results = allreduce.run_all(cmds, args.allreduce_timeout + args.ssh_timeout)
+    bad = [f"{h.name}: {r}" if isinstance(r, str) else f"{h.name}: wrong sum" for h, r in zip(hosts, results)
+           if isinstance(r, str) or not r.get("ok")]
+    if bad:
+        return ("(job)", name, FAIL, "; ".join(bad)[:600])
+    first = results[0]
+    gbit = allreduce.bus_gbit(first["bytes"], first["seconds"], world)
+    gens = {fabric.generation_of(c["name"]) for i in infos for c in (i["fabric"].get("cards") or [])}
+    want, source = fabric.expected_gbit(args.profile, gens.pop() if len(gens) == 1 else None)
+    want = args.expect_gbit or want
+    expect = (f"the fabric gives up to {want:g} Gbit/s ({'--expect_gbit' if args.expect_gbit else source})"
+              if want else f"no expected figure ({source})")
+    return ("(job)", name, PASS, f"{world} hosts x 1 process, {first['bytes'] / (1 << 20):g} MiB float32 over "
+                                 f"{first['backend']}: {first['seconds'] * 1e3:.1f} ms per all-reduce, bus bandwidth "
+                                 f"{gbit:.3g} Gbit/s; profile {args.profile or '(none)'}: {expect}")
+
+
 def format_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
     head = ("host", "check", "result", "detail")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
@@ -312,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssh_port", type=int, default=0, help="ssh port for remote hosts (default: ssh's own)")
     p.add_argument("--ssh_timeout", type=float, default=10,
                    help="seconds to wait for an ssh connection to a remote host (default 10)")
+    p.add_argument("--allreduce_mb", type=float, default=64,
+                   help="MiB of float32 all-reduced across the hosts, one process per host on the ranks' backend, "
+                        "to measure the fabric (default 64; 0: not run; one host: not run)")
+    p.add_argument("--allreduce_timeout", type=float, default=120,
+                   help="seconds the all-reduce's processes may take, start-up included (default 120)")
+    p.add_argument("--expect_gbit", type=float, default=0,
+                   help="the fabric's rate per host in Gbit/s, printed next to the measured one (default: the "
+                        "profile's published figure, where it has one)")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON object on the last line")
     g = p.add_argument_group("internal (what preflight runs on a remote host over ssh)")
     g.add_argument("--probe", action="store_true",
@@ -319,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--probe_names", default="", help="with --probe: comma-separated variables to report")
     g.add_argument("--probe_port", type=int, default=0, help="with --probe: port to test (0: none)")
     g.add_argument("--probe_data_dir", default="", help="with --probe: directory to test (empty: none)")
+    g.add_argument("--allreduce_member", default="", metavar="RANK,WORLD,ADDR:PORT",
+                   help="run one host's part of the all-reduce and print its result as JSON")
+    g.add_argument("--allreduce_bytes", type=int, default=1 << 26, help="with --allreduce_member: buffer size")
+    g.add_argument("--allreduce_iters", type=int, default=5, help="with --allreduce_member: timed all-reduces")
     return p
 
 
@@ -330,6 +377,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.probe:
         names = [n for n in args.probe_names.split(",") if n]
         print(json.dumps(probe(names, args.probe_port, args.probe_data_dir)))
+        return 0
+    if args.allreduce_member:
+        rank, world, where = args.allreduce_member.split(",")
+        addr, _, port = where.rpartition(":")
+        print(json.dumps(allreduce.member(int(rank), int(world), addr, int(port), args.allreduce_bytes,
+                                          args.allreduce_iters, args.allreduce_timeout, _accelerator())))
         return 0
     rows = run_checks(args)
     print(format_table(rows))

@@ -88,6 +88,22 @@ def test_shipped_gaudi_profiles_leave_the_choice_to_hccl(profile):
         assert values["RDMAV_FORK_SAFE"] == "1" and values["MLX5_SCATTER_TO_CQE"] == "0"
 
 
+def test_bus_bandwidth_is_nccl_tests_definition():
+    from launch import allreduce
+
+    # each byte crosses a link 2 (n - 1) / n times in a ring all-reduce
+    assert allreduce.bus_gbit(10**9, 1.0, 2) == pytest.approx(8.0)
+    assert allreduce.bus_gbit(10**9, 1.0, 4) == pytest.approx(12.0)
+    assert allreduce.bus_gbit(10**9, 1.0, 1) == 0.0
+
+
+def test_expected_bandwidth_names_its_source():
+    assert fabric.expected_gbit("efa", "gaudi")[0] == 400.0
+    assert fabric.expected_gbit("roce", "gaudi2")[0] == 300.0 and fabric.expected_gbit("roce", "gaudi3")[0] == 600.0
+    assert fabric.expected_gbit("hostnic", "gaudi2")[0] is None and "--expect_gbit" in fabric.expected_gbit(
+        "hostnic", "gaudi2")[1]
+
+
 # ------------------------------------------------------------------------------------------------ emulated hosts
 HL_SMI = """#!/bin/bash
 # stand-in hl-smi: $FAKE_CARDS cards named $FAKE_CARD, external ports $FAKE_EXTERNAL in state $FAKE_LINK
