@@ -101,8 +101,8 @@ def _data_dir(path: str) -> tuple[bool, str]:
     return (n > 0), f"{path}: {n} entries" if n else f"{path}: empty"
 
 
-def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "") -> dict:
-    """What one host reports about itself (JSON-able)."""
+def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "", fabric_facts: bool = True) -> dict:
+    """What one host reports about itself (JSON-able); fabric_facts: also its fabric (launch.fabric.probe_fabric)."""
     kind = _accelerator()
     try:
         count, count_err = _accelerator_count(kind), ""
@@ -111,7 +111,7 @@ def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "") -> dict:
     out = {"hostname": socket.gethostname(), "python": platform.python_version(), "executable": sys.executable,
            "versions": {d: _version(d) for d in PACKAGES}, "accelerator": kind, "accelerators": count,
            "accelerator_error": count_err, "env": {n: os.environ[n] for n in names if n in os.environ},
-           "fabric": fabric.probe_fabric()}
+           "fabric": fabric.probe_fabric() if fabric_facts else None}
     if port:
         out["port"] = port_free(port)
     if data_dir:
@@ -201,7 +201,7 @@ def run_checks(args) -> list[tuple[str, str, str, str]]:
         rows.append(("(job)", ".deepspeed_env", FAIL, str(e)))
     names = list(dict.fromkeys([n for n, _, _ in profile_raw] + list(fabric.FABRIC_VARS)))
     master = args.master_addr or hosts[0].name
-    here = probe(names)
+    here = probe(names, fabric_facts=False)  # this machine's software, the reference for every host's
     infos: list[dict | None] = []
     for h in hosts:
         port = args.master_port if (h.name == master or (is_local(h.name) and is_local(master))) else 0
@@ -307,7 +307,7 @@ def allreduce_row(hosts: list, infos: list, args, exported: dict, master: str, r
         return ("(job)", name, FAIL, "; ".join(bad)[:600])
     first = results[0]
     gbit = allreduce.bus_gbit(first["bytes"], first["seconds"], world)
-    gens = {fabric.generation_of(c["name"]) for i in infos for c in (i["fabric"].get("cards") or [])}
+    gens = {fabric.generation_of(c["name"]) for i in infos for c in ((i.get("fabric") or {}).get("cards") or [])}
     want, source = fabric.expected_gbit(args.profile, gens.pop() if len(gens) == 1 else None)
     want = args.expect_gbit or want
     expect = (f"the fabric gives up to {want:g} Gbit/s ({'--expect_gbit' if args.expect_gbit else source})"

@@ -107,7 +107,6 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return get_accelerator().pin_memory(host).to(device, non_blocking=True)
 
 
-
 def pin_batches(device: torch.device) -> bool:
     """Whether host batches for `device` go through pinned memory (a DataLoader's pin_memory, to_device): on every
     accelerator, CUDA and HPU alike (optimum-habana's GaudiTrainer pins by default; Habana's "Profiling with PyTorch"
