@@ -1,9 +1,15 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both create .venv on first use.
-# torch is installed (torch==2.13.0, the CPU build here) only when no torch is importable: on a Gaudi or GPU machine
+# Versions come from the support matrix, stacks/<stack>.txt (docs/gaudi.md): set-up installs with that file's pins as
+# pip constraints (tools/stacks.py), so a fresh install is what CI tested. STACK=auto picks the stack whose DeepSpeed
+# and transformers the Python already has (a Gaudi image: stacks/gaudi.txt), else stacks/latest.txt.
+# torch is installed (the stack's, the CPU build here) only when no torch is importable: on a Gaudi or GPU machine
 # the venv is made with --system-site-packages so it sees the torch that is already installed and keeps it; where
 # $(PYTHON) is itself a venv (torch in its own site-packages), tools/parent_site.py makes .venv see that venv too.
+# An image's torch, DeepSpeed and transformers are never replaced (pinned to the installed versions).
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
+STACK  ?= auto
+CONSTRAINTS := $(VENV)/constraints.txt
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 EXTRAS ?= mpi,test
@@ -31,12 +37,15 @@ PY_VER   ?= 3.12
 PLATFORM ?= manylinux_2_28_x86_64
 BASE     ?= tools/base/cuda_image.txt
 WHEELS   ?= wheelhouse
+# a size cap the user sets for the wheelhouse (MB; 0: none): its size depends on BASE (an image holding only torch
+# needs every other requirement), so no fixed cap fits every target
+WHEELHOUSE_MAX_MB ?= 0
 
-.PHONY: setup demo test test-fast lint bench clean wheelhouse gpu-check
+.PHONY: setup demo test test-fast test-stack test-gaudi lint bench clean wheelhouse gpu-check
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml stacks/latest.txt stacks/gaudi.txt
 	@if [ ! -x $(PY) ]; then \
 	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 	    echo "[setup] torch found in $(PYTHON): creating $(VENV) with --system-site-packages to keep it"; \
@@ -47,16 +56,17 @@ $(STAMP): pyproject.toml
 	  fi; \
 	fi
 	@if [ -z "$(WHEELHOUSE)" ]; then $(PIP) install -q --upgrade pip; fi
+	$(PY) tools/stacks.py constraints --stack $(STACK) --out $(CONSTRAINTS)
 	@if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
 	  if [ -n "$(WHEELHOUSE)" ]; then echo "[setup] no torch importable and a wheelhouse never carries torch: install the target's torch build first" >&2; exit 1; fi; \
-	  echo "[setup] no torch importable: installing torch==2.13.0"; \
-	  $(PIP) install -q torch==2.13.0; \
+	  echo "[setup] no torch importable: installing $$(grep '^torch==' $(CONSTRAINTS))"; \
+	  $(PIP) install -q -c $(CONSTRAINTS) torch; \
 	else \
 	  echo "[setup] keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	fi
-	$(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -e ".[$(EXTRAS)]"
+	$(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then \
-	  $(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -e ".[hpu]"; fi
+	  $(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -c $(CONSTRAINTS) -e ".[hpu]"; fi
 	$(PY) -c "import ds_core, ds_tools, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
 	@if [ "$(BUILD_OPS)" != 0 ]; then $(PY) -m ds_tools.build_ops; fi
 	@touch $(STAMP)
@@ -75,6 +85,25 @@ lint: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
+# the tests every stack of the support matrix runs (marker `stack`: every command's engine path, the speed-ups and
+# library differences decided by feature); `make test` runs them too, with everything else
+test-stack: $(STAMP)
+	$(PY) -m pytest -q --durations=15 -m stack tests
+
+# The Gaudi lane (docs/gaudi.md), as a Gaudi user installs: a venv that plays the image's Python (GAUDI_IMAGE:
+# stacks/gaudi.txt's `# image` packages, DeepSpeed from Habana's fork at HABANA_DS, its source tree or release archive;
+# reused while neither changed), the README's `make setup PYTHON=<it>` into GAUDI_VENV (it keeps the image's torch,
+# DeepSpeed and transformers), then `make test-stack` there:
+#   make test-gaudi HABANA_DS=path/to/habana-deepspeed-1.21.0.tar.gz
+HABANA_DS   ?=
+GAUDI_IMAGE ?= .gaudi-image
+GAUDI_VENV  ?= .venv-gaudi
+test-gaudi:
+	@test -n "$(HABANA_DS)" || { echo "make test-gaudi: set HABANA_DS to Habana's DeepSpeed fork (its source tree or release archive, e.g. habana-deepspeed-1.21.0.tar.gz)" >&2; exit 2; }
+	$(PYTHON) tools/stacks.py image --stack gaudi --fork "$(HABANA_DS)" --venv $(GAUDI_IMAGE)
+	$(MAKE) test-stack PYTHON=$(abspath $(GAUDI_IMAGE))/bin/python VENV=$(GAUDI_VENV) STACK=gaudi \
+	  EXTRAS=$(EXTRAS) TORCH_EXTENSIONS_DIR=$(abspath $(GAUDI_VENV))/torch_extensions
+
 bench: $(STAMP)
 	$(PY) -m bench.h5_loader
 	$(PY) -m bench.bert_step
@@ -90,7 +119,7 @@ bench: $(STAMP)
 wheelhouse:
 	@test -x $(VENV)/bin/python || { echo "make wheelhouse: run 'make setup' first (it needs $(VENV))" >&2; exit 1; }
 	$(VENV)/bin/python tools/wheelhouse.py --out $(WHEELS) --python $(or $(filter 3.%,$(PY)),$(PY_VER)) \
-	  --platform $(PLATFORM) --base $(BASE) --extras $(EXTRAS) --max_mb 60
+	  --platform $(PLATFORM) --base $(BASE) --extras $(EXTRAS) --max_mb $(WHEELHOUSE_MAX_MB)
 
 # the whole CUDA check (bench/gpu_check.py), planned into GPU_CHECK_BUDGET seconds counted from make's start (the
 # install included), most valuable part first; on a CPU-only machine the same
@@ -104,4 +133,4 @@ gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check --budget $(GPU_CHECK_BUDGET) --started_at $(GPU_CHECK_T0) $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) demo_out runs .pytest_cache
+	rm -rf $(VENV) $(GAUDI_VENV) $(GAUDI_IMAGE) demo_out runs .pytest_cache

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bert_ref.habana_ckpt import is_habana_checkpoint
+from bert_ref.recipes import RECIPES, check_recipe_name
 from ds_core.config import TrainConfig, arg
 from ds_core.config.optim import OptimArgs
 from ds_core.errors import ConfigError
+from ds_core.outputs.monitors import REPORT_TO_HELP, report_to_names
 
 BERT_VOCAB = 30522  # the uncased WordPiece vocabulary of the original BERT release
 PHASES = {1: (128, 20), 2: (512, 80)}  # phase -> (max_seq_length, max_predictions_per_seq)
@@ -144,7 +146,12 @@ def tuning_spec(preset: BertPreset) -> dict[str, Any]:
 class BertArgs:
     """Model and data settings of bert_ref.train (optimizer settings: ds_core.config.optim.OptimArgs)."""
 
-    preset: str = arg(f"Model preset: one of {', '.join(PRESETS)}.", default="bert_large")
+    recipe: str = arg(f"A published run, one of {', '.join(RECIPES)} (bert_ref.recipes; docs/bert_pretraining.md): "
+                      "sets every setting the reference fixes (preset, phase, DeepSpeed JSON, optimizer, LR schedule, "
+                      "steps, seed); flags given as well override it. '' = none.", default="")
+    preset: str = arg(f"Model preset: one of {', '.join(PRESETS)}. Each brings its DeepSpeed JSON (ds_configs."
+                      "DEFAULT_JSON: bert_large_zero1_bf16.json, bert_1p5b_zero1_bf16.json = Habana's 1.5B JSON, "
+                      "bert_debug_zero1_bf16.json) unless --deepspeed_config names one.", default="bert_large")
     phase: int = arg("1: seq 128 / 20 masked positions; 2: seq 512 / 80 (usually with --init_checkpoint).",
                        default=1)
     input_dir: str = arg("Directory of pretraining shards written by `python -m bert_ref.prep shards`.",
@@ -167,10 +174,13 @@ class BertArgs:
                            "fewer FLOPs (and the reported FLOPs count only those positions).", default=False)
     fast_dropout: bool = arg("Hidden dropouts draw 16-bit random numbers (bert_ref.model.FastDropout, p rounded to "
                              "a multiple of 2^-15): faster on CPU.", default=False)
+    report_to: str = arg(REPORT_TO_HELP + "; as transformers' Trainer and bridgetower_ds.train.", default="none")
     export_hf: bool = arg("At the end write run_dir/hf_model (save_pretrained format, ZeRO-3 gathered): the "
                             "--init_checkpoint of the next phase.", default=True)
 
     def validate(self) -> None:
+        check_recipe_name(self.recipe)
+        report_to_names(self.report_to)
         get_preset(self.preset, self.phase)
         if not self.input_dir:
             raise InputDirError("--input_dir is required: a directory of shards from `python -m bert_ref.prep shards`")

@@ -15,93 +15,13 @@ second one for its per-tensor gradient normalisation, which must precede the mom
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
+from ds_core.compat.zero_layout import FlatLayout, missing_attributes, partition_segments, zero_layouts
 from ds_core.device.hpu import op_on_device, sum_dtype
 from ds_core.errors import ConfigError
-
-
-@dataclass
-class FlatLayout:
-    """Where parameter tensors lie in one flat tensor the optimizer is handed.
-
-    segments: (key, start, length) in the flat tensor; key is the parameter's index within its (sub-)group, the same
-    on every rank; key -1 marks alignment padding (left out of every norm). n_keys: tensors in the (sub-)group."""
-
-    segments: list[tuple[int, int, int]]
-    n_keys: int
-
-
-def partition_segments(numels: list[int], offsets: list[int], start: int, size: int) -> list[tuple[int, int, int]]:
-    """Segments of the partition [start, start + size) of a flat buffer whose tensor k lies at offsets[k]."""
-    segs, end, pos = [], start + size, start
-    for key, (off, n) in enumerate(zip(offsets, numels)):
-        lo, hi = max(off, start), min(off + n, end)
-        if lo < hi:
-            if lo > pos:
-                segs.append((-1, pos - start, lo - pos))
-            segs.append((key, lo - start, hi - lo))
-            pos = hi
-    if pos < end:
-        segs.append((-1, pos - start, end - pos))
-    return segs
-
-
-def zero_layouts(ds_optimizer: Any) -> tuple[dict[int, FlatLayout], Any]:
-    """{id(tensor handed to the optimizer): FlatLayout} of a DeepSpeed optimizer wrapper, and its data-parallel
-    process group (None where nothing is partitioned); ({}, None) where the optimizer gets the model's own
-    parameters (fp32 ZeRO-0)."""
-    import deepspeed.comm as dist
-
-    if hasattr(ds_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3 (stage3.py): one flat per sub-group
-        rank = dist.get_rank(group=ds_optimizer.dp_process_group)
-        layouts = {}
-        for sub, flat in zip(ds_optimizer.fp16_groups, ds_optimizer.fp32_partitioned_groups_flat):
-            segs, pos = [], 0
-            for key, p in enumerate(sub):
-                part = p.partition_numel()  # every rank holds `part` elements of every parameter, zero-padded last
-                real = max(0, min(part, p.ds_numel - rank * part))
-                if real:
-                    segs.append((key, pos, real))
-                if part > real:
-                    segs.append((-1, pos + real, part - real))
-                pos += part
-            layouts[id(flat)] = FlatLayout(segs, len(sub))
-        return layouts, ds_optimizer.dp_process_group
-    if hasattr(ds_optimizer, "fp32_groups_flat_partition"):  # bf16 ZeRO-1 (bf16_optimizer.py): tensors back to back
-        layouts, group = {}, None
-        for i, (params, flat) in enumerate(zip(ds_optimizer.bf16_groups, ds_optimizer.fp32_groups_flat_partition)):
-            group = ds_optimizer.real_dp_process_group[i]
-            numels = [p.numel() for p in params]
-            offsets = [sum(numels[:k]) for k in range(len(numels))]
-            start = dist.get_rank(group=group) * flat.numel()
-            layouts[id(flat)] = FlatLayout(partition_segments(numels, offsets, start, flat.numel()), len(params))
-        return layouts, group
-    if hasattr(ds_optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2 (stage_1_and_2.py)
-        layouts, group = {}, None
-        for i, flat in enumerate(ds_optimizer.single_partition_of_fp32_groups):
-            group = ds_optimizer.real_dp_process_group[i]
-            params = ds_optimizer.round_robin_bit16_groups[i]  # the flat buffer's order
-            numels = [p.numel() for p in ds_optimizer.round_robin_bit16_meta[i]] \
-                if hasattr(ds_optimizer, "round_robin_bit16_meta") else [p.numel() for p in params]
-            # DeepSpeed >= 0.18 aligns each parameter's start (round_robin_bit16_offsets); older ones pack them
-            offsets = list(getattr(ds_optimizer, "round_robin_bit16_offsets", [None] * (i + 1))[i] or
-                           [sum(numels[:k]) for k in range(len(numels))])
-            size = ds_optimizer.partition_size[i]
-            if flat.numel() != size:
-                raise RuntimeError(f"ZeRO group {i}: flat fp32 partition has {flat.numel()} elements, partition_size "
-                                   f"{size}: unknown DeepSpeed layout")
-            start = dist.get_rank(group=group) * size
-            layouts[id(flat)] = FlatLayout(partition_segments(numels, offsets, start, size), len(params))
-        return layouts, group
-    if hasattr(ds_optimizer, "fp32_groups"):  # (DeepSpeed's fused fp16 wrapper serves only FusedAdam)
-        # bf16 / fp16 ZeRO-0 with a non-fused optimizer (fp16/unfused_optimizer.py): one fp32 master copy per
-        # parameter, nothing partitioned; registered so that step() knows them from a foreign flat tensor
-        return {id(p): FlatLayout([(0, 0, p.numel())], 1) for g in ds_optimizer.fp32_groups for p in g}, None
-    return {}, None
 
 
 class _TensorwiseOptimizer(torch.optim.Optimizer):
@@ -403,7 +323,16 @@ def attach_zero_layout(engine: Any, optimizer: torch.optim.Optimizer) -> None:
     where both are set to different thresholds (the gradients would be clipped twice, at two norms)."""
     if not isinstance(optimizer, _TensorwiseOptimizer):
         return
+    name = type(optimizer).__name__
+    if why := missing_attributes(engine.optimizer):  # ds_core.compat.changes: zero_partition_layout
+        raise ConfigError(f"{name} computes its trust ratios per parameter tensor from DeepSpeed's partition layout, "
+                          f"and {why}: run {name} with another ZeRO stage, or --optimizer adamw")
     layouts, group = zero_layouts(engine.optimizer)
+    if not layouts and engine.zero_optimization_stage() > 0:
+        raise ConfigError(f"{name} under ZeRO stage {engine.zero_optimization_stage()}: DeepSpeed's optimizer "
+                          f"wrapper {type(engine.optimizer).__name__} is not one whose partition layout is known "
+                          f"(ds_core.compat.zero_layout.READS); its trust ratios would be per partition, not per "
+                          f"tensor")
     partitioned = group is not None
     clip = float(engine.gradient_clipping() or 0.0)
     if optimizer.max_grad_norm > 0 and clip > 0 and clip != optimizer.max_grad_norm:
@@ -417,4 +346,4 @@ def attach_zero_layout(engine: Any, optimizer: torch.optim.Optimizer) -> None:
                      global_norm=lambda: getattr(wrapper, "_global_grad_norm", None))
 
 
-__all__ = ["NVLAMB", "LANS", "FlatLayout", "zero_layouts", "attach_zero_layout"]
+__all__ = ["NVLAMB", "LANS", "FlatLayout", "partition_segments", "zero_layouts", "attach_zero_layout"]

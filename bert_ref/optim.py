@@ -33,14 +33,13 @@ class Recipe:
 
 # NVIDIA DeepLearningExamples PyTorch/LanguageModeling/BERT scripts/run_pretraining.sh (h5 era): FusedLAMB, phase 1
 # 6e-3 at train_batch_size 8192 per GPU x 8 GPUs (= 64 x 1024 sequences), phase 2 4e-3 at 4096 x 8.
-# Habana Model-References deepspeed-bert: LANS, 0.0015; the published 1.5B runs scaled it linearly with the global
-# batch from 8 nodes x 8 accelerators x 384 sequences (0.003 on 16 nodes). Note: the repository's own
-# run_bert_1.5b_8x.sh runs 0.0015 on ONE 8-card node at train_batch_size 12288. Habana publishes phase 1 only; its
-# numbers are used for phase 2 too.
+# Habana Model-References deepspeed-bert BERT-1.5B (scripts/run_bert_1.5b_8x.sh and deepspeed_config_bert_1.5b.json,
+# bert_ref.recipes names the commit): LANS, 0.0015 at train_batch_size 12288 on any node count (the scripts do not
+# scale it). Habana publishes phase 1 only; its numbers are used for phase 2 too.
 PUBLISHED: dict[str, dict[int, Recipe]] = {
     "bert_large": {1: Recipe("lamb", 6e-3, 65536, "NVIDIA DeepLearningExamples BERT phase 1"),
                    2: Recipe("lamb", 4e-3, 32768, "NVIDIA DeepLearningExamples BERT phase 2")},
-    "bert_1p5b": {p: Recipe("lans", 0.0015, 8 * 8 * 384, "Habana Model-References deepspeed-bert BERT-1.5B",
+    "bert_1p5b": {p: Recipe("lans", 0.0015, 12288, "Habana Model-References deepspeed-bert BERT-1.5B",
                          "habana_poly") for p in (1, 2)},
 }
 PUBLISHED["debug"] = PUBLISHED["bert_large"]  # the debug presets follow the model they shrink
@@ -82,7 +81,8 @@ def for_preset(args: OptimArgs, preset_name: str, phase: int = 1) -> OptimArgs:
 
 def peak_lr(args: OptimArgs, global_batch: int) -> float:
     """The peak LR a run uses: learning_rate, or with --scale_lr_with_global_batch learning_rate * global_batch /
-    base_global_batch (Goyal et al.'s linear rule, as the published 1.5B runs: 0.0015 at 24576 -> 0.003 at 49152)."""
+    base_global_batch (Goyal et al.'s linear rule: bert_1p5b's 0.0015 at 12288 -> 0.003 at 24576). The published
+    recipes do not scale: they keep their global batch instead."""
     if not args.scale_lr_with_global_batch:
         return args.learning_rate
     if args.base_global_batch <= 0 or global_batch <= 0:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds_core.errors import InputNotFound
+
 # dataset name -> (dtype, rank); dims: input_* [N, L], masked_lm_* [N, P], next_sentence_labels [N]
 SCHEMA: dict[str, tuple[np.dtype, int]] = {
     "input_ids": (np.dtype("int32"), 2),
@@ -28,7 +30,7 @@ VOCAB_ATTR = "vocab_size"  # h5 file attribute written by `bert-prep shards`: id
 _TEST_NAME = re.compile(r"(^|[_.-])test([_.-]|$)")
 
 
-class DataDirError(FileNotFoundError):
+class DataDirError(InputNotFound):
     """The input directory is missing or holds no h5 shard."""
 
 

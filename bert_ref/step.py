@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from bert_ref.data import IGNORE_INDEX
+from ds_core.compat.hf import padding_mask
 from ds_core.errors import ConfigError
 from ds_core.rank.engine import compile_backend
 from ds_core.run.loop import StepOutput, to_device
@@ -68,26 +69,19 @@ def step_fn(engine: Any, batch: dict) -> StepOutput:
     return _step(engine, batch, 0)
 
 
-def sdpa_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, L] 0/1 -> the [B, 1, L, L] boolean mask transformers' create_bidirectional_mask builds for SDPA from it
-    (key k of row b visible where attention_mask[b, k] is 1; an expanded view, no memory). Given ready-made, because
-    transformers passes a 4-D mask on as it is, while from a 2-D one it first asks `padding_mask.all()` on the host
-    (a device sync every forward) to drop a mask that masks nothing."""
-    b, n = attention_mask.shape
-    return attention_mask.bool()[:, None, None, :].expand(b, 1, n, n)
-
-
 def forward(engine: Any, batch: dict, sparse_predictions: int = 0) -> tuple[Any, torch.Tensor]:
     """Run the (DeepSpeed-wrapped) model on a CPU batch: (model output, MLM labels on the device, [B, P] with the
     sparse head, else [B, L]). Token ids were checked against the vocabulary when the data block was read
     (bert_ref.data), naming the file and row; the step does not look again. An SDPA model (BERT's, or the Pre-LN
-    presets' SDPA attention: bert_ref.model.use_sdpa_attention) gets its attention mask in 4-D (sdpa_padding_mask)."""
+    presets' SDPA attention: bert_ref.model.use_sdpa_attention) gets its attention mask ready-made in the form its
+    transformers module takes without a host sync (ds_core.compat.hf.padding_mask: 4-D on transformers 5, 3-D on
+    4.55; from a 2-D one transformers first asks `mask.all()` on the host, a device sync every forward)."""
     dev = engine.device
     inputs = {k: to_device(batch[k], dev) for k in MODEL_INPUTS}  # through pinned memory on CUDA and HPU
     model = engine.module
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa" or \
             getattr(model, "sdpa_attention", False):  # BERT's SDPA; the Pre-LN presets' (bert_ref.model)
-        inputs["attention_mask"] = sdpa_padding_mask(inputs["attention_mask"])
+        inputs["attention_mask"] = padding_mask(inputs["attention_mask"], model)
     labels = batch["labels"]
     if sparse_predictions:
         pos = masked_positions(labels, sparse_predictions)

@@ -8,6 +8,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import ds_configs
 from bert_ref.configs import BertSettings, check_data_matches
 from bert_ref.data import build_data
 from bert_ref.eval import held_out_evaluation
@@ -18,14 +19,26 @@ from bert_ref.recipes import check_recipe_batch, expand_recipe
 from bert_ref.step import make_step_fn
 from ds_core.checkpoint import export_hf
 from ds_core.config.optim import schedule_for
+from ds_core.errors import ConfigError
+from ds_core.outputs.monitors import apply_report_to
 from ds_core.rank.engine import build_engine, compile_model, shutdown_distributed
 from ds_core.rank.process_end import run_main
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
 
-# bert_ref's one default DeepSpeed JSON (the default preset, bert_large phase 1). It has no "optimizer" section: the
-# optimizer (LAMB / LANS / AdamW) is built in code from --optimizer.
-DEFAULT_DS_CONFIG = "bert_large_zero1_bf16.json"
+MODULE = "bert_ref.train"
+# The DeepSpeed JSON of the default preset (bert_large phase 1). Each preset brings its own (ds_configs.DEFAULT_JSON,
+# default_ds_config below); none has an "optimizer" section: the optimizer (LAMB / LANS / AdamW) is built in code.
+DEFAULT_DS_CONFIG = ds_configs.preset_json(MODULE, "")
+
+
+def default_ds_config(cfg: BertSettings) -> str:
+    """The preset's own DeepSpeed JSON, used when --deepspeed_config is not given; a preset without one is refused."""
+    chosen = ds_configs.preset_json(MODULE, cfg.model.preset)
+    if not chosen:
+        raise ConfigError(f"--preset {cfg.model.preset} has no DeepSpeed JSON of its own (ds_configs.DEFAULT_JSON): "
+                          "give --deepspeed_config")
+    return chosen
 
 
 def resolve(cfg: BertSettings) -> tuple[BertSettings, list[str]]:
@@ -35,15 +48,20 @@ def resolve(cfg: BertSettings) -> tuple[BertSettings, list[str]]:
     return dataclasses.replace(cfg, optim=for_preset(cfg.optim, preset.name, preset.phase)), []
 
 
-SPEC = RunSpec(settings=BertSettings, default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=True,
-               description=__doc__, resolve=resolve)
+def adjust_ds_config(cfg: BertSettings, ds_config: dict) -> list[str]:
+    """The --report_to monitors, written into the resolved DeepSpeed config (as bridgetower_ds.train does)."""
+    return apply_report_to(cfg.model.report_to, ds_config, cfg.train.run_dir, job_name="bert")
+
+
+SPEC = RunSpec(settings=BertSettings, default_ds_config=default_ds_config, optimizer_in_code=True,
+               description=__doc__, prog=f"python -m {MODULE}", resolve=resolve, adjust_ds_config=adjust_ds_config,
+               check_batch=lambda cfg, batch: check_recipe_batch(cfg.model.recipe, batch))  # a recipe's global batch
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv, recipe = expand_recipe(list(sys.argv[1:] if argv is None else argv))  # --recipe NAME: the published run
+    argv, _ = expand_recipe(list(sys.argv[1:] if argv is None else argv))  # --recipe NAME: the published run's flags
     run = start_run(SPEC, argv)  # settings validated and resolved before any rank starts; process group, DeepSpeed
     args, preset, dist = run.cfg.model, run.cfg.model.model_preset(), run.dist
-    check_recipe_batch(recipe, run.batch)  # a recipe's LR and steps hold for its global batch only
     # ids are checked against the shards' own vocabulary, or the model's where the files do not store one
     data = build_data(args.input_dir, dist.rank, dist.world_size, run.batch.micro,
                       seed=run.train.seed, vocab_size=preset.vocab_size)

@@ -13,17 +13,16 @@ from typing import Any
 
 import torch
 
+from ds_core.compat.hf import bridgetower_image_processor
 from ds_core.config import TrainConfig
 from ds_core.config.optim import OptimArgs, schedule_for
 from ds_core.errors import ConfigError
+from ds_core.outputs import monitors
 from ds_core.schedule import param_groups
 
 from .configs import HPU_NOTICES, CompatArgs
 from .images import CLIP_MEAN, CLIP_STD, SIZE_DIVISOR
 
-# --report_to value -> DeepSpeed monitor section (DeepSpeed's MonitorMaster writes what ds_core.outputs.metrics
-# reports).
-MONITORS = {"tensorboard": "tensorboard", "csv": "csv_monitor", "wandb": "wandb", "comet": "comet"}
 TRAINER_DEFAULT_LR = 5e-5  # transformers.TrainingArguments.learning_rate
 TRAINER_DEFAULT_WD = 0.0
 # BridgeTower's values for the OptimArgs settings left to the model: transformers' Trainer defaults (adamw_torch)
@@ -57,24 +56,9 @@ def flag_notices(compat: CompatArgs) -> list[str]:
 
 
 def apply_report_to(report_to: str, ds_config: dict, run_dir: str) -> list[str]:
-    """Turn on DeepSpeed's monitors for --report_to (Trainer's names), writing under run_dir/<monitor>/."""
-    names = [n.strip() for n in report_to.replace(" ", ",").split(",") if n.strip()]
-    if names in ([], ["none"]):
-        return []
-    if names == ["all"]:
-        names = ["tensorboard"]  # Trainer's "all" = every installed integration; tensorboard is the one shipped here
-    notes = []
-    for name in names:
-        if name not in MONITORS:
-            raise ConfigError(f"--report_to {name!r}: expected one of {', '.join(MONITORS)}, none")
-        section = MONITORS[name]
-        if ds_config.get(section, {}).get("enabled"):
-            notes.append(f"--report_to {name}: the DeepSpeed config's {section!r} section is used as it is")
-            continue
-        # tensorboard / csv write files under run_dir; wandb / comet report to their services (their own config)
-        ds_config[section] = ({"enabled": True} if name in ("wandb", "comet") else
-                              {"enabled": True, "output_path": str(Path(run_dir) / name), "job_name": "bridgetower"})
-    return notes
+    """Turn on DeepSpeed's monitors for --report_to (Trainer's names), writing under run_dir/<monitor>/
+    (ds_core.outputs.monitors, shared with bert_ref)."""
+    return monitors.apply_report_to(report_to, ds_config, run_dir, job_name="bridgetower")
 
 
 def resolve_optimizer(optim: OptimArgs, ds_config: dict, source: str) -> tuple[float, float, list[str]]:
@@ -116,15 +100,15 @@ def engine_kwargs(model: torch.nn.Module, optim: OptimArgs, ds_config: dict, lr:
 
 def image_processor(source_dir: str, image_size: int):
     """The checkpoint's image processor when it has one, else BridgeTower's with this pipeline's geometry (shorter
-    side S, S x S center crop, size divisor 32, CLIP mean/std: bridgetower_ds.images)."""
-    from transformers import BridgeTowerImageProcessorPil
-
+    side S, S x S center crop, size divisor 32, CLIP mean/std: bridgetower_ds.images). The PIL-backed class of the
+    installed transformers (ds_core.compat.hf.bridgetower_image_processor)."""
+    processor_cls = bridgetower_image_processor()
     if source_dir and (Path(source_dir) / "preprocessor_config.json").is_file():
-        proc = BridgeTowerImageProcessorPil.from_pretrained(source_dir)
+        proc = processor_cls.from_pretrained(source_dir)
     else:
-        proc = BridgeTowerImageProcessorPil(size={"shortest_edge": image_size}, crop_size={"shortest_edge": image_size},
-                                            size_divisor=SIZE_DIVISOR, do_center_crop=True,
-                                            image_mean=list(CLIP_MEAN), image_std=list(CLIP_STD))
+        proc = processor_cls(size={"shortest_edge": image_size}, crop_size={"shortest_edge": image_size},
+                             size_divisor=SIZE_DIVISOR, do_center_crop=True, image_mean=list(CLIP_MEAN),
+                             image_std=list(CLIP_STD))
     got = proc.size.get("shortest_edge") if isinstance(proc.size, dict) else getattr(proc.size, "shortest_edge", None)
     if got != image_size:
         raise ConfigError(f"{source_dir}/preprocessor_config.json: size.shortest_edge {got} != the model's vision "

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from ds_core.errors import ConfigError
+from ds_core.errors import ConfigError, InputNotFound
 from ds_core.outputs.sample_log import SampleLog
 from ds_core.run.loop import pin_batches
 
@@ -168,7 +168,7 @@ def load_tables(args: DataArgs) -> dict[str, CaptionTable]:
         raise ConfigError("--dataset_path (or --dataset_name) is required")
     path = Path(args.dataset_path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"--dataset_path {path} does not exist")
+        raise InputNotFound(f"--dataset_path {path} does not exist")
     fmt = args.dataset_format if args.dataset_format != "auto" else _detect_format(path)
     if fmt == "hf":
         from datasets import DatasetDict, load_from_disk

@@ -14,6 +14,8 @@ import re
 import sys
 from pathlib import Path
 
+from ds_core.errors import InputNotFound
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -44,7 +46,7 @@ def load_cached_dataset(name: str, config: str = "", cache_dir: str = ""):
     try:
         obj = datasets.load_dataset(name, config or None, cache_dir=cache_dir or None)
     except (ConnectionError, FileNotFoundError, ValueError) as e:
-        raise FileNotFoundError(f"--dataset_name {name} --dataset_config_name {config or '(none)'}: not in the local "
+        raise InputNotFound(f"--dataset_name {name} --dataset_config_name {config or '(none)'}: not in the local "
                                 f"datasets cache {where} ({type(e).__name__}: {str(e).splitlines()[0]}); "
                                 + save_dataset_hint(name, config)) from None
     if not isinstance(obj, datasets.DatasetDict):
@@ -64,7 +66,17 @@ def resolve_pretrained(name_or_path: str, flag: str = "--model_name_or_path", re
     try:
         return snapshot_download(name_or_path, local_files_only=True, revision=revision or None)
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
-        raise FileNotFoundError(
+        raise InputNotFound(
             f"{flag} {name_or_path}: no such directory and not in the local hub cache ({type(e).__name__}); on a "
             f"machine with internet run `hf download {name_or_path} --local-dir DIR` (or without --local-dir to fill "
             f"the hub cache, HF_HUB_CACHE) and copy it here, then pass {flag} DIR") from None
+
+
+def check_model_dir(path: str) -> None:
+    """Before any rank builds a model: a --model_name_or_path (resolved to a local directory) holds a config.json,
+    so that a mistyped path is one line from rank 0, not a traceback per rank from the model's loader."""
+    if path and not (Path(path).expanduser() / "config.json").is_file():
+        where = "no such directory" if not Path(path).expanduser().exists() else "no config.json there"
+        raise InputNotFound(f"--model_name_or_path {path}: {where} (expected a local directory holding a saved "
+                            "BridgeTower, e.g. the Large ITM/MLM/ITC checkpoint, or a hub id in the local hub cache)")
+

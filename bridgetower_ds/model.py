@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 
+from ds_core.compat.hf import bridgetower_sdpa_missing, dtype_kwargs
 from ds_core.errors import ConfigError
 
 from .configs import CONTRASTIVE_HIDDEN_SIZE, LOGIT_SCALE_INIT, ModelArgs, preset
@@ -158,7 +160,7 @@ def build_model(args: ModelArgs, config: BridgeTowerConfig | None = None) -> Bri
     cfg = config if config is not None else load_config(args)
     if args.model_name_or_path:
         model = BridgeTowerContrastive.from_pretrained(
-            args.model_name_or_path, config=cfg, local_files_only=True, dtype=torch.float32)
+            args.model_name_or_path, config=cfg, local_files_only=True, **dtype_kwargs(torch.float32))
     else:
         model = BridgeTowerContrastive(cfg)
     apply_freezing(model, args)
@@ -174,26 +176,30 @@ def use_sdpa(model: BridgeTowerForContrastiveLearning) -> bool:
     """Run the text and cross-modal attention through torch's scaled_dot_product_attention (fused kernels, a few
     aten ops per layer instead of matmul + mask + softmax + dropout + matmul); the vision tower's
     nn.MultiheadAttention already calls it (need_weights=False), and gets a leaner forward around it
-    (SelfAttentionMHA). False (eager kept, logged) where the installed transformers' BridgeTower has no
-    attention-function switch.
+    (SelfAttentionMHA). False (text and cross-modal attention eager, said in one line) where the installed
+    transformers' BridgeTower has no attention-function switch.
 
     transformers declares no SDPA support for BridgeTower, and switching naively would change the function: the
     cross-modal layers' self-attention is constructed with is_causal=True, which eager ignores (it only adds the
     padding mask) but SDPA honours when no mask is given, which is always the case for the image stream. BridgeTower
     is an encoder everywhere, so is_causal is set False on every attention module; the outputs then equal eager's
-    within float rounding (tests/test_bt_model.py).
+    within float rounding (tests/test_bt_model.py). transformers 4.55's BridgeTower has eager attention only
+    (ds_core.compat.hf.bridgetower_sdpa_missing): rank 0 says so in one line.
     """
     from transformers.models.bridgetower import modeling_bridgetower as mb
 
-    kinds = tuple(getattr(mb, n) for n in ("BridgeTowerSelfAttention", "BridgeTowerCrossAttention") if hasattr(mb, n))
-    if not hasattr(mb, "ALL_ATTENTION_FUNCTIONS") or len(kinds) != 2:
-        log.warning("this transformers' BridgeTower has no attention-function switch: attention stays eager")
+    for module in model.modules():
+        if type(module) is torch.nn.MultiheadAttention:
+            module.__class__ = SelfAttentionMHA  # same parameters and state; a leaner forward (any transformers)
+    why = bridgetower_sdpa_missing()
+    if why is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[bridgetower] --attn_implementation sdpa: {why} (the vision tower's attention is SDPA already)",
+                  flush=True)
         return False
     for module in model.modules():
-        if isinstance(module, kinds):
+        if isinstance(module, (mb.BridgeTowerSelfAttention, mb.BridgeTowerCrossAttention)):
             module.is_causal = False
-        elif type(module) is torch.nn.MultiheadAttention:
-            module.__class__ = SelfAttentionMHA  # same parameters and state; a leaner forward
     model.config._attn_implementation = "sdpa"  # the setter passes it on to text_config and vision_config
     return True
 

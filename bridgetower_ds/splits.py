@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ds_core.errors import ConfigError
+from ds_core.errors import ConfigError, InputNotFound
 
 if TYPE_CHECKING:
     from .configs import DataArgs
@@ -81,7 +81,7 @@ def check_dataset(args: DataArgs) -> None:
     elif not args.dataset_path:
         raise ConfigError("--dataset_path (or --dataset_name) is required")
     elif not Path(args.dataset_path).expanduser().exists():
-        raise FileNotFoundError(f"--dataset_path {args.dataset_path} does not exist")
+        raise InputNotFound(f"--dataset_path {args.dataset_path} does not exist")
 
 
 def limit_rows(args: DataArgs, split: str, table: CaptionTable) -> CaptionTable:

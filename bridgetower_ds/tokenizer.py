@@ -12,7 +12,7 @@ from typing import Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ds_core.errors import ConfigError
+from ds_core.errors import ConfigError, InputNotFound
 
 from .configs import DEBUG_VOCAB_SIZE, ModelArgs
 
@@ -71,12 +71,12 @@ def load_tokenizer(args: ModelArgs, model_max_length: int = 128) -> PreTrainedTo
     path = args.tokenizer_name_or_path or args.model_name_or_path
     if path:
         if not Path(path).is_dir():
-            raise FileNotFoundError(f"tokenizer directory {path} does not exist (tokenizers load from a local "
+            raise InputNotFound(f"tokenizer directory {path} does not exist (tokenizers load from a local "
                                     f"directory only; nothing is downloaded)")
         try:
             return AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"no tokenizer files in {path} ({e}); pass --tokenizer_name_or_path to a "
+            raise InputNotFound(f"no tokenizer files in {path} ({e}); pass --tokenizer_name_or_path to a "
                                     f"directory holding the model's tokenizer (e.g. roberta-large's)") from e
     if args.preset != "debug":
         raise ConfigError(f"preset {args.preset!r} needs the model's tokenizer: pass --model_name_or_path or "

@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import ds_configs
 from bridgetower_ds import compat, trainer_files, trainer_flags
 from bridgetower_ds.configs import BridgeTowerSettings
 from bridgetower_ds.data import build_data, check_dataset, open_dataset
 from bridgetower_ds.eval import evaluation_for
-from bridgetower_ds.hub import resolve_pretrained
+from bridgetower_ds.hub import check_model_dir, resolve_pretrained
 from bridgetower_ds.image_pipeline import ImagePipeline
 from bridgetower_ds.model import build_model, flops_per_sample, load_config, model_summary
 from bridgetower_ds.step import step_fn
@@ -28,9 +29,11 @@ from ds_core.rank.process_end import run_main
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
 
-# bridgetower_ds's one default DeepSpeed JSON. The optimizer is its "optimizer" section (AdamW) or, without one,
-# AdamW built in code; learning rate and weight decay follow OptimArgs' rule either way (bridgetower_ds/compat.py).
-DEFAULT_DS_CONFIG = "bridgetower_zero1_bf16.json"
+MODULE = "bridgetower_ds.train"
+# bridgetower_ds's one default DeepSpeed JSON (ds_configs.DEFAULT_JSON). The optimizer is its "optimizer" section
+# (AdamW) or, without one, AdamW built in code; learning rate and weight decay follow OptimArgs' rule either way
+# (bridgetower_ds/compat.py).
+DEFAULT_DS_CONFIG = ds_configs.preset_json(MODULE, "")
 
 
 def resolve(cfg: BridgeTowerSettings) -> tuple[BridgeTowerSettings, list[str]]:
@@ -49,6 +52,7 @@ def resolve(cfg: BridgeTowerSettings) -> tuple[BridgeTowerSettings, list[str]]:
         model_args, model_name_or_path=resolve_pretrained(model_args.model_name_or_path,
                                                           revision=compat_args.model_revision),
         tokenizer_name_or_path=resolve_pretrained(model_args.tokenizer_name_or_path, "--tokenizer_name_or_path"))
+    check_model_dir(model_args.model_name_or_path)
     lr, wd, notes = compat.resolve_optimizer(optim, read_ds_json(train_cfg.deepspeed_config),
                                              f"DeepSpeed config {train_cfg.deepspeed_config}")
     optim = dataclasses.replace(compat.trainer_defaults(optim), learning_rate=lr, weight_decay=wd)
@@ -66,7 +70,7 @@ def adjust_ds_config(cfg: BridgeTowerSettings, ds_config: dict) -> list[str]:
 
 
 SPEC = RunSpec(settings=BridgeTowerSettings, default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=None,
-               description="BridgeTower contrastive fine-tuning", resolve=resolve,
+               description="BridgeTower contrastive fine-tuning", prog=f"python -m {MODULE}", resolve=resolve,
                trains=lambda cfg: cfg.task.do_train,  # an eval-only run writes no run
                adjust_ds_config=adjust_ds_config)
 

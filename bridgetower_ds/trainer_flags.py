@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.config import TrainConfig
-from ds_core.errors import ConfigError
+from ds_core.errors import ConfigError, InputNotFound
 
 from .configs import CompatArgs, ModelArgs
 
@@ -110,7 +110,7 @@ def map_flags(compat: CompatArgs, train_cfg: TrainConfig, model_args: ModelArgs,
         raise ConfigError("--train_file/--validation_file/--test_file with --dataset_path/--dataset_name: give one")
     for f in files:
         if not Path(f).expanduser().is_file():
-            raise FileNotFoundError(f"{f}: no such file (--train_file / --validation_file / --test_file)")
+            raise InputNotFound(f"{f}: no such file (--train_file / --validation_file / --test_file)")
         if Path(f).suffix.lower() not in (".csv", ".json", ".jsonl"):
             raise ConfigError(f"{f}: expected a .csv, .json or .jsonl file, as run_bridgetower.py reads them")
     train_cfg = _resume(compat, train_cfg)
@@ -149,7 +149,7 @@ def _resume(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
 
         run_dir, path = Path(train_cfg.run_dir).resolve(), Path(given).expanduser()
         if not path.exists():
-            raise FileNotFoundError(f"--resume_from_checkpoint {given}: no such checkpoint")
+            raise InputNotFound(f"--resume_from_checkpoint {given}: no such checkpoint")
         real = path.resolve()
         if real != run_dir:
             m = _CKPT_NAME.fullmatch(real.name)

@@ -8,7 +8,8 @@ Bad input (a config field, a hostfile line, a missing user path) ends a command 
 stderr and exit status 2 (USAGE_ERROR): the same line and status argparse gives for a bad flag, so a script or a
 batch system sees one kind of "you asked for something impossible". Other statuses keep their meaning (1: a check
 found problems; ds_core.run.loop.EXIT_STOPPED: a run stopped on request). Only the error types a command names are
-caught: anything else is a bug and keeps its traceback.
+caught: anything else is a bug and keeps its traceback. A reader of stdout that leaves early (`ds-tune ... | head`)
+ends the command quietly, as it ends a command killed by SIGPIPE (status 141), not with a BrokenPipeError traceback.
 
 Kept free of torch and deepspeed imports: the launch wrappers use it on a login node.
 """
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 USAGE_ERROR = 2  # argparse's status for a bad command line; ours for bad input found after parsing
+READER_GONE = 128 + 13  # a shell's status for a command ended by SIGPIPE (its reader, e.g. `head`, left early)
 
 
 def flag(name: str) -> tuple[str, ...]:
@@ -49,15 +52,30 @@ def error(prog: str, message: object) -> int:
     return USAGE_ERROR
 
 
+def reader_gone() -> int:
+    """stdout's reader has left (`... | head`): point stdout at /dev/null, so that nothing more (the interpreter's last
+    flush included) raises, and return READER_GONE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return READER_GONE
+
+
 def run_cli(prog: str, body: Callable[[], int | None], errors: tuple[type[BaseException], ...]) -> int:
     """Run a command's body: its status (None: 0), or USAGE_ERROR with the message of one of `errors`.
 
     The errors of our packages carry messages written for the user (they name the file, field or line), so the
     message alone is printed; a traceback would bury it."""
     try:
-        status = body()
-    except errors as e:
-        return error(prog, e)
+        try:
+            status = body()
+            sys.stdout.flush()  # a reader gone early shows here, not in the interpreter's last flush
+        except BrokenPipeError:  # before `errors`: an OSError, which some commands name for their input files
+            return reader_gone()
+        except errors as e:
+            return error(prog, e)
+    except BrokenPipeError:  # error() flushes stdout first
+        return reader_gone()
     return 0 if status is None else status
 
 
@@ -83,7 +101,10 @@ def cli_main(argv: Sequence[str] | None, build_parser: Callable[[], argparse.Arg
     if passthrough:
         argv, rest = split_passthrough(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except BrokenPipeError:  # --help into a reader that left
+        return reader_gone()
     prog = f"{parser.prog} {getattr(args, subcommand)}" if subcommand else parser.prog
     return run_cli(prog, (lambda: body(args, rest)) if passthrough else (lambda: body(args)), errors)
 

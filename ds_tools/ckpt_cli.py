@@ -146,6 +146,8 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
     import transformers
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from ds_core.compat.hf import set_config_dtype
+
     root = _root(run_dir)
     tag = _tag(root, tag)
     meta_file = root / tag / ckpt.HF_MODEL
@@ -158,7 +160,7 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
         raise ConfigError(f"{meta_file}: class {meta['class']!r} is not in transformers {transformers.__version__}")
     config = cls.config_class.from_dict(meta["config"])
     config.architectures = [meta["class"]]
-    config.dtype = "float32"  # the file holds fp32 master weights, whatever the run trained in
+    set_config_dtype(config, "float32")  # the file holds fp32 master weights, whatever the run trained in
     try:
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     except ValueError as e:

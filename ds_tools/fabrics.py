@@ -36,6 +36,7 @@ class Fabric:
     calibrated_on: str         # where `efficiency` comes from ("" = not calibrated)
     source: str                # where the line rates come from
     call_us: float = 0.0       # per collective call, besides the ring steps' latency (measured; 0 = not modelled)
+    accelerators: tuple[str, ...] = ()  # ds_core.device.accelerators rows this system is built from
 
     @property
     def b_intra(self) -> float:
@@ -52,18 +53,41 @@ class Fabric:
 FABRICS = {
     "dl1": Fabric("dl1", 700, 400, 20.0, 5.0, 0.056, "DL1 BERT-Large 1/2/4/8 nodes (docs/studies.md)",
                   "AWS dl1.24xlarge: 8 Gaudi (HL-205), each with 7 of its 10x100 GbE RoCE ports to its 7 peers "
-                  "(all-to-all), 4x100 Gb/s EFA per instance (aws.amazon.com/ec2/instance-types/dl1)"),
+                  "(all-to-all), 4x100 Gb/s EFA per instance (aws.amazon.com/ec2/instance-types/dl1)",
+                  accelerators=("gaudi",)),
     "gaudi2-hls": Fabric("gaudi2-hls", 2100, 2400, 10.0, 3.0, 1.0, "",
                          "Intel Gaudi2 HLS-Gaudi2: 24x100 GbE RoCE per card, 21 to its 7 peers (3 each), 3 for "
-                         "scale-out (8 cards: 24x100 Gb/s per node) (Gaudi2 white paper / HLS-Gaudi2 spec)"),
+                         "scale-out (8 cards: 24x100 Gb/s per node) (Gaudi2 white paper / HLS-Gaudi2 spec)",
+                         accelerators=("gaudi2",)),
     "dgx-a100": Fabric("dgx-a100", 2400, 1600, 5.0, 2.0, 0.403,
                        "NVIDIA DLE BERT-Large phase 1, DGX A100 80GB, 1-32 nodes (docs/studies.md)",
                        "DGX A100: NVLink3 600 GB/s per GPU both directions (300 GB/s = 2400 Gb/s one way), "
-                       "8x 200 Gb/s HDR InfiniBand compute NICs (DGX A100 user guide)"),
+                       "8x 200 Gb/s HDR InfiniBand compute NICs (DGX A100 user guide)",
+                       accelerators=("a100-40g", "a100-80g")),
     "dgx-h100": Fabric("dgx-h100", 3600, 3200, 5.0, 2.0, 1.0, "",
                        "DGX H100: NVLink4 900 GB/s per GPU both directions (450 GB/s = 3600 Gb/s one way), "
-                       "8x 400 Gb/s NDR InfiniBand (ConnectX-7) (DGX H100 user guide)"),
+                       "8x 400 Gb/s NDR InfiniBand (ConnectX-7) (DGX H100 user guide)",
+                       accelerators=("h100-sxm",)),
 }
+
+
+def lookup(name: str) -> Fabric:
+    """A fabric by its name, or by the name (or an alias) of an accelerator in ds_core.device.accelerators that one
+    fabric is built from: `dl1` and `gaudi` are the same system, as ds-tune's --accelerator takes them."""
+    from ds_core.device import accelerators
+
+    if name in FABRICS:
+        return FABRICS[name]
+    try:
+        row = accelerators.get(name).name
+    except accelerators.UnknownAcceleratorError:
+        row = None
+    found = [f for f in FABRICS.values() if row in f.accelerators]
+    if len(found) == 1:
+        return found[0]
+    known = ", ".join(f"{f.name} ({', '.join(f.accelerators)})" for f in FABRICS.values())
+    raise ValueError(f"--fabric {name!r}: " + (f"no modelled system is built from {row}" if row else "unknown")
+                     + f"; known (with their accelerators): {known}; or give --intra_gbps and --inter_gbps")
 
 
 def custom(intra_gbps: float, inter_gbps: float, latency_us: float, efficiency: float = 1.0,

@@ -280,7 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(*flag("--zero_stage"), type=int)
     p.add_argument("--precision", choices=sorted(BYTES))
     p.add_argument(*flag("--accelerators_per_node"), type=int)
-    p.add_argument("--fabric", choices=sorted(fabrics.FABRICS))
+    p.add_argument("--fabric", metavar="NAME",
+                   help=f"{' | '.join(sorted(fabrics.FABRICS))}, or an accelerator one of them is built from, by the "
+                        "names ds-tune --accelerator takes ("
+                        + ", ".join(f"{x} -> {f.name}" for f in fabrics.FABRICS.values() for x in f.accelerators)
+                        + "; aliases too)")
     p.add_argument(*flag("--intra_gbps"), type=float, help="custom fabric: per-accelerator intra-node Gbit/s")
     p.add_argument(*flag("--inter_gbps"), type=float, help="custom fabric: per-node scale-out Gbit/s")
     p.add_argument(*flag("--latency_us"), type=float, default=5.0, help="custom fabric: per inter-node step")
@@ -333,7 +337,10 @@ def _main(a: argparse.Namespace) -> int:
         except TuningError as e:
             raise PredictError(str(e)) from None
     if a.fabric:
-        fab = fabrics.FABRICS[a.fabric]
+        try:
+            fab = fabrics.lookup(a.fabric)
+        except ValueError as e:
+            raise PredictError(str(e)) from None
         if a.efficiency is not None:
             fab = fabrics.Fabric(**{**fab.__dict__, "efficiency": a.efficiency, "calibrated_on": "--efficiency"})
         if a.call_us:

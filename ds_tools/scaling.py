@@ -8,7 +8,8 @@ every group after the first says how it differs.
 
     ds-scaling-report runs/n1 runs/n2 --format md --plot scaling.png
     ds-scaling-report predict --from runs/n1 --fabric dgx-a100 --nodes 2 4 8     (ds_tools/predict.py)
-    python -m ds_tools.scaling --from_table published.csv --format json
+    python -m ds_tools.scaling --from_table studies/published/bert_large_dl1.csv --format json
+    python -m ds_tools.scaling predict ...                                       (the same commands)
 """
 from __future__ import annotations
 
@@ -191,8 +192,9 @@ def group_runs(runs: Sequence[Run], baseline_nodes: int | None = None) -> list:
         else:
             cands = [r for r in members if r.nodes == baseline_nodes]
             if not cands:
-                raise ScalingError(f"--baseline_nodes {baseline_nodes}: group {dict(zip(GROUP_KEYS, key))} has "
-                                   f"runs at nodes {sorted({r.nodes for r in members})} only")
+                nodes = ", ".join(map(str, sorted({r.nodes for r in members})))
+                raise ScalingError(f"--baseline_nodes {baseline_nodes}: group {Group(key, members, members[0]).title} "
+                                   f"has runs at {nodes} node(s) only")
             base = cands[0]
         reason = ""
         if groups:
@@ -271,9 +273,10 @@ def format_md(groups: Sequence[Group]) -> str:
 
 
 def _md_lost(g: Group) -> list:
-    """The breakdown table: points of efficiency each phase cost, per run larger than the baseline."""
+    """The breakdown table: points of efficiency each phase cost, per run larger than the baseline. Left out where no
+    run has phase timing (published numbers): every row would be zeros and the whole loss under "anything else"."""
     rows = [r for r in rows_of(g) if not r["baseline"]]
-    if not rows:
+    if not any(r["lost"]["timed"] for r in rows):
         return []
     heads = [explain.BUCKET_TITLES[k] for k in explain.BUCKETS]
     out = ["\nWhat grew against the baseline: points of scaling efficiency lost to each part of the step "
@@ -323,7 +326,9 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
+    timed = any(r["lost"]["timed"] for g in groups for r in rows_of(g) if not r["baseline"])
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.2))
+    ax1, ax2 = axes[:2]
     for i, g in enumerate(groups):
         rows = rows_of(g)
         x = [r["accelerators"] for r in rows]
@@ -349,7 +354,8 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
         if len({a for g in groups for a in (r.accelerators for r in g.runs)}) > 2:
             ax.set_xscale("log", base=2)
     ax1.legend(fontsize=7)
-    _plot_lost(ax3, groups)
+    if timed:  # without phase timing every bar would be "anything else": the panel says nothing
+        _plot_lost(axes[2], groups)
     if len(groups) == 1:
         fig.suptitle(groups[0].title, fontsize=9)
     fig.tight_layout()
@@ -398,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(*flag("--baseline_nodes"), type=int, default=None,
                    help="node count of the baseline run (default: the smallest run of each group)")
     p.add_argument("--format", choices=("md", "csv", "json"), default="md", help="output format (default md)")
-    p.add_argument("--plot", metavar="FILE.png", help="write throughput and efficiency against accelerators")
+    p.add_argument("--plot", metavar="FILE.png", help="write throughput and efficiency against accelerators (and, for "
+                                                      "runs with phase timing, what grew)")
     p.add_argument("--out", metavar="FILE", help="write the report here instead of stdout")
     return p
 
@@ -430,4 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m ds_tools.scaling` is the console script `ds-scaling-report`, `predict` included: its dispatcher
+    # (ds_tools.scaling_cli) runs as the program. Run, not imported: it imports this module (and predict does).
+    import runpy
+
+    runpy.run_module("ds_tools.scaling_cli", run_name="__main__", alter_sys=True)

@@ -1,6 +1,6 @@
 """`ds-scaling-report`: the report of measured runs (ds_tools.scaling), or `ds-scaling-report predict ...` (ds_tools
 .predict). The dispatch lives here so that predict may use the report's readers without an import circle (a
-subparser would clash with the report's list of runs)."""
+subparser would clash with the report's list of runs); `python -m ds_tools.scaling` runs this module."""
 from __future__ import annotations
 
 import sys

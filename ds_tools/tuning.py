@@ -9,7 +9,7 @@ allocator fragmentation and runtime context.
 Models: the presets' descriptions in ds_configs/models/ (written by the model packages, see MODEL_DIR) or any HF
 config.json.
 
-    ds-tune --model bert-1.5b --accelerator gaudi --accelerators_per_node 8 --nodes 8 --global_batch 4096
+    ds-tune --model bert-1.5b --accelerator dl1 --accelerators_per_node 8 --nodes 8 --global_batch 12288
 """
 from __future__ import annotations
 
@@ -45,6 +45,18 @@ USABLE_FRACTION = 0.92
 SATURATING_TOKENS = 4096
 # Headroom (fraction of usable memory) a recommendation keeps when any option allows it.
 SAFETY_MARGIN = 0.10
+# The ZeRO stages considered unless --stages says otherwise: those the model packages ship JSONs for and their docs
+# describe (docs/bert_pretraining.md, docs/bridgetower.md: ZeRO-1 or ZeRO-3). ZeRO-0 never fits where ZeRO-1 does
+# not; ZeRO-2 runs (--zero_stage 2) but nothing here ships or documents it, so it is listed only when asked for.
+DEFAULT_STAGES = (1, 3)
+# Clipping of a JSON without an optimizer section (--optimizer none), the rule of the shipped BERT JSONs
+# (ds_configs/README.md): the entry point's LAMB / LANS clips at its --max_grad_norm (1.0) where DeepSpeed's
+# gradient_clipping is 0, and leaves it to DeepSpeed where they are equal; 0 at ZeRO 0-2 (DeepSpeed's clip reads the
+# norm on the host every step there), 1.0 at ZeRO-3 (DeepSpeed's clip stays on the device).
+CODE_OPTIMIZER_CLIPPING = {0: 0.0, 1: 0.0, 2: 0.0, 3: 1.0}
+# How the entry points turn on activation checkpointing when a recommendation needs it.
+CHECKPOINTING_FLAG = ("bert_ref.train --activation_checkpointing true (transformers' BridgeTower has none: use "
+                      "ZeRO-3 or a smaller micro batch there)")
 
 # Model descriptions (HF config.json form plus "seq_len") are written from the model packages' presets into
 # ds_configs/models/ (ds_core imports no model package): `python -m bert_ref.configs --preset bert_1p5b --write_config
@@ -71,7 +83,7 @@ def load_spec(model: str) -> tuple:
     if not p.is_file():
         shipped = MODEL_DIR / f"{MODEL_ALIASES.get(model, model)}.json"
         if p.parent != Path(".") or not shipped.is_file():
-            raise TuningError(f"--model {model!r}: not one of {shipped_models() + sorted(MODEL_ALIASES)} "
+            raise TuningError(f"--model {model!r}: not one of {', '.join(shipped_models() + sorted(MODEL_ALIASES))} "
                               f"(ds_configs/models/) and not an HF config.json file")
         p = shipped
     try:
@@ -257,8 +269,9 @@ def what_would_fit(shape: ModelShape, accelerator: str, ranks_per_node: int, nod
     if checkpointing == "off":
         e = estimate(shape, 3, 1, ranks_per_node, nodes, checkpointing=True, **z3)
         if e.total <= usable:
-            tips.append("turn on activation checkpointing (--activation_checkpointing on): ZeRO-3, micro batch 1 "
-                        f"then needs {e.total / GB:.1f} GB of {usable / GB:.1f} GB")
+            tips.append("turn on activation checkpointing (ds-tune --activation_checkpointing on, and in the run "
+                        f"{CHECKPOINTING_FLAG}): ZeRO-3, micro batch 1 then needs {e.total / GB:.1f} GB of "
+                        f"{usable / GB:.1f} GB")
     for more in range(nodes + 1, max(nodes * 64, 1024) + 1):
         e = estimate(shape, 3, 1, ranks_per_node, more, checkpointing=checkpointing != "off", **z3)
         if e.total <= usable:
@@ -276,7 +289,8 @@ def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4, optimizer: str 
     It states every field the memory model depends on or that changes the numerics, with the value estimate()
     assumed, so DeepSpeed's defaults cannot differ: precision, data_types.grad_accum_dtype, the buckets,
     overlap_comm, contiguous_gradients, reduce_scatter. optimizer="none": no optimizer section, for entry points that
-    build their own (bert_ref.train's LAMB); the model holds for any optimizer with two fp32 states per parameter."""
+    build their own (bert_ref.train's LAMB / LANS), and the shipped configs' clipping (CODE_OPTIMIZER_CLIPPING); the
+    model holds for any optimizer with two fp32 states per parameter."""
     zero: dict = {"stage": o.stage, "reduce_bucket_size": DEFAULT_BUCKETS["reduce_bucket_size"],
                   "allgather_bucket_size": DEFAULT_BUCKETS["allgather_bucket_size"], "overlap_comm": False,
                   "contiguous_gradients": True, "reduce_scatter": True}
@@ -285,7 +299,8 @@ def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4, optimizer: str 
                     stage3_max_live_parameters=DEFAULT_BUCKETS["stage3_max_live_parameters"],
                     stage3_param_persistence_threshold=100_000, stage3_gather_16bit_weights_on_model_save=True)
     cfg = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": o.micro_batch,
-           "gradient_accumulation_steps": o.grad_accum, "gradient_clipping": 1.0,
+           "gradient_accumulation_steps": o.grad_accum,
+           "gradient_clipping": 1.0 if optimizer == "adamw" else CODE_OPTIMIZER_CLIPPING[o.stage],
            "bf16": {"enabled": o.precision == "bf16"}, "zero_optimization": zero, "steps_per_print": 1_000_000,
            "wall_clock_breakdown": False}
     acc = grad_accum_dtype_for(o.stage, o.precision)
@@ -297,7 +312,7 @@ def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4, optimizer: str 
     else:
         cfg["zero_allow_untested_optimizer"] = True     # a client optimizer such as LAMB
     if o.checkpointing:
-        # the model must also enable it (HF: model.gradient_checkpointing_enable()); these are DeepSpeed's knobs
+        # the entry point must also turn it on (CHECKPOINTING_FLAG); these are DeepSpeed's knobs
         cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
                                            "cpu_checkpointing": False}
     return cfg
@@ -324,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(MODEL_ALIASES)}) | PATH_TO_HF_CONFIG.json")
     p.add_argument("--accelerator", required=True,
                    help=f"{' | '.join(a.name for a in accelerators.ACCELERATORS)} (ds_core.device.accelerators; "
-                        f"aliases {', '.join(x for a in accelerators.ACCELERATORS for x in a.aliases)}) | {CPU}")
+                        f"aliases {', '.join(x for a in accelerators.ACCELERATORS for x in a.aliases)}; the same "
+                        f"names as `ds-scaling-report predict --fabric`) | {CPU}")
     p.add_argument(*flag("--accelerators_per_node"), type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument(*flag("--global_batch"), type=int, required=True,
@@ -332,15 +348,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(*flag("--seq_len"), type=int, default=0,
                    help="tokens per sequence (default: the model's preset; BridgeTower: text tokens)")
     p.add_argument(*flag("--activation_checkpointing"), choices=("auto", "on", "off"), default="auto")
-    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to consider (comma separated)")
+    p.add_argument("--stages", default=",".join(map(str, DEFAULT_STAGES)),
+                   help="ZeRO stages to consider, comma separated (default: %(default)s, the stages the shipped "
+                        "configs and the docs cover; add 0 or 2 to list them too)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                    help="bf16: mixed precision, gradients accumulated in fp32 at ZeRO >= 1 (data_types."
                         "grad_accum_dtype, as the shipped configs); fp32: everything fp32")
-    p.add_argument("--out", default="ds_config_tuned.json", help="where the recommended DeepSpeed JSON goes")
+    p.add_argument("--out", default="ds_config_tuned.json",
+                   help="where the recommended DeepSpeed JSON goes (default: %(default)s in the current directory); "
+                        "'-' prints it to stdout after the report")
     p.add_argument("--all", action="store_true", help="also list configurations that do not fit")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of markdown")
     p.add_argument("--optimizer", choices=("adamw", "none"), default="adamw",
-                   help="optimizer section of the JSON; none: the entry point builds its own (bert_ref.train: LAMB)")
+                   help="optimizer section of the JSON; none: the entry point builds its own (bert_ref.train: LAMB / "
+                        "LANS, which clip themselves: gradient_clipping 0 at ZeRO 0-2, 1.0 at ZeRO-3, as the shipped "
+                        "BERT configs)")
     p.add_argument("--top", type=int, default=0, help="list only the N best-ranked options (default: all)")
     return p
 
@@ -372,8 +394,8 @@ def _run(a: argparse.Namespace) -> int:
     cap = capacity_bytes(a.accelerator, a.accelerators_per_node)
     tips = [] if best else what_would_fit(shape, a.accelerator, a.accelerators_per_node, a.nodes,
                                           a.activation_checkpointing, a.precision)
-    if best:
-        cfg = ds_config(best, a.global_batch, optimizer=a.optimizer)
+    cfg = ds_config(best, a.global_batch, optimizer=a.optimizer) if best else None
+    if cfg is not None and a.out != "-":
         Path(a.out).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
     if a.json:
         print(json.dumps({
@@ -391,7 +413,7 @@ def _run(a: argparse.Namespace) -> int:
                                                   "peak_phase": best.estimate.peak_phase,
                                                   "peak_phase_gb": {k: v / GB for k, v in
                                                                     best.estimate.phases[best.estimate.peak_phase].items()},
-                                                  "ds_config": a.out},
+                                                  "ds_config": cfg if a.out == "-" else a.out},
             "advice": tips}, indent=2))
         return 0 if best else 1
     print(f"## ds-tune: {shape.name} ({shape.params / 1e6:.1f} M parameters{'' if shape.exact else ', by formula'}), "
@@ -419,10 +441,12 @@ def _run(a: argparse.Namespace) -> int:
         print(f"  peak during {e.peak_phase}, on top: {e.phase_totals()[e.peak_phase] / GB:.2f} GB:")
         for k, v in e.phases[e.peak_phase].items():
             print(f"    {k}: {v / GB:.2f} GB")
-        print(f"DeepSpeed JSON written to {a.out}")
         if best.checkpointing:
-            print("Note: the model must enable activation checkpointing too "
-                  "(HF: model.gradient_checkpointing_enable()).")
+            print(f"Note: the run must turn activation checkpointing on too: {CHECKPOINTING_FLAG}.")
+        if a.out == "-":
+            print(json.dumps(cfg, indent=2))
+        else:
+            print(f"DeepSpeed JSON written to {a.out}")
         return 0
     print("\nNothing fits. What would:")
     for t in tips:

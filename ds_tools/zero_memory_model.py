@@ -2,16 +2,19 @@
 (stage, precision, data_types.grad_accum_dtype, accumulation, buckets, contiguous gradients, overlap), read from
 DeepSpeed's code; each component names its deepspeed/runtime/ file and line.
 
-Which optimizer wrapper a configuration gets decides most of it (runtime/engine.py:2294 _do_optimizer_sanity_check):
-fp32 ZeRO-0 -> the plain optimizer; bf16 ZeRO-0 -> FP16_(Unfused)Optimizer; bf16 ZeRO-1 with fp32 accumulation (the
-shipped configs) -> BF16_Optimizer, whose fp32 gradient buffer is NOT partitioned (4 B/param on every rank); otherwise
-DeepSpeedZeroOptimizer (ZeRO-1/2) or DeepSpeedZeroOptimizer_Stage3. estimate() returns what the wrapper holds between
-steps plus what comes on top in each phase of a step; the peak is the first plus the largest phase.
+Which optimizer wrapper a configuration gets decides most of it, and that is asked of the installed DeepSpeed
+(ds_core.compat.deepspeed_behaviour.optimizer_wrapper runs its _do_optimizer_sanity_check): on 0.19, fp32 ZeRO-0 ->
+the plain optimizer; bf16 ZeRO-0 -> FP16_(Unfused)Optimizer (bf16 accumulation only); bf16 ZeRO-1 with fp32
+accumulation (the shipped configs) -> BF16_Optimizer, whose fp32 gradient buffer is NOT partitioned (4 B/param on every
+rank); otherwise DeepSpeedZeroOptimizer (ZeRO-1/2) or DeepSpeedZeroOptimizer_Stage3. Habana's fork (0.16.1) gives bf16
+ZeRO-0 BF16_Optimizer (fp32 accumulation only). estimate() returns what the wrapper holds between steps plus what comes
+on top in each phase of a step; the peak is the first plus the largest phase.
 bench/zero_memory.py measures it on 2 CPU ranks (ZeRO 0-3 x fp32/bf16 x accumulation 1/2, within 10 % per case).
-Pure arithmetic: no torch or deepspeed import.
+Arithmetic, but for the wrapper decision (which imports DeepSpeed's engine module once, ~3 s).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 STAGES = (0, 1, 2, 3)
@@ -113,19 +116,17 @@ class Estimate:
 DS_ALLREDUCE_BUCKET = 500_000_000
 
 
+@functools.lru_cache(maxsize=None)
 def deepspeed_optimizer(stage: int, precision: str, grad_accum_dtype: str | None, fused_adam: bool) -> str:
-    """The wrapper DeepSpeed 0.19 puts around the optimizer (runtime/engine.py:2294 _do_optimizer_sanity_check)."""
-    acc = grad_accum_dtype or precision
-    if stage == 0:
-        if precision == "fp32":
-            return "basic"                                           # engine.py:2313: model dtype == accum dtype
-        if acc != precision:
-            raise TuningError(f"ZeRO-0 with {precision} and grad_accum_dtype {acc}: DeepSpeed 0.19 raises "
-                              f"NotImplementedError (engine.py:2323); use ZeRO >= 1")
-        return "FP16_Optimizer" if fused_adam else "FP16_UnfusedOptimizer"          # engine.py:2321, 2555-2609
-    if stage == 1 and precision == "bf16" and acc == "fp32":
-        return "BF16_Optimizer"                                      # engine.py:2305-2310
-    return "DeepSpeedZeroOptimizer" if stage < 3 else "DeepSpeedZeroOptimizer_Stage3"
+    """The wrapper the installed DeepSpeed puts around the optimizer (its own _do_optimizer_sanity_check, run by
+    ds_core.compat.deepspeed_behaviour); TuningError with DeepSpeed's reason where it refuses the configuration."""
+    from ds_core.compat.deepspeed_behaviour import WrapperRefused, deepspeed_version, optimizer_wrapper
+
+    try:
+        return optimizer_wrapper(stage, precision, grad_accum_dtype, fused_adam=fused_adam)
+    except WrapperRefused as e:
+        raise TuningError(f"ZeRO-{stage} with {precision} and grad_accum_dtype {grad_accum_dtype or precision}: "
+                          f"DeepSpeed {deepspeed_version()} refuses it at deepspeed.initialize ({e})") from None
 
 
 def estimate(shape: ModelShape, stage: int, micro_batch: int, ranks_per_node: int, nodes: int, *,
@@ -242,6 +243,13 @@ def resident_state_bytes(shape: ModelShape, stage: int, ranks: int, buckets: dic
 
 
 def grad_accum_dtype_for(stage: int, precision: str) -> str | None:
-    """The accumulation dtype ds-tune's configurations use: fp32 for bf16 at ZeRO >= 1 (as the shipped configs and
-    ds_core.config.settle_grad_accum_dtype), the model's dtype otherwise (ZeRO-0 + bf16 has no fp32 path)."""
-    return "fp32" if precision == "bf16" and stage > 0 else None
+    """The accumulation dtype ds-tune's configurations use: fp32 for bf16 where the installed DeepSpeed has an fp32
+    path for it (ZeRO >= 1 everywhere, as the shipped configs and ds_core.config.settle_grad_accum_dtype; ZeRO-0 on
+    Habana's fork), the model's dtype otherwise (ZeRO-0 + bf16 on DeepSpeed 0.19)."""
+    if precision != "bf16":
+        return None
+    try:
+        deepspeed_optimizer(stage, precision, "fp32", True)
+    except TuningError:
+        return None
+    return "fp32"

@@ -22,6 +22,7 @@ import argparse
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -272,6 +273,20 @@ def default_out() -> Path:
     return Path.cwd() / os.environ.get("DS_ENV_FILE", ".deepspeed_env")
 
 
+def profile_summary(name: str) -> str:
+    """A profile's first sentence: its leading comment lines joined, up to the first full stop that ends a line (the
+    comment wraps mid-sentence; the lines after the first sentence say the file's format)."""
+    words = []
+    for line in profile_path(name).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("# ").rstrip()
+        words.append(text)
+        if text.endswith("."):
+            break
+    return " ".join(words)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m launch.env", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
@@ -300,8 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _main(args: argparse.Namespace) -> int:
     if args.cmd == "list":
         for name in profile_names():
-            first = profile_path(name).read_text().splitlines()[0].lstrip("# ")
-            print(f"{name:10s} {first}")
+            lines = textwrap.wrap(profile_summary(name), width=108)
+            print(f"{name:10s} {lines[0]}")
+            for more in lines[1:]:
+                print(f"{'':10s} {more}")
     elif args.cmd == "show":
         sys.stdout.write(format_env(resolve_profile(args.profile)))
     elif args.cmd == "write":

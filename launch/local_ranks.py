@@ -22,7 +22,6 @@ Two ways to start ranks on this machine:
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,12 +35,14 @@ from ds_core.rank.rendezvous import LOOPBACK, free_port, rank_env, rank_variable
 
 
 def deepspeed_launcher() -> list[str]:
-    """DeepSpeed's launcher of this interpreter's environment (the `deepspeed` script beside it, else its module)."""
+    """DeepSpeed's launcher run by this interpreter: the `deepspeed` script beside it, else its module. Never a
+    `deepspeed` found elsewhere on PATH: on a Gaudi image that is the image's script, whose interpreter is the
+    image's Python, not this venv's (which sees the image's DeepSpeed and the toolkit): DeepSpeed starts every rank
+    with the launcher's own interpreter, which could not import the toolkit."""
     exe = Path(sys.executable).parent / "deepspeed"
     if exe.exists():
         return [str(exe)]
-    found = shutil.which("deepspeed")
-    return [found] if found else [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
 
 
 def local_command(num_ranks: int, target: Sequence[str], *, master_port: int) -> list[str]:

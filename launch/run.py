@@ -4,7 +4,8 @@ environment variable (shown in --help), so a cluster script sets a few variables
     python -m launch.run --hostfile hostfile --profile efa --preset bert_large -- --input_dir /data/h5
     python -m launch.run --launcher no_ssh --node_rank 1 --master_addr 10.0.0.5 --hostfile hostfile ...
     python -m launch.run --launcher mpirun --hostfile hostfile --profile roce ...
-    python -m launch.run --dry_run ...          # print the command, one argument per line, and exit
+    python -m launch.run --dry_run ...          # print the command, one argument per line, the DeepSpeed JSON the
+                                                # run will use, and exit
 
 Launchers:
   pdsh     `deepspeed --hostfile H` on the first node; DeepSpeed reaches the others over ssh (pdsh) and exports
@@ -40,6 +41,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+import ds_configs
 from ds_core.cli import cli_main
 from ds_core.rank.venv import torch_extensions_env
 from launch import env as envmod, hostfile as hf, preflight
@@ -351,14 +353,31 @@ def build_command(s: LaunchSettings, environ: Mapping[str, str] | None = None, c
     return BUILDERS[s.launcher](s, os.environ if environ is None else environ, cwd)
 
 
+def ds_config_of(s: LaunchSettings) -> tuple[str, str]:
+    """(file, why) of the DeepSpeed JSON the run will use: the one its command names, else the recipe's or the
+    preset's (ds_configs.DEFAULT_JSON); file '' where the module chooses its own or its preset has none."""
+    return ds_configs.json_for_args(s.module, train_args(s, s.module_args))
+
+
+def shown_path(file: str) -> str:
+    """A JSON as the module will open it: a bare name that is not a file here is looked up in ds_configs/."""
+    if file and not Path(file).exists() and (Path(ds_configs.__file__).parent / Path(file).name).is_file() \
+            and len(Path(file).parts) <= 2:
+        return str(Path(ds_configs.__file__).parent / Path(file).name)
+    return file
+
+
 def check_ds_json_before_spawn(s: LaunchSettings) -> None:
-    """The whole DeepSpeed JSON (nested keys, by DeepSpeed's own classes) and its batch arithmetic for this world,
-    before any node starts a rank (ds_core.config.ds_json); deepspeed is imported here only when a JSON is given."""
-    from ds_core.config.ds_json import check_before_spawn, ds_config_in
+    """The whole DeepSpeed JSON the run will use (nested keys, by DeepSpeed's own classes) and its batch arithmetic
+    for this world, before any node starts a rank (ds_core.config.ds_json); deepspeed is imported here only when the
+    JSON has not passed before."""
+    from ds_core.config.ds_json import check_before_spawn
     from ds_core.errors import ConfigError
 
-    path = s.deepspeed_config or ds_config_in(s.module_args)
+    path, why = ds_config_of(s)
     if not path:
+        if "give --deepspeed_config" in why:
+            raise LaunchError(why)
         return
     try:
         check_before_spawn(path, sum(h.slots for h in s.used_hosts) if s.launcher != "srun" else None)
@@ -372,7 +391,9 @@ def launch(s: LaunchSettings) -> int:
     cmd, added = build_command(s)
     added = {**torch_extensions_env({**os.environ, **added}), **added}  # one JIT op cache per venv
     if s.dry_run:
-        print(json.dumps({"argv": cmd, "env_added": added}, indent=1))
+        path, why = ds_config_of(s)
+        print(json.dumps({"argv": cmd, "env_added": added,
+                          "deepspeed_config": {"file": shown_path(path) or None, "chosen_by": why}}, indent=1))
         return 0
     check_ds_json_before_spawn(s)
     env = dict(os.environ)

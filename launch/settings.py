@@ -58,8 +58,8 @@ class LaunchSettings:
     preset: str = _flag("", "passed as `--preset NAME` to the module (e.g. debug, bert_large); $LAUNCH_PRESET, "
                         "default none (the module's default)", env="LAUNCH_PRESET")
     deepspeed_config: str = _flag("", "DeepSpeed JSON passed as `--deepspeed_config` to the module; $LAUNCH_DS_CONFIG, "
-                                  "default none: the module uses its own default (each model package declares one)",
-                                  env="LAUNCH_DS_CONFIG")
+                                  "default none: the module uses its recipe's or preset's (ds_configs.DEFAULT_JSON; "
+                                  "--dry_run names it)", env="LAUNCH_DS_CONFIG")
     master_addr: str = _flag("", "address of node 0 that every rank can reach; required for no_ssh; pdsh asks the "
                              "first host over ssh (`hostname -I`) when empty, openmpi/mpich/mpirun use rank 0's "
                              "address (broadcast through mpi4py by launch.guard), srun the first host's name; "
@@ -84,7 +84,8 @@ class LaunchSettings:
                             choices=("auto", "mpich", "openmpi"))
     slots: int = _flag(8, "srun: accelerators per node for the hostfile launch.slurm builds; $LAUNCH_SLOTS, default 8",
                        env="LAUNCH_SLOTS")
-    dry_run: bool = _flag(False, "print the command (JSON, one argument per line) and the variables added, then exit")
+    dry_run: bool = _flag(False, "print the command (JSON, one argument per line), the variables added and the "
+                          "DeepSpeed JSON the run will use (and what chose it), then exit")
     module_args: tuple[str, ...] = ()  # the arguments after `--`, for the module, unchanged
     hosts: tuple[hf.Host, ...] = field(default=(), compare=False)  # with_hosts(): the hostfile's hosts, checked
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's global gradient norm, its per-tensor method against ds_core.rank.flat_norm's flat one, on the same
+"""DeepSpeed's global gradient norm, its per-tensor method against ds_core.compat.flat_norm's flat one, on the same
 gradients of the debug BERT (bf16 weights, fp32 gradient accumulation as the recipe's JSONs); driven by
 tests/test_flat_norm.py:
 
@@ -91,12 +91,18 @@ def measure(dist, mode: str) -> dict:
                        "deepspeed_ops": ref_count.total, "float64": truth})
     engine.step()
     method = "get_grads_for_norm" if stage == 1 else "get_grad_norm_direct"
+    from deepspeed.runtime import bf16_optimizer
+
+    from ds_core.compat.changes import status
+
+    clip_on = getattr(bf16_optimizer.clip_tensors_by_global_norm, "ds_core_device_clip", False)
     return {"rank": dist.rank, "world": dist.world_size, "optimizer": type(zo).__name__, "groups": groups,
-            "installed": method in vars(zo), "grad_hook": hook}  # installed: the instance's own method, not the class's
+            "installed": method in vars(zo), "grad_hook": hook,  # installed: the instance's own method
+            "changes": status(), "device_clip": clip_on}
 
 
 def compare_grad_hooks(engine, zo, backward, counter) -> dict | None:
-    """BF16_Optimizer only: the same backward with ds_core.rank.grad_hook's gradient hook (installed by build_engine)
+    """BF16_Optimizer only: the same backward with ds_core.compat.grad_hook's gradient hook (installed by build_engine)
     and then with DeepSpeed's own (the class's method), each from zeroed fp32 gradient buffers and without a step in
     between (the same weights): whether the buffers are bitwise equal, and the aten ops the hook dispatched, over all
     its calls. Otherwise one backward. Leaves DeepSpeed's result in the buffers (the norm checks read it) and the

@@ -22,7 +22,8 @@ def test_names_and_aliases_resolve_case_insensitively():
 
 
 def test_unknown_accelerator_lists_the_known_ones():
-    with pytest.raises(accelerators.UnknownAcceleratorError, match=r"'tpu-v5'.*h100-sxm \(h100\).*gaudi2"):
+    with pytest.raises(accelerators.UnknownAcceleratorError,
+                       match=r"'tpu-v5'.*h100-sxm \(h100, dgx-h100\).*gaudi \(gaudi1, hl-205, dl1\).*gaudi2"):
         accelerators.get("tpu-v5")
     with pytest.raises(ValueError):       # a ConfigError: callers that catch ValueError still do
         accelerators.get("")

@@ -58,7 +58,7 @@ def test_bridgetower_step_has_no_item_of_ours(counts):
 
 def test_bridgetower_bf16_step_does_not_grow_with_the_number_of_tensors(counts):
     """The shipped BridgeTower JSON in bf16 (what a GPU runs) accumulates gradients in fp32, which makes DeepSpeed
-    take BF16_Optimizer: its step works on flat buffers (the norm through ds_core.rank.flat_norm), where
+    take BF16_Optimizer: its step works on flat buffers (the norm through ds_core.compat.flat_norm), where
     DeepSpeedZeroOptimizer copies every parameter's gradient and weight one by one (~5 ops per tensor per step, and
     ~13 more in its backward hooks)."""
     runs = {n: counts("bf16", n) for n in (1, 2)}

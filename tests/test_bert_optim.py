@@ -201,7 +201,7 @@ def test_flat_tensor_with_layout_steps_like_separate_tensors(opt_cls):
 
 def test_presets_default_to_their_published_optimizer_and_lr():
     big = for_preset(OptimArgs(), "bert_1p5b")
-    assert (big.optimizer, big.learning_rate, big.base_global_batch) == ("lans", 0.0015, 8 * 8 * 384)
+    assert (big.optimizer, big.learning_rate, big.base_global_batch) == ("lans", 0.0015, 12288)  # Habana's JSON
     large = for_preset(OptimArgs(), "bert_large")
     assert (large.optimizer, large.learning_rate, large.base_global_batch) == ("lamb", 6e-3, 65536)
     assert for_preset(OptimArgs(), "bert_large", 2).learning_rate == 4e-3
@@ -219,12 +219,12 @@ def test_presets_default_to_their_published_optimizer_and_lr():
 
 def test_lr_scales_with_global_batch_not_nodes():
     args = for_preset(OptimArgs(scale_lr_with_global_batch=True), "bert_1p5b")
-    assert peak_lr(args, 8 * 8 * 384) == pytest.approx(0.0015)  # the published base
-    assert peak_lr(args, 16 * 8 * 384) == pytest.approx(0.003)  # 16 nodes, as published
-    assert peak_lr(args, 16 * 4 * 384) == pytest.approx(0.0015)  # 16 nodes x 4 GPUs: the base batch, the base LR
-    assert peak_lr(args, 8 * 8 * 96) == pytest.approx(0.000375)
-    assert peak_lr(for_preset(OptimArgs(), "bert_1p5b"), 16 * 8 * 384) == 0.0015  # off by default
-    opt = build_optimizer(torch.nn.Linear(2, 2), args, global_batch=2 * 24576)
+    assert peak_lr(args, 12288) == pytest.approx(0.0015)  # Habana's 12288 sequences: the published LR
+    assert peak_lr(args, 2 * 12288) == pytest.approx(0.003)
+    assert peak_lr(args, 16 * 8 * 96) == pytest.approx(0.0015)  # 16 nodes at the published batch: the base LR
+    assert peak_lr(args, 8 * 8 * 48) == pytest.approx(0.000375)
+    assert peak_lr(for_preset(OptimArgs(), "bert_1p5b"), 2 * 12288) == 0.0015  # off by default
+    opt = build_optimizer(torch.nn.Linear(2, 2), args, global_batch=2 * 12288)
     assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.003)] * 2
     assert not hasattr(OptimArgs(), "scale_lr_with_nodes")  # the node-count rule is gone
     with pytest.raises(ConfigError, match="train_batch_size"):

@@ -76,7 +76,7 @@ def phase1(shards, tmp_path_factory) -> Path:
     full = tmp_path_factory.mktemp("phase1") / "full"
     run_deepspeed(["--module", "bert_ref.train",
                    *_args(shards, full, "bert_debug_zero1_bf16.json", *PHASE1_ARGS, "--num_steps_per_checkpoint",
-                          str(CKPT_AT), "--eval_every", str(CKPT_AT))])
+                          str(CKPT_AT), "--eval_every", str(CKPT_AT), "--report_to", "tensorboard")])
     return full
 
 
@@ -89,6 +89,7 @@ def test_zero1_overfits_and_resume_matches_uninterrupted(shards, phase1, tmp_pat
     assert summary["zero_stage"] == 1 and summary["world_size"] == 2 and summary["samples_per_s"] > 0
     evals = _assert_eval_counts(full, shards, [CKPT_AT, STEPS])  # 2 ranks; no second eval at the end
     assert evals[1]["mlm_loss"] != evals[0]["mlm_loss"]  # evaluated with the weights of the step
+    _assert_tensorboard(full, recs)
 
     # The state a run killed right after its step-10 checkpoint leaves behind (kill -9 atomicity of checkpoints
     # themselves is ds_core's test): resume from it to the same max_steps.
@@ -108,6 +109,20 @@ def test_zero1_overfits_and_resume_matches_uninterrupted(shards, phase1, tmp_pat
     (e,) = _assert_eval_counts(resumed, shards, [STEPS])
     for key in ("mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy"):
         assert e[key] == pytest.approx(evals[1][key], rel=1e-6, abs=1e-7), key
+
+
+def _assert_tensorboard(run_dir: Path, recs: list[dict]) -> None:
+    """--report_to tensorboard: rank 0 wrote TensorBoard scalars under run_dir/tensorboard/, the loss of every logged
+    step among them (as bridgetower_ds.train does)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = sorted((run_dir / "tensorboard").rglob("events.out.tfevents*"))
+    assert files, sorted(p.name for p in run_dir.iterdir())
+    acc = EventAccumulator(str(files[0].parent))
+    acc.Reload()
+    losses = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(losses) == [r["step"] for r in recs]
+    assert losses[recs[-1]["step"]] == pytest.approx(recs[-1]["loss"], rel=1e-5)
 
 
 def _step_counters(ckpt_dir: Path) -> list[int]:
@@ -246,3 +261,22 @@ def test_run_by_epochs_ends_its_lr_schedule_on_the_last_step(tmp_path):
     assert [r["step"] for r in recs] == list(range(1, 8))
     assert [r["lr"] for r in recs] == pytest.approx([lr * (1 - k / 7) for k in range(7)])
     assert recs[-1]["lr"] > 0
+
+
+def test_report_to_turns_on_deepspeeds_monitor(tmp_path):
+    """--report_to tensorboard (transformers' flag, as bridgetower_ds.train takes it) writes DeepSpeed's tensorboard
+    section into the run's resolved DeepSpeed config, under run_dir/tensorboard; a section of the JSON is kept."""
+    import bert_ref.train as bert_train
+    from bert_ref.configs import BertSettings
+    from ds_core.config import parse_settings
+
+    cfg = parse_settings(BertSettings, ["--preset", "debug", "--input_dir", str(tmp_path), "--run_dir",
+                                        str(tmp_path / "run"), "--report_to", "tensorboard"])
+    ds: dict = {}
+    assert bert_train.adjust_ds_config(cfg, ds) == []
+    assert ds == {"tensorboard": {"enabled": True, "output_path": str(tmp_path / "run" / "tensorboard"),
+                                  "job_name": "bert"}}
+    mine = {"tensorboard": {"enabled": True, "output_path": "tb"}}
+    assert "used as it is" in bert_train.adjust_ds_config(cfg, mine)[0] and mine["tensorboard"]["output_path"] == "tb"
+    none = parse_settings(BertSettings, ["--preset", "debug", "--input_dir", str(tmp_path)])
+    assert bert_train.adjust_ds_config(none, ds := {}) == [] and ds == {}

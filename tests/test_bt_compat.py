@@ -256,13 +256,16 @@ def test_hub_model_id_resolves_from_the_hub_cache_only(tmp_path, monkeypatch):
 
 
 def test_image_processor_config_is_the_checkpoints_or_the_pipelines(tmp_path):
-    from transformers import BridgeTowerImageProcessorPil
+    from ds_core.compat.hf import bridgetower_image_processor
+
+    def edge(size):  # a SizeDict on transformers 5, a dict on 4.55
+        return size["shortest_edge"] if isinstance(size, dict) else size.shortest_edge
 
     made = compat.image_processor("", 32)
-    assert made.size.shortest_edge == 32 and made.crop_size.shortest_edge == 32 and made.size_divisor == 32
+    assert edge(made.size) == 32 and edge(made.crop_size) == 32 and made.size_divisor == 32
     # the published Large checkpoint's preprocessor: shorter side 294, kept as it is
     ckpt = tmp_path / "ckpt"
-    BridgeTowerImageProcessorPil(size={"shortest_edge": 294}, crop_size={"shortest_edge": 294}).save_pretrained(ckpt)
-    assert compat.image_processor(str(ckpt), 294).size.shortest_edge == 294
+    bridgetower_image_processor()(size={"shortest_edge": 294}, crop_size={"shortest_edge": 294}).save_pretrained(ckpt)
+    assert edge(compat.image_processor(str(ckpt), 294).size) == 294
     with pytest.raises(ConfigError, match="shortest_edge 294 != the model's vision image_size 288"):
         compat.image_processor(str(ckpt), 288)

@@ -123,16 +123,19 @@ def test_missing_dataset_refused_before_distributed_init(tmp_path, monkeypatch):
         T.main(["--do_train", "--dataset_path", str(tmp_path / "nowhere.jsonl"), "--run_dir", str(tmp_path / "r")])
     assert not (tmp_path / "r").exists()
     # a hub dataset/config absent from the offline cache: a fresh interpreter (datasets reads the cache path on import)
+    # run as a rank runs it (run_main): one line `... error: ...`, exit status 2, no traceback
     code = ("import bridgetower_ds.train as T, ds_core.run.setup as S\n"
+            "from ds_core.rank.process_end import run_main\n"
             "S.init_distributed = lambda *a, **k: (_ for _ in ()).throw(SystemExit('REACHED init_distributed'))\n"
-            "T.main(['--do_eval', '--dataset_name', 'jmhessel/newyorker_caption_contest',\n"
-            "        '--dataset_config_name', 'matching', '--run_dir', %r])\n" % str(tmp_path / "r2"))
+            "run_main(lambda: T.main(['--do_eval', '--dataset_name', 'jmhessel/newyorker_caption_contest',\n"
+            "        '--dataset_config_name', 'matching', '--run_dir', %r]))\n" % str(tmp_path / "r2"))
     env = dict(os.environ, HF_DATASETS_CACHE=str(tmp_path / "empty_cache"),
                PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert out.returncode != 0 and "REACHED" not in out.stdout
-    assert "not in the local datasets cache" in out.stdout, out.stdout[-2000:]
+    assert out.returncode == 2 and "REACHED" not in out.stdout and "Traceback" not in out.stdout, out.stdout[-2000:]
+    said = [line for line in out.stdout.splitlines() if "error:" in line]
+    assert len(said) == 1 and "not in the local datasets cache" in said[0], out.stdout[-2000:]
 
 
 def test_carving_sizes_follow_datasets_rounding():

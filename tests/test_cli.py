@@ -196,3 +196,68 @@ def test_bad_input_exits_2_with_the_message_on_stderr(module, prog, argv, messag
     assert err.endswith("\n") and "Traceback" not in err
     line = err.splitlines()[-1]  # the error is the last thing said
     assert line.startswith(f"{prog}: error: ") and message.format(tmp=tmp_path) in line, err
+
+
+@pytest.mark.parametrize("module", ["bert_ref.train", "bridgetower_ds.train"])
+def test_training_modules_help_names_the_module_and_says_what_no_does(module):
+    """Usage names the command a user types (`python -m bert_ref.train`, not the file train.py), and each `--no_X`
+    says that it turns --X off (HfArgumentParser gives it X's own help and a default of False)."""
+    from ds_core.config import section_types, settings_parser
+
+    spec = importlib.import_module(module).SPEC
+    parser = settings_parser(list(section_types(spec.settings).values()), spec.description, spec.prog)
+    text = parser.format_help()
+    assert text.startswith(f"usage: python -m {module} ") and "train.py" not in text.split("\n")[0]
+    no_flags = [a for a in parser._actions if a.option_strings and a.option_strings[0].startswith("--no_")]
+    assert no_flags
+    for action in no_flags:
+        positive = "--" + action.option_strings[0][len("--no_"):]
+        assert action.help.startswith(f"Turns {positive} off"), action.option_strings
+    if module == "bert_ref.train":
+        assert "--recipe RECIPE" in text and "habana_1p5b_8x" in text
+
+
+def test_env_list_gives_each_profile_whole_sentences(capsys):
+    from launch import env
+
+    assert env.main(["list"]) == 0
+    out = capsys.readouterr().out
+    entries = {}
+    for line in out.splitlines():
+        if line[:1] != " ":
+            name, _, text = line.partition(" ")
+            entries[name] = text.strip()
+        else:
+            entries[name] += " " + line.strip()
+    assert set(entries) == set(env.profile_names())
+    for name, text in entries.items():
+        assert text.endswith("."), (name, text)  # not cut mid-sentence
+    assert all(len(line) <= 120 for line in out.splitlines())
+
+
+@pytest.mark.parametrize("argv", [["launch.env", "list"], ["ds_tools.scaling", "--from_table",
+                                                           "studies/published/bert_large_dgx_a100.csv"],
+                                  ["launch.run", "--help"]])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(argv):
+    """`... | head`: the reader closes the pipe; the command ends quietly (SIGPIPE's status where a write failed), with
+    no traceback."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    proc.stdout.close()  # before the command writes anything
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) in (0, 141), err  # 0: what was written fit the pipe before it closed
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_the_module_form_of_ds_scaling_report_takes_predict():
+    """`python -m ds_tools.scaling predict ...`, the module form the docs name, is `ds-scaling-report predict`."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "ds_tools.scaling", "predict", "--measured", "100", "--nodes", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == USAGE_ERROR, proc.stderr
+    line = proc.stderr.splitlines()[-1]
+    assert line.startswith("ds-scaling-report predict: error: ") and "--measured SEQ_PER_S with --measured_nodes" \
+        in line, proc.stderr

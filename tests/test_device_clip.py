@@ -1,4 +1,4 @@
-"""ds_core.rank.flat_norm.device_clip against DeepSpeed's clip_tensors_by_global_norm, in this process: the same bits
+"""ds_core.compat.flat_norm.device_clip against DeepSpeed's clip_tensors_by_global_norm, in this process: the same bits
 whether the norm is over or under the threshold, and no host read of the norm (DeepSpeed's reads it once)."""
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import pytest
 import torch
 from deepspeed.runtime.utils import clip_tensors_by_global_norm
 
-from ds_core.rank.flat_norm import device_clip, use_device_clip
+from ds_core.compat.flat_norm import device_clip, use_device_clip
 from ds_tools.op_count import OpCounter
+
+pytestmark = pytest.mark.stack
 
 
 def _buffers(scale: float, n: int = 3) -> list[torch.Tensor]:
@@ -34,6 +36,22 @@ def test_device_clip_gives_deepspeeds_bits_without_a_host_read(scale, norm_dtype
     with OpCounter() as c_many:
         device_clip(clip_tensors_by_global_norm)(many, max_norm=1.0, global_norm=norm.clone())
     assert c_many.total == c_ours.total  # the coefficient and one multi-tensor multiply: not one op per tensor
+
+
+def test_a_captured_clip_is_deepspeeds_path():
+    """use_graph (Habana's fork: BF16_Optimizer's clip under HPU graph capture) goes to DeepSpeed's own function, as
+    given; without it DeepSpeed's function is not called (0.19's takes no use_graph)."""
+    calls = []
+
+    def host_clip(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6, **kw):
+        calls.append(kw)
+        return global_norm
+
+    clip = device_clip(host_clip)
+    norm = torch.tensor(5.0)
+    clip(_buffers(1.0), max_norm=1.0, global_norm=norm, use_graph=True)
+    clip(_buffers(1.0), max_norm=1.0, global_norm=norm)
+    assert calls == [{"use_graph": True}]
 
 
 def test_a_norm_given_as_a_number_is_deepspeeds_path():

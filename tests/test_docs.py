@@ -215,6 +215,8 @@ def _run_parse(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
             m.setattr(mod, "check_dataset", lambda *a, **k: None)
         if hasattr(mod, "resolve_pretrained"):  # resolves hub ids in the local cache: not argument parsing
             m.setattr(mod, "resolve_pretrained", lambda value, *a, **k: value)
+        if hasattr(mod, "check_model_dir"):  # the model directory a doc names is an example
+            m.setattr(mod, "check_model_dir", lambda *a, **k: None)
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -416,3 +418,83 @@ def test_doc_links_resolve() -> None:
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 bad.append(f"{doc.relative_to(REPO)}: {target}: no heading with that anchor in {dest.name}")
     assert not bad, "\n".join(bad)
+
+
+# Flags whose value a command writes (an output), not a file the docs claim exists.
+OUTPUT_FLAGS = {"--out", "--plot", "--write_config", "--output", "--run_dir", "--output_dir", "--out_dir"}
+# Flags whose value is a file the command reads.
+INPUT_FLAGS = {"--from_table", "--deepspeed_config", "--hostfile"}  # --model, --config: the user's own files
+# A path inside this repository, as the docs write it (relative to the repository root).
+REPO_PATH = re.compile(r"^(?:studies|ds_configs|tests|docs|tools|launch|bench|bert_ref|bridgetower_ds|ds_core|"
+                       r"ds_tools)/[\w./-]+$")
+
+
+def _named_files(cmd: Command) -> list[str]:
+    """Files of this repository a documented command reads: the value of an input flag, or an argument written as a
+    path inside the repository, unless an output flag precedes it."""
+    out = []
+    for i, arg in enumerate(cmd.argv[1:], 1):
+        prev = cmd.argv[i - 1]
+        if prev in OUTPUT_FLAGS:
+            continue
+        if REPO_PATH.match(arg) or (prev in INPUT_FLAGS and arg.endswith((".csv", ".json", ".toml"))):
+            out.append(arg)
+    return out
+
+
+def test_files_the_docs_name_exist():
+    """Every repository file a documented command reads (a study file, a DeepSpeed JSON, a published table) ships;
+    a bare DeepSpeed JSON name is found in ds_configs/ as the entry points find it."""
+    from ds_core.config import resolve_ds_path
+
+    missing = []
+    for cmd in COMMANDS:
+        if not check_argv_is_ours(cmd):
+            continue
+        for name in _named_files(cmd):
+            path = REPO / name
+            if name.endswith(".json") and not path.exists():
+                path = resolve_ds_path(name) if not Path(name).is_absolute() else path
+            if not Path(path).exists() and not (REPO / path).exists():
+                missing.append(f"{cmd.where}: {name}")
+    assert not missing, "documented commands read files that do not ship:\n" + "\n".join(missing)
+
+
+def check_argv_is_ours(cmd: Command) -> bool:
+    argv = _split_env(cmd.argv)
+    return bool(argv) and (argv[0] in console_scripts() or _is_python(argv[0]) or argv[0] in
+                           ("deepspeed", "torchrun", "mpirun", "srun", "launch/run.sh", "make"))
+
+
+def shipped_tables() -> list[Path]:
+    return sorted([*(REPO / "studies" / "results").glob("*.csv"), *(REPO / "studies" / "published").glob("*.csv")])
+
+
+@pytest.mark.parametrize("path", shipped_tables(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_shipped_results_read_with_the_documented_reader(path: Path):
+    """A nodes,accelerators,throughput table reads with `ds-scaling-report --from_table` (ds_tools.scaling), any
+    other with `ds-study report --from_table` (ds_tools.study.report), as docs/studies.md says; none is empty."""
+    from ds_tools import scaling
+    from ds_tools.study import report
+
+    if report._is_scaling_table(path):  # noqa: SLF001 - the reader's own choice of table kind
+        runs = scaling.read_table(path)
+        assert len(scaling.group_runs(runs)) == 1 and len(runs) >= 2
+    else:
+        combos = report.read_cells_table(path)
+        assert combos and all(c.samples and c.mean > 0 for c in combos)
+
+
+def test_the_published_scaling_table_is_what_the_report_prints(capsys):
+    """docs/studies.md's published BERT-Large table is `ds-scaling-report --from_table` of the shipped file."""
+    from ds_tools import scaling
+
+    text = (REPO / "docs" / "studies.md").read_text()
+    start = text.index("Published BERT-Large numbers on DL1")
+    doc_rows = [line for line in text[start:].split("\n\n", 2)[1].splitlines() if re.match(r"\| \d", line)]
+    assert len(doc_rows) == 4
+    assert scaling.main(["--from_table", str(REPO / "studies" / "published" / "bert_large_dl1.csv")]) == 0
+    printed = capsys.readouterr().out
+    for row in doc_rows:
+        assert row.rstrip(" |") in printed, row
+    assert "What grew" not in printed  # published numbers have no phase timing: no rows of zeros

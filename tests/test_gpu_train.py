@@ -37,7 +37,7 @@ LOSS_REL = 0.05
 
 
 def test_in_place_mixed_dtype_add_is_deepspeeds_copy_then_add_bit_for_bit():
-    """ds_core.rank.grad_hook accumulates a bf16 gradient into its fp32 buffer with one in-place add; DeepSpeed's
+    """ds_core.compat.grad_hook accumulates a bf16 gradient into its fp32 buffer with one in-place add; DeepSpeed's
     BF16_Optimizer copies it to fp32 first. Both must give the same bits on CUDA (each element: float(bf16) added in
     fp32)."""
     g = torch.Generator(device="cuda").manual_seed(0)

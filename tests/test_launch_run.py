@@ -13,7 +13,11 @@ import pytest
 from conftest import REPO, dist_env, free_port
 from ds_core.cli import split_passthrough
 from launch import run as runmod
+from launch.local_ranks import deepspeed_launcher
 from launch.settings import DEFAULT_DIST_TIMEOUT_S, LAUNCHERS
+
+# DeepSpeed's launcher as launch.run starts it: its script beside this Python, else `python -u -m` its module
+LAUNCHER = len(deepspeed_launcher())
 
 
 def py(module: str, *args: str, cwd: Path, env=None, timeout=60) -> subprocess.CompletedProcess:
@@ -51,7 +55,7 @@ def test_named_settings_come_from_env_with_defaults(hosts):
     out = dry(hosts, "--launcher", "no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1")
     argv = out["argv"]
     # every rank runs under launch.guard: the collective timeout (module default 1800 s) plus the 60 s grace
-    assert argv[1:] == ["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
+    assert argv[LAUNCHER:] == ["--hostfile", "hostfile", "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.1",
                         "--master_port", "29500", "--module", "launch.guard", "--stall_timeout_s", "1860",
                         "bert_ref.train"]  # the module's own default DeepSpeed JSON
     env = dist_env(LAUNCH_LAUNCHER="no_ssh", LAUNCH_NODE_RANK="0", MASTER_ADDR="10.0.0.9", MASTER_PORT="29611",
@@ -80,7 +84,7 @@ def test_arguments_stay_whole_and_nothing_runs(hosts):
 def test_each_launcher_builds_its_command(hosts):
     (hosts / ".deepspeed_env").write_text("HCCL_SOCKET_IFNAME=eth0\nPT_HPU_LAZY_MODE=0\n")
     pdsh = dry(hosts, "--profile", "roce", "--preset", "debug")["argv"]
-    assert pdsh[1:3] == ["--hostfile", "hostfile"] and "--no_ssh" not in pdsh
+    assert pdsh[LAUNCHER:LAUNCHER + 2] == ["--hostfile", "hostfile"] and "--no_ssh" not in pdsh
     mpi = dry(hosts, "--launcher", "openmpi", "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1",
               "--master_addr", "10.0.0.1")["argv"]
     assert mpi[mpi.index("--launcher") + 1] == "openmpi"
@@ -229,7 +233,7 @@ def test_launcher_args_reach_deepspeed_whole(hosts):
 
     argv = dry(hosts, "--launcher", "openmpi", "--master_addr", "10.0.0.1", "--launcher_arg=--allow-run-as-root",
                "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1")["argv"]
-    ds = parse_args(argv[1:])
+    ds = parse_args(argv[LAUNCHER:])
     assert shlex.split(ds.launcher_args) == ["--allow-run-as-root", "--mca", "btl_tcp_if_include eth1"]
     assert ds.module and ds.user_script == "launch.guard" and ds.master_addr == "10.0.0.1"
 
@@ -241,7 +245,7 @@ def test_mpich_command_as_deepspeed_builds_it(hosts):
     from deepspeed.launcher.runner import parse_args
 
     argv = dry(hosts, "--launcher", "mpich", "--master_addr", "10.0.0.1", "--master_port", "29611")["argv"]
-    ds = parse_args(argv[1:])
+    ds = parse_args(argv[LAUNCHER:])
     pool = {"node0": 2, "node1": 2}
     cmd = MPICHRunner(ds, "e30=", pool).get_cmd(dict(), pool)
     helper = next(i for i, a in enumerate(cmd) if a.endswith("launcher_helper.py"))
@@ -342,3 +346,20 @@ def test_settings_flags_are_the_fields_and_to_argv_round_trips(monkeypatch, caps
                                                      "--launcher_arg=--bind-to=none"]
     with pytest.raises(ValueError, match="'hosts'"):
         s.to_argv(["hosts"])
+
+
+def test_dry_run_names_the_deepspeed_json_the_run_will_use(hosts):
+    """Each preset brings its own JSON (ds_configs.DEFAULT_JSON): the dry run names the file and what chose it, so a
+    1.5B run is seen to take Habana's 1.5B JSON, not BERT-Large's."""
+    def chosen(*args: str) -> dict:
+        return dry(hosts, *args)["deepspeed_config"]
+
+    one = chosen("--preset", "bert_1p5b")
+    assert Path(one["file"]).name == "bert_1p5b_zero1_bf16.json" and one["chosen_by"] == "--preset bert_1p5b"
+    assert Path(one["file"]).is_file()  # resolved where the module will open it
+    assert Path(chosen()["file"]).name == "bert_large_zero1_bf16.json"  # the module's default preset
+    assert Path(chosen("--", "--recipe", "habana_1p5b_8x")["file"]).name == "bert_1p5b_zero1_bf16.json"
+    given = chosen("--preset", "bert_1p5b", "--", "--deepspeed_config", "bert_1p5b_zero3_bf16.json")
+    assert Path(given["file"]).name == "bert_1p5b_zero3_bf16.json" and given["chosen_by"] == "--deepspeed_config"
+    assert Path(chosen("--module", "bridgetower_ds.train")["file"]).name == "bridgetower_zero1_bf16.json"
+    assert chosen("--preset", "bert_huge")["file"] is None  # the module itself refuses an unknown preset

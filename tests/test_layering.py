@@ -99,5 +99,5 @@ def check_rank_imports(output: str) -> None:
     assert {"bert_ref", "ds_core", "deepspeed"} <= loaded, loaded   # the probe ran after a real training run
     assert not loaded & {"ds_tools", "matplotlib"}, sorted(loaded & {"ds_tools", "matplotlib"})
     # an eager run imports no Inductor (~2 s of every rank's start): DeepSpeed's Muon module, which ZeRO's optimizer
-    # check imports, compiles nothing at import (ds_core.rank.lazy_compile)
+    # check imports, compiles nothing at import (ds_core.compat.lazy_compile)
     assert next(x for x in output.splitlines() if x.startswith("INDUCTOR ")) == "INDUCTOR false"

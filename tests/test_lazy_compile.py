@@ -1,12 +1,14 @@
-"""ds_core.rank.lazy_compile: DeepSpeed's Muon module imported without importing Inductor, its torch.compile
+"""ds_core.compat.lazy_compile: DeepSpeed's Muon module imported without importing Inductor, its torch.compile
 decorations compiled by the real torch.compile, with their arguments, on the first call."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
-from ds_core.rank.lazy_compile import deferred_compile
+from ds_core.compat.lazy_compile import deferred_compile
 
 
 def test_deferred_compile_compiles_on_the_first_call_with_the_same_arguments():
@@ -32,15 +34,22 @@ def test_deferred_compile_compiles_on_the_first_call_with_the_same_arguments():
     assert calls == [("plain", {}), ("with_options", {"dynamic": False, "mode": "max-autotune"})]  # once each
 
 
+@pytest.mark.stack
 def test_muon_imported_lazily_leaves_inductor_out_and_torch_compile_as_it_was():
+    """Where the installed DeepSpeed has the Muon module (0.19): imported, Inductor not. Where it has none (Habana's
+    fork, 0.16.1): the change is off, said in one line, and nothing is imported."""
     code = """
 import sys, torch
 real = torch.compile
-from ds_core.rank.lazy_compile import MUON_MODULE, import_muon_lazily
-import_muon_lazily()
-assert MUON_MODULE in sys.modules, "DeepSpeed's Muon module was not imported"
+from ds_core.compat.changes import missing
+from ds_core.compat.lazy_compile import MUON_MODULE, import_muon_lazily
+lines = []
+on = import_muon_lazily(lines.append)
+assert on == (missing("lazy_muon_import") is None), (on, lines)
+assert (MUON_MODULE in sys.modules) == on, "DeepSpeed's Muon module imported only where the change is on"
+assert len(lines) == (0 if on else 1) and all("lazy_muon_import off: this DeepSpeed has no" in ln for ln in lines)
 assert torch.compile is real
-print("INDUCTOR", "torch._inductor.compile_fx" in sys.modules)
+print("ON", on, "INDUCTOR", "torch._inductor.compile_fx" in sys.modules)
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=300)

@@ -107,3 +107,20 @@ def test_cli_measured_with_global_batch_reproduces_the_published_fit(capsys):
     assert rows[0]["seq_per_s"] == pytest.approx(4553)
     assert rows[1]["seq_per_s"] == pytest.approx(predict.published_prediction("dgx-a100", params=P)["rows"][-1]
                                                  ["seq_per_s"])
+
+
+def test_the_shipped_published_tables_are_the_calibration_tables():
+    """studies/published/*.csv (what the docs' `ds-scaling-report --from_table` commands read) hold the same figures
+    as the tables the fabrics are calibrated on, row by row."""
+    from conftest import REPO
+    from ds_tools import scaling
+
+    files = {"dl1": "bert_large_dl1.csv", "dgx-a100": "bert_large_dgx_a100.csv"}
+    assert set(files) == set(predict.PUBLISHED)
+    for fabric, name in files.items():
+        runs = scaling.read_table(REPO / "studies" / "published" / name)
+        spec = predict.PUBLISHED[fabric]
+        assert {r.nodes: r.throughput for r in runs} == spec["table"]
+        assert {r.accelerators for r in runs} == {n * spec["per_node"] for n in spec["table"]}
+        assert {(r.config["micro_batch"], r.config["precision"]) for r in runs} == {(str(spec["micro"]),
+                                                                                    spec["precision"])}

@@ -69,7 +69,9 @@ def test_runs_from_metrics_jsonl_and_baseline_nodes(tmp_path, capsys):
     assert "| 1 | 8 | 1300.00 |" in md and "| 1 | 8 | 1379.76 |" in md
     assert "2 runs at 1 node(s) / 8 accelerator(s): 162.50 to 172.47" in md
     assert scaling.main([str(tmp_path), "--baseline-nodes", "3"]) == 2
-    assert "runs at nodes [1, 2, 4] only" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "group bert_large (accelerator " in err and "has runs at 1, 2, 4 node(s) only" in err  # names, no reprs
+    assert "{" not in err and "[" not in err
 
 
 def test_incomparable_runs_are_grouped_with_reasons(tmp_path, capsys):
@@ -122,6 +124,16 @@ def test_plot_writes_a_png_that_opens(tmp_path, capsys):
         im.verify()
     with Image.open(png) as im:
         assert im.format == "PNG" and im.size[0] > 400 and im.size[1] > 200
+        untimed_width = im.size[0]
+    # published numbers have no phase timing: two panels, no "what grew" bars that would all be "anything else";
+    # runs with phase timing get the third panel
+    runs = scaling.read_table(csv)
+    for r in runs:
+        r.phases = {k: 1.0 for k in ("phase_data_s", "phase_forward_s", "phase_backward_s", "phase_comm_s",
+                                     "phase_step_s", "phase_wait_s")}
+    scaling.plot(scaling.group_runs(runs), tmp_path / "timed.png")
+    with Image.open(tmp_path / "timed.png") as im:
+        assert im.size[0] > 1.3 * untimed_width
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ def test_bf16_optimizer_step_has_only_deepspeeds_finite_check(shards, tmp_path, 
     """Accumulation 2 (fp32 accumulation: DeepSpeed's BF16_Optimizer, the BERT-Large recipe's path): at most one
     read stalls a quiet step, DeepSpeed's non-finite gradient check. The global clip at 1.0 either in NVLAMB
     (gradient_clipping 0, the BERT JSONs) or in DeepSpeed (gradient_clipping 1.0, as BridgeTower's JSON and Habana's
-    LANS recipe): DeepSpeed's own clip reads the norm (`if clip_coef < 1`), ds_core.rank.flat_norm's does not."""
+    LANS recipe): DeepSpeed's own clip reads the norm (`if clip_coef < 1`), ds_core.compat.flat_norm's does not."""
     config = "ds_configs/bert_debug_zero1_bf16.json"
     if clip == "deepspeed":
         ds = json.loads(Path(config).read_text())

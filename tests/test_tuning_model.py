@@ -165,3 +165,75 @@ def test_nothing_fits_says_what_would(tmp_path, capsys):
     assert "use at least 2 nodes with ZeRO-3" in text
     with pytest.raises(tuning.TuningError, match="not a positive multiple of 16 ranks"):
         tuning.search(tuning.model_shape("bert-large"), "gaudi", 8, 2, 1000)
+
+
+def test_ds_tune_says_where_its_json_goes_and_prints_it_on_request(tmp_path, capsys, monkeypatch):
+    help_text = tuning.build_parser().format_help()
+    assert "default: ds_config_tuned.json in the current directory" in " ".join(help_text.split())
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", "bert-large", "--accelerator", "gaudi2", "--nodes", "2", "--global_batch", "1024"]
+    assert tuning.main([*args, "--out", "-"]) == 0
+    printed = capsys.readouterr().out
+    assert not list(tmp_path.iterdir())  # nothing written
+    cfg = json.loads(printed[printed.index("\n{") + 1:])
+    assert load_ds_config(cfg, world_size=16)["train_batch_size"] == 1024
+    assert tuning.main(args) == 0 and (tmp_path / "ds_config_tuned.json").is_file()
+    assert "DeepSpeed JSON written to ds_config_tuned.json" in capsys.readouterr().out
+
+
+def test_optimizer_none_json_clips_as_the_shipped_configs_do():
+    """A JSON for an entry point that builds its own optimizer (LAMB / LANS clip at --max_grad_norm 1.0 themselves)
+    has the gradient_clipping of the shipped JSONs without an optimizer section, stage by stage."""
+    from ds_core.config import DS_CONFIG_DIR
+
+    shipped = {}
+    for path in DS_CONFIG_DIR.glob("*.json"):
+        raw = json.loads(path.read_text())
+        if "optimizer" not in raw:
+            shipped.setdefault(raw["zero_optimization"]["stage"], set()).add(raw["gradient_clipping"])
+    assert set(shipped) == {1, 3}
+    shape = tuning.model_shape("bert-large")
+    for o in tuning.search(shape, "gaudi2", 8, 1, 512, "off", stages=(0, 1, 2, 3)):
+        clip = tuning.ds_config(o, 512, optimizer="none")["gradient_clipping"]
+        assert clip == tuning.CODE_OPTIMIZER_CLIPPING[o.stage]
+        assert shipped.get(o.stage, {clip}) == {clip}, (o.stage, shipped)
+        assert tuning.ds_config(o, 512)["gradient_clipping"] == 1.0  # AdamW section: DeepSpeed clips
+
+
+def test_one_set_of_accelerator_names_across_ds_tune_and_predict(capsys):
+    from ds_core.device import accelerators
+    from ds_tools import fabrics
+
+    assert tuning.capacity_bytes("dl1", 8) == tuning.capacity_bytes("gaudi", 8) == 32e9
+    for fab in fabrics.FABRICS.values():  # each system is a name ds-tune takes, and names its accelerators
+        assert accelerators.get(fab.name).name in fab.accelerators
+        for acc in fab.accelerators:
+            assert fabrics.lookup(acc) is fab
+    assert fabrics.lookup("gaudi1") is fabrics.lookup("dl1") is fabrics.FABRICS["dl1"]
+    with pytest.raises(ValueError, match="no modelled system is built from h200"):
+        fabrics.lookup("h200")
+    from ds_tools import predict
+
+    argv = ["--measured", "1379.76", "--measured_nodes", "1", "--model", "bert-large", "--precision", "bf16",
+            "--zero_stage", "0", "--micro_batch", "64", "--global_batch", "65536", "--accelerators_per_node", "8",
+            "--nodes", "2", "--format", "json"]
+    assert predict.main([*argv, "--fabric", "dl1"]) == 0
+    by_fabric = json.loads(capsys.readouterr().out)
+    assert predict.main([*argv, "--fabric", "gaudi"]) == 0
+    assert json.loads(capsys.readouterr().out) == by_fabric
+
+
+def test_recommendations_stay_in_the_documented_stages_and_name_our_checkpointing_flag(capsys):
+    """ZeRO-1 or ZeRO-3 unless --stages asks for more (the model docs cover those); where a recommendation needs
+    activation checkpointing, the note names the entry point's flag."""
+    args = ["--model", "bert-1.5b", "--accelerator", "dl1", "--nodes", "8", "--global_batch", "12288", "--json",
+            "--out", "-"]
+    assert tuning.main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["recommended"]["stage"] in tuning.DEFAULT_STAGES
+    assert {o["stage"] for o in summary["feasible"]} <= set(tuning.DEFAULT_STAGES)
+    assert tuning.main([*args, "--stages", "1,2,3"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"]["stage"] == 2  # asked for: listed and ranked
+    assert tuning.main(["--model", "bert-1.5b", "--accelerator", "gaudi", "--nodes", "1", "--global_batch", "64",
+                        "--activation_checkpointing", "on", "--out", "-"]) == 0
+    assert "bert_ref.train --activation_checkpointing true" in capsys.readouterr().out

@@ -66,3 +66,16 @@ def test_wheelhouse_stops_at_the_base_and_follows_markers(tmp_path):
     assert "transformers" in m["from_base"] and "deepspeed" in m["from_base"] and "h5py" not in m["from_base"]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["files"] == 7
 
+
+
+def test_make_wheelhouse_has_no_size_cap_unless_the_user_sets_one():
+    """A size cap is the user's option (WHEELHOUSE_MAX_MB), not a default that refuses a legitimate wheelhouse: a
+    target image holding only torch needs far more than a fixed cap allowed."""
+    def command(*make_args: str) -> str:
+        out = subprocess.run(["make", "-n", "wheelhouse", *make_args], cwd=REPO, capture_output=True, text=True,
+                             timeout=60, check=True).stdout.replace("\\\n", " ")
+        (line,) = [x for x in out.splitlines() if "tools/wheelhouse.py" in x]
+        return line
+
+    assert "--max_mb 0" in command()
+    assert "--max_mb 200" in command("WHEELHOUSE_MAX_MB=200")

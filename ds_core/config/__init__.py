@@ -6,6 +6,7 @@ the data-parallel world size here (llm-foundry's validate_config, HF's HfArgumen
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -86,8 +87,10 @@ class TrainConfig:
                                   "communication, optimizer step, wait for the slowest rank: ds_core.outputs.phases); "
                                   "0 turns it off.", default=10)
     seed: int = arg("Seed for python, numpy and torch.", default=42)
-    micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it.",
-                                  default=0, aliases=["--per_device_train_batch_size"])
+    micro_batch_size: int = arg("Override train_micro_batch_size_per_gpu of the DeepSpeed JSON; 0 keeps it. A JSON "
+                                "that fixes train_batch_size (and no gradient_accumulation_steps) keeps its global "
+                                "batch: the accumulation follows.", default=0,
+                                aliases=["--per_device_train_batch_size"])
     gradient_accumulation_steps: int = arg("Override gradient_accumulation_steps of the DeepSpeed JSON; 0 keeps it.",
                                              default=0)
     zero_stage: int = arg("Override zero_optimization.stage of the DeepSpeed JSON; -1 keeps it.", default=-1)
@@ -157,21 +160,42 @@ def _flatten_json(data: dict, types: Sequence[type], source: str) -> dict:
     return flat
 
 
-def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, description: str | None = None) -> tuple:
-    """Parse dataclass types from `--config FILE.json` (defaults) and flags (overrides); one instance per type.
-
-    Launchers add `--local_rank=N`; it is accepted and ignored (LOCAL_RANK from the environment is what counts).
-    """
+def settings_parser(types: Sequence[type], description: str | None, prog: str | None):
+    """HfArgumentParser over the settings dataclasses, as a user reads it: usage names the command (`python -m
+    bert_ref.train`, not the file), each `--no_X` says that it turns X off, and a bad value is a ConfigError (one
+    line from one rank: ds_core.rank.process_end.run_main) instead of argparse's usage block and exit on every rank."""
     from transformers import HfArgumentParser
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     # allow_abbrev=False: a prefix is never taken for a longer flag (`--use_hpu_graphs` is not
     # `--use_hpu_graphs_for_inference`, `--deepspeed` is not ambiguous)
-    parser = HfArgumentParser(list(types), description=description, allow_abbrev=False)
+    parser = HfArgumentParser(list(types), prog=prog, description=description, allow_abbrev=False)
+
+    def refuse(message: str) -> None:
+        raise ConfigError(message)
+
+    parser.error = refuse  # argparse's own check of a value (`--max_steps x`): the message names flag and value
+    positive = {a.dest: a for a in parser._actions if a.option_strings and a.option_strings[0].startswith("--")  # noqa: SLF001
+                and not a.option_strings[0].startswith("--no_")}
     for action in parser._actions:  # noqa: SLF001 (argparse lists its actions nowhere public)
         # argparse %-formats every help string; a field's help is plain text ("40 % of train"), so escape it once here
         if action.help:
             action.help = action.help.replace("%", "%%")
+        # HfArgumentParser gives `--no_X` the help of X and a default of False: say what "no" does instead
+        if action.option_strings and action.option_strings[0].startswith("--no_") and action.dest in positive:
+            action.help = f"Turns {positive[action.dest].option_strings[0]} off (the same as " \
+                          f"{positive[action.dest].option_strings[0]} false)."
+            action.default = argparse.SUPPRESS  # the default is X's, shown there
+    return parser
+
+
+def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, description: str | None = None,
+               prog: str | None = None) -> tuple:
+    """Parse dataclass types from `--config FILE.json` (defaults) and flags (overrides); one instance per type.
+
+    Launchers add `--local_rank=N`; it is accepted and ignored (LOCAL_RANK from the environment is what counts).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = settings_parser(types, description, prog)
     parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name), "
                                                        "or a run directory (its run_config.json); flags given on the "
                                                        "command line override it.")
@@ -194,7 +218,9 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         known = [a for act in parser._actions for a in act.option_strings if "-" not in a.lstrip("-")]
-        raise ConfigError(f"unknown command-line argument(s): {', '.join(_flag_hint(u, known) for u in unknown)}")
+        # a value right after an unknown flag is that flag's value, not a second unknown argument
+        flags = [u for i, u in enumerate(unknown) if u.startswith("-") or i == 0 or not unknown[i - 1].startswith("-")]
+        raise ConfigError(f"unknown command-line argument(s): {', '.join(_flag_hint(u, known) for u in flags)}")
     out = []
     values = vars(ns)
     for t in types:
@@ -216,12 +242,13 @@ def sections_of(cfg: Any) -> list:
     return [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]
 
 
-def parse_settings(tree: type[T], argv: Sequence[str] | None = None, description: str | None = None) -> T:
+def parse_settings(tree: type[T], argv: Sequence[str] | None = None, description: str | None = None,
+                   prog: str | None = None) -> T:
     """One settings tree from flags and `--config FILE.json` (parse_args, one section per field of `tree`): a run
     reads a setting by name, `cfg.train.max_steps`, never by position. The JSON format is parse_args': flat, or
     sectioned by class name, as run_config.json is written (so files written before the tree existed still load)."""
     types = section_types(tree)
-    sections = parse_args(list(types.values()), argv, description=description)
+    sections = parse_args(list(types.values()), argv, description=description, prog=prog)
     return tree(**dict(zip(types, sections)))
 
 
@@ -416,8 +443,10 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
                    grad_accum: int = 0, zero_stage: int = -1) -> dict:
     """Load, validate and resolve a DeepSpeed JSON for `world_size` data-parallel ranks.
 
-    Overrides (micro_batch, grad_accum > 0; zero_stage >= 0) replace the JSON's values; when micro batch or
-    accumulation is overridden, train_batch_size is re-derived rather than kept, so the override cannot conflict.
+    Overrides (micro_batch, grad_accum > 0; zero_stage >= 0) replace the JSON's values. A JSON that fixes the global
+    batch (train_batch_size without gradient_accumulation_steps, as Habana's BERT-1.5B JSON) keeps it under a micro
+    batch override: the accumulation follows, as DeepSpeed derives it. Otherwise, when micro batch or accumulation is
+    overridden, train_batch_size is re-derived rather than kept, so the override cannot conflict.
     """
     if isinstance(path_or_dict, dict):
         cfg, source = json.loads(json.dumps(path_or_dict)), "DeepSpeed config"
@@ -428,7 +457,8 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
         cfg["train_micro_batch_size_per_gpu"] = micro_batch
     if grad_accum:
         cfg["gradient_accumulation_steps"] = grad_accum
-    if micro_batch or grad_accum:
+    fixes_global = "train_batch_size" in cfg and "gradient_accumulation_steps" not in cfg
+    if grad_accum or (micro_batch and not fixes_global):
         cfg.pop("train_batch_size", None)
     tb, mb, ga = check_batch_arithmetic(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"),
                                         cfg.get("gradient_accumulation_steps"), world_size, source)
@@ -536,10 +566,12 @@ def settle_grad_accum_dtype(cfg: dict, source: str = "DeepSpeed config") -> None
     """bf16 with accumulation > 1: accumulate gradients in fp32 (fills data_types.grad_accum_dtype when absent, warns
     when the config asks for bf16 accumulation). Modifies cfg in place.
 
-    DeepSpeed 0.19 accumulates in the model dtype unless data_types.grad_accum_dtype says otherwise
-    (engine.get_data_types). With "fp32": ZeRO-1 switches to BF16_Optimizer (fp32 gradient buffers), ZeRO-2 and
-    ZeRO-3 keep fp32 partition buffers (stage_1_and_2.py / stage3.py gradient_accumulation_dtype). ZeRO-0 has no such
-    path: _do_optimizer_sanity_check raises NotImplementedError for bf16 params with fp32 accumulation."""
+    DeepSpeed accumulates in the model dtype unless data_types.grad_accum_dtype says otherwise (engine.get_data_types).
+    With "fp32": ZeRO-1 switches to BF16_Optimizer (fp32 gradient buffers), ZeRO-2 and ZeRO-3 keep fp32 partition
+    buffers (stage_1_and_2.py / stage3.py gradient_accumulation_dtype). ZeRO-0 differs by release, so it is asked of the
+    installed DeepSpeed (ds_core.compat.deepspeed_behaviour.optimizer_wrapper): 0.19 runs bf16 ZeRO-0 only with bf16
+    accumulation, Habana's fork (0.16.1) only with fp32 accumulation (BF16_Optimizer); a dtype the installed one refuses
+    is a ConfigError, one it needs is filled in with a notice."""
     bf16 = (cfg.get("bf16") or {}).get("enabled") or (cfg.get("bfloat16") or {}).get("enabled")
     ga = cfg.get("gradient_accumulation_steps") or 1
     data_types = cfg.get("data_types") or {}
@@ -549,20 +581,48 @@ def settle_grad_accum_dtype(cfg: dict, source: str = "DeepSpeed config") -> None
         raise ConfigError(f"{source}: data_types.grad_accum_dtype = {asked!r}: expected \"fp32\", \"bf16\" or \"fp16\"")
     if not bf16:
         return
-    if stage == 0 and asked == "fp32":
-        raise ConfigError(f"{source}: data_types.grad_accum_dtype = \"fp32\" with bf16 and zero_optimization.stage 0: "
-                          f"DeepSpeed 0.19 has no such path (NotImplementedError at deepspeed.initialize); use ZeRO "
-                          f"stage >= 1, or drop the key")
+    ok = _accum_dtypes(stage)  # the accumulation dtypes this DeepSpeed runs bf16 with at this stage
+    if asked in ok and ok[asked] is not True:
+        raise ConfigError(f"{source}: data_types.grad_accum_dtype = \"{asked}\" with bf16 and zero_optimization.stage "
+                          f"{stage}: {ok[asked]} at deepspeed.initialize; use {_accum_advice(ok, stage)}")
+    want = asked or ("fp32" if ga > 1 and stage > 0 else None)
+    if want is None and isinstance(ok.get("bf16"), str):  # this DeepSpeed has no bf16 accumulation at ZeRO-0
+        cfg["data_types"] = dict(data_types, grad_accum_dtype="fp32")
+        _notice(f"{source}: bf16 at zero_optimization.stage 0: gradients accumulate in fp32 (data_types."
+                f"grad_accum_dtype added; bf16 accumulation at this stage: {ok['bf16']})")
+        return
     if ga <= 1:
         return
-    if asked is None and stage > 0:
+    if asked is None and want == "fp32":
         cfg["data_types"] = dict(data_types, grad_accum_dtype="fp32")
         _notice(f"{source}: bf16 with gradient_accumulation_steps {ga}: gradients accumulate in fp32 "
                 f"(data_types.grad_accum_dtype added; DeepSpeed's default would accumulate in bf16)")
-    elif asked != "fp32":
-        why = ("ZeRO stage 0 cannot accumulate bf16 gradients in fp32 in DeepSpeed 0.19" if stage == 0 else
+    elif (want or "bf16") != "fp32":
+        why = ("this DeepSpeed cannot accumulate bf16 gradients in fp32 at ZeRO stage 0" if asked is None else
                f"data_types.grad_accum_dtype is {asked!r}")
         _notice(f"warning: {source}: bf16 with gradient_accumulation_steps {ga} accumulates gradients in bf16 "
                 f"({why}); measured: {BF16_ACCUM_ERROR}. Use ZeRO >= 1 with data_types.grad_accum_dtype \"fp32\".")
+
+
+def _accum_dtypes(stage: int) -> dict[str, Any]:
+    """{"fp32": True | DeepSpeed's refusal, "bf16": ...} for bf16 weights at ZeRO `stage`. Stages >= 1 run both on
+    every supported DeepSpeed (no import); ZeRO-0 is asked of the installed one."""
+    if stage > 0:
+        return {"fp32": True, "bf16": True}
+    from ds_core.compat.deepspeed_behaviour import WrapperRefused, deepspeed_version, optimizer_wrapper
+
+    out: dict[str, Any] = {}
+    for acc in ("fp32", "bf16"):
+        try:
+            optimizer_wrapper(0, "bf16", acc)
+            out[acc] = True
+        except WrapperRefused as e:
+            out[acc] = f"DeepSpeed {deepspeed_version()} refuses it ({e})"
+    return out
+
+
+def _accum_advice(ok: dict[str, Any], stage: int) -> str:
+    works = [f"data_types.grad_accum_dtype \"{acc}\"" for acc, v in ok.items() if v is True]
+    return " or ".join(works) + (" at this stage" if works else "") + ", or ZeRO stage >= 1" * (stage == 0)
 
 

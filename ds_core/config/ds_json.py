@@ -36,19 +36,29 @@ _SECTION_OF = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config"
                "DeepSpeedThroughputTimerConfig": "timers.throughput", "TPTrainingConfig": "tensor_parallel"}
 
 
-def _model_classes() -> dict[str, type]:
-    from deepspeed.comm.config import CommsLoggerConfig
-    from deepspeed.compile.config import CompileConfig
-    from deepspeed.monitor.config import DeepSpeedMonitorConfig
-    from deepspeed.runtime.config import HybridEngineConfig
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
+# DeepSpeed's pydantic section models, where the installed DeepSpeed has them: 0.19 has all of these; Habana's fork
+# (0.16.1) has no compile, tensor-parallel, bf16 or fp16 models (it reads those sections as plain dicts)
+_MODELS = (("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
+           ("deepspeed.runtime.precision_config", "DeepSpeedBF16Config"),
+           ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config"),
+           ("deepspeed.monitor.config", "DeepSpeedMonitorConfig"), ("deepspeed.comm.config", "CommsLoggerConfig"),
+           ("deepspeed.compile.config", "CompileConfig"), ("deepspeed.runtime.config", "HybridEngineConfig"),
+           ("deepspeed.utils.config", "DeepSpeedThroughputTimerConfig"),
+           ("deepspeed.runtime.tensor_parallel.config", "TPTrainingConfig"))
 
-    return {c.__name__: c for c in (DeepSpeedZeroConfig, DeepSpeedBF16Config, DeepSpeedFP16Config,
-                                    DeepSpeedMonitorConfig, CommsLoggerConfig, CompileConfig, HybridEngineConfig,
-                                    DeepSpeedThroughputTimerConfig, TPTrainingConfig)}
+
+def _model_classes() -> dict[str, type]:
+    import importlib
+
+    found = {}
+    for module, name in _MODELS:
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            cls = None
+        if cls is not None:
+            found[name] = cls
+    return found
 
 
 def _model_in(annotation: Any) -> type | None:
@@ -132,6 +142,38 @@ def _check_optimizer_and_scheduler(cfg: dict, source: str) -> None:
                           f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}, or a torch.optim.lr_scheduler class)")
 
 
+# The bf16 / fp16 sections where the installed DeepSpeed parses them as plain dicts (Habana's fork, 0.16.1: no
+# DeepSpeedBF16Config / DeepSpeedFP16Config), so that a typo or a wrong type is still refused before any rank starts
+# rather than silently ignored: the keys and types of DeepSpeed 0.19's models of the two sections (runtime/
+# precision_config.py), whose keys are a superset of what 0.16 reads. key -> (type, lowest value or None)
+_PRECISION_FIELDS = {
+    "bf16": {"enabled": (bool, None), "immediate_grad_update": (bool, None), "check_grad_overflow": (bool, None),
+             "bf16_master_weights_and_grads": (bool, None), "bf16_optimizer_states": (bool, None)},
+    "fp16": {"enabled": (bool, None), "auto_cast": (bool, None), "loss_scale": ((int, float), 0),
+             "initial_scale_power": (int, 0), "loss_scale_window": (int, 1), "hysteresis": (int, 1),
+             "consecutive_hysteresis": (bool, None), "min_loss_scale": ((int, float), 0),
+             "fp16_master_weights_and_grads": (bool, None)},
+}
+
+
+def _check_precision_sections(cfg: dict, source: str, models: dict[str, type]) -> None:
+    """bf16 / fp16 checked by key and type where DeepSpeed has no model for them (_PRECISION_FIELDS)."""
+    for section, model in (("bf16", "DeepSpeedBF16Config"), ("fp16", "DeepSpeedFP16Config")):
+        if model in models or not isinstance(cfg.get(section), dict):
+            continue
+        fields = _PRECISION_FIELDS[section]
+        for key, value in cfg[section].items():
+            if key not in fields:
+                hint = difflib.get_close_matches(key, fields, 1)
+                raise ConfigError(f"{source}: unknown key {section}.{key}"
+                                  + (f" (did you mean {section}.{hint[0]}?)" if hint else ""))
+            kind, low = fields[key]
+            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if not ok or (low is not None and value < low):
+                want = "true or false" if kind is bool else f"a number >= {low}"
+                raise ConfigError(f"{source}: {section}.{key} = {value!r}: expected {want}")
+
+
 # top-level sections DeepSpeed reads as JSON objects (a list or number there fails inside DeepSpeed with a TypeError)
 _OBJECT_SECTIONS = ("zero_optimization", "bf16", "bfloat16", "fp16", "amp", "optimizer", "scheduler", "tensorboard",
                     "wandb", "csv_monitor", "comet", "comms_logger", "compile", "hybrid_engine", "timers",
@@ -151,6 +193,7 @@ def check_with_deepspeed(cfg: dict, source: str) -> None:
         if key in cfg and not isinstance(cfg[key], dict):
             raise ConfigError(f"{source}: {key} = {cfg[key]!r}: expected a JSON object")
     _check_optimizer_and_scheduler(cfg, source)
+    _check_precision_sections(cfg, source, _model_classes())
     level = logger.level
     logger.setLevel(logging.WARNING)  # DeepSpeedConfig logs its world size at INFO; deprecation warnings stay
     try:

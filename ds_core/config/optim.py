@@ -64,8 +64,9 @@ class OptimArgs:
     poly_degree: float = arg("poly_warmup / nvidia_poly / habana_poly: degree of the polynomial decay to 0 over the "
                              "remaining steps (1 = linear).", default=1.0)
     scale_lr_with_global_batch: bool = arg("Peak LR = learning_rate * train_batch_size / base_global_batch (linear "
-                                           "scaling: the published 1.5B runs, 0.0015 at 8 x 8 x 384 = 24576 "
-                                           "sequences, 0.003 at twice that).", default=False)
+                                           "scaling: bert_1p5b's 0.0015 at 12288 sequences, 0.003 at twice that). "
+                                           "The published recipes do not scale: they keep their global batch.",
+                                           default=False)
     base_global_batch: int = arg("Global batch that learning_rate was tuned for; 0 = the model's (BERT: the preset's "
                                  "published one).", default=0)
 

@@ -18,6 +18,10 @@ Sources (each row's comment names the one it uses):
            2 / 4.8 / 9.6 Tb/s bidirectional for Gaudi / Gaudi 2 / Gaudi 3; Gaudi 3 spec table: BF16 matrix 1835
            TFLOPs, 24 x 200 GbE RoCE. Habana publishes no FP32 matrix rate for any generation here.
 
+Aliases include the systems ds_tools.fabrics models (dl1: AWS DL1 = 8 first-generation Gaudi; gaudi2-hls; dgx-a100,
+the 40 GB part as the bare "a100", so no tool assumes memory the device may not have; dgx-h100), so that ds-tune and
+`ds-scaling-report predict` take one set of names.
+
 Memory is the capacity the vendor prints (GB). ds_tools.tuning reads it as 10^9 bytes; HBM stacks are sized in
 binary units, so the device usually has a few per cent more than that, which only adds to the tuner's margin.
 """
@@ -44,19 +48,19 @@ class Accelerator:
 ACCELERATORS: tuple[Accelerator, ...] = (
     # [A100]: one compute figure for both memory sizes and both form factors. "a100" means the 40 GB part, so a tuner
     # given the bare name never assumes memory the device may not have.
-    Accelerator("a100-40g", ("a100",), 312.0, 19.5, 40.0,
+    Accelerator("a100-40g", ("a100", "dgx-a100"), 312.0, 19.5, 40.0,
                 "SXM4: NVLink 600 GB/s; PCIe: Gen4 64 GB/s (NVLink bridge 600 GB/s)"),
     Accelerator("a100-80g", (), 312.0, 19.5, 80.0, "SXM4: NVLink 600 GB/s; PCIe: Gen4 64 GB/s"),
     # [H100] dense = datasheet's sparse figure / 2 (whitepaper: 989.4 SXM5, 756 PCIe)
-    Accelerator("h100-sxm", ("h100",), 989.4, 67.0, 80.0, "NVLink 900 GB/s (NVSwitch); PCIe Gen5 128 GB/s"),
+    Accelerator("h100-sxm", ("h100", "dgx-h100"), 989.4, 67.0, 80.0, "NVLink 900 GB/s (NVSwitch); PCIe Gen5 128 GB/s"),
     Accelerator("h100-pcie", (), 756.0, 51.0, 80.0, "PCIe Gen5 128 GB/s; NVLink bridge 600 GB/s"),
     # [H200] SXM: same compute as H100 SXM
     Accelerator("h200", ("h200-sxm",), 989.4, 67.0, 141.0, "NVLink 900 GB/s (NVSwitch); PCIe Gen5 128 GB/s"),
     # [Gaudi] HL-205 (AWS DL1): 10 x 100 GbE RoCE v2 on chip
-    Accelerator("gaudi", ("gaudi1", "hl-205"), 60.0, None, 32.0,
+    Accelerator("gaudi", ("gaudi1", "hl-205", "dl1"), 60.0, None, 32.0,
                 "10 x 100 GbE RoCE v2 on chip (HLS-1: 7 all-to-all inside the box, 3 out)"),
     # [Gaudi] HL-225: 24 x 100 GbE RoCE v2 on chip
-    Accelerator("gaudi2", ("hl-225",), 432.0, None, 96.0,
+    Accelerator("gaudi2", ("hl-225", "gaudi2-hls"), 432.0, None, 96.0,
                 "24 x 100 GbE RoCE v2 on chip (HLS-Gaudi2: 21 all-to-all inside the box, 3 out)"),
     # [Gaudi] HL-325L (OAM): 24 x 200 GbE RoCE v2 on chip
     Accelerator("gaudi3", ("hl-325l",), 1835.0, None, 128.0,

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from ds_core.compat.hf import set_config_dtype
 from ds_core.config import atomic_write_text
 
 # summary record key -> our name in train_results.json (the post-warm-up window; Trainer's keys:
@@ -128,9 +129,10 @@ def save_model(engine, out_dir: str | os.PathLike, *, frozen: dict[str, torch.Te
         shutil.rmtree(tmp, ignore_errors=True)
         engine.module.save_pretrained(str(tmp), state_dict=state)
         # save_pretrained records the module's dtype (bf16 under DeepSpeed bf16) in config.json, and from_pretrained
-        # ("auto" dtype) would load these fp32 weights back in bf16: the config must say what the file holds
+        # ("auto" dtype) would load these fp32 weights back in bf16: the config must say what the file holds, under
+        # the name this transformers reads (ds_core.compat.hf: `dtype`, or `torch_dtype` before 4.56)
         config = copy.deepcopy(engine.module.config)
-        config.dtype = "float32"
+        set_config_dtype(config, "float32")
         config.save_pretrained(str(tmp))
         if extras is not None:
             extras(tmp)

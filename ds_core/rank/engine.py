@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ds_core.compat.flat_norm import use_flat_grad_norm
+from ds_core.compat.grad_hook import use_one_op_grad_hook
+from ds_core.compat.lazy_compile import import_muon_lazily
 from ds_core.device import hpu
 from ds_core.device.cpu_info import use_cached_cpu_info
 from ds_core.errors import ConfigError
-from ds_core.rank.flat_norm import use_flat_grad_norm
-from ds_core.rank.grad_hook import use_one_op_grad_hook
-from ds_core.rank.lazy_compile import import_muon_lazily
 from ds_core.rank.parent_watch import watch_parent
 from ds_core.rank.rendezvous import free_port, rank_variables
 from ds_core.rank.venv import torch_extensions_env
@@ -222,12 +222,15 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, optimizer=None, lr_
     ds_config = prepare_optimizer_ops(ds_config, get_accelerator().device_name(), rank,
                                       say=lambda line: print(line, flush=True))
     ds_config = without_throughput_timer(ds_config)
-    import_muon_lazily()  # imported by ZeRO's optimizer check; its torch.compile decorations would import Inductor
+    # the changes inside DeepSpeed (ds_core.compat.changes), each applied where the installed DeepSpeed has what it
+    # replaces; rank 0 says which one is off and why
+    say = (lambda line: print(line, flush=True)) if rank == 0 else None
+    import_muon_lazily(say)  # imported by ZeRO's optimizer check; its torch.compile decorations would import Inductor
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, optimizer=optimizer,
                                            lr_scheduler=lr_scheduler, config=ds_config)
     engine.flat_layout = flat_layout(moved)  # recorded in checkpoints' fingerprints (ds_core.checkpoint)
-    use_flat_grad_norm(engine)  # ZeRO-1/2's global gradient norm in a few ops over its flat buffer, not per tensor
-    use_one_op_grad_hook(engine, get_accelerator().device_name())  # BF16_Optimizer's per-tensor hook: 2 ops, not 5
+    use_flat_grad_norm(engine, say)  # ZeRO-1/2's global gradient norm in a few ops over its flat buffer, not per tensor
+    use_one_op_grad_hook(engine, get_accelerator().device_name(), say)  # BF16_Optimizer's gradient hook: 2 ops, not 5
     return engine
 
 

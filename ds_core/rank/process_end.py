@@ -1,6 +1,8 @@
-"""How a rank's process ends: without interpreter finalisation, after what Python's exit does first.
+"""How a rank's process ends: without interpreter finalisation, after what Python's exit does first; and how a user's
+mistake ends it: one line `<command>: error: <message>` from rank 0, exit status 2, on every rank.
 
-Stdlib only, so that an entry can import it before anything heavy (bench/bert_step.py re-executes itself first).
+Standard library and ds_core.errors only, so that an entry can import it before anything heavy (bench/bert_step.py
+re-executes itself first).
 """
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import sys
 import threading
 from collections.abc import Callable
 from typing import NoReturn
+
+from ds_core.errors import ConfigError, RunVerdict
+
+USAGE_ERROR = 2  # ds_core.cli.USAGE_ERROR: argparse's status for a bad command line
 
 # the status end_process is ending this process with, for atexit handlers that record how a run ended (None: not
 # ending through end_process)
@@ -50,12 +56,57 @@ def end_process(status: int = 0) -> NoReturn:
     os._exit(status)
 
 
+# How long a rank other than 0 waits before saying a mistake itself (see run_main): rank 0 meets the same mistake at
+# about the same moment; a few seconds cover ranks that start unevenly on a loaded host.
+MISTAKE_LINGER_S = 10.0
+# launchers' names for a rank's index on its node
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
+                    "SLURM_LOCALID")
+
+
+def say_mistake(mistake: BaseException) -> None:
+    """Print `<command>: error: <mistake>` once per job (run_main says how); returns when this rank should exit."""
+    import time
+
+    from ds_core.rank.rendezvous import env_rank
+
+    rank = env_rank()
+    local = next((int(v) for v in map(os.environ.get, _LOCAL_RANK_VARS) if v and v.isdigit()), 0)
+    if rank != 0:
+        time.sleep(MISTAKE_LINGER_S + (0 if local == 0 else 2))  # the node's first rank speaks before the others go
+        if local != 0:
+            return
+    sys.stdout.flush()
+    print(f"{command_name()}: error: {'' if rank == 0 else f'(rank {rank}) '}{mistake}", file=sys.stderr, flush=True)
+
+
+def command_name() -> str:
+    """How this process was started, as a user types it: `python -m bert_ref.train`, or `python FILE` for a script."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return f"python -m {spec.name}" if spec is not None and spec.name else f"python {sys.argv[0]}"
+
+
 def run_main(main: Callable[[], object]) -> NoReturn:
     """A rank's `if __name__ == "__main__":` body: run main() as the whole process and leave through end_process,
-    with main's SystemExit status (0 when it returns). An exception escaping main takes Python's usual path (its
-    traceback, status 1): that run has failed anyway, and its error must not be hidden."""
+    with main's SystemExit status (0 when it returns).
+
+    A ConfigError (a setting, flag, path or file the user gave; its message names it) ends the process with status
+    2, said once: every rank parses the same command line and reads the same files, so the same mistake would
+    otherwise print once per rank, each with its traceback. Rank 0 says it at once. Another rank waits
+    MISTAKE_LINGER_S first: when rank 0 made the same mistake, rank 0's exit ends this rank through the launcher
+    (DeepSpeed's, launch.local_ranks, mpirun) before it says anything, and a rank that exits first would get rank 0
+    killed before it spoke. A rank still alive after the wait made a mistake rank 0 did not (a path missing on its
+    node): the first rank of its node says it, naming the rank. A RunVerdict (a diverged run: every rank reads the same
+    all-reduced values) is said the same way and ends with its status (1). Any other exception escaping main takes
+    Python's usual path (its traceback, status 1): that is a failure of the run, and its error must not be hidden."""
     try:
         main()
+    except ConfigError as mistake:
+        say_mistake(mistake)
+        end_process(USAGE_ERROR)
+    except RunVerdict as verdict:  # the same verdict on every rank (a diverged run), said once as a mistake is
+        say_mistake(verdict)
+        end_process(verdict.status)
     except SystemExit as stop:
         code = stop.code
         if code is not None and not isinstance(code, int):

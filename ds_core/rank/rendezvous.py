@@ -18,6 +18,20 @@ from ds_core.rank.venv import torch_extensions_env
 LOOPBACK = "127.0.0.1"
 
 
+# Launchers' names for the global rank before torch.distributed exists (deepspeed/torchrun, Open MPI, MPICH/PMIx,
+# MVAPICH, Slurm).
+RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def env_rank() -> int:
+    """This process's global rank as the launcher announced it; 0 for a process started by hand."""
+    for var in RANK_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port free right now on `host` (the kernel picks it; another process may still take it before use)."""
     with socket.socket() as s:

@@ -7,7 +7,11 @@ and the run exited 0 with the diverged model as `latest`):
 - consecutive skipped steps: DeepSpeed skips an update whose gradient norm is inf/NaN (ZeRO 1-3, BF16_Optimizer) and
   counts it in engine.skipped_steps. A few in a row are fp16 loss-scale search; more than `max_skipped` in a row is a
   run that no longer learns.
-- an update applied with a non-finite gradient norm (ZeRO-0 fp32 has no overflow check): the weights are now NaN.
+- an update applied with a non-finite gradient norm (ZeRO-0 fp32 has no overflow check; ZeRO-1/2 with bf16 and no
+  overflow check, and Habana's fork's ZeRO-1/2 outside fp16, apply it with DeepSpeed's -1 for a non-finite norm: a
+  negative norm counts as non-finite): the weights are now NaN.
+- (Habana's fork's BF16_Optimizer neither skips nor applies: it asserts on the norm; ds_core.run.loop turns that
+  into the same stop, at once.)
 - a loss spike: a finite loss above `spike_factor` times the median of the recent finite losses (once `min_history`
   losses are known), the usual sign that the LR is far too high before anything becomes non-finite.
 
@@ -43,8 +47,10 @@ class DivergenceGuard:
                         f"--max_skipped_steps {self.max_skipped}")
             return None
         self.consecutive = 0
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            return f"the update of step {step} was applied with gradient norm {grad_norm}: the weights are not finite"
+        if grad_norm is not None and not (math.isfinite(grad_norm) and grad_norm >= 0):
+            mark = " (DeepSpeed's mark of a non-finite norm)" if grad_norm < 0 else ""
+            return (f"the update of step {step} was applied with gradient norm {grad_norm:g}{mark}: the weights are "
+                    f"not finite")
         if self.spike_factor > 0 and len(self.history) >= self.min_history:
             median = statistics.median(self.history)
             if median > 0 and loss > self.spike_factor * median:

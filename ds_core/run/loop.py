@@ -7,6 +7,7 @@ models goes into those or into a Trainer component, never into a second loop.
 """
 from __future__ import annotations
 
+import math
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -16,12 +17,18 @@ import torch
 import torch.distributed as tdist
 
 from ds_core.device import hpu
-from ds_core.errors import ConfigError
+from ds_core.errors import ConfigError, RunVerdict
 from ds_core.outputs.phases import PhaseTimer
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or inf; no update was applied and the last good checkpoint stays the latest."""
+class TrainingDiverged(RunVerdict):
+    """The run diverged (a NaN/inf loss, ds_core.run.divergence's verdict, a non-finite gradient norm DeepSpeed stops
+    on); no checkpoint holds the diverged state. Said in one line by ds_core.rank.process_end.run_main, status 1."""
+
+
+class NonFiniteGradNorm(RuntimeError):
+    """DeepSpeed's optimizer stopped on a non-finite gradient norm instead of skipping the update (Habana's fork:
+    BF16_Optimizer.step asserts `all_groups_norm > 0`); the trainer turns it into the divergence verdict."""
 
 
 # Exit status of a run stopped early on purpose (SIGTERM / SIGUSR1, or --max_steps_this_run) after saving a
@@ -293,7 +300,7 @@ class Step:
         lr = lrs[0] if lrs else None
         grad_norm = fp32_grad_norm(engine)
         skipped_before = engine.skipped_steps
-        self._engine_step()
+        self._engine_step(boundary=True)
         if grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
         skipped = engine.skipped_steps > skipped_before
@@ -306,14 +313,40 @@ class Step:
         self.acc.reset()
         return pending
 
-    def _engine_step(self) -> None:
-        """engine.step() (every micro step: DeepSpeed steps the optimizer at the boundary), timed, then the lazy-mode
-        graph cut where GaudiTrainer makes it."""
+    def _engine_step(self, boundary: bool = False) -> None:
+        """engine.step() (every micro step: DeepSpeed steps the optimizer at the boundary, through step_or_stop),
+        timed, then the lazy-mode graph cut where GaudiTrainer makes it."""
         self.phases.begin("step")
-        self.engine.step()
+        if boundary:
+            step_or_stop(self.engine)
+        else:
+            self.engine.step()
         if self.mark_step is not None:
             self.mark_step()
         self.phases.end("step")
+
+
+def step_or_stop(engine) -> None:
+    """engine.step(); NonFiniteGradNorm where the optimizer asserted on a non-finite gradient norm. What a non-finite
+    norm does is DeepSpeed's (ds_core.compat.deepspeed_behaviour): 0.19's BF16_Optimizer skips the update (counted in
+    engine.skipped_steps, judged by the divergence guard); Habana's fork's asserts the norm is > 0 after masking a
+    non-finite one as -1. Only that case is caught: any other assertion is DeepSpeed's and propagates."""
+    try:
+        engine.step()
+    except AssertionError:
+        norm = getattr(engine.optimizer, "_global_grad_norm", None)
+        value = float(norm) if isinstance(norm, (torch.Tensor, float, int)) else None
+        if value is None or (math.isfinite(value) and value > 0):
+            raise
+        raise NonFiniteGradNorm(f"{type(engine.optimizer).__name__} of DeepSpeed {_ds_version()} stops on it "
+                                f"(gradient norm {value:g}: its mark of inf/NaN) rather than skipping the update") \
+            from None
+
+
+def _ds_version() -> str:
+    import deepspeed
+
+    return str(deepspeed.__version__)
 
 
 def apply_lr_factor(engine, factor: float) -> None:

@@ -18,23 +18,11 @@ from pathlib import Path
 from ds_core.config import TrainConfig
 from ds_core.errors import ConfigError
 from ds_core.rank import run_lock
-
-# Launchers' names for the global rank before torch.distributed exists (deepspeed/torchrun, Open MPI, MPICH/PMIx,
-# MVAPICH, Slurm). The same list as ds_core.rank.engine._MPI_RANK_VARS plus RANK and SLURM_PROCID.
-_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+from ds_core.rank.rendezvous import env_rank
 
 
 class RunDirInUse(ConfigError):
     """run_dir holds checkpoints or metrics of an earlier run and neither --resume nor --overwrite_run_dir was given."""
-
-
-def env_rank() -> int:
-    """This process's global rank as the launcher announced it; 0 for a process started by hand."""
-    for var in _RANK_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 0
 
 
 def previous_run(run_dir: str | os.PathLike) -> list[str]:

@@ -33,12 +33,18 @@ class RunSpec:
     settings sections (ds_core.config.parse_settings), one of them `train: TrainConfig`."""
 
     settings: type
-    default_ds_config: str  # a file name in ds_configs/ used when --deepspeed_config is not given
+    # the DeepSpeed JSON when --deepspeed_config is not given: a file name in ds_configs/, or cfg -> that name (a model
+    # whose presets each bring their own), raising ConfigError where the settings have none
+    default_ds_config: str | Callable[[Any], str]
     optimizer_in_code: bool | None  # ds_core.config.ds_json.check_ds_json: True, False, or None (either)
     description: str | None = None
+    prog: str | None = None  # the command --help and errors name, e.g. "python -m bert_ref.train"
     # cfg -> (cfg, notices), before any rank starts (presets resolved, paths looked up, flags mapped): a new tree
     # (dataclasses.replace), the parsed one is frozen; notices are one-line messages for rank 0
     resolve: Callable[[Any], tuple[Any, list[str]]] | None = None
+    # (cfg, batch) -> None, raising ConfigError: a check of the batch numbers the model's settings depend on (a
+    # published recipe's global batch)
+    check_batch: Callable[[Any, Batch], None] | None = None
     # cfg -> whether this run trains (an eval-only run leaves run_dir as it is: nothing of a run is written)
     trains: Callable[[Any], bool] = lambda cfg: True
     # (cfg, ds_config) -> notices: the model's own values written into the resolved DeepSpeed config (a copy)
@@ -112,9 +118,10 @@ def decide_total_steps(train: TrainConfig, micro_batches_per_epoch: int, grad_ac
 
 def start_run(spec: RunSpec, argv: Sequence[str] | None = None) -> Run:
     """Parse and resolve the settings, then start this rank: see the module docstring. Every rank calls it."""
-    cfg = parse_settings(spec.settings, argv, description=spec.description)  # each section validated
+    cfg = parse_settings(spec.settings, argv, description=spec.description, prog=spec.prog)  # sections validated
+    default = spec.default_ds_config(cfg) if callable(spec.default_ds_config) else spec.default_ds_config
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, deepspeed_config=cfg.train.deepspeed_config or spec.default_ds_config))
+        cfg.train, deepspeed_config=cfg.train.deepspeed_config or default))
     notices: list[str] = []
     if spec.resolve is not None:
         cfg, notices = spec.resolve(cfg)
@@ -133,8 +140,11 @@ def start_run(spec: RunSpec, argv: Sequence[str] | None = None) -> Run:
         ds_config = resize.ds_config(ds_config)
     if spec.adjust_ds_config is not None:
         notices += spec.adjust_ds_config(cfg, ds_config)
+    run = Run.of(cfg, dist, ds_config, resize=resize, resume_tag=resume_tag, notices=tuple(notices))
+    if spec.check_batch is not None:
+        spec.check_batch(cfg, run.batch)
     save_run_config(train.run_dir, *sections_of(cfg), rank=dist.rank)
-    return Run.of(cfg, dist, ds_config, resize=resize, resume_tag=resume_tag, notices=tuple(notices))
+    return run
 
 
 __all__ = ["RunSpec", "LoopSettings", "Run", "start_run", "decide_total_steps"]

@@ -38,6 +38,7 @@ from ds_core.run.components import Callback, Checkpointing, EvalTask, Evaluation
 from ds_core.run.divergence import DivergenceGuard
 from ds_core.run.loop import (
     EXIT_STOPPED,
+    NonFiniteGradNorm,
     PendingStep,
     Step,
     StepFn,
@@ -206,7 +207,15 @@ class Trainer:
         batches, batch_iter = 0, iter(self.run.data)
         while (batch := self._next_batch(batch_iter)) is not _END:
             batches += 1
-            pending = self.stepper(batch)
+            try:
+                pending = self.stepper(batch)
+            except NonFiniteGradNorm as e:
+                self._read()  # the steps before it recorded (and judged) first
+                self.metrics.persist()
+                raise TrainingDiverged(
+                    f"training diverged: the gradient norm of optimizer step {self.step + 1} is not finite, and {e}. "
+                    f"Stopped without saving; the latest checkpoint is still {self.checkpoints.latest()} in "
+                    f"{self.checkpoints.root} (resume from it with a lower learning rate)") from None
             if pending is not None and self._after_optimizer_step(pending):
                 break
         return batches
@@ -292,8 +301,8 @@ class Trainer:
         return None
 
     def _diverged(self, loss: float, step: int, epoch: int) -> str:
-        return (f"loss is {loss} at optimizer step {step} (epoch {epoch}); stopped without saving: the latest "
-                f"checkpoint is still {self.checkpoints.latest()} in {self.checkpoints.root}")
+        return (f"training diverged: loss is {loss} at optimizer step {step} (epoch {epoch}); stopped without saving: "
+                f"the latest checkpoint is still {self.checkpoints.latest()} in {self.checkpoints.root}")
 
     # -- evaluation, saving, the end ------------------------------------------------------------------------------
     def _evaluate(self) -> None:

@@ -3,7 +3,7 @@ through the real launchers (launch.local_ranks), `ds-study report` writes the ta
 
     ds-study plan studies/bridgetower_dataloading.toml
     ds-study run studies/bridgetower_dataloading.toml [--out DIR] [--rerun]
-    ds-study report runs/studies/bridgetower_dataloading [--from_table published.csv]
+    ds-study report runs/studies/bridgetower_dataloading [--from_table CELLS.csv]
 
 The schema is documented in ds_tools/study/spec.py; the directory layout in ds_tools/study/runner.py.
 """

@@ -38,17 +38,24 @@ def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
 def comms_records() -> dict:
     """{op: {"count": n, "bytes": total, "sizes": {msg_size: count}, "latency_ms": total}} from DeepSpeed's logger.
 
-    DeepSpeed 0.19 appends, per call, its timer's elapsed(reset=False) (comm/comm.py:142), which is the running total
-    of every call of that op so far (utils/timer.py _get_elapsed_msec sums all records): the op's total time is the
-    largest value recorded, not their sum."""
+    DeepSpeed appends, per call, its timer's elapsed(reset=False) (comm/comm.py log_wrapper). In 0.19 that is the
+    running total of every call of that op so far (utils/timer.py _get_elapsed_msec sums all records and keeps them):
+    the op's total time is the largest value recorded. Habana's fork (0.16.1) clears the records on each read, so each
+    value is that call's own time: the total is their sum. Which one is read from the installed DeepSpeed
+    (ds_core.compat.deepspeed_behaviour.comms_timer_cumulative)."""
     from deepspeed.comm import comm
 
+    from ds_core.compat.deepspeed_behaviour import comms_timer_cumulative
+
+    total = max if comms_timer_cumulative() else sum
     out = {}
     for op, by_size in comm.comms_logger.comms_dict.items():
         sizes = {str(size): int(rec[0]) for size, rec in by_size.items()}
+        # the timer is per op, not per message size: the largest running total over all sizes, or every call's sum
+        per_size = [total(rec[1]) for rec in by_size.values() if rec[1]]
+        latency = total(per_size) if per_size else 0.0
         out[op] = {"count": sum(sizes.values()), "bytes": sum(int(s) * n for s, n in sizes.items()),
-                   "sizes": sizes,
-                   "latency_ms": float(max((max(rec[1]) for rec in by_size.values() if rec[1]), default=0.0))}
+                   "sizes": sizes, "latency_ms": float(latency)}
     return out
 
 

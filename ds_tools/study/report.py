@@ -9,7 +9,9 @@ scaling.png: ds_tools.scaling's throughput and efficiency lines) into the report
 
 A `--from_table` CSV holds already-measured cells: one column per axis plus `samples_per_s` (or `throughput`), an
 optional `accelerators` (for per-accelerator figures) and an optional `source` (rows with different sources are
-separate tables). A CSV with `nodes,accelerators,throughput` columns goes to the scaling table instead.
+separate tables). A study's own report.csv reads back the same way: its measurement columns (REPORT_COLUMNS) are not
+axes, and its repeats, step time and peak memory are kept. A CSV with `nodes,accelerators,throughput` columns goes to
+the scaling table instead.
 """
 from __future__ import annotations
 
@@ -152,6 +154,21 @@ def _speedups(combos: list[Combo], baseline: dict) -> None:
         c.extra["baseline"] = c is base
 
 
+# The columns report.csv writes besides the axes (report()), and those a table may carry that are not axes either.
+REPORT_COLUMNS = ("samples_per_s", "throughput", "accelerators", "source", "note", "per_accelerator", "speedup",
+                  "spread_pct", "runs", "failed", "repeats_samples_per_s", "baseline", "other_collectives")
+_MEASURED = ("grad_collectives_per_step", "grad_bytes_per_step", "step_time_s", "peak_memory_bytes")
+
+
+def _repeats(row: dict, value: float) -> list[float]:
+    """A report.csv row's repeats (a JSON list), else the row's one value."""
+    try:
+        got = json.loads(row.get("repeats_samples_per_s") or "[]")
+    except json.JSONDecodeError:
+        return [value]
+    return [float(v) for v in got] if isinstance(got, list) and got else [value]
+
+
 def read_cells_table(path: str | Path, axes_hint: Sequence[str] = ()) -> list[Combo]:
     """A CSV of already-measured cells (see the module doc). Speedups are against each source's first row unless
     its axis values match the study's baseline (set later by the caller)."""
@@ -164,7 +181,7 @@ def read_cells_table(path: str | Path, axes_hint: Sequence[str] = ()) -> list[Co
     value_col = "samples_per_s" if "samples_per_s" in cols else "throughput" if "throughput" in cols else None
     if value_col is None:
         raise StudyError(f"{path}: columns {cols}; expected a samples_per_s (or throughput) column")
-    axes = [c for c in cols if c not in (value_col, "accelerators", "source", "note")]
+    axes = [c for c in cols if c not in REPORT_COLUMNS + _MEASURED + ("peak_memory_kind",)]
     if not axes:
         raise StudyError(f"{path}: no axis column besides {value_col} (expected e.g. dataloader_num_workers)")
     by: dict = {}
@@ -172,8 +189,9 @@ def read_cells_table(path: str | Path, axes_hint: Sequence[str] = ()) -> list[Co
         row = {k.strip(): (v or "").strip() for k, v in row.items() if k}
         try:
             value = float(row[value_col])
-            acc = int(row["accelerators"]) if row.get("accelerators") else None
-        except ValueError:
+            acc = int(row["accelerators"]) if row.get("accelerators") else \
+                round(value / float(row["per_accelerator"])) if row.get("per_accelerator") else None
+        except (ValueError, ZeroDivisionError):
             raise StudyError(f"{path}:{i}: {value_col}={row[value_col]!r} accelerators={row.get('accelerators')!r}: "
                              "expected a number and an integer") from None
         if not (math.isfinite(value) and value > 0):
@@ -181,7 +199,10 @@ def read_cells_table(path: str | Path, axes_hint: Sequence[str] = ()) -> list[Co
         source = row.get("source") or path.stem
         values = {a: _num(row[a]) for a in axes}
         c = by.setdefault((source, tuple(map(str, values.values()))), Combo(source, values, [], acc))
-        c.samples.append(value)
+        c.samples += _repeats(row, value)
+        c.extra.update({k: float(row[k]) for k in _MEASURED if row.get(k)})
+        if row.get("peak_memory_kind"):
+            c.extra["peak_memory_kind"] = row["peak_memory_kind"]
     if not by:
         raise StudyError(f"{path}: no rows")
     return list(by.values())
@@ -250,7 +271,7 @@ def plot_bars(sources: list[tuple[str, list[Combo]]], axes: list[str], path: Pat
     for ax, (title, combos) in zip(panels[0], sources):
         ax_axes = [a for a in axes if any(a in c.values for c in combos)]
         hue = ax_axes[-1] if ax_axes else None
-        groups = list(dict.fromkeys(" ".join(f"{a}={c.values[a]}" for a in ax_axes[:-1]) for c in combos))
+        groups = list(dict.fromkeys(tuple(str(c.values[a]) for a in ax_axes[:-1]) for c in combos))
         hues = list(dict.fromkeys(str(c.values[hue]) for c in combos)) if hue else [""]
         width = 0.8 / max(1, len(hues))
         for j, h in enumerate(hues):
@@ -258,7 +279,7 @@ def plot_bars(sources: list[tuple[str, list[Combo]]], axes: list[str], path: Pat
             for c in combos:
                 if hue and str(c.values[hue]) != h or not c.mean:
                     continue
-                g = " ".join(f"{a}={c.values[a]}" for a in ax_axes[:-1])
+                g = tuple(str(c.values[a]) for a in ax_axes[:-1])
                 xs.append(groups.index(g) + (j - (len(hues) - 1) / 2) * width)
                 ys.append(c.mean)
                 lo.append(c.mean - min(c.samples))
@@ -269,8 +290,7 @@ def plot_bars(sources: list[tuple[str, list[Combo]]], axes: list[str], path: Pat
                 ax.annotate(f"{c_y:.1f}", (b.get_x() + b.get_width() / 2, c_y), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(groups)))
         # tick labels carry values only (the axis names go to the x label) so that six groups still fit
-        ax.set_xticklabels(["\n".join(p.split("=", 1)[1] for p in g.split(" ")) if g else "all" for g in groups],
-                           fontsize=8)
+        ax.set_xticklabels(["\n".join(g) if g else "all" for g in groups], fontsize=8)
         ax.set_xlabel(" / ".join(ax_axes[:-1]), fontsize=8)
         ax.set_ylabel("samples/s (whole job)")
         ax.set_title(title, fontsize=9)

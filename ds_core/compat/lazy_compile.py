@@ -7,7 +7,8 @@ imports Inductor: ~1.9 s per rank on a 2-core EPYC, paid by every run, though on
 kernels (this toolkit builds NVLAMB, LANS and AdamW). import_muon_lazily imports the module once with torch.compile
 standing in as deferred_compile: each decorated function is compiled by the real torch.compile, with the same
 arguments, on its first call. Nothing else changes; a run that compiles its model (--compile) still imports Inductor
-then.
+then. Applied by feature (ds_core.compat.changes): a DeepSpeed without that module (Habana's fork, 0.16.1) compiles
+nothing there, and the change is off with one line.
 """
 from __future__ import annotations
 
@@ -41,18 +42,23 @@ def deferred_compile(real: Callable) -> Callable:
     return compile_
 
 
-def import_muon_lazily() -> None:
-    """Import DeepSpeed's Muon module (where this DeepSpeed has one) with its torch.compile decorations deferred."""
+def import_muon_lazily(say: Callable[[str], None] | None = None) -> bool:
+    """Import DeepSpeed's Muon module (where this DeepSpeed has one) with its torch.compile decorations deferred;
+    True where it is imported (now or before)."""
+    from ds_core.compat.changes import missing, say_off
+
     if MUON_MODULE in sys.modules:
-        return
+        return True
+    if why := missing("lazy_muon_import"):
+        say_off("lazy_muon_import", why, say)
+        return False
     real = torch.compile
     torch.compile = deferred_compile(real)
     try:
         importlib.import_module(MUON_MODULE)
-    except ImportError:  # a DeepSpeed without Muon: nothing to defer
-        pass
     finally:
         torch.compile = real
+    return True
 
 
 __all__ = ["deferred_compile", "import_muon_lazily", "MUON_MODULE"]

@@ -12,16 +12,20 @@ and ~1,200 for BERT-Large's 398. DeepSpeed has no setting for it, so the method 
 instance; where the hook has more to do (the AutoEP folding correction) DeepSpeed's own method stays. Only on CUDA
 and the CPU, where the in-place mixed-dtype add is tested against DeepSpeed's copy-then-add bit for bit
 (tests/test_flat_norm.py on the real engine; tests/test_gpu_train.py on CUDA); HPU keeps DeepSpeed's hook.
+Applied by feature (ds_core.compat.changes): Habana's fork (0.16.1) has the same method with the same body; a
+DeepSpeed whose _update_hp_grad takes other parameters keeps its own, with one line.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 DEVICES = ("cuda", "cpu")
 
 
-def use_one_op_grad_hook(engine: Any, device_type: str) -> bool:
+def use_one_op_grad_hook(engine: Any, device_type: str, say: Callable[[str], None] | None = None) -> bool:
     """Install the two-op gradient accumulation on the engine's BF16_Optimizer; True if it did."""
+    from ds_core.compat.changes import missing, say_off
+
     try:
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     except ImportError:
@@ -30,6 +34,12 @@ def use_one_op_grad_hook(engine: Any, device_type: str) -> bool:
     if not isinstance(opt, BF16_Optimizer) or device_type not in DEVICES:
         return False
     if getattr(opt, "autoep_folding_tp_group", None) is not None:
+        return False
+    why = missing("one_op_grad_hook") or next(
+        (f"BF16_Optimizer has no {a}" for a in ("fp32_groups_gradients", "fp32_groups_has_gradients")
+         if not hasattr(opt, a)), None)
+    if why:
+        say_off("one_op_grad_hook", why, say)
         return False
 
     def _update_hp_grad(lp, group_idx, param_idx, clear_lp_grads):

@@ -1,0 +1,99 @@
+"""Behaviour that differs between DeepSpeed releases, read from the installed DeepSpeed rather than written down for
+one of them.
+
+- optimizer_wrapper: which wrapper a configuration gets (BF16_Optimizer, DeepSpeedZeroOptimizer, ...), or the error
+  DeepSpeed raises for it, by running DeepSpeed's own decision (DeepSpeedEngine._do_optimizer_sanity_check) on the
+  configuration. DeepSpeed 0.19 gives ZeRO-0 + bf16 its DDP_BFLOAT16 path with bf16 accumulation and refuses fp32
+  accumulation; Habana's fork (0.16.1) gives it BF16_Optimizer with fp32 accumulation and refuses bf16 accumulation.
+  ds-tune's memory model and the config checks (ds_core.config.settle_grad_accum_dtype) ask here.
+- comms_timer_cumulative: whether the comms logger's per-call record is the running total of the op (0.19: its
+  timer's elapsed(reset=False) sums every call so far) or that call's own time (the fork clears the timer's records
+  on each read): the study's comm latency is then the largest record or their sum.
+- What a non-finite gradient norm does is decided per wrapper by DeepSpeed's step and read at run time
+  (ds_core.run.loop): 0.19's BF16_Optimizer skips the update; the fork's asserts `all_groups_norm > 0`; ZeRO-1/2 with
+  bf16 and no overflow check applies it with DeepSpeed's -1 for the norm. The loop turns each into the divergence
+  guard's one line.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any
+
+WRAPPER_NAMES = {"zero": "DeepSpeedZeroOptimizer", "zero3": "DeepSpeedZeroOptimizer_Stage3",
+                 "bf16": "BF16_Optimizer", "fp16_fused": "FP16_Optimizer", "fp16_unfused": "FP16_UnfusedOptimizer",
+                 "amp": "amp", None: "basic"}
+
+
+class WrapperRefused(ValueError):
+    """DeepSpeed refuses the configuration at deepspeed.initialize; the message is DeepSpeed's."""
+
+
+def _stub_engine(stage: int, model_dtype: Any, accum_dtype: Any, cpu_offload: bool) -> Any:
+    """The engine methods _do_optimizer_sanity_check reads (0.16 and 0.19 read subsets of these), for one
+    configuration; rank 1 so that DeepSpeed logs nothing."""
+    return types.SimpleNamespace(
+        get_data_types=lambda: (model_dtype, accum_dtype), zero_optimization=lambda: stage > 0,
+        zero_optimization_stage=lambda: stage, zero_cpu_offload=lambda: cpu_offload,
+        zero_compute_grad_norm=lambda: True, zero_allow_untested_optimizer=lambda: True, amp_enabled=lambda: False,
+        pipeline_parallelism=False, global_rank=1)
+
+
+def optimizer_wrapper(stage: int, precision: str, grad_accum_dtype: str | None = None, *, fused_adam: bool = True,
+                      cpu_offload: bool = False) -> str:
+    """The class name of the optimizer wrapper the installed DeepSpeed builds for this configuration ("basic": none,
+    the optimizer itself); raises WrapperRefused with DeepSpeed's message where deepspeed.initialize would raise.
+    precision: "bf16" | "fp16" | "fp32"; grad_accum_dtype: data_types.grad_accum_dtype (None: the model's dtype, as
+    DeepSpeed defaults); fused_adam: FusedAdam as the optimizer (DeepSpeed's fused fp16 wrapper serves only it)."""
+    import torch
+    from deepspeed.runtime import engine as ds_engine
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    model = dtypes[precision]
+    accum = dtypes[grad_accum_dtype] if grad_accum_dtype else model
+    stub = _stub_engine(stage, model, accum, cpu_offload)
+    # the ZeRO-supported-optimizer check asks the process group's rank (0.19): no process group in a tool; every
+    # optimizer this toolkit builds runs with zero_allow_untested_optimizer's answer anyway
+    real = ds_engine.is_zero_supported_optimizer
+    ds_engine.is_zero_supported_optimizer = lambda _opt: True
+    try:
+        kind = ds_engine.DeepSpeedEngine._do_optimizer_sanity_check(stub, None)
+    except (NotImplementedError, ValueError, AssertionError) as e:
+        raise WrapperRefused(str(e)) from None
+    finally:
+        ds_engine.is_zero_supported_optimizer = real
+    const = {getattr(ds_engine, n, object()): n for n in ("ZERO_OPTIMIZATION", "BFLOAT16", "FP16", "DDP_BFLOAT16",
+                                                          "AMP")}
+    name = const.get(kind)
+    if name == "ZERO_OPTIMIZATION":
+        return WRAPPER_NAMES["zero3" if stage == 3 else "zero"]
+    if name == "BFLOAT16":
+        return WRAPPER_NAMES["bf16"]
+    if name in ("FP16", "DDP_BFLOAT16"):  # engine._configure_fp16_optimizer: the fused one serves FusedAdam only
+        return WRAPPER_NAMES["fp16_fused" if fused_adam else "fp16_unfused"]
+    if name == "AMP":
+        return WRAPPER_NAMES["amp"]
+    return WRAPPER_NAMES[None]
+
+
+def deepspeed_version() -> str:
+    try:
+        import deepspeed
+    except ImportError:
+        return "not installed"
+    return str(deepspeed.__version__)
+
+
+def comms_timer_cumulative() -> bool:
+    """Whether the installed DeepSpeed's comms-logger timer returns, on each read, the running total of every call of
+    its op (True, 0.19) or only the calls since the last read (False, Habana's fork): one timed call, read twice."""
+    from deepspeed.utils.timer import SynchronizedWallClockTimer
+
+    timer = SynchronizedWallClockTimer.Timer("ds_core_probe")
+    timer.use_host_timer = True  # what is probed is the bookkeeping, not the clock: no device event needed
+    timer.start()
+    timer.stop()
+    timer.elapsed(reset=False)  # what deepspeed.comm's log_wrapper calls after every logged collective
+    return bool(timer.event_timers)  # kept: the next read sums it again (cumulative); cleared: per-read
+
+
+__all__ = ["optimizer_wrapper", "WrapperRefused", "WRAPPER_NAMES", "comms_timer_cumulative", "deepspeed_version"]
