@@ -6,9 +6,9 @@ Layout: the test files (sorted) are one sequence of N samples; rank r takes the 
 of forward passes, ceil(ceil(N/W) / B): under ZeRO-3 each forward gathers parameters collectively, so a rank that has
 run out of samples runs a padding batch (one sample, weight 0) instead of leaving the others waiting.
 
-Reported (one all-reduce of six sums at the end): MLM loss (mean cross entropy over all masked tokens of the test set)
-and accuracy at the masked positions, NSP loss (mean over samples) and accuracy, and the counts (samples, masked
-tokens) so a reader can check that every sample was seen once.
+Reported (two all-reduces at the end: the two loss sums, the four counts): MLM loss (mean cross entropy over all
+masked tokens of the test set) and accuracy at the masked positions, NSP loss (mean over samples) and accuracy, and
+the counts (samples, masked tokens) so a reader can check that every sample was seen once.
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from bert_ref.configs import BertPreset, check_data_matches
 from bert_ref.data import DEFAULT_BLOCK_SAMPLES, IGNORE_INDEX, Segment, load_block, make_batch
 from bert_ref.shards import inspect_shards, list_test_shards
 from bert_ref.step import forward
+from ds_core.device import hpu
 from ds_core.errors import ConfigError
 from ds_core.run.components import EvalTask, Evaluation
-from ds_core.run.loop import EvalFn
+from ds_core.run.loop import EvalFn, step_marker, to_device
 from ds_core.run.setup import Run
 
 
@@ -102,8 +103,14 @@ def _take(pending: list[dict[str, torch.Tensor]], n: int) -> dict[str, torch.Ten
 
 
 def evaluate(engine: Any, data: EvalData, sparse_predictions: int = 0) -> dict:
-    """MLM / NSP loss and accuracy over every test sample (collective: every rank calls it)."""
-    sums = torch.zeros(6, dtype=torch.float64, device=engine.device)
+    """MLM / NSP loss and accuracy over every test sample (collective: every rank calls it). The loss sums are
+    float64, the counts int64; on an HPU float32 and int32 (ds_core.device.hpu: no float64 there, and HCCL reduces
+    float32 and int32), so the counts stay exact everywhere."""
+    dev = engine.device
+    losses = torch.zeros(2, dtype=hpu.sum_dtype(dev.type), device=dev)  # MLM, NSP cross-entropy sums
+    counts = torch.zeros(4, dtype=hpu.count_dtype(dev.type), device=dev)  # MLM right, masked tokens, NSP right, samples
+    samples = 0
+    mark_step = step_marker(dev)  # Gaudi's lazy mode: one graph per batch, as GaudiTrainer's evaluation loop
     engine.eval()
     with torch.no_grad():
         for batch, n in data:
@@ -113,18 +120,20 @@ def evaluate(engine: Any, data: EvalData, sparse_predictions: int = 0) -> dict:
             logits = out.prediction_logits[:n][masked].float()  # [masked tokens, V]: only those in fp32
             target = labels[masked]
             nsp_logits = out.seq_relationship_logits[:n].float()
-            nsp_target = batch["next_sentence_label"][:n].to(engine.device)
-            sums += torch.stack([
-                F.cross_entropy(logits, target, reduction="sum"),
-                (logits.argmax(-1) == target).sum(),
-                masked.sum(),
-                F.cross_entropy(nsp_logits, nsp_target, reduction="sum"),
-                (nsp_logits.argmax(-1) == nsp_target).sum(),
-                torch.tensor(n, device=engine.device),
-            ]).double()
+            nsp_target = to_device(batch["next_sentence_label"][:n], dev)
+            losses += torch.stack([F.cross_entropy(logits, target, reduction="sum"),
+                                   F.cross_entropy(nsp_logits, nsp_target, reduction="sum")]).to(losses.dtype)
+            counts[:3] += torch.stack([(logits.argmax(-1) == target).sum(), masked.sum(),
+                                       (nsp_logits.argmax(-1) == nsp_target).sum()]).to(counts.dtype)
+            samples += n
+            if mark_step is not None:
+                mark_step()
+    counts[3:] += to_device(torch.tensor([samples], dtype=counts.dtype), dev)
     if tdist.is_initialized() and tdist.get_world_size() > 1:
-        tdist.all_reduce(sums)
-    mlm_loss, mlm_right, tokens, nsp_loss, nsp_right, samples = sums.tolist()
+        tdist.all_reduce(losses)
+        tdist.all_reduce(counts)
+    mlm_loss, nsp_loss = losses.tolist()
+    mlm_right, tokens, nsp_right, samples = counts.tolist()
     return {"mlm_loss": mlm_loss / max(tokens, 1), "mlm_accuracy": mlm_right / max(tokens, 1),
             "nsp_loss": nsp_loss / max(samples, 1), "nsp_accuracy": nsp_right / max(samples, 1),
             "samples": int(samples), "mlm_tokens": int(tokens)}

@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from ds_core.compat.zero_layout import FlatLayout, missing_attributes, partition_segments, zero_layouts
+from ds_core.device.hpu import op_on_device, sum_dtype
 from ds_core.errors import ConfigError
 
 
@@ -128,7 +129,8 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
                   like: torch.Tensor | None) -> torch.Tensor:
         """Sum of squares per key (global index = offset + key) over the given flat tensors, then one all-reduce if
         partitioned. items: (1-D tensor, layout, offset), consumed lazily (a generator keeps one temporary alive).
-        One segment_reduce per flat tensor, not one norm per segment; no host sync."""
+        One segment_reduce per flat tensor, not one norm per segment (on an HPU, where Habana lists no
+        segment_reduce, one per segment); no host sync."""
         dtype = torch.float64 if like is not None and like.dtype == torch.float64 else torch.float32
         device = like.device if like is not None else torch.device("cpu")
         out = torch.zeros(n + 1, dtype=dtype, device=device)  # slot n collects the padding, dropped below
@@ -138,10 +140,17 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
             # CUDA's is a tree reduction, where fp32 is as exact as torch._foreach_norm
             acc = torch.float64 if t.dtype == torch.float64 or t.device.type == "cpu" else torch.float32
             x = t.to(acc)
-            # unsafe=True: skip segment_reduce's check that the lengths are >= 0 and sum to the size, two host reads
-            # of the device per call; _index builds them from the layout, which covers the tensor exactly
-            out.index_add_(0, keys, torch.segment_reduce(x * x, "sum", lengths=lens, unsafe=True).to(dtype))
-        out = out[:n]
+            if op_on_device("segment_reduce", t.device.type):
+                # unsafe=True: skip segment_reduce's check that the lengths are >= 0 and sum to the size, two host
+                # reads of the device per call; _index builds them from the layout, which covers the tensor exactly
+                sums = torch.segment_reduce(x * x, "sum", lengths=lens, unsafe=True)
+            else:
+                # Habana lists no segment_reduce for HPU (ds_core.device.hpu.HPU_LISTED_OPS): one sum of squares per
+                # segment in listed ops, as Habana's LANS takes one norm per tensor (grad.pow(2).sum()); ops grow
+                # with the tensors here, which the HPU's graph (torch.compile / lazy mode) absorbs
+                sums = torch.stack([x.narrow(0, s, ln).pow(2).sum() for _, s, ln in lay.segments])
+            out.index_add_(0, keys, sums.to(dtype))
+        out = out.narrow(0, 0, n)
         if self._partitioned:
             import deepspeed.comm as dist
 
@@ -163,7 +172,10 @@ class _TensorwiseOptimizer(torch.optim.Optimizer):
                                    f"gradient_clipping to max_grad_norm {self.max_grad_norm} in the DeepSpeed JSON")
         else:  # the model's own tensors: apex's multi_tensor_l2norm
             grads = [p.grad for _, p, _, _ in items]
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+            dev = grads[0].device.type
+            # Habana lists neither torch._foreach_norm nor float64 for HPU (ds_core.device.hpu): a norm per tensor there
+            norms = torch._foreach_norm(grads) if op_on_device("_foreach_norm", dev) else [g.norm() for g in grads]
+            norm = torch.linalg.vector_norm(torch.stack(norms).to(sum_dtype(dev)))
         return torch.clamp(norm / self.max_grad_norm, min=1.0)
 
     def _params(self) -> list[tuple[dict, torch.Tensor, FlatLayout, int]]:

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from bert_ref.data import IGNORE_INDEX
 from ds_core.compat.hf import padding_mask
 from ds_core.errors import ConfigError
-from ds_core.run.loop import StepOutput
+from ds_core.rank.engine import compile_backend
+from ds_core.run.loop import StepOutput, to_device
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
@@ -43,16 +44,23 @@ def make_step_fn(sparse_mlm_predictions: int = 0, compiled: bool = False) -> Cal
     """step_fn, or with sparse_mlm_predictions = P > 0 the sparse-MLM step: the model (build_model(...,
     sparse_mlm=True)) computes the MLM head only at P positions per sequence (the masked ones, 0-padded), the loss is
     the same mean over the masked tokens. FLOPs: flops_per_sequence(preset, mlm_positions=P).
-    compiled: the losses through torch.compile too (the model is compiled by ds_core.rank.engine.compile_model): the
-    fp32 cast, log-softmax and gather over the vocabulary become one kernel instead of an fp32 copy of the logits."""
+    compiled: the losses through torch.compile too (the model is compiled by ds_core.rank.engine.compile_model), with
+    the accelerator's backend as the model's (hpu_backend on Gaudi, which has no inductor): the fp32 cast, log-softmax
+    and gather over the vocabulary become one kernel instead of an fp32 copy of the logits."""
     if not sparse_mlm_predictions and not compiled:
         return step_fn
-    losses = torch.compile(pretraining_losses, dynamic=False) if compiled else pretraining_losses
+    losses = compiled_losses() if compiled else pretraining_losses
 
     def configured_step_fn(engine: Any, batch: dict) -> StepOutput:
         return _step(engine, batch, sparse_mlm_predictions, losses)
 
     return configured_step_fn
+
+
+def compiled_losses() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """pretraining_losses through torch.compile with the accelerator's backend (ds_core.rank.engine.compile_backend:
+    hpu_backend on Gaudi, where inductor, torch.compile's default, is not supported), one static graph."""
+    return torch.compile(pretraining_losses, dynamic=False, backend=compile_backend())
 
 
 def step_fn(engine: Any, batch: dict) -> StepOutput:
@@ -69,7 +77,7 @@ def forward(engine: Any, batch: dict, sparse_predictions: int = 0) -> tuple[Any,
     transformers module takes without a host sync (ds_core.compat.hf.padding_mask: 4-D on transformers 5, 3-D on
     4.55; from a 2-D one transformers first asks `mask.all()` on the host, a device sync every forward)."""
     dev = engine.device
-    inputs = {k: batch[k].to(dev, non_blocking=True) for k in MODEL_INPUTS}
+    inputs = {k: to_device(batch[k], dev) for k in MODEL_INPUTS}  # through pinned memory on CUDA and HPU
     model = engine.module
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa" or \
             getattr(model, "sdpa_attention", False):  # BERT's SDPA; the Pre-LN presets' (bert_ref.model)
@@ -78,14 +86,14 @@ def forward(engine: Any, batch: dict, sparse_predictions: int = 0) -> tuple[Any,
     if sparse_predictions:
         pos = masked_positions(labels, sparse_predictions)
         labels = torch.gather(labels, 1, pos)
-        inputs["masked_lm_positions"] = pos.to(dev, non_blocking=True)
-    return engine(**inputs), labels.to(dev, non_blocking=True)
+        inputs["masked_lm_positions"] = to_device(pos, dev)
+    return engine(**inputs), to_device(labels, dev)
 
 
 def _step(engine: Any, batch: dict, sparse_predictions: int, losses=pretraining_losses) -> StepOutput:
     out, labels = forward(engine, batch, sparse_predictions)
     mlm, nsp = losses(out.prediction_logits, out.seq_relationship_logits, labels,
-                      batch["next_sentence_label"].to(engine.device, non_blocking=True))
+                      to_device(batch["next_sentence_label"], engine.device))
     loss = mlm + nsp
     ids = batch["input_ids"]
     # tokens = every position processed (padding included): that is what the FLOPs per sequence count.

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     evaluation = held_out_evaluation(run, args.input_dir, preset, mlm_positions)
     engine = _engine(run)
     # every batch has one shape (seq_len; the sparse head's P positions): one static graph
-    # auto compiles on CUDA: BERT-Large's compiled step was 1.51x the eager one on an H200 (docs/compile.md)
+    # auto compiles on CUDA: BERT-Large's compiled step was 1.51x the eager one on an H200 (docs/compile.md); on Gaudi
+    # auto compiles every model (Habana's recommended execution; ds_core.rank.engine.compile_wanted)
     compiled = compile_model(engine, run.train.compile, dynamic=False, auto_on=("cuda",))
     checkpoints = Checkpointing(run, engine, {"preset": preset.name, "optimizer": run.cfg.optim.optimizer},
                                 init_from=args.init_run_dir() or None, reset_optimizer=args.reset_optimizer)

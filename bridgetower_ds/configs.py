@@ -244,12 +244,17 @@ class DataArgs:
     def requested_pipeline(self) -> str:
         return "device" if self.mediapipe_dataloader else self.image_pipeline
 
+    @property
+    def pipeline_flag(self) -> str:
+        """The option that asked for the pipeline, as the user wrote it (for errors)."""
+        return "--mediapipe_dataloader" if self.mediapipe_dataloader else f"--image_pipeline {self.image_pipeline}"
+
 
 # Where optimum-habana's HPU-only flags point a user of this toolkit instead (one line each, printed on rank 0).
 HPU_NOTICES = {
     "use_habana": "the accelerator is detected (HPU, CUDA or CPU) by DeepSpeed; nothing to switch on",
     "use_lazy_mode": "the HPU execution mode comes from the environment (PT_HPU_LAZY_MODE), as Habana's bridge "
-                     "reads it",
+                     "reads it; Gaudi's default is eager + torch.compile (PT_HPU_LAZY_MODE=0), lazy mode is legacy",
     "use_hpu_graphs_for_inference": "evaluation runs the DeepSpeed engine's eager forward; HPU graphs are not used",
     "use_hpu_graphs": "(optimum-habana's deprecated name of --use_hpu_graphs_for_inference) evaluation runs the "
                       "DeepSpeed engine's eager forward; HPU graphs are not used",

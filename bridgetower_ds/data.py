@@ -35,6 +35,7 @@ import torch
 
 from ds_core.errors import ConfigError, InputNotFound
 from ds_core.outputs.sample_log import SampleLog
+from ds_core.run.loop import pin_batches
 
 from .batching import MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length, resume_window
 from .configs import DataArgs
@@ -322,7 +323,7 @@ class CaptionData:
         self._loader = None
 
     def _resolve_pipeline(self, args: DataArgs, rank: int) -> ImagePipeline:
-        pipeline = ImagePipeline.resolve(args.requested_pipeline, self.device)
+        pipeline = ImagePipeline.resolve(args.requested_pipeline, self.device, args.pipeline_flag)
         pipeline.announce(rank)
         return pipeline
 
@@ -442,7 +443,7 @@ class CaptionData:
         if self._loader is None:
             self._loader = torch.utils.data.DataLoader(
                 self._fetch, sampler=PlanSampler(self), batch_size=None, num_workers=workers, persistent_workers=True,
-                prefetch_factor=2, pin_memory=self.device.type == "cuda", timeout=self.args.dataloader_timeout_s,
+                prefetch_factor=2, pin_memory=pin_batches(self.device), timeout=self.args.dataloader_timeout_s,
                 collate_fn=identity)
         yield from self._loader
 

@@ -16,7 +16,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as torch_dist
 
+from ds_core.device import hpu
 from ds_core.run.components import EvalTask, Evaluation
+from ds_core.run.loop import step_marker
 
 from .batching import MIN_CONTRASTIVE_ROWS
 from .configs import RunArgs
@@ -49,7 +51,7 @@ def _gather_rows(x: torch.Tensor) -> torch.Tensor:
     """all_gather of [n_rank, ...] tensors whose n differs per rank (pads to the max, then trims)."""
     if not (torch_dist.is_available() and torch_dist.is_initialized()) or torch_dist.get_world_size() == 1:
         return x
-    n = torch.tensor([x.shape[0]], device=x.device)
+    n = torch.tensor([x.shape[0]], dtype=hpu.count_dtype(x.device.type), device=x.device)  # HCCL: int32 on HPU
     sizes = [torch.zeros_like(n) for _ in range(torch_dist.get_world_size())]
     torch_dist.all_gather(sizes, n)
     sizes = [int(s.item()) for s in sizes]
@@ -63,7 +65,7 @@ def _gather_rows(x: torch.Tensor) -> torch.Tensor:
 def _any_rank(flag: bool, device: torch.device) -> bool:
     if not (torch_dist.is_available() and torch_dist.is_initialized()):
         return flag
-    t = torch.tensor([1 if flag else 0], device=device)
+    t = torch.tensor([1 if flag else 0], dtype=hpu.count_dtype(device.type), device=device)
     torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -87,8 +89,11 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
     module.global_negatives = False
     it = iter(batches)
     last = None
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    n_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # float64 / int64 sums, float32 / int32 on an HPU (ds_core.device.hpu: no float64 there, HCCL reduces neither)
+    loss_sum = torch.zeros((), dtype=hpu.sum_dtype(device.type), device=device)
+    n_sum = torch.zeros((), dtype=hpu.count_dtype(device.type), device=device)
+    index_dtype = hpu.count_dtype(device.type)
+    mark_step = step_marker(device)  # Gaudi's lazy mode: one graph per batch, as GaudiTrainer's evaluation loop
     texts, images, rows = [], [], []
     try:
         while True:
@@ -105,6 +110,8 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
                  if isinstance(v, torch.Tensor)}
             out = engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                          pixel_values=b["pixel_values"], return_loss=True)
+            if mark_step is not None:
+                mark_step()
             if not real:
                 continue
             n = b["input_ids"].shape[0]
@@ -112,12 +119,12 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
             # row has no negative (loss exactly 0): it is ranked for recall but not averaged into the loss.
             n_real = int((b["index"] >= 0).sum().item()) if "index" in b else n
             if n_real == n and n >= MIN_CONTRASTIVE_ROWS:
-                loss_sum += out.loss.detach().double() * n
+                loss_sum += out.loss.detach().to(loss_sum.dtype) * n
                 n_sum += n
             texts.append(out.text_embeds.float())
             images.append(out.image_embeds.float())
-            rows.append(b["index"].long() if "index" in b else
-                        torch.arange(n, device=device) + sum(r.shape[0] for r in rows))
+            rows.append(b["index"].to(index_dtype) if "index" in b else
+                        torch.arange(n, dtype=index_dtype, device=device) + sum(r.shape[0] for r in rows))
     finally:
         module.train(was_training)
         if had_global:
@@ -128,7 +135,7 @@ def evaluate(engine, batches: Iterable[dict], *, prefix: str = "eval") -> dict[s
     dim = module.config.contrastive_hidden_size
     text = torch.cat(texts) if texts else torch.zeros((0, dim), device=device)
     image = torch.cat(images) if images else torch.zeros((0, dim), device=device)
-    row = torch.cat(rows) if rows else torch.zeros((0,), dtype=torch.long, device=device)
+    row = torch.cat(rows) if rows else torch.zeros((0,), dtype=index_dtype, device=device)
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.all_reduce(loss_sum)
         torch_dist.all_reduce(n_sum)

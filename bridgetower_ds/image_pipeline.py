@@ -29,9 +29,10 @@ class ImagePipeline:
             raise ValueError(f"image pipeline {self.name!r}: expected one of {', '.join(PIPELINES)}")
 
     @classmethod
-    def resolve(cls, requested: str, device: torch.device | str) -> "ImagePipeline":
-        """The pipeline --image_pipeline asks for on `device` (images.resolve_pipeline: errors name the flag)."""
-        return cls(*resolve_pipeline(requested, device))
+    def resolve(cls, requested: str, device: torch.device | str, flag: str = "") -> "ImagePipeline":
+        """The pipeline --image_pipeline asks for on `device` (images.resolve_pipeline: errors name `flag`, the
+        option as the user gave it)."""
+        return cls(*resolve_pipeline(requested, device, flag))
 
     @property
     def decodes_in_workers(self) -> bool:

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 
+from ds_core.device import hpu as hpu_rules
 from ds_core.errors import ConfigError
 
 from .jpeg_chroma import chroma_factors, fancy_upsample_chroma, needs_fancy
@@ -538,12 +539,14 @@ def cuda_available() -> tuple[bool, str]:
     return True, "CUDA device and torchvision.io.decode_jpeg present"
 
 
-def resolve_pipeline(requested: str, device: torch.device | str) -> tuple[str, str]:
+def resolve_pipeline(requested: str, device: torch.device | str, flag: str = "",
+                     generation: str | None = None) -> tuple[str, str]:
     """Map --image_pipeline (host|device|auto) and the training device to a pipeline name and the reason for it.
 
     "device" follows the device the model trains on; it fails (RuntimeError naming what is missing) when that
-    device's decoder cannot run. "auto" prefers hpu > cuda > cpu-thread decoding.
-    """
+    device's decoder cannot run, and on a first-generation Gaudi (ConfigError naming `flag`, the option the user gave:
+    Habana's media pipe runs on Gaudi2 and Gaudi3 only). "auto" prefers hpu > cuda > cpu-thread decoding, and takes
+    the host pipeline on a first-generation Gaudi. `generation`: the Gaudi's (default: asked of the bridge)."""
     dev = torch.device(device)
     if requested == "host":
         return "host", "requested --image_pipeline host"
@@ -552,6 +555,10 @@ def resolve_pipeline(requested: str, device: torch.device | str) -> tuple[str, s
             ok, why = hpu_available()
             if not ok:
                 raise RuntimeError(f"--image_pipeline device on HPU cannot run: {why}")
+            refusal = _media_pipe_refusal(generation)
+            if refusal:
+                raise ConfigError(f"{flag or '--image_pipeline device'}: {refusal}; use --image_pipeline host (or "
+                                  "auto, which takes it there)")
             return "device-hpu", why
         if dev.type == "cuda":
             ok, why = cuda_available()
@@ -566,10 +573,21 @@ def resolve_pipeline(requested: str, device: torch.device | str) -> tuple[str, s
         for name, check, dtype_ in (("device-hpu", hpu_available, "hpu"), ("device-cuda", cuda_available, "cuda")):
             ok, why = check()
             if ok and dev.type == dtype_:
-                return name, why
+                refusal = _media_pipe_refusal(generation) if name == "device-hpu" else None
+                return ("host", f"{refusal} -> host pipeline") if refusal else (name, why)
             reasons.append(why if not ok else f"{why}, but training runs on {dev.type}")
         return "device-cpu", "; ".join(reasons) + " -> CPU thread-pool decoding"
     raise ConfigError(f"--image_pipeline must be host, device or auto, got {requested!r}")
+
+
+def _media_pipe_refusal(generation: str | None) -> str | None:
+    """Why Habana's media pipe cannot run on this Gaudi, or None where it can (Gaudi2, Gaudi3)."""
+    gen = generation if generation is not None else hpu_rules.device_generation()
+    if hpu_rules.media_pipe_supported(gen):
+        return None
+    return (f"this is a first-generation Gaudi ({gen or 'no generation reported'}), and Habana's media pipe runs on "
+            "Gaudi2 and Gaudi3 only (Intel Gaudi docs, MediaPipe: \"Includes Gaudi 3 and Gaudi 2 support\"; "
+            "optimum-habana: --mediapipe_dataloader is not supported on Gaudi1)")
 
 
 def make_device_decoder(pipeline: str, size: int, device, draft: bool = True,

@@ -123,7 +123,7 @@ class Sources:
             raise ConfigError(f"--image_size {cfg.data.image_size} != the model's vision image_size {image_size}")
         seed = cfg.train.seed
         splits = trainer_flags.open_files(cfg.compat, cfg.data, seed) or open_dataset(cfg.data, seed)
-        pipeline = ImagePipeline.resolve(cfg.data.requested_pipeline, run.dist.device)
+        pipeline = ImagePipeline.resolve(cfg.data.requested_pipeline, run.dist.device, cfg.data.pipeline_flag)
         pipeline.announce(run.dist.rank)
         return cls(run, tokenizer, image_size, splits, pipeline)
 

@@ -8,6 +8,12 @@ toolkit versions as this machine, accelerators >= slots, the profile's variables
 (the host's environment plus the .deepspeed_env DeepSpeed exports from here), the data directory readable. On the
 master host: the master port free. For the job: the DeepSpeed config valid for the world size the hostfile gives.
 Hosts named localhost, 127.x.x.x, ::1, or this machine's host name or addresses are checked in this process, no ssh.
+
+The fabric (launch.fabric), per host: the Gaudi cards' external NIC ports (hl-smi) where there are Gaudi cards,
+libfabric's version and providers (fi_info) where it is installed or the profile scales out through it, and on a
+Gaudi host the scale-out mode HCCL will pick from those, the kernel and the variables its ranks see (with settings
+that contradict each other). Across the hosts: a short all-reduce, one process per host, on the ranks' collective
+backend (launch.allreduce), its bus bandwidth printed next to what the profile's fabric gives.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import cli_main
-from launch import env as envmod, hostfile as hf
+from launch import allreduce, env as envmod, fabric, hostfile as hf
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "-"
 PACKAGES = ("torch", "deepspeed", "ds-scale-toolkit")
@@ -95,8 +101,8 @@ def _data_dir(path: str) -> tuple[bool, str]:
     return (n > 0), f"{path}: {n} entries" if n else f"{path}: empty"
 
 
-def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "") -> dict:
-    """What one host reports about itself (JSON-able)."""
+def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "", fabric_facts: bool = True) -> dict:
+    """What one host reports about itself (JSON-able); fabric_facts: also its fabric (launch.fabric.probe_fabric)."""
     kind = _accelerator()
     try:
         count, count_err = _accelerator_count(kind), ""
@@ -104,7 +110,8 @@ def probe(names: Sequence[str] = (), port: int = 0, data_dir: str = "") -> dict:
         count, count_err = 0, f"{type(e).__name__}: {e}"
     out = {"hostname": socket.gethostname(), "python": platform.python_version(), "executable": sys.executable,
            "versions": {d: _version(d) for d in PACKAGES}, "accelerator": kind, "accelerators": count,
-           "accelerator_error": count_err, "env": {n: os.environ[n] for n in names if n in os.environ}}
+           "accelerator_error": count_err, "env": {n: os.environ[n] for n in names if n in os.environ},
+           "fabric": fabric.probe_fabric() if fabric_facts else None}
     if port:
         out["port"] = port_free(port)
     if data_dir:
@@ -192,9 +199,10 @@ def run_checks(args) -> list[tuple[str, str, str, str]]:
     except envmod.EnvFileError as e:
         exported = {}
         rows.append(("(job)", ".deepspeed_env", FAIL, str(e)))
-    names = [n for n, _, _ in profile_raw]
+    names = list(dict.fromkeys([n for n, _, _ in profile_raw] + list(fabric.FABRIC_VARS)))
     master = args.master_addr or hosts[0].name
-    here = probe(names)
+    here = probe(names, fabric_facts=False)  # this machine's software, the reference for every host's
+    infos: list[dict | None] = []
     for h in hosts:
         port = args.master_port if (h.name == master or (is_local(h.name) and is_local(master))) else 0
         if is_local(h.name):
@@ -202,35 +210,111 @@ def run_checks(args) -> list[tuple[str, str, str, str]]:
         else:
             info, how = probe_remote(h.name, args, names, port)
         rows.append((h.name, "reachable", PASS if info else FAIL, how))
-        if not info:
-            continue
-        rows.append((h.name, "python", PASS if info["python"] == here["python"] else FAIL,
-                     f"{info['python']} {info['executable']}" +
-                     ("" if info["python"] == here["python"] else f" (here {here['python']})")))
-        for dist in PACKAGES:
-            v, mine = info["versions"][dist], here["versions"][dist]
-            ok = v == mine and v != "missing"
-            rows.append((h.name, dist, PASS if ok else FAIL, v + ("" if v == mine else f" (here {mine})")))
-        ok = info["accelerators"] >= h.slots
-        rows.append((h.name, "accelerators", PASS if ok else FAIL,
-                     f"{info['accelerator']}: {info['accelerators']} >= slots {h.slots}" if ok else
-                     f"{info['accelerator']}: {info['accelerators']} < slots {h.slots} {info['accelerator_error']}"))
-        if port:
-            ok, detail = info["port"]
-            rows.append((h.name, "master_port", PASS if ok else FAIL, detail))
-        if args.profile and profile_raw:
+        infos.append(info)
+        if info:
             seen = dict(info["env"])
             seen.update(exported)
-            ok, detail = envmod.compare_with_profile(profile_raw, seen)
-            rows.append((h.name, f"profile {args.profile}", PASS if ok else FAIL, detail))
-        if args.data_dir:
-            ok, detail = info["data_dir"]
-            rows.append((h.name, "data_dir", PASS if ok else FAIL, detail))
+            rows += host_rows(h, info, here, args, profile_raw, seen, port)
     if args.deepspeed_config:
         world = sum(h.slots for h in hosts)
         ok, detail = ds_config_check(args.deepspeed_config, world)
         rows.append(("(job)", "deepspeed_config", PASS if ok else FAIL, detail))
+    if len(hosts) > 1 and args.allreduce_mb > 0:
+        rows.append(allreduce_row(hosts, infos, args, exported, master, rows))
     return rows
+
+
+def host_rows(h: hf.Host, info: dict, here: dict, args, profile_raw: list, seen: dict, port: int) -> list:
+    """The rows of one reachable host: its software against this machine's, accelerators, port, profile, data, and
+    its fabric."""
+    rows = [(h.name, "python", PASS if info["python"] == here["python"] else FAIL,
+             f"{info['python']} {info['executable']}" +
+             ("" if info["python"] == here["python"] else f" (here {here['python']})"))]
+    for dist in PACKAGES:
+        v, mine = info["versions"][dist], here["versions"][dist]
+        ok = v == mine and v != "missing"
+        rows.append((h.name, dist, PASS if ok else FAIL, v + ("" if v == mine else f" (here {mine})")))
+    ok = info["accelerators"] >= h.slots
+    rows.append((h.name, "accelerators", PASS if ok else FAIL,
+                 f"{info['accelerator']}: {info['accelerators']} >= slots {h.slots}" if ok else
+                 f"{info['accelerator']}: {info['accelerators']} < slots {h.slots} {info['accelerator_error']}"))
+    if port:
+        ok, detail = info["port"]
+        rows.append((h.name, "master_port", PASS if ok else FAIL, detail))
+    if args.profile and profile_raw:
+        ok, detail = envmod.compare_with_profile(profile_raw, seen)
+        rows.append((h.name, f"profile {args.profile}", PASS if ok else FAIL, detail))
+    if args.data_dir:
+        ok, detail = info["data_dir"]
+        rows.append((h.name, "data_dir", PASS if ok else FAIL, detail))
+    return rows + fabric_rows(h.name, info, seen, args.profile)
+
+
+def fabric_rows(host: str, info: dict, env: dict, profile: str) -> list[tuple[str, str, str, str]]:
+    """Gaudi NIC ports, libfabric and HCCL's scale-out mode for one host (launch.fabric); only the rows that apply:
+    a CPU host without hl-smi or fi_info and a profile that needs neither gets none."""
+    facts, rows = info.get("fabric") or {}, []
+    cards, gaudi = facts.get("cards"), facts.get("cards") is not None or info["accelerator"] == "hpu"
+    if cards is not None:
+        ok, detail = fabric.port_summary(cards)
+        rows.append((host, "gaudi nics", PASS if ok else FAIL if profile == "roce" else SKIP,
+                     detail + ("" if ok or profile == "roce" else " (not used by this profile)")))
+    elif profile == "roce":
+        rows.append((host, "gaudi nics", FAIL, "no hl-smi here: the Gaudi NICs the profile scales out through "
+                                               "cannot be checked"))
+    over_host_nic = profile in ("efa", "hostnic")  # profiles whose scale-out goes through libfabric
+    if facts.get("libfabric") or over_host_nic:
+        providers = facts.get("providers") or []
+        wanted = [p for p in (env.get("FI_PROVIDER") or ("efa" if profile == "efa" else "")).split(",") if p]
+        missing = [p for p in wanted if p not in providers]
+        if facts.get("libfabric"):
+            detail = f"libfabric {facts['libfabric']}; providers with a device: {', '.join(providers) or 'none'}"
+        else:
+            detail = "no fi_info: libfabric not found"
+        ok = bool(facts.get("libfabric")) and bool(providers) and not missing
+        rows.append((host, "libfabric", PASS if ok else FAIL if over_host_nic else SKIP,
+                     detail + (f"; FI_PROVIDER / the profile wants {', '.join(missing)}" if missing else "")))
+    if gaudi:
+        mode, why = fabric.hccl_scaleout(facts, env)
+        problems = fabric.conflicts(env)
+        meant = fabric.PROFILE_MODES.get(profile)
+        if meant and mode not in meant:
+            problems.append(f"profile {profile} is for {' or '.join(meant)}")
+        rows.append((host, "hccl scale-out", FAIL if problems else PASS,
+                     f"{mode}: {why}" + "".join(f"; {p}" for p in problems)))
+    return rows
+
+
+def allreduce_row(hosts: list, infos: list, args, exported: dict, master: str, rows: list) -> tuple:
+    """The job's all-reduce across the hosts (launch.allreduce), or why it was not run."""
+    name = "all_reduce"
+    if not all(infos):
+        return ("(job)", name, SKIP, "not run: a host is unreachable")
+    if any(r[1] == "master_port" and r[2] == FAIL for r in rows):
+        return ("(job)", name, SKIP, f"not run: master port {args.master_port} is in use")
+    world, nbytes = len(hosts), int(args.allreduce_mb * (1 << 20))
+    cmds = []
+    for rank, h in enumerate(hosts):
+        inner = allreduce.member_command(rank, world, master, args.master_port, nbytes, 5, args.allreduce_timeout)
+        if is_local(h.name):
+            cmds.append((inner, {**os.environ, **exported}))
+        else:
+            cmds.append((allreduce.remote_command(h.name, inner, exported, args.ssh_port, args.ssh_timeout), None))
+    results = allreduce.run_all(cmds, args.allreduce_timeout + args.ssh_timeout)
+    bad = [f"{h.name}: {r}" if isinstance(r, str) else f"{h.name}: wrong sum" for h, r in zip(hosts, results)
+           if isinstance(r, str) or not r.get("ok")]
+    if bad:
+        return ("(job)", name, FAIL, "; ".join(bad)[:600])
+    first = results[0]
+    gbit = allreduce.bus_gbit(first["bytes"], first["seconds"], world)
+    gens = {fabric.generation_of(c["name"]) for i in infos for c in ((i.get("fabric") or {}).get("cards") or [])}
+    want, source = fabric.expected_gbit(args.profile, gens.pop() if len(gens) == 1 else None)
+    want = args.expect_gbit or want
+    expect = (f"the fabric gives up to {want:g} Gbit/s ({'--expect_gbit' if args.expect_gbit else source})"
+              if want else f"no expected figure ({source})")
+    return ("(job)", name, PASS, f"{world} hosts x 1 process, {first['bytes'] / (1 << 20):g} MiB float32 over "
+                                 f"{first['backend']}: {first['seconds'] * 1e3:.1f} ms per all-reduce, bus bandwidth "
+                                 f"{gbit:.3g} Gbit/s; profile {args.profile or '(none)'}: {expect}")
 
 
 def format_table(rows: Sequence[tuple[str, str, str, str]]) -> str:
@@ -263,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssh_port", type=int, default=0, help="ssh port for remote hosts (default: ssh's own)")
     p.add_argument("--ssh_timeout", type=float, default=10,
                    help="seconds to wait for an ssh connection to a remote host (default 10)")
+    p.add_argument("--allreduce_mb", type=float, default=64,
+                   help="MiB of float32 all-reduced across the hosts, one process per host on the ranks' backend, "
+                        "to measure the fabric (default 64; 0: not run; one host: not run)")
+    p.add_argument("--allreduce_timeout", type=float, default=120,
+                   help="seconds the all-reduce's processes may take, start-up included (default 120)")
+    p.add_argument("--expect_gbit", type=float, default=0,
+                   help="the fabric's rate per host in Gbit/s, printed next to the measured one (default: the "
+                        "profile's published figure, where it has one)")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON object on the last line")
     g = p.add_argument_group("internal (what preflight runs on a remote host over ssh)")
     g.add_argument("--probe", action="store_true",
@@ -270,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--probe_names", default="", help="with --probe: comma-separated variables to report")
     g.add_argument("--probe_port", type=int, default=0, help="with --probe: port to test (0: none)")
     g.add_argument("--probe_data_dir", default="", help="with --probe: directory to test (empty: none)")
+    g.add_argument("--allreduce_member", default="", metavar="RANK,WORLD,ADDR:PORT",
+                   help="run one host's part of the all-reduce and print its result as JSON")
+    g.add_argument("--allreduce_bytes", type=int, default=1 << 26, help="with --allreduce_member: buffer size")
+    g.add_argument("--allreduce_iters", type=int, default=5, help="with --allreduce_member: timed all-reduces")
     return p
 
 
@@ -281,6 +377,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.probe:
         names = [n for n in args.probe_names.split(",") if n]
         print(json.dumps(probe(names, args.probe_port, args.probe_data_dir)))
+        return 0
+    if args.allreduce_member:
+        rank, world, where = args.allreduce_member.split(",")
+        addr, _, port = where.rpartition(":")
+        print(json.dumps(allreduce.member(int(rank), int(world), addr, int(port), args.allreduce_bytes,
+                                          args.allreduce_iters, args.allreduce_timeout, _accelerator())))
         return 0
     rows = run_checks(args)
     print(format_table(rows))

@@ -223,4 +223,10 @@ def test_compile_setting_is_auto_on_or_off_and_auto_follows_the_model():
     assert [compile_wanted(s) for s in ("auto", "on", "off")] == [False, True, False]
     assert [compile_wanted(s, "cuda", ("cuda",)) for s in ("auto", "on", "off")] == [True, True, False]
     assert [compile_wanted(s, "cpu", ("cuda",)) for s in ("auto", "on", "off")] == [False, True, False]
-    assert not compile_wanted("auto", "hpu", ("cuda",))
+    # on Gaudi auto compiles (Habana's default execution, eager + torch.compile), except in lazy mode, which has no
+    # torch.compile: there auto stays eager and on is refused naming PT_HPU_LAZY_MODE
+    assert [compile_wanted(s, "hpu", ("cuda",)) for s in ("auto", "on", "off")] == [True, True, False]
+    assert [compile_wanted(s, "hpu", ("cuda",), lazy=True) for s in ("auto", "off")] == [False, False]
+    with pytest.raises(ConfigError, match="PT_HPU_LAZY_MODE=1"):
+        compile_wanted("on", "hpu", lazy=True)
+    assert compile_wanted("on", "cuda", lazy=True)  # the lazy flag means Gaudi's mode: nothing elsewhere

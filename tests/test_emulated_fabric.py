@@ -112,3 +112,38 @@ def test_emulated_two_nodes_predicted_vs_measured(tmp_path):
     # loosely here, since a loaded CI host adds arrival skew between the ranks that no network model has
     assert 0.5 <= r["predicted_comm_s"] / r["measured_comm_s"] <= 2.0, r
     assert 0 < r["measured_efficiency"] and 0 < r["predicted_efficiency"] < 1
+
+
+@pytest.mark.slow
+def test_preflight_all_reduce_across_two_emulated_nodes(tmp_path):
+    """launch.preflight on the two namespaces of a 100 Mbit/s fabric, ssh to each node standing for `ip netns exec`:
+    its all-reduce crosses the shaped link on gloo (GLOO_SOCKET_IFNAME of the written .deepspeed_env) and prints the
+    measured bus bandwidth next to the figure given with --expect_gbit (the shaper's rate)."""
+    why = netns.unavailable()
+    if why:
+        pytest.skip(f"emulated fabric: {why}")
+    with netns.emulated_fabric(2, mbit=MBIT, delay_ms=1.0, key=4343) as fab:
+        (tmp_path / "hostfile").write_text("".join(f"{a} slots=1\n" for a in fab.addresses))
+        route = "".join(f'  {a}) ns={ns} ;;\n' for a, ns in zip(fab.addresses, fab.namespaces))
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "ssh").write_text('#!/bin/bash\n# ssh HOST CMD: CMD run by bash in the namespace of HOST\n'
+                                     'while [[ "$1" == -* ]]; do shift 2; done\n'
+                                     f'case "$1" in\n{route}esac\nshift\nexec ip netns exec "$ns" bash -c "$*"\n')
+        (bin_dir / "ssh").chmod(0o755)
+        env = dist_env(PATH=f"{bin_dir}:{__import__('os').environ['PATH']}")
+        wrote = subprocess.run([sys.executable, "-m", "launch.env", "write", "--profile", "tcp", "--set",
+                                f"GLOO_SOCKET_IFNAME={netns.IFACE}"], cwd=tmp_path, env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert wrote.returncode == 0, wrote.stderr
+        proc = subprocess.run(fab.wrap(0, [sys.executable, "-m", "launch.preflight", "--hostfile", "hostfile",
+                                           "--profile", "tcp", "--master_port", "29577", "--allreduce_mb", "2",
+                                           "--expect_gbit", str(MBIT / 1000), "--json"]),
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    print("\n".join(proc.stdout.splitlines()[:-1]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {(r["host"], r["check"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])["rows"]}
+    detail = rows[("(job)", "all_reduce")]["detail"]
+    assert rows[("(job)", "all_reduce")]["result"] == "PASS" and "2 MiB float32 over gloo" in detail, detail
+    assert "the fabric gives up to 0.1 Gbit/s (--expect_gbit)" in detail
+    assert rows[(fab.addresses[1], "reachable")]["detail"] == "ssh ok"

@@ -18,9 +18,9 @@ def cli(*args: str, cwd: Path, env=None) -> subprocess.CompletedProcess:
 
 
 def test_profiles_exist_and_resolve():
-    assert set(envmod.profile_names()) >= {"roce", "efa", "nccl-efa", "tcp"}
+    assert set(envmod.profile_names()) >= {"roce", "efa", "hostnic", "nccl-efa", "tcp"}
     efa = envmod.resolve_profile("efa", {"LD_LIBRARY_PATH": "/usr/lib:/opt/amazon/efa/lib"})
-    for name in ("HCCL_OVER_OFI", "HCCL_SOCKET_IFNAME", "FI_EFA_USE_DEVICE_RDMA", "RDMAV_FORK_SAFE"):
+    for name in ("HCCL_SOCKET_IFNAME", "FI_EFA_USE_DEVICE_RDMA", "RDMAV_FORK_SAFE"):
         assert name in efa
     # `+=` prepends to the writing shell's value without repeating entries
     assert efa["LD_LIBRARY_PATH"] == "/opt/habanalabs/hccl_ofi_wrapper:/opt/amazon/efa/lib:/usr/lib"
@@ -39,7 +39,7 @@ def test_write_merges_with_existing_entries(tmp_path):
     assert proc.returncode == 0, proc.stderr
     written = envmod.read_env_file(tmp_path / ".deepspeed_env")
     assert list(written)[:2] == ["KEEP", "HCCL_SOCKET_IFNAME"]
-    assert written["KEEP"] == "1" and written["HCCL_SOCKET_IFNAME"] == "ens32" and written["HCCL_OVER_OFI"] == "1"
+    assert written["KEEP"] == "1" and written["HCCL_SOCKET_IFNAME"] == "ens32" and written["RDMAV_FORK_SAFE"] == "1"
     assert written["EXTRA"] == "a,b"
     # --forward copies this shell's variables (upstream's HPU accelerator forwards no PT_HPU_ / HCCL_ ones)
     proc = cli("write", "--forward", "PT_HPU_", cwd=tmp_path, env=dist_env(PT_HPU_LAZY_MODE="1"))
@@ -147,7 +147,7 @@ def test_rank_env_helpers(tmp_path, monkeypatch):
     assert envmod.rank_env_additions("", tmp_path, {}) == {"GLOO_SOCKET_IFNAME": "eth9", "FOO": "1"}
     ranks = envmod.mpirun_rank_env("tcp", tmp_path, {"PYTHONPATH": "/src"})
     assert ranks["PYTHONPATH"] == "/src" and "PYTHONPATH" not in envmod.mpirun_rank_env("tcp", tmp_path, {})
-    with pytest.raises(envmod.EnvFileError, match="profile efa: .deepspeed_env missing HCCL_OVER_OFI"):
+    with pytest.raises(envmod.EnvFileError, match="profile efa: .deepspeed_env missing HCCL_SOCKET_IFNAME"):
         envmod.require_profile_in_deepspeed_env("efa", tmp_path)
     envmod.require_profile_in_deepspeed_env("", tmp_path)
     (tmp_path / ".deepspeed_env").write_text("# a comment\n")

@@ -78,9 +78,39 @@ def summary(run_dir: Path) -> dict:
     return [r for r in records if r["type"] == "summary"][-1]
 
 
+FAKE_SSH = ('#!/bin/bash\n# ssh to every host of the hostfile, on this machine: the remote command string run by bash, '
+            'as sshd runs it\nwhile [[ "$1" == -* ]]; do shift 2; done\nshift\nexec bash -c "$*"\n')
+
+
+def preflight_across_nodes(tmp_path: Path, port: int) -> dict:
+    """launch.preflight over the hostfile's two nodes (ssh to each runs here), with its all-reduce across them on
+    gloo; the rows by (host, check). Printed: the table, as a user sees it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    env = dist_env(PATH=f"{bin_dir}:{os.environ['PATH']}")
+    wrote = subprocess.run([sys.executable, "-m", "launch.env", "write", "--profile", "tcp"], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert wrote.returncode == 0, wrote.stdout
+    proc = subprocess.run([sys.executable, "-m", "launch.preflight", "--hostfile", "hostfile", "--profile", "tcp",
+                           "--master_addr", "127.0.0.1", "--master_port", str(port), "--allreduce_mb", "16",
+                           "--json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=LAUNCH_TIMEOUT)
+    print("\n".join(proc.stdout.splitlines()[:-1]))
+    assert proc.returncode == 0, proc.stdout
+    return {(r["host"], r["check"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])["rows"]}
+
+
 def test_two_nodes_on_loopback(tmp_path):
     (tmp_path / "hostfile").write_text("node0 slots=1\nnode1 slots=1\n")
     data, run_dir, port = make_data(tmp_path / "data"), tmp_path / "run", free_port()
+    # preflight first, as the docs say: each node over ssh, and a short all-reduce across both on the run's port
+    rows = preflight_across_nodes(tmp_path, port)
+    assert rows[("node1", "reachable")]["detail"] == "ssh ok" and rows[("node1", "profile tcp")]["result"] == "PASS"
+    allreduce = rows[("(job)", "all_reduce")]
+    assert allreduce["result"] == "PASS" and "2 hosts x 1 process, 16 MiB float32 over gloo" in allreduce["detail"]
+    assert "bus bandwidth" in allreduce["detail"] and "profile tcp: no expected figure" in allreduce["detail"]
     cmds = [node_cmd(i, "127.0.0.1", port, run_dir, data, "--max_steps", "3") for i in range(2)]
     codes = wait_all(start_nodes(cmds, tmp_path, dist_env()), tmp_path, LAUNCH_TIMEOUT)
     assert codes == [0, 0], logs(tmp_path)

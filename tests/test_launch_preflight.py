@@ -112,12 +112,12 @@ def test_the_documented_interface_override_passes_preflight_and_launch(tmp_path)
     launch = subprocess.run([sys.executable, "-m", "launch.run", "--dry_run", "--profile", "efa"], cwd=tmp_path,
                             env=dist_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
     assert launch.returncode == 0, launch.stderr
-    # a value the profile fixes is still checked: the roce profile's HCCL_OVER_OFI=0 is not efa's
+    # a value the profile fixes is still checked: Gaudi Direct switched off is not efa's
     env_file = tmp_path / ".deepspeed_env"
-    env_file.write_text(env_file.read_text().replace("HCCL_OVER_OFI=1", "HCCL_OVER_OFI=0"))
+    env_file.write_text(env_file.read_text().replace("FI_EFA_USE_DEVICE_RDMA=1", "FI_EFA_USE_DEVICE_RDMA=0"))
     code, rows, out = run_preflight(tmp_path, "--hostfile", "hostfile", "--profile", "efa",
                                     "--master_port", str(free_port()))
-    assert rows[("localhost", "profile efa")]["result"] == "FAIL" and "HCCL_OVER_OFI=0" in out, out
+    assert rows[("localhost", "profile efa")]["result"] == "FAIL" and "FI_EFA_USE_DEVICE_RDMA=0" in out, out
 
 
 def _time_wait_port(reuse: bool) -> int:

@@ -82,7 +82,7 @@ def test_arguments_stay_whole_and_nothing_runs(hosts):
 
 
 def test_each_launcher_builds_its_command(hosts):
-    (hosts / ".deepspeed_env").write_text("HCCL_OVER_OFI=0\nHCCL_OVER_TCP=0\nHCCL_SOCKET_IFNAME=eth0\n")
+    (hosts / ".deepspeed_env").write_text("HCCL_SOCKET_IFNAME=eth0\nPT_HPU_LAZY_MODE=0\n")
     pdsh = dry(hosts, "--profile", "roce", "--preset", "debug")["argv"]
     assert pdsh[LAUNCHER:LAUNCHER + 2] == ["--hostfile", "hostfile"] and "--no_ssh" not in pdsh
     mpi = dry(hosts, "--launcher", "openmpi", "--launcher_arg=--mca", "--launcher_arg=btl_tcp_if_include eth1",
@@ -122,13 +122,13 @@ def test_each_launcher_builds_its_command(hosts):
     assert node.hostfile == slurm.build_parser().get_default("hostfile")  # not forwarded: each node writes its own
     # no_ssh: DeepSpeed skips .deepspeed_env there, so the wrapper hands profile + file to the launcher's env
     nossh = dry(hosts, "--launcher", "no_ssh", "--node_rank", "0", "--master_addr", "10.0.0.1", "--profile", "tcp")
-    assert nossh["env_added"]["DS_ACCELERATOR"] == "cpu" and nossh["env_added"]["HCCL_OVER_OFI"] == "0"
+    assert nossh["env_added"]["DS_ACCELERATOR"] == "cpu" and nossh["env_added"]["PT_HPU_LAZY_MODE"] == "0"
 
 
 @pytest.mark.parametrize("args, message", [
     (["--launcher", "no_ssh", "--node_rank", "0"], "--master_addr (or $MASTER_ADDR) is required"),
     (["--launcher", "no_ssh", "--node_rank", "2", "--master_addr", "x"], "--node_rank 2 is outside 0..1"),
-    (["--profile", "efa"], "profile efa: .deepspeed_env missing HCCL_OVER_OFI"),
+    (["--profile", "efa"], "profile efa: .deepspeed_env missing HCCL_SOCKET_IFNAME"),
     (["--launcher", "mpich", "--hostfile", "uneven"], "uneven line 2: host node1 has slots=1 but node0"),
     (["--hostfile", "missing"], "missing: cannot read hostfile"),
     (["--launcher", "openmpi", "--nodes", "1"], "cannot limit nodes"),

@@ -32,3 +32,20 @@ def test_counts_per_step_over_the_profiled_window_only():
 def test_a_window_that_cannot_start_is_refused():
     with pytest.raises(ValueError, match="start_after"):
         StepProfile(start_after=0, steps=2)
+
+
+def test_the_profiler_records_the_device_it_runs_on():
+    """CUDA activity on CUDA, HPU activity on a Gaudi (torch's profiler has ProfilerActivity.HPU), the host's always."""
+    from torch.profiler import ProfilerActivity
+
+    from ds_core.outputs.profile import profiler_activities
+
+    A = ProfilerActivity
+    assert profiler_activities(False, False, A) == [A.CPU]
+    assert profiler_activities(True, False, A) == [A.CPU, A.CUDA]
+    assert profiler_activities(False, True, A) == [A.CPU, A.HPU]
+
+    class NoHpu:  # a torch whose profiler has no HPU activity: the host's only, not an error
+        CPU, CUDA = A.CPU, A.CUDA
+
+    assert profiler_activities(False, True, NoHpu) == [A.CPU]

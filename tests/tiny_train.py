@@ -16,6 +16,7 @@ TINY_NO_RESIZE=1 uses a data source without load_state_dicts. TINY_SLOW_RANK=r (
 0.2) makes rank r sleep that long in each forward: a straggler the others wait for (ds_core.outputs.phases' wait_s).
 TINY_NAN_GRAD_STEPS="3,7-" makes the gradients (not the loss) NaN at optimizer step 3 and from step 7 on;
 TINY_KILL_AFTER_COMPLETE=k makes rank 0 kill -9 itself right after the checkpoint of step k is complete.
+TINY_LAZY_MARKS=FILE records where the loop would cut Gaudi's lazy-mode graph (record_lazy_marks).
 """
 from __future__ import annotations
 
@@ -196,6 +197,28 @@ class TinySettings:
 SPEC = RunSpec(settings=TinySettings, default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=False)
 
 
+def record_lazy_marks(engine, path: str, rank: int) -> None:
+    """TINY_LAZY_MARKS=FILE: the loop runs as on a Gaudi in lazy mode, with a recorder in place of htcore.mark_step
+    (ds_core.run.loop.step_marker), and rank 0 writes the order of engine.backward, engine.step and the marks of the
+    first 8 micro steps to FILE, one event per line."""
+    from ds_core.run import loop
+
+    events: list[str] = []
+    loop.step_marker = lambda device: (lambda: events.append("mark"))
+    for name in ("backward", "step"):
+        real = getattr(engine, name)
+
+        def recorded(*a, _real=real, _name=name, **kw):
+            out = _real(*a, **kw)
+            events.append(_name)
+            if rank == 0 and len(events) >= 32 and not os.path.exists(path):  # 8 micro steps' events at least
+                with open(path, "w") as f:
+                    f.write("\n".join(events[:32]) + "\n")
+            return out
+
+        setattr(engine, name, recorded)
+
+
 def main(argv=None) -> dict:
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -283,6 +306,9 @@ def main(argv=None) -> dict:
             real_load(states)
 
         data.load_state_dicts = dump_then_load
+    marks = os.environ.get("TINY_LAZY_MARKS")
+    if marks:
+        record_lazy_marks(engine, marks, dist.rank)
     per_sample = 6 * sum(p.numel() for p in model.parameters()) * args.seq_len  # ~6 N T training FLOPs
     summary = Trainer(run, engine, step_fn, ModelInfo("tiny-bert", per_sample, args.seq_len), evaluation=evaluation,
                       clock=FAKE_CLOCK).fit()

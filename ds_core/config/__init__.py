@@ -99,9 +99,10 @@ class TrainConfig:
     progress_bar: bool = arg("Show a rank-0 tqdm progress bar.", default=True)
     precision: str = arg("Compute dtype: auto (bf16 on CUDA/HPU and on CPUs with native bf16, else fp32), bf16 or "
                          "fp32; switches the DeepSpeed JSON's bf16 section (ds_core.device.precision).", default="auto")
-    compile: str = arg("torch.compile the model's forward through DeepSpeed's engine.compile (inductor): on, off, or "
-                       "auto (on where the model measured its compiled step faster: BERT on CUDA; docs/compile.md).",
-                       default="auto")
+    compile: str = arg("torch.compile the model's forward through DeepSpeed's engine.compile, with the accelerator's "
+                       "backend (inductor; hpu_backend on Gaudi): on, off, or auto (on where the model measured its "
+                       "compiled step faster, BERT on CUDA, and on Gaudi in eager mode as Habana recommends; "
+                       "docs/compile.md).", default="auto")
 
     def validate(self) -> None:
         checks = [

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ds_core.device import accelerators
+from ds_core.device import accelerators, hpu
 from ds_core.device.accelerators import from_device_name
 from ds_core.device.precision import cached_cpu_peak, cpu_peak_tflops, update_cpu_peak
 
@@ -32,14 +32,8 @@ def accelerator_kind(accelerator: str, device: torch.device | None = None) -> st
     if accelerator == "cuda" and torch.cuda.is_available():
         return from_device_name(torch.cuda.get_device_name(device)) or "cuda"
     if accelerator == "hpu":
-        try:
-            import habana_frameworks.torch.hpu as hthpu
-
-            name = hthpu.get_device_name()
-        except Exception:  # noqa: BLE001 - any failure of the bridge's name query means "no name"  # pragma: no cover
-            name = ""
-        # an HPU whose name the bridge does not give is first-generation Gaudi (the bridge names Gaudi2/3)
-        return from_device_name(name) or "gaudi"
+        # the generation the bridge names (ds_core.device.hpu, where the media pipe decision reads it too)
+        return hpu.device_generation() or "gaudi"
     return accelerator
 
 

@@ -23,8 +23,8 @@ How it is measured, and why it costs little:
     synchronous, the host clock. Events are only created on sampled steps.
   * No host sync on any step: a sampled step's events are read one optimizer step later (`collect` at the next
     boundary), when they have long completed; on CPU the values are ready at once.
-  * Per-rank figures meet in ONE small all_gather (7 + MAX_COLLECTIVES float64 per rank: the phases and each
-    collective's duration) on the boundary where a sample is read,
+  * Per-rank figures meet in ONE small all_gather (7 + MAX_COLLECTIVES float64 per rank, float32 on an HPU: the
+    phases and each collective's duration) on the boundary where a sample is read,
     i.e. every `every`-th step only; every rank decides sampling from the step number alone, so all take part.
   * Collectives are timed by wrapping the methods of deepspeed.comm's backend object (`cdb`) once; the wrapper is a
     flag test outside sampled steps.
@@ -39,6 +39,8 @@ import time
 from typing import Any, Callable
 
 import torch
+
+from ds_core.device import hpu
 
 PHASES = ("data", "forward", "backward", "step")
 # deepspeed.comm backend methods that move data between ranks (comm/comm.py calls cdb.<name>)
@@ -70,6 +72,7 @@ class PhaseTimer:
             raise ValueError(f"phase timing: every = {every}: expected 0 (off) or a positive number of steps")
         self.every, self.rank, self.world_size = every, rank, world_size
         self.device = device or torch.device("cpu")
+        self.dtype = hpu.sum_dtype(self.device.type)  # float64, or float32 on an HPU (no float64 there, nor in HCCL)
         self.clock = clock
         if accelerator is None:
             from deepspeed.accelerator import get_accelerator
@@ -206,7 +209,7 @@ class PhaseTimer:
         import torch.distributed as tdist
 
         if self.world_size > 1 and tdist.is_initialized():
-            t = torch.tensor(mine, dtype=torch.float64, device=self.device)
+            t = torch.tensor(mine, dtype=self.dtype, device=self.device)
             out = [torch.empty_like(t) for _ in range(self.world_size)]
             tdist.all_gather(out, t)           # the one extra small collective, on sampled steps only
             rows = [o.tolist() for o in out]

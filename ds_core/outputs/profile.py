@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item")
 
@@ -35,9 +36,8 @@ class StepProfile:
 
         self.seen += 1
         if self.seen == self.start_after:
-            cuda = torch.cuda.is_available()
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            self.prof = profile(activities=acts)
+            self.prof = profile(activities=profiler_activities(torch.cuda.is_available(), _on_hpu(),
+                                                              ProfilerActivity))
             self.prof.start()
             self.wall = time.perf_counter()
         elif self.seen == self.start_after + self.steps and self.prof is not None:
@@ -45,6 +45,22 @@ class StepProfile:
             self.prof.stop()
             self.summary = summarize(self.prof.events(), self.steps, self.wall)
             self.prof = None
+
+
+def profiler_activities(cuda: bool, hpu: bool, activity: Any) -> list:
+    """The profiler's activities: the host's, and the device's where there is one: CUDA, or an HPU where torch's
+    profiler knows it (ProfilerActivity.HPU; Habana's "Profiling with PyTorch" page profiles Gaudi with
+    torch.profiler as a GPU is profiled)."""
+    acts = [activity.CPU] + ([activity.CUDA] if cuda else [])
+    if hpu and hasattr(activity, "HPU"):
+        acts.append(activity.HPU)
+    return acts
+
+
+def _on_hpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "hpu"
 
 
 def summarize(events, steps: int, wall_s: float) -> dict:
@@ -55,7 +71,7 @@ def summarize(events, steps: int, wall_s: float) -> dict:
     kernels: Counter = Counter()
     cpu_self: Counter = Counter()
     for e in events:
-        if e.device_type == DeviceType.CUDA:
+        if e.device_type in (DeviceType.CUDA, DeviceType.HPU):
             kernels[e.name] += e.time_range.elapsed_us()
             continue
         if e.name.startswith("aten::"):
@@ -68,6 +84,6 @@ def summarize(events, steps: int, wall_s: float) -> dict:
     busy_us = sum(kernels.values())
     return {"profiled_steps": steps, "wall_s_per_step": wall_s / steps, "aten_ops_per_step": aten / steps,
             "syncs_per_step": {k: syncs[k] / steps for k in SYNC_EVENTS},
-            "top10": "cuda kernels" if on_device else "aten ops (self CPU time)",
+            "top10": "device kernels" if on_device else "aten ops (self CPU time)",
             "top10_us_per_step": [[name, us / steps] for name, us in top.most_common(10)],
             "device_idle_share": (max(0.0, 1 - busy_us / 1e6 / wall_s) if on_device and wall_s > 0 else None)}

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.distributed as tdist
 
+from ds_core.device import hpu
 from ds_core.errors import ConfigError, RunVerdict
 from ds_core.outputs.phases import PhaseTimer
 
@@ -102,22 +103,40 @@ StepFn = Callable[[Any, Any], StepOutput]
 EvalFn = Callable[[Any, int], dict]
 
 
-def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on the device without a host sync: torch.tensor(..., device=cuda) copies from pageable
-    memory and waits for the stream; a pinned source copies asynchronously."""
-    if device.type == "cpu":
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (a batch's, a small vector) on the device without a host sync: a copy from pageable memory waits
+    for the device (torch.tensor(..., device=cuda) waits for the stream); from pinned memory, which DeepSpeed's
+    accelerator gives on CUDA and HPU alike (GaudiTrainer pins its batches by default), it is asynchronous."""
+    if not pin_batches(device):
         return host
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().pin_memory(host).to(device, non_blocking=True)
 
 
+def pin_batches(device: torch.device) -> bool:
+    """Whether host batches for `device` go through pinned memory (a DataLoader's pin_memory, to_device): on every
+    accelerator, CUDA and HPU alike (optimum-habana's GaudiTrainer pins by default; Habana's "Profiling with PyTorch"
+    page recommends pinned memory and non_blocking copies); never on a CPU, where nothing is copied."""
+    return device.type != "cpu"
+
+
+def step_marker(device: torch.device) -> Callable[[], None] | None:
+    """What cuts the graph after a backward and after an optimizer step: htcore.mark_step on an HPU in lazy mode
+    (PT_HPU_LAZY_MODE=1), where optimum-habana's GaudiTrainer and Habana's DeepSpeed BERT call it; None elsewhere
+    (eager mode, torch.compile, CUDA, CPU: nothing accumulates). ds_core.device.hpu says where each rule is from."""
+    return hpu.mark_step_fn(device.type, device.type == "hpu" and hpu.lazy_mode())
+
+
 class Accumulator:
     """Sums of one optimizer step's micro-steps, reduced across ranks in ONE all-reduce at the boundary, on the
-    device: nothing here reads a device value on the host."""
+    device: nothing here reads a device value on the host. The sums are float64 where the device has it and float32
+    on an HPU (no float64 there, and HCCL reduces none: ds_core.device.hpu.sum_dtype), with the counts (micro steps,
+    samples, tokens, the stop flag) kept exact in float32 by hpu.count_parts."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.dtype = hpu.sum_dtype(device.type)
         self.reset()
 
     def reset(self) -> None:
@@ -138,15 +157,15 @@ class Accumulator:
             self.logs[k] = self.logs[k] + v if k in self.logs else v
 
     def reduce(self, world_size: int) -> tuple[torch.Tensor, list[str]]:
-        """[loss, micro, samples, tokens, logs (sorted keys)..., stop] summed over ranks, float64 on the device;
-        the keys. One collective per optimizer step; it also makes the stop and NaN verdicts the same on all ranks."""
+        """[loss, logs (device ones, then host ones)..., counts (micro, samples, tokens, stop; hpu.count_parts)]
+        summed over ranks in self.dtype on the device; the logs' keys. One collective per optimizer step; it also
+        makes the stop and NaN verdicts the same on all ranks. PendingStep.read takes the vector apart."""
         keys = sorted(self.logs)
         on_dev = [k for k in keys if isinstance(self.logs[k], torch.Tensor)]
-        host = torch.tensor([self.micro, self.samples, self.tokens] + [float(self.stop)]
-                            + [self.logs[k] for k in keys if k not in on_dev], dtype=torch.float64)
-        host = _on_device(host, self.device)
-        parts = [self.loss.reshape(1).double(), host[:4]] + [self.logs[k].reshape(1).double() for k in on_dev]
-        vec = torch.cat(parts + [host[4:]])
+        counts = hpu.count_parts([self.micro, self.samples, self.tokens, int(self.stop)], self.dtype, world_size)
+        host = torch.tensor([self.logs[k] for k in keys if k not in on_dev] + counts, dtype=self.dtype)
+        parts = [self.loss.reshape(1)] + [self.logs[k].reshape(1) for k in on_dev]
+        vec = torch.cat([p.to(self.dtype) for p in parts] + [to_device(host, self.device)])
         if tdist.is_initialized() and world_size > 1:
             tdist.all_reduce(vec)
         return vec, on_dev + [k for k in keys if k not in on_dev]
@@ -177,11 +196,13 @@ class PendingStep:
         if self._event is not None:
             self._event.synchronize()
         vals = self._host.tolist()  # a host tensor: no device sync
-        micro = max(vals[1], 1.0)
-        logs = dict(sorted((k, vals[5 + i] / micro) for i, k in enumerate(self.keys)))
-        norm = vals[5 + len(self.keys)] if self.has_norm else None
-        return StepResult(vals[0] / micro, int(vals[2]), int(vals[3]), logs, self.lr, norm, vals[4] > 0,
-                          self.skipped, self.step)
+        n_logs, width = len(self.keys), hpu.count_width(self._host.dtype)
+        end = 1 + n_logs + 4 * width
+        micro, samples, tokens, stop = hpu.counts_from_parts(vals[1 + n_logs:end], self._host.dtype)
+        micro = max(micro, 1)
+        logs = dict(sorted((k, vals[1 + i] / micro) for i, k in enumerate(self.keys)))
+        norm = vals[end] if self.has_norm else None
+        return StepResult(vals[0] / micro, samples, tokens, logs, self.lr, norm, stop > 0, self.skipped, self.step)
 
 
 def fp32_grad_norm(engine) -> torch.Tensor | None:
@@ -195,12 +216,13 @@ def fp32_grad_norm(engine) -> torch.Tensor | None:
 
 
 def _norm_part(norm: Any, like: torch.Tensor) -> list[torch.Tensor]:
-    """DeepSpeed's norm (a device tensor, a Python inf on a skipped step, or None) as a 1-element float64 part."""
+    """DeepSpeed's norm (a device tensor, a Python inf on a skipped step, or None) as a 1-element part in like's
+    dtype (the step vector's: float64, or float32 on an HPU)."""
     if norm is None:
         return []
     if isinstance(norm, torch.Tensor):
-        return [norm.detach().reshape(1).to(device=like.device, dtype=torch.float64)]
-    return [_on_device(torch.tensor([float(norm)], dtype=torch.float64), like.device)]
+        return [norm.detach().reshape(1).to(device=like.device, dtype=like.dtype)]
+    return [to_device(torch.tensor([float(norm)], dtype=like.dtype), like.device)]
 
 
 def reduce_summary_stats(stats: dict, world_size: int, shared: frozenset | set = frozenset()) -> dict:
@@ -255,6 +277,7 @@ class Step:
         self.stop = stop
         self.phases = phases or PhaseTimer(0)  # ds_core.outputs.phases: marks around forward, backward and engine.step
         self.acc = Accumulator(engine.device)
+        self.mark_step = step_marker(engine.device)  # Gaudi's lazy mode: its graph cut after backward and after step
 
     def __call__(self, batch: Any) -> PendingStep | None:
         """Run one micro batch; the step's PendingStep at an accumulation boundary, else None."""
@@ -264,12 +287,12 @@ class Step:
         phases.end("forward")
         phases.begin("backward")
         engine.backward(out.loss)
+        if self.mark_step is not None:
+            self.mark_step()
         phases.end("backward")
         self.acc.add(out)
         if not engine.is_gradient_accumulation_boundary():  # read before step() advances the counter
-            phases.begin("step")
-            engine.step()
-            phases.end("step")
+            self._engine_step()
             return None
         self.acc.stop = self.stop is not None and self.stop.signum is not None
         vec, keys = self.acc.reduce(self.world_size)
@@ -277,9 +300,7 @@ class Step:
         lr = lrs[0] if lrs else None
         grad_norm = fp32_grad_norm(engine)
         skipped_before = engine.skipped_steps
-        phases.begin("step")
-        step_or_stop(engine)
-        phases.end("step")
+        self._engine_step(boundary=True)
         if grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
         skipped = engine.skipped_steps > skipped_before
@@ -291,6 +312,18 @@ class Step:
         pending = PendingStep(torch.cat([vec] + norm) if norm else vec, keys, lr, skipped, bool(norm))
         self.acc.reset()
         return pending
+
+    def _engine_step(self, boundary: bool = False) -> None:
+        """engine.step() (every micro step: DeepSpeed steps the optimizer at the boundary, through step_or_stop),
+        timed, then the lazy-mode graph cut where GaudiTrainer makes it."""
+        self.phases.begin("step")
+        if boundary:
+            step_or_stop(self.engine)
+        else:
+            self.engine.step()
+        if self.mark_step is not None:
+            self.mark_step()
+        self.phases.end("step")
 
 
 def step_or_stop(engine) -> None:
