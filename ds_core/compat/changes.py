@@ -16,6 +16,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+# DeepSpeed's Muon optimizer module: imported by ZeRO's optimizer check in releases that have it (ds_core.compat.
+# lazy_compile imports it with its torch.compile decorations deferred)
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 CHECKED = "DeepSpeed 0.19.8 (stacks/latest.txt) and Habana's fork 0.16.1, release 1.21.0 (stacks/gaudi.txt)"
 
 
@@ -85,8 +88,6 @@ def _grad_hook() -> str | None:
 
 
 def _muon() -> str | None:
-    from ds_core.compat.lazy_compile import MUON_MODULE
-
     try:
         found = importlib.util.find_spec(MUON_MODULE) is not None
     except ImportError:
@@ -177,4 +178,5 @@ def say_off(name: str, why: str, say: Callable[[str], None] | None) -> None:
         say(f"[ds_core] {name} off: {why}; DeepSpeed's own path runs instead ({c.does}: {c.module})")
 
 
-__all__ = ["Change", "CHANGES", "BY_NAME", "CHECKED", "missing", "status", "say_off", "signature_differs"]
+__all__ = ["Change", "CHANGES", "BY_NAME", "CHECKED", "MUON_MODULE", "missing", "status", "say_off",
+           "signature_differs"]

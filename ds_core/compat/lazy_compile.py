@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+from ds_core.compat.changes import MUON_MODULE, missing, say_off
 
 
 def deferred_compile(real: Callable) -> Callable:
@@ -45,8 +45,6 @@ def deferred_compile(real: Callable) -> Callable:
 def import_muon_lazily(say: Callable[[str], None] | None = None) -> bool:
     """Import DeepSpeed's Muon module (where this DeepSpeed has one) with its torch.compile decorations deferred;
     True where it is imported (now or before)."""
-    from ds_core.compat.changes import missing, say_off
-
     if MUON_MODULE in sys.modules:
         return True
     if why := missing("lazy_muon_import"):
