@@ -75,7 +75,7 @@ def load_tokenizer(args: ModelArgs, model_max_length: int = 128) -> PreTrainedTo
                                     f"directory only; nothing is downloaded)")
         try:
             return AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:  # TypeError: transformers 4.55's slow tokenizer without files
             raise InputNotFound(f"no tokenizer files in {path} ({e}); pass --tokenizer_name_or_path to a "
                                     f"directory holding the model's tokenizer (e.g. roberta-large's)") from e
     if args.preset != "debug":

@@ -169,6 +169,8 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
     ds_path = str((Path(cfg.run_dir) / "ds_config.json").resolve())
     kw["deepspeed"] = ds_path if "zero_optimization" in ds else {**ds, "zero_optimization": {"stage": 0}}
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if "logging_dir" in fields:  # transformers 4.x: TensorBoard's directory (its default is stamped with the time)
+        kw["logging_dir"] = str(Path(cfg.run_dir) / "tensorboard")  # where this run's TensorBoard events go
     if optim.warmup_ratio:  # transformers 5: a share is warmup_steps < 1 (4.x: warmup_ratio)
         kw["warmup_ratio" if "warmup_ratio" in fields else "warmup_steps"] = optim.warmup_ratio
     if compat.save_strategy == "steps":

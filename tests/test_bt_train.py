@@ -3,6 +3,7 @@ shipped DeepSpeed JSONs, learning rate raised), loss falls, eval/predict recall,
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -55,9 +56,17 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def assert_loss_falls(recs: list[dict]) -> None:
-    losses = [r["loss"] for r in recs if r["type"] == "step"]
-    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < first * 0.85, losses
+    """The training loss falls epoch after epoch: the mean over each full epoch (the same rows, reshuffled, so the
+    same last smaller batch with fewer negatives) below the one before, over at least 3 epochs. Per-step losses vary
+    with each batch's negatives more than a few steps of learning move them, and the random initial weights differ
+    between transformers releases (each draws its own init in its own order)."""
+    steps = [r for r in recs if r["type"] == "step"]
+    by_epoch: dict[int, list[float]] = {}
+    for r in steps:
+        by_epoch.setdefault(math.ceil(r["epoch"] - 1e-9), []).append(r["loss"])
+    full = max(len(v) for v in by_epoch.values())
+    means = [sum(v) / len(v) for _, v in sorted(by_epoch.items()) if len(v) == full]
+    assert len(means) >= 3 and all(b < a for a, b in zip(means, means[1:])), (means, [r["loss"] for r in steps])
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +237,8 @@ def test_published_command_trains_on_two_ranks_and_writes_trainers_outputs(tmp_p
 
     # Trainer.save_model + run_bridgetower.py's tokenizer/image processor: loadable as the published checkpoint is
     processor = BridgeTowerProcessor.from_pretrained(run)
-    assert processor.image_processor.size.shortest_edge == 32  # the debug model's vision image_size
+    size = processor.image_processor.size  # a SizeDict on transformers 5, a dict on 4.55
+    assert (size["shortest_edge"] if isinstance(size, dict) else size.shortest_edge) == 32  # the debug model's
     model = BridgeTowerForContrastiveLearning.from_pretrained(run, local_files_only=True)
     assert model.dtype == torch.float32 and model.config.vision_config.image_size == 32
     from PIL import Image

@@ -87,7 +87,10 @@ def two_rank_save(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")])
+# ZeRO-1 bf16 (BF16_Optimizer) on every stack: the universal load whose links Habana's fork leaves wrong
+# (ds_core.compat.universal_load)
+@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"),
+                                             pytest.param(1, "bf16", marks=pytest.mark.stack)])
 def test_two_ranks_to_one_keeps_optimizer_state_batch_and_samples(tmp_path, two_rank_save, stage, precision):
     saved = two_rank_save(stage, precision)
     cfg = ds_json(tmp_path, stage)

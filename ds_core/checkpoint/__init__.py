@@ -370,6 +370,10 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {root / load_tag}")
+    if load_tag != tag:  # loaded from the universal format: the links older DeepSpeed leaves wrong, made right
+        from ds_core.compat.universal_load import relink
+
+        relink(engine, say=(lambda line: print(line, flush=True)) if rank() == 0 else None)
     me = rank()
     if me < saved_world:
         state: dict[str, Any] = dict(states[me])

@@ -118,6 +118,23 @@ def _group_norms_fixed() -> str | None:
     return None
 
 
+def _relink() -> str | None:
+    for owner in ("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer",
+                  "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"):
+        for name in ("_link_all_hp_params", "_lazy_init_hp_params_optimizer_state"):
+            if why := signature_differs(owner, name, []):
+                return why
+    return None
+
+
+def _relink_fixed() -> str | None:
+    from ds_core.compat.universal_load import probe_fault
+
+    if probe_fault():
+        return None
+    return "this DeepSpeed's universal load leaves each parameter's fp32 fragment where it was"
+
+
 def _zero_layout() -> str | None:
     return None  # read per wrapper instance when the optimizer attaches (ds_core.compat.zero_layout.missing_attributes)
 
@@ -144,6 +161,10 @@ CHANGES: tuple[Change, ...] = (
     Change("cached_cpu_info", "py-cpuinfo asked once per machine for DeepSpeed's op loads",
            "cpuinfo.get_cpu_info, as DeepSpeed's op builder calls it", "ds_core.device.cpu_info",
            "tests/test_cpu_info.py", _cpuinfo),
+    Change("universal_load_links", "after a universal (resize) load, each parameter's fp32 view is its master weights",
+           "the links deepspeed.utils.tensor_fragment.map_to_flat_opt_states leaves (0.16: every fp32 view pointed "
+           "at the exp_avg_sq buffer)", "ds_core.compat.universal_load", "tests/test_resize.py", _relink,
+           not_needed=_relink_fixed),
     Change("zero_partition_layout", "NVLAMB / LANS trust ratios per parameter tensor under ZeRO (reads, changes none)",
            "the flat-partition attributes of BF16_Optimizer, DeepSpeedZeroOptimizer and ZeRO-3's optimizer",
            "ds_core.compat.zero_layout", "tests/test_bert_optim_zero.py", _zero_layout),

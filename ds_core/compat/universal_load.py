@@ -1,0 +1,59 @@
+"""After DeepSpeed loads a universal checkpoint (a resize, ds_core.checkpoint.resize), each parameter's view of its
+fp32 master weights is that of the fp32 partition again, where the installed DeepSpeed leaves it elsewhere.
+
+DeepSpeed 0.16's map_to_flat_opt_states (deepspeed/utils/tensor_fragment.py, called by the ZeRO-1/2 and bf16
+optimizers' universal load) builds one flat buffer per optimizer state and, for each, points every parameter's
+`_hp_mapping.hp_fragment` (its fp32 master weights) at that buffer: after the loop the fp32 view of every parameter
+is its exp_avg_sq. Training is unaffected (the optimizer steps the flat fp32 partition, loaded right), but whatever
+reads a parameter's fp32 value through the mapping reads the second moment: safe_get_full_fp32_param, so the fp32
+export of the model (ds_core.outputs.results.save_model) and every check of the weights after a resize. 0.19 keeps
+hp_fragment and points the state fragments at the buffers instead. Whether the installed DeepSpeed has the fault is
+probed on a two-element stand-in (probe_fault); where it has, relink() links the mappings again the way the optimizer
+links them after its first step (its own _link_all_hp_params and _lazy_init_hp_params_optimizer_state).
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+
+
+def probe_fault() -> bool:
+    """Whether the installed DeepSpeed's map_to_flat_opt_states re-points a parameter's fp32 fragment at an
+    optimizer-state buffer (the fault); one call on a stand-in parameter."""
+    import importlib
+
+    # the module itself: deepspeed.utils exports a class of the same name
+    tf = importlib.import_module("deepspeed.utils.tensor_fragment")
+    flat = torch.zeros(2)
+    fp32_view = flat.narrow(0, 0, 2)
+    address = types.SimpleNamespace(start=0, numel=2)
+    mapping = types.SimpleNamespace(hp_fragment=fp32_view, optim_fragment={"exp_avg": torch.ones(2)},
+                                    get_hp_fragment_address=lambda: address)
+    mapping.get_hp_fragment = lambda optim_state_key=None: (mapping.hp_fragment if optim_state_key is None
+                                                            else mapping.optim_fragment[optim_state_key])
+    tf.map_to_flat_opt_states(flat, [types.SimpleNamespace(_hp_mapping=mapping)], {flat: {}}, ["exp_avg"])
+    return mapping.hp_fragment is not fp32_view
+
+
+def relink(engine: Any, say: Callable[[str], None] | None = None) -> bool:
+    """Link every parameter's fp32 and optimizer-state fragments to the optimizer's flat partition and state again,
+    where the installed DeepSpeed has the fault (ds_core.compat.changes: universal_load_links); True if it did."""
+    from ds_core.compat.changes import BY_NAME, missing, say_off
+
+    if BY_NAME["universal_load_links"].not_needed() is not None:
+        return False
+    opt = engine.optimizer
+    if not hasattr(opt, "_hp_optimizer_states_linked"):  # ZeRO-3 / no wrapper: not loaded through that function
+        return False
+    if why := missing("universal_load_links"):
+        say_off("universal_load_links", why, say)
+        return False
+    opt._link_all_hp_params()
+    opt._hp_optimizer_states_linked = False
+    opt._lazy_init_hp_params_optimizer_state()
+    return True
+
+
+__all__ = ["probe_fault", "relink"]
