@@ -20,7 +20,7 @@ from ds_core.errors import ConfigError
 from ds_core.outputs import monitors
 from ds_core.schedule import param_groups
 
-from .configs import HPU_NOTICES, CompatArgs
+from .configs import GAUDI_TRAINER_NOTICES, HPU_NOTICES, CompatArgs
 from .images import CLIP_MEAN, CLIP_STD, SIZE_DIVISOR
 
 TRAINER_DEFAULT_LR = 5e-5  # transformers.TrainingArguments.learning_rate
@@ -39,7 +39,18 @@ def trainer_defaults(optim: OptimArgs) -> OptimArgs:
 
 
 def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
-    """Refuse what cannot be honoured (push_to_hub)."""
+    """Refuse what cannot be honoured (push_to_hub, GaudiTrainer's fp8 and profiling steps); --torch_compile is
+    --compile on (a --compile off given too is refused: two answers to one question)."""
+    if compat.fp8:
+        raise ConfigError("--fp8: refused; training here is bf16 or fp32 (--bf16, --precision)")
+    if compat.profiling_steps or compat.profiling_warmup_steps:
+        raise ConfigError("--profiling_steps / --profiling_warmup_steps: refused; pass --profile_steps N, which "
+                          "profiles the last N warm-up steps (--throughput_warmup_steps) with torch.profiler, HPU "
+                          "activity included (docs/metrics.md)")
+    if compat.torch_compile:
+        if train_cfg.compile == "off":
+            raise ConfigError("--torch_compile with --compile off: pass one of them")
+        train_cfg = dataclasses.replace(train_cfg, compile="on")
     if compat.push_to_hub:
         raise ConfigError("--push_to_hub: refused; this toolkit never uploads (training hosts often have no internet "
                           "and a credential on every node is a risk). The model is saved in --output_dir in "
@@ -49,7 +60,8 @@ def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
 
 def flag_notices(compat: CompatArgs) -> list[str]:
     """One line per accepted flag that does nothing here (HPU-only flags, --hub_model_id)."""
-    notices = [f"--{name}: {text}" for name, text in HPU_NOTICES.items() if getattr(compat, name)]
+    notices = [f"--{name}: {text}" for name, text in {**HPU_NOTICES, **GAUDI_TRAINER_NOTICES}.items()
+               if getattr(compat, name)]
     if compat.hub_model_id:
         notices.append(f"--hub_model_id {compat.hub_model_id}: unused (nothing is pushed to the hub)")
     return notices

@@ -262,6 +262,20 @@ HPU_NOTICES = {
     "distribution_strategy": "data parallelism is DeepSpeed ZeRO (--zero_stage / the DeepSpeed JSON), not DDP",
     "sdp_on_bf16": "attention runs transformers' BridgeTower implementation; no Gaudi SDPA switch",
 }
+# GaudiTrainingArguments' other settings (optimum-habana, optimum/habana/transformers/training_args.py), accepted
+# where what they ask for is what happens here anyway or does not apply; --torch_compile maps to --compile on, and
+# --fp8 / --profiling_* are refused naming what to use (bridgetower_ds.compat.check_flags)
+GAUDI_TRAINER_NOTICES = {
+    "adjust_throughput": "logging, evaluation and saving are always outside the measured throughput window "
+                         "(train_samples_per_second_measured)",
+    "non_blocking_data_copy": "batches always go to the device without blocking, from pinned host memory",
+    "pipelining_fwd_bwd": "no extra graph cut between forward and backward: in lazy mode the loop cuts the graph after "
+                          "backward and after the optimizer step, as GaudiTrainer does without this flag",
+    "use_hpu_graphs_for_training": "training runs eager (and compiled with --compile); HPU graphs are not used",
+    "use_compiled_autograd": "compiled autograd is not used; --compile compiles the model's forward",
+    "torch_compile_backend": "the model compiles with the accelerator's own backend (hpu_backend on Gaudi, inductor "
+                             "elsewhere), whatever is named here",
+}
 
 
 @dataclass(frozen=True)
@@ -335,6 +349,24 @@ class CompatArgs:
         "help": "HPU-only flag, accepted: " + HPU_NOTICES["distribution_strategy"]})
     sdp_on_bf16: bool = field(default=False, metadata={"help": "HPU-only flag, accepted: "
                                                                + HPU_NOTICES["sdp_on_bf16"]})
+    adjust_throughput: bool = field(default=False, metadata={
+        "help": "GaudiTrainer's flag, accepted: " + GAUDI_TRAINER_NOTICES["adjust_throughput"]})
+    non_blocking_data_copy: bool = field(default=False, metadata={
+        "help": "GaudiTrainer's flag, accepted: " + GAUDI_TRAINER_NOTICES["non_blocking_data_copy"]})
+    pipelining_fwd_bwd: bool = field(default=False, metadata={
+        "help": "GaudiTrainer's flag, accepted: " + GAUDI_TRAINER_NOTICES["pipelining_fwd_bwd"]})
+    use_hpu_graphs_for_training: bool = field(default=False, metadata={
+        "help": "GaudiTrainer's flag, accepted: " + GAUDI_TRAINER_NOTICES["use_hpu_graphs_for_training"]})
+    use_compiled_autograd: bool = field(default=False, metadata={
+        "help": "GaudiTrainer's flag, accepted: " + GAUDI_TRAINER_NOTICES["use_compiled_autograd"]})
+    torch_compile: bool = field(default=False, metadata={"help": "Trainer's flag: --compile on"})
+    torch_compile_backend: str = field(default="", metadata={
+        "help": "Trainer's flag, accepted: " + GAUDI_TRAINER_NOTICES["torch_compile_backend"]})
+    fp8: bool = field(default=False, metadata={"help": "GaudiTrainer's flag, refused: no fp8 training here (--bf16)"})
+    profiling_steps: int = field(default=0, metadata={
+        "help": "GaudiTrainer's flag, refused: --profile_steps N profiles the last N warm-up steps"})
+    profiling_warmup_steps: int = field(default=0, metadata={
+        "help": "GaudiTrainer's flag, refused: --profile_steps N profiles the last N warm-up steps"})
 
 
 @dataclass(frozen=True)

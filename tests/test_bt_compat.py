@@ -72,6 +72,26 @@ def test_published_command_parses_into_the_toolkits_settings():
     assert all(len(n.splitlines()) == 1 for n in notices)
 
 
+def test_gaudi_trainer_flags_are_taken_as_this_toolkit_does_what_they_ask():
+    """GaudiTrainingArguments' own flags (optimum-habana): --torch_compile is --compile on; the ones whose effect
+    happens anyway or does not apply are accepted with one line each; fp8 and the profiling steps are refused naming
+    what to use (docs/gaudi.md's table)."""
+    from bridgetower_ds.configs import GAUDI_TRAINER_NOTICES
+
+    flags = ["--adjust_throughput", "--non_blocking_data_copy", "--pipelining_fwd_bwd",
+             "--use_hpu_graphs_for_training", "--use_compiled_autograd", "--torch_compile_backend", "hpu_backend"]
+    cfg = parse_settings(BridgeTowerSettings, ["--do_train", "--torch_compile", *flags])
+    assert compat.check_flags(cfg.compat, cfg.train).compile == "on"
+    notices = compat.flag_notices(cfg.compat)
+    assert [n.split(":")[0] for n in notices] == [f"--{k}" for k in GAUDI_TRAINER_NOTICES]
+    assert all(len(n.splitlines()) == 1 for n in notices)
+    for argv, message in ((["--fp8"], "--fp8: refused"), (["--profiling_steps", "3"], "pass --profile_steps N"),
+                          (["--torch_compile", "--compile", "off"], "pass one of them")):
+        cfg = parse_settings(BridgeTowerSettings, ["--do_train", *argv])
+        with pytest.raises(ConfigError, match=message):
+            compat.check_flags(cfg.compat, cfg.train)
+
+
 def test_push_to_hub_is_refused_with_the_reason():
     cfg = parse_settings(BridgeTowerSettings, ["--push_to_hub", "--hub_model_id", "me/bt", "--do_train"])
     tc, ca = cfg.train, cfg.compat
