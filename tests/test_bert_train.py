@@ -238,15 +238,18 @@ def test_zero3_lans_activation_checkpointing_overfits_and_exports(shards, tmp_pa
 
     model = build_model(debug(2), init_checkpoint=str(run_dir / "hf_model"))
     assert model.bert.embeddings.word_embeddings.weight.shape == (1024, 64)
-    # trained in bf16, exported as the fp32 master weights, and said so under the name this transformers reads
-    # (`dtype`, or `torch_dtype` before 4.56): the "auto" dtype reloads them as fp32
+    # the export holds the module's weights (bf16: trained in bf16) and its config says so under the name this
+    # transformers reads (`dtype`, `torch_dtype` before 4.56): the "auto" dtype reloads them as they are saved
+    from safetensors.torch import load_file
     from transformers import BertForPreTraining
 
     from ds_core.compat.hf import dtype_field, dtype_kwargs
 
-    assert json.loads((run_dir / "hf_model" / "config.json").read_text())[dtype_field()] == "float32"
+    saved = load_file(str(run_dir / "hf_model" / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert json.loads((run_dir / "hf_model" / "config.json").read_text())[dtype_field()] == "bfloat16"
     auto = BertForPreTraining.from_pretrained(str(run_dir / "hf_model"), local_files_only=True, **dtype_kwargs("auto"))
-    assert auto.dtype == torch.float32
+    assert auto.dtype == torch.bfloat16
     assert json.loads((run_dir / "run_config.json").read_text())["BertArgs"]["preset"] == "debug"
 
 

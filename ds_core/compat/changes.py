@@ -135,6 +135,18 @@ def _relink_fixed() -> str | None:
     return "this DeepSpeed's universal load leaves each parameter's fp32 fragment where it was"
 
 
+def _buckets() -> str | None:
+    return signature_differs("deepspeed.runtime.zero.stage_1_and_2", "split_half_float_double", ["tensors"])
+
+
+def _buckets_fixed() -> str | None:
+    from ds_core.compat.zero_buckets import probe_drops_cpu
+
+    if probe_drops_cpu():
+        return None
+    return "this DeepSpeed groups ZeRO's gradients by dtype, on any device"
+
+
 def _zero_layout() -> str | None:
     return None  # read per wrapper instance when the optimizer attaches (ds_core.compat.zero_layout.missing_attributes)
 
@@ -161,6 +173,10 @@ CHANGES: tuple[Change, ...] = (
     Change("cached_cpu_info", "py-cpuinfo asked once per machine for DeepSpeed's op loads",
            "cpuinfo.get_cpu_info, as DeepSpeed's op builder calls it", "ds_core.device.cpu_info",
            "tests/test_cpu_info.py", _cpuinfo),
+    Change("cpu_gradient_buckets", "ZeRO-1/2's gradient buckets grouped by dtype, so every gradient is all-reduced",
+           "deepspeed.runtime.zero.stage_1_and_2.split_half_float_double (0.16: matched CPU tensors to no bucket, "
+           "and buffered_reduce_fallback all-reduced nothing)", "ds_core.compat.zero_buckets",
+           "tests/test_study_comms.py", _buckets, not_needed=_buckets_fixed),
     Change("universal_load_links", "after a universal (resize) load, each parameter's fp32 view is its master weights",
            "the links deepspeed.utils.tensor_fragment.map_to_flat_opt_states leaves (0.16: every fp32 view pointed "
            "at the exp_avg_sq buffer)", "ds_core.compat.universal_load", "tests/test_resize.py", _relink,
