@@ -64,14 +64,15 @@ def test_zero_gradient_buckets_hold_every_gradient(release):
     fault the change is for: no gradient all-reduced)."""
     import torch
 
-    from ds_core.compat.zero_buckets import _REPLACED, probe_drops_cpu, split_by_dtype
+    from ds_core.compat.deepspeed_behaviour import zero_buckets_drop_cpu
+    from ds_core.compat.zero_buckets import split_by_dtype
 
     ts = [torch.zeros(3), torch.zeros(2, dtype=torch.bfloat16), torch.zeros(4), torch.zeros(1, dtype=torch.half)]
     ours = [[id(t) for t in b] for b in split_by_dtype(ts)]
     assert ours == [[id(ts[3])], [id(ts[0]), id(ts[2])], [id(ts[1])]]
-    assert probe_drops_cpu() is (release == (0, 16))
+    assert zero_buckets_drop_cpu() is (release == (0, 16))
     if release == (0, 19):
         from deepspeed.runtime.zero import stage_1_and_2
 
-        deepspeeds = _REPLACED[0] if _REPLACED else stage_1_and_2.split_half_float_double
-        assert [[id(t) for t in b] for b in deepspeeds(ts)] == ours
+        fn = stage_1_and_2.split_half_float_double
+        assert [[id(t) for t in b] for b in getattr(fn, "deepspeeds", fn)(ts)] == ours

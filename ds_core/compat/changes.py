@@ -128,9 +128,9 @@ def _relink() -> str | None:
 
 
 def _relink_fixed() -> str | None:
-    from ds_core.compat.universal_load import probe_fault
+    from ds_core.compat.deepspeed_behaviour import universal_load_repoints_fp32
 
-    if probe_fault():
+    if universal_load_repoints_fp32():
         return None
     return "this DeepSpeed's universal load leaves each parameter's fp32 fragment where it was"
 
@@ -140,9 +140,9 @@ def _buckets() -> str | None:
 
 
 def _buckets_fixed() -> str | None:
-    from ds_core.compat.zero_buckets import probe_drops_cpu
+    from ds_core.compat.deepspeed_behaviour import zero_buckets_drop_cpu
 
-    if probe_drops_cpu():
+    if zero_buckets_drop_cpu():
         return None
     return "this DeepSpeed groups ZeRO's gradients by dtype, on any device"
 

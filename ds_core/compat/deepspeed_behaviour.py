@@ -9,6 +9,9 @@ one of them.
 - comms_timer_cumulative: whether the comms logger's per-call record is the running total of the op (0.19: its
   timer's elapsed(reset=False) sums every call so far) or that call's own time (the fork clears the timer's records
   on each read): the study's comm latency is then the largest record or their sum.
+- universal_load_repoints_fp32, zero_buckets_drop_cpu: two faults of 0.16, probed on stand-ins, which the
+  changes ds_core.compat.universal_load and ds_core.compat.zero_buckets make right where the installed DeepSpeed has
+  them.
 - What a non-finite gradient norm does is decided per wrapper by DeepSpeed's step and read at run time
   (ds_core.run.loop): 0.19's BF16_Optimizer skips the update; the fork's asserts `all_groups_norm > 0`; ZeRO-1/2 with
   bf16 and no overflow check applies it with DeepSpeed's -1 for the norm. The loop turns each into the divergence
@@ -96,4 +99,37 @@ def comms_timer_cumulative() -> bool:
     return bool(timer.event_timers)  # kept: the next read sums it again (cumulative); cleared: per-read
 
 
-__all__ = ["optimizer_wrapper", "WrapperRefused", "WRAPPER_NAMES", "comms_timer_cumulative", "deepspeed_version"]
+def universal_load_repoints_fp32() -> bool:
+    """Whether the installed DeepSpeed's map_to_flat_opt_states (its universal-checkpoint load of ZeRO-1/2 and bf16
+    optimizer states) re-points a parameter's fp32 fragment at an optimizer-state buffer (0.16: every fp32 view ends on
+    exp_avg_sq; ds_core.compat.universal_load); one call on a stand-in parameter."""
+    import importlib
+
+    import torch
+
+    # the module itself: deepspeed.utils exports a class of the same name
+    tf = importlib.import_module("deepspeed.utils.tensor_fragment")
+    flat = torch.zeros(2)
+    fp32_view = flat.narrow(0, 0, 2)
+    address = types.SimpleNamespace(start=0, numel=2)
+    mapping = types.SimpleNamespace(hp_fragment=fp32_view, optim_fragment={"exp_avg": torch.ones(2)},
+                                    get_hp_fragment_address=lambda: address)
+    mapping.get_hp_fragment = lambda optim_state_key=None: (mapping.hp_fragment if optim_state_key is None
+                                                            else mapping.optim_fragment[optim_state_key])
+    tf.map_to_flat_opt_states(flat, [types.SimpleNamespace(_hp_mapping=mapping)], {flat: {}}, ["exp_avg"])
+    return mapping.hp_fragment is not fp32_view
+
+
+def zero_buckets_drop_cpu() -> bool:
+    """Whether the installed DeepSpeed's ZeRO-1/2 split_half_float_double (the grouping of buffered_reduce_fallback)
+    leaves a CPU float tensor out of every bucket (0.16; ds_core.compat.zero_buckets). Asked of DeepSpeed's own
+    function also after ds_core.compat.zero_buckets replaced it (the replacement keeps it as `deepspeeds`)."""
+    import torch
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    fn = stage_1_and_2.split_half_float_double
+    return getattr(fn, "deepspeeds", fn)([torch.zeros(4)]) == []
+
+
+__all__ = ["optimizer_wrapper", "WrapperRefused", "WRAPPER_NAMES", "comms_timer_cumulative", "deepspeed_version",
+           "universal_load_repoints_fp32", "zero_buckets_drop_cpu"]

@@ -8,33 +8,13 @@ is its exp_avg_sq. Training is unaffected (the optimizer steps the flat fp32 par
 reads a parameter's fp32 value through the mapping reads the second moment: safe_get_full_fp32_param, so the fp32
 export of the model (ds_core.outputs.results.save_model) and every check of the weights after a resize. 0.19 keeps
 hp_fragment and points the state fragments at the buffers instead. Whether the installed DeepSpeed has the fault is
-probed on a two-element stand-in (probe_fault); where it has, relink() links the mappings again the way the optimizer
-links them after its first step (its own _link_all_hp_params and _lazy_init_hp_params_optimizer_state).
+probed on a two-element stand-in (ds_core.compat.deepspeed_behaviour.universal_load_repoints_fp32); where it has,
+relink() links the mappings again the way the optimizer links them after its first step (its own
+_link_all_hp_params and _lazy_init_hp_params_optimizer_state).
 """
 from __future__ import annotations
 
-import types
 from typing import Any, Callable
-
-import torch
-
-
-def probe_fault() -> bool:
-    """Whether the installed DeepSpeed's map_to_flat_opt_states re-points a parameter's fp32 fragment at an
-    optimizer-state buffer (the fault); one call on a stand-in parameter."""
-    import importlib
-
-    # the module itself: deepspeed.utils exports a class of the same name
-    tf = importlib.import_module("deepspeed.utils.tensor_fragment")
-    flat = torch.zeros(2)
-    fp32_view = flat.narrow(0, 0, 2)
-    address = types.SimpleNamespace(start=0, numel=2)
-    mapping = types.SimpleNamespace(hp_fragment=fp32_view, optim_fragment={"exp_avg": torch.ones(2)},
-                                    get_hp_fragment_address=lambda: address)
-    mapping.get_hp_fragment = lambda optim_state_key=None: (mapping.hp_fragment if optim_state_key is None
-                                                            else mapping.optim_fragment[optim_state_key])
-    tf.map_to_flat_opt_states(flat, [types.SimpleNamespace(_hp_mapping=mapping)], {flat: {}}, ["exp_avg"])
-    return mapping.hp_fragment is not fp32_view
 
 
 def relink(engine: Any, say: Callable[[str], None] | None = None) -> bool:
@@ -56,4 +36,4 @@ def relink(engine: Any, say: Callable[[str], None] | None = None) -> bool:
     return True
 
 
-__all__ = ["probe_fault", "relink"]
+__all__ = ["relink"]

@@ -5,9 +5,9 @@ configurations) reduces its gradient bucket through buffered_reduce_fallback, wh
 split_half_float_double. In DeepSpeed 0.16 (Habana's fork) that compares each tensor's legacy type string with
 "torch.<device>.FloatTensor": on the CPU accelerator the string is "torch.FloatTensor", nothing matches, no bucket is
 made and the gradients are not all-reduced at all, silently (every rank steps on its own gradient). 0.19 compares
-dtypes. Where the installed function drops a CPU float tensor (probe_drops_cpu, one call on a 4-element tensor), its
-name in deepspeed.runtime.zero.stage_1_and_2 is replaced by split_by_dtype, 0.19's grouping (same buckets, same
-order: half, float, double, bfloat16; strided tensors only).
+dtypes. Where the installed function drops a CPU float tensor (ds_core.compat.deepspeed_behaviour.
+zero_buckets_drop_cpu), its name in deepspeed.runtime.zero.stage_1_and_2 is replaced by split_by_dtype, 0.19's
+grouping (same buckets, same order: half, float, double, bfloat16; strided tensors only).
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 
 DTYPES = (torch.half, torch.float, torch.double, torch.bfloat16)
-_REPLACED: list[Callable] = []  # DeepSpeed's own function, once replaced (what probe_drops_cpu asks about)
 
 
 def split_by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -29,14 +28,6 @@ def split_by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return buckets
 
 
-def probe_drops_cpu() -> bool:
-    """Whether the installed DeepSpeed's split_half_float_double leaves a CPU float tensor out of every bucket."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    deepspeeds = _REPLACED[0] if _REPLACED else stage_1_and_2.split_half_float_double
-    return deepspeeds([torch.zeros(4)]) == []
-
-
 def use_dtype_buckets(say: Callable[[str], None] | None = None) -> bool:
     """ZeRO-1/2's buffered reduction through split_by_dtype where the installed DeepSpeed's grouping drops CPU
     tensors (ds_core.compat.changes: cpu_gradient_buckets); True if it is installed (idempotent)."""
@@ -44,16 +35,21 @@ def use_dtype_buckets(say: Callable[[str], None] | None = None) -> bool:
 
     from ds_core.compat.changes import BY_NAME, missing, say_off
 
-    if stage_1_and_2.split_half_float_double is split_by_dtype:
+    if getattr(stage_1_and_2.split_half_float_double, "deepspeeds", None) is not None:
         return True
     if BY_NAME["cpu_gradient_buckets"].not_needed() is not None:
         return False
     if why := missing("cpu_gradient_buckets"):
         say_off("cpu_gradient_buckets", why, say)
         return False
-    _REPLACED.append(stage_1_and_2.split_half_float_double)
-    stage_1_and_2.split_half_float_double = split_by_dtype
+    deepspeeds = stage_1_and_2.split_half_float_double
+
+    def split_half_float_double(tensors):
+        return split_by_dtype(tensors)
+
+    split_half_float_double.deepspeeds = deepspeeds  # DeepSpeed's own, for the probe (deepspeed_behaviour)
+    stage_1_and_2.split_half_float_double = split_half_float_double
     return True
 
 
-__all__ = ["split_by_dtype", "probe_drops_cpu", "use_dtype_buckets", "DTYPES"]
+__all__ = ["split_by_dtype", "use_dtype_buckets", "DTYPES"]
