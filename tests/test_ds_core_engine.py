@@ -2,6 +2,7 @@
 import os
 import time
 
+import pytest
 import torch
 
 from ds_core.checkpoint import describe_mismatch
@@ -79,3 +80,46 @@ def test_a_checkpoint_of_another_deepspeed_optimizer_wrapper_is_refused_by_name(
     diffs = describe_mismatch(zero, bf16)
     assert len(diffs) == 1 and "grad_accum_dtype" in diffs[0] and "'DeepSpeedZeroOptimizer'" in diffs[0], diffs
     assert describe_mismatch(zero, bf16, universal=True) == []  # a resize loads DeepSpeed's wrapper-free format
+
+
+@pytest.mark.stack
+def test_a_killed_holders_op_build_lock_stops_no_later_load(tmp_path):
+    """ds_core.compat.op_baton: a process killed while it held the JIT build lock of an op leaves the file; torch's
+    own baton waits for it forever, the holder-naming one (installed into torch.utils.cpp_extension by every rank)
+    sees the holder is gone, clears the lock and goes on. A live holder's lock is waited for."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import torch.utils.cpp_extension as cpp
+    from torch.utils.file_baton import FileBaton
+
+    from conftest import REPO
+    from ds_core.compat.op_baton import make_baton_class, use_holder_baton
+
+    lock = tmp_path / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom torch.utils.file_baton import FileBaton\n"
+        "from ds_core.compat.op_baton import make_baton_class\n"
+        f"assert make_baton_class(FileBaton)({str(lock)!r}).try_acquire()\nprint('held', flush=True)\n"
+        "time.sleep(600)\n")], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert lock.read_text().split()[1] == str(holder.pid)  # left behind, naming its dead holder
+
+    def waits(baton, seconds: float) -> bool:
+        t = threading.Thread(target=baton.wait, daemon=True)
+        t.start()
+        t.join(seconds)
+        return t.is_alive()
+
+    assert waits(FileBaton(str(lock), wait_seconds=0.05), 1.0)  # torch's own: still waiting (forever)
+    holder_baton = make_baton_class(FileBaton)
+    assert not holder_baton(str(lock)).try_acquire()
+    assert not waits(holder_baton(str(lock), wait_seconds=0.05), 5.0) and not lock.exists()
+    mine = holder_baton(str(lock))  # held by this (live) process: a waiter keeps waiting
+    assert mine.try_acquire() and waits(holder_baton(str(lock), wait_seconds=0.05), 1.0)
+    mine.release()
+    assert use_holder_baton() and cpp.FileBaton.ds_core_holder_baton  # the name torch's JIT build takes

@@ -1,4 +1,5 @@
-"""Every place the toolkit replaces or reads a DeepSpeed internal, in one list, each applied by feature.
+"""Every place the toolkit replaces or reads a DeepSpeed internal (and the one torch internal its op loads go
+through), in one list, each applied by feature.
 
 DeepSpeed has no setting for these (docs/benchmarks.md measures each speed-up), so they reach into its classes. The
 installed DeepSpeed may be upstream's newest or Habana's fork on a Gaudi image (stacks/, docs/gaudi.md), whose
@@ -147,6 +148,11 @@ def _buckets_fixed() -> str | None:
     return "this DeepSpeed groups ZeRO's gradients by dtype, on any device"
 
 
+def _baton() -> str | None:
+    return signature_differs("torch.utils.cpp_extension:FileBaton", "__init__", ["lock_file_path", "wait_seconds"],
+                             allowed=("warn_after_seconds",))
+
+
 def _zero_layout() -> str | None:
     return None  # read per wrapper instance when the optimizer attaches (ds_core.compat.zero_layout.missing_attributes)
 
@@ -181,6 +187,9 @@ CHANGES: tuple[Change, ...] = (
            "the links deepspeed.utils.tensor_fragment.map_to_flat_opt_states leaves (0.16: every fp32 view pointed "
            "at the exp_avg_sq buffer)", "ds_core.compat.universal_load", "tests/test_resize.py", _relink,
            not_needed=_relink_fixed),
+    Change("op_build_lock_holder", "the JIT build lock of DeepSpeed's ops names its holder; a dead holder's is cleared",
+           "torch.utils.cpp_extension.FileBaton, the lock every load of a DeepSpeed op takes (torch's own, not "
+           "DeepSpeed's)", "ds_core.compat.op_baton", "tests/test_ds_core_engine.py", _baton),
     Change("zero_partition_layout", "NVLAMB / LANS trust ratios per parameter tensor under ZeRO (reads, changes none)",
            "the flat-partition attributes of BF16_Optimizer, DeepSpeedZeroOptimizer and ZeRO-3's optimizer",
            "ds_core.compat.zero_layout", "tests/test_bert_optim_zero.py", _zero_layout),

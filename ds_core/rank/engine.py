@@ -19,6 +19,7 @@ import torch
 from ds_core.compat.flat_norm import use_flat_grad_norm
 from ds_core.compat.grad_hook import use_one_op_grad_hook
 from ds_core.compat.lazy_compile import import_muon_lazily
+from ds_core.compat.op_baton import use_holder_baton
 from ds_core.compat.zero_buckets import use_dtype_buckets
 from ds_core.device import hpu
 from ds_core.device.cpu_info import use_cached_cpu_info
@@ -125,6 +126,7 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     # not pass the starter's TORCH_EXTENSIONS_DIR to other nodes); a value set by the user wins
     os.environ.update(torch_extensions_env(os.environ))
     accel = get_accelerator()
+    use_holder_baton()  # a JIT op build lock left by a killed process does not stop this one (ds_core.compat.op_baton)
     if accel.device_name() == "cpu":
         use_cached_cpu_info()  # DeepSpeed's op load asks py-cpuinfo twice, ~1.3 s each (ds_core.device.cpu_info)
     if os.environ.get("LOCAL_RANK", "0") == "0":
