@@ -153,6 +153,14 @@ def _baton() -> str | None:
                              allowed=("warn_after_seconds",))
 
 
+def _engine_norm() -> str | None:
+    # both releases keep the optimizer's norm in engine._global_grad_norm after each step (_take_model_step) and
+    # return it from get_global_grad_norm; the loop reads the attribute where the engine instance has it
+    engine = _attr("deepspeed.runtime.engine", "DeepSpeedEngine")
+    lacks = [n for n in ("get_global_grad_norm", "_take_model_step") if not hasattr(engine, n)]
+    return f"this DeepSpeed's DeepSpeedEngine has no {', '.join(lacks)}" if lacks else None
+
+
 def _zero_layout() -> str | None:
     return None  # read per wrapper instance when the optimizer attaches (ds_core.compat.zero_layout.missing_attributes)
 
@@ -190,6 +198,9 @@ CHANGES: tuple[Change, ...] = (
     Change("op_build_lock_holder", "the JIT build lock of DeepSpeed's ops names its holder; a dead holder's is cleared",
            "torch.utils.cpp_extension.FileBaton, the lock every load of a DeepSpeed op takes (torch's own, not "
            "DeepSpeed's)", "ds_core.compat.op_baton", "tests/test_ds_core_engine.py", _baton),
+    Change("engine_grad_norm", "the step's global gradient norm read where the engine keeps it, as a device tensor",
+           "DeepSpeedEngine.get_global_grad_norm (reads, changes none; Habana's fork's calls .item() on the norm: "
+           "a device sync every step)", "ds_core.run.loop", "tests/test_step_syncs.py", _engine_norm),
     Change("zero_partition_layout", "NVLAMB / LANS trust ratios per parameter tensor under ZeRO (reads, changes none)",
            "the flat-partition attributes of BF16_Optimizer, DeepSpeedZeroOptimizer and ZeRO-3's optimizer",
            "ds_core.compat.zero_layout", "tests/test_bert_optim_zero.py", _zero_layout),

@@ -302,7 +302,7 @@ class Step:
         skipped_before = engine.skipped_steps
         self._engine_step(boundary=True)
         if grad_norm is None:
-            grad_norm = engine.get_global_grad_norm()
+            grad_norm = global_grad_norm(engine)
         skipped = engine.skipped_steps > skipped_before
         if skipped and engine.lr_scheduler is not None:
             # DeepSpeed does not step the LR scheduler on a skipped update (engine._take_model_step): step it here
@@ -326,6 +326,18 @@ class Step:
         self.phases.end("step")
 
 
+def global_grad_norm(engine) -> Any:
+    """The global gradient norm of the last step as DeepSpeed keeps it (a device tensor, a number, or None), without a
+    host read: the engine's _global_grad_norm, which DeepSpeed sets after every optimizer step and 0.19's
+    get_global_grad_norm() returns as it is; Habana's fork's get_global_grad_norm() calls .item() on it, a device sync
+    every step (ds_core.compat.changes: engine_grad_norm). An engine without the attribute: its method."""
+    from ds_core.compat.changes import missing
+
+    if missing("engine_grad_norm") is None and "_global_grad_norm" in vars(engine):
+        return vars(engine)["_global_grad_norm"]
+    return engine.get_global_grad_norm()
+
+
 def step_or_stop(engine) -> None:
     """engine.step(); NonFiniteGradNorm where the optimizer asserted on a non-finite gradient norm. What a non-finite
     norm does is DeepSpeed's (ds_core.compat.deepspeed_behaviour): 0.19's BF16_Optimizer skips the update (counted in
@@ -338,9 +350,9 @@ def step_or_stop(engine) -> None:
         value = float(norm) if isinstance(norm, (torch.Tensor, float, int)) else None
         if value is None or (math.isfinite(value) and value > 0):
             raise
-        raise NonFiniteGradNorm(f"{type(engine.optimizer).__name__} of DeepSpeed {_ds_version()} stops on it "
-                                f"(gradient norm {value:g}: its mark of inf/NaN) rather than skipping the update") \
-            from None
+        what = "0 (no gradient reached the optimizer)" if value == 0 else f"{value:g} (its mark of inf/NaN)"
+        raise NonFiniteGradNorm(f"{type(engine.optimizer).__name__} of DeepSpeed {_ds_version()} stops on a norm "
+                                f"that is not > 0 (gradient norm {what}) rather than skipping the update") from None
 
 
 def _ds_version() -> str:

@@ -213,7 +213,7 @@ class Trainer:
                 self._read()  # the steps before it recorded (and judged) first
                 self.metrics.persist()
                 raise TrainingDiverged(
-                    f"training diverged: the gradient norm of optimizer step {self.step + 1} is not finite, and {e}. "
+                    f"training diverged: the gradient norm of optimizer step {self.step + 1} is not usable, and {e}. "
                     f"Stopped without saving; the latest checkpoint is still {self.checkpoints.latest()} in "
                     f"{self.checkpoints.root} (resume from it with a lower learning rate)") from None
             if pending is not None and self._after_optimizer_step(pending):
