@@ -15,6 +15,8 @@ import torch
 
 from conftest import run_deepspeed
 
+pytestmark = pytest.mark.stack  # NVLAMB / LANS over every ZeRO wrapper's partitions, on every stack
+
 TWO_RANKS = {"z1_lamb": "1:lamb", "z1_lamb_pp": "1:lamb:per_partition", "z1_lans": "1:lans", "z2_lamb": "2:lamb",
              "z3_lamb": "3:lamb", "z3_lans": "3:lans", "zb1a_lamb": "1:lamb:bf16:fp32_accum",
              "z1_lamb_noclip": "1:lamb:noclip", "z1_lans_noclip": "1:lans:noclip"}

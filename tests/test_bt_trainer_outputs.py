@@ -14,6 +14,8 @@ import pytest
 from conftest import dist_env, run_deepspeed
 from ds_core.run.loop import EXIT_STOPPED
 
+pytestmark = pytest.mark.stack  # Trainer's files and a resume, on every stack
+
 STEPS, MICRO, EVAL_STEPS = 4, 4, 2
 
 # our own files beside Trainer's (Trainer's runs/ TensorBoard directory is our tensorboard/)

@@ -16,6 +16,8 @@ from ds_core.run.loop import EXIT_STOPPED
 from ds_core.run.run_dir import RunDirInUse, prepare_run_dir, previous_run
 from test_ds_core_train import SCRIPT, ds_json, losses, records
 
+pytestmark = pytest.mark.stack  # kill -9 during a save and an exact resume, on every stack
+
 
 def step_counts(run_dir: Path) -> dict[int, int]:
     counts: dict[int, int] = {}

@@ -11,6 +11,8 @@ from bert_ref import layerwise
 from bert_ref.layerwise import LANS, NVLAMB, FlatLayout, partition_segments
 from ds_core.device import hpu
 
+pytestmark = pytest.mark.stack  # Habana's rules, on the stack a Gaudi image has too
+
 
 # ------------------------------------------------------------------------------------------------ generations
 @pytest.mark.parametrize("name, gen", [("GAUDI", "gaudi"), ("GAUDI2", "gaudi2"), ("GAUDI3", "gaudi3"),

@@ -102,6 +102,7 @@ def preflight_across_nodes(tmp_path: Path, port: int) -> dict:
     return {(r["host"], r["check"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])["rows"]}
 
 
+@pytest.mark.stack  # two nodes through the installed DeepSpeed's pdsh runner
 def test_two_nodes_on_loopback(tmp_path):
     (tmp_path / "hostfile").write_text("node0 slots=1\nnode1 slots=1\n")
     data, run_dir, port = make_data(tmp_path / "data"), tmp_path / "run", free_port()

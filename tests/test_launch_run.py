@@ -16,6 +16,8 @@ from launch import run as runmod
 from launch.local_ranks import deepspeed_launcher
 from launch.settings import DEFAULT_DIST_TIMEOUT_S, LAUNCHERS
 
+pytestmark = pytest.mark.stack  # the launchers' commands, parsed by the installed DeepSpeed's runner
+
 # DeepSpeed's launcher as launch.run starts it: its script beside this Python, else `python -u -m` its module
 LAUNCHER = len(deepspeed_launcher())
 

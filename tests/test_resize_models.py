@@ -13,7 +13,7 @@ from conftest import dist_env, run_deepspeed
 from ds_core.outputs.sample_log import read_sample_log
 from test_bt_train import ds_json as bt_ds_json, make_caption_set
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.stack]  # both models resized through the universal format, on every stack
 # Same weights and global batch on both sides of the comparison, other samples (the rest of the epoch is dealt
 # anew): the step after the resize differs from the uninterrupted run's by batch noise only. Measured here (CPU,
 # fp32): BERT debug step 4 7.6506 resized vs 7.6472 (0.04 %), BridgeTower debug step 3 2.0662 vs 2.0552 (0.5 %).

@@ -18,6 +18,8 @@ import ds_core.run.setup
 from conftest import REPO, dist_env, run_deepspeed
 from ds_core.errors import ConfigError
 
+pytestmark = pytest.mark.stack  # a user's mistake is one line, on every stack
+
 
 def _stop_at_init(*_a, **_k):
     raise AssertionError("the mistake was not found before distributed init")
