@@ -216,6 +216,20 @@ def missing(name: str) -> str | None:
     return BY_NAME[name].missing()
 
 
+def replace_attr(name: str, owner: Any, attr: str, marker: str, make: Callable[[Any], Any],
+                 say: Callable[[str], None] | None = None) -> bool:
+    """Change `name` as a replacement of `owner.attr` by `make(owner.attr)`, whose result carries the attribute
+    `marker` (idempotent: a marked one stays); True where the replacement is in place. Off, with `say`'s line, where
+    the installed DeepSpeed lacks what it replaces."""
+    if getattr(getattr(owner, attr), marker, False):
+        return True
+    if why := missing(name):
+        say_off(name, why, say)
+        return False
+    setattr(owner, attr, make(getattr(owner, attr)))
+    return True
+
+
 def status() -> dict[str, str]:
     """{change: "on" | "off: <why>" | "not needed: <why>"} for the installed DeepSpeed (its classes; engine-specific
     conditions such as the optimizer wrapper a run gets are decided when the engine is built)."""
@@ -235,5 +249,5 @@ def say_off(name: str, why: str, say: Callable[[str], None] | None) -> None:
         say(f"[ds_core] {name} off: {why}; DeepSpeed's own path runs instead ({c.does}: {c.module})")
 
 
-__all__ = ["Change", "CHANGES", "BY_NAME", "CHECKED", "MUON_MODULE", "missing", "status", "say_off",
+__all__ = ["Change", "CHANGES", "BY_NAME", "CHECKED", "MUON_MODULE", "missing", "replace_attr", "status", "say_off",
            "signature_differs"]

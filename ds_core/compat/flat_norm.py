@@ -163,15 +163,10 @@ def use_device_clip(say: Callable[[str], None] | None = None) -> bool:
     DeepSpeed's function takes parameters device_clip does not know."""
     from deepspeed.runtime import bf16_optimizer
 
-    from ds_core.compat.changes import missing, say_off
+    from ds_core.compat.changes import replace_attr
 
-    if getattr(bf16_optimizer.clip_tensors_by_global_norm, "ds_core_device_clip", False):
-        return True
-    if why := missing("device_clip"):
-        say_off("device_clip", why, say)
-        return False
-    bf16_optimizer.clip_tensors_by_global_norm = device_clip(bf16_optimizer.clip_tensors_by_global_norm)
-    return True
+    return replace_attr("device_clip", bf16_optimizer, "clip_tensors_by_global_norm", "ds_core_device_clip",
+                        device_clip, say)
 
 
 def norm_dtype() -> torch.dtype:

@@ -75,15 +75,9 @@ def use_holder_baton(say: Callable[[str], None] | None = None) -> bool:
     """torch's JIT builds in this process take HolderBaton (idempotent); True if they do."""
     import torch.utils.cpp_extension as cpp
 
-    from ds_core.compat.changes import missing, say_off
+    from ds_core.compat.changes import replace_attr
 
-    if getattr(cpp.FileBaton, "ds_core_holder_baton", False):
-        return True
-    if why := missing("op_build_lock_holder"):
-        say_off("op_build_lock_holder", why, say)
-        return False
-    cpp.FileBaton = make_baton_class(cpp.FileBaton)
-    return True
+    return replace_attr("op_build_lock_holder", cpp, "FileBaton", "ds_core_holder_baton", make_baton_class, say)
 
 
 __all__ = ["holder_gone", "make_baton_class", "use_holder_baton", "HOST"]
