@@ -30,6 +30,9 @@ MODULE = "bert_ref.train"
 # The DeepSpeed JSON of the default preset (bert_large phase 1). Each preset brings its own (ds_configs.DEFAULT_JSON,
 # default_ds_config below); none has an "optimizer" section: the optimizer (LAMB / LANS / AdamW) is built in code.
 DEFAULT_DS_CONFIG = ds_configs.preset_json(MODULE, "")
+# Where `--compile auto` compiles BERT besides Gaudi (where every model compiles, as Habana recommends): the
+# accelerators on which its compiled step measured faster than eager (CUDA, docs/compile.md)
+COMPILE_AUTO_ON = ("cuda",)
 
 
 def default_ds_config(cfg: BertSettings) -> str:
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     # every batch has one shape (seq_len; the sparse head's P positions): one static graph
     # auto compiles on CUDA: BERT-Large's compiled step was 1.51x the eager one on an H200 (docs/compile.md); on Gaudi
     # auto compiles every model (Habana's recommended execution; ds_core.rank.engine.compile_wanted)
-    compiled = compile_model(engine, run.train.compile, dynamic=False, auto_on=("cuda",))
+    compiled = compile_model(engine, run.train.compile, dynamic=False, auto_on=COMPILE_AUTO_ON)
     checkpoints = Checkpointing(run, engine, {"preset": preset.name, "optimizer": run.cfg.optim.optimizer},
                                 init_from=args.init_run_dir() or None, reset_optimizer=args.reset_optimizer)
     model_info = ModelInfo(f"{preset.name}_phase{preset.phase}",

@@ -24,8 +24,10 @@ import pytest
 from bert_ref.configs import BertSettings
 from bert_ref.optim import for_preset
 from bert_ref.recipes import RECIPES, check_recipe_batch, expand_recipe
+from bert_ref.train import COMPILE_AUTO_ON
 from ds_core.config import Batch, ds_config_for, parse_settings
 from ds_core.errors import ConfigError
+from ds_core.rank.engine import compile_wanted
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bert_pretraining.md"
 
@@ -165,7 +167,8 @@ def _row_values(train_cfg, args, opt, ds) -> dict[str, str]:
             "max_steps": str(train_cfg.max_steps), "seed": str(train_cfg.seed),
             "num_steps_per_checkpoint": str(train_cfg.num_steps_per_checkpoint),
             "activation_checkpointing": str(args.activation_checkpointing).lower(),
-            "sequence": f"{p.seq_len} / {p.max_predictions_per_seq}"}
+            "sequence": f"{p.seq_len} / {p.max_predictions_per_seq}",
+            "compile_on_gaudi": str(compile_wanted(train_cfg.compile, "hpu", COMPILE_AUTO_ON)).lower()}
 
 
 def _habana_values() -> dict[str, str]:
@@ -184,7 +187,8 @@ def _habana_values() -> dict[str, str]:
             "poly_degree": str(run["poly_degree"]), "max_steps": str(run["max_steps"]), "seed": str(run["seed"]),
             "num_steps_per_checkpoint": str(_SCRIPT["NUM_STEPS_PER_CP"]),
             "activation_checkpointing": str(_SCRIPT["checkpoint_activations"]).lower(),
-            "sequence": f"{_SCRIPT['MAX_SEQ_LENGTH']} / {_SCRIPT['MAX_PRED']}"}
+            "sequence": f"{_SCRIPT['MAX_SEQ_LENGTH']} / {_SCRIPT['MAX_PRED']}",
+            "compile_on_gaudi": str(_SCRIPT["enable_torch_compile"]).lower()}
 
 
 def test_the_1p5b_table_is_what_the_references_and_our_commands_give(tmp_path):
