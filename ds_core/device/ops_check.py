@@ -138,7 +138,10 @@ def load_op(op: str, accel=None) -> str | None:
     if builder is None:
         return f"DeepSpeed has no {op} op for the {accel.device_name()} accelerator"
     try:
-        builder.load()  # cached in DeepSpeed's OpBuilder._loaded_ops: deepspeed.initialize does not build again
+        # cached in DeepSpeed's OpBuilder._loaded_ops: deepspeed.initialize does not build again. verbose=False (0.19's
+        # default; the fork's is True): torch keeps the build log in the error, _one_line's compiler diagnostic,
+        # instead of every rank printing it
+        builder.load(verbose=False)
     except Exception as err:  # noqa: BLE001 - every way a build fails means the same here: torch's optimizer
         return _one_line(err)
     return None
