@@ -1,9 +1,9 @@
 """Host operations per training step: aten ops and `.item()` (host syncs) of one training step on one CPU rank (eager,
-micro batch 1, ZeRO-1, DeepSpeed's bf16 section as the run sets it), total and inside the optimizer step, for
-BERT (bert_large, bert_1p5b: NVLAMB / LANS as the preset's recipe, seq 128) and BridgeTower (bridgetower_large:
-random init, ds_configs/bridgetower_zero1_bf16.json, one image of the preset's size, the contrastive step of
-bridgetower_ds.step). On a GPU each op is ~2-3 us of host launch work, so these counts are the host's share of the
-step; `.item()` is a wait for the device.
+ZeRO-1, DeepSpeed's bf16 section as the run sets it), total and inside the optimizer step, for BERT (bert_large,
+bert_1p5b: NVLAMB / LANS as the preset's recipe, seq 128, micro batch 1) and BridgeTower (bridgetower_large: random
+init, ds_configs/bridgetower_zero1_bf16.json, two images of the preset's size and their captions, the contrastive
+step of bridgetower_ds.step). On a GPU each op is ~2-3 us of host launch work, so these counts are the host's share of
+the step; `.item()` is a wait for the device.
 
 Two counts, not comparable with each other:
 - "dispatched": top-level aten ops as a TorchDispatchMode sees them (ds_tools.op_count; an op a composite op runs
@@ -42,6 +42,9 @@ RECIPE_JSON = {"bert_large": "bert_large_zero1_bf16.json", "bert_1p5b": "bert_1p
 BT_PRESETS = ("bridgetower_large", "bridgetower_base", "bt_debug")  # bt_debug: bridgetower_ds's `debug` preset
 BT_TOWER_PER_CROSS = 4  # text and vision layers per cross-modal layer when --layers shrinks BridgeTower-Large
 BT_CAPTION_TOKENS = 40  # a caption's padded length; the op count does not depend on it
+# image-caption pairs per step: the contrastive loss of one pair is exactly 0 (its only logit is its own), so every
+# gradient would be 0, which DeepSpeed 0.16's BF16_Optimizer refuses (it asserts a positive gradient norm)
+BT_PAIRS = 2
 STEP_MARK, OPT_MARK = "host_ops.step", "host_ops.optimizer"
 # BridgeTower's --bt_settings: its JSON as shipped (fp32 gradient accumulation: DeepSpeed's BF16_Optimizer in bf16), and
 # DeepSpeed's default bf16 accumulation (DeepSpeedZeroOptimizer: per-tensor gradient copies in the backward and step)
@@ -109,29 +112,29 @@ def _bt_config(name: str, layers: int, image_size: int = 0):
 
 
 def _bt_batch(cfg, device) -> dict:
-    """One caption and one image of the preset's size, assembled as the training loader assembles a batch."""
+    """BT_PAIRS captions and images of the preset's size, assembled as the training loader assembles a batch."""
     from bridgetower_ds.batching import BadImageLog, BatchAssembler
 
     g = torch.Generator().manual_seed(0)
     t, v = cfg.text_config, cfg.vision_config
-    ids = torch.randint(3, t.vocab_size, (1, BT_CAPTION_TOKENS), generator=g)
-    ids[0, 0], ids[0, -1] = t.bos_token_id, t.eos_token_id
-    pixels = torch.randn(1, v.num_channels, v.image_size, v.image_size, generator=g)
+    ids = torch.randint(3, t.vocab_size, (BT_PAIRS, BT_CAPTION_TOKENS), generator=g)
+    ids[:, 0], ids[:, -1] = t.bos_token_id, t.eos_token_id
+    pixels = torch.randn(BT_PAIRS, v.num_channels, v.image_size, v.image_size, generator=g)
     assembler = BatchAssembler(size=v.image_size, device=device, world_size=1, pad_to_max=False, min_rows=1,
                                fill_in=False, bad=BadImageLog("skip"), first_valid=dict)
-    return assembler.assemble(pixels, [0], {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                              torch.zeros(1, dtype=torch.long))
+    return assembler.assemble(pixels, list(range(BT_PAIRS)), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                              torch.arange(BT_PAIRS))
 
 
 def bt_ds_config(dtype: str, setting: str = "json") -> dict:
-    """ds_configs/bridgetower_zero1_bf16.json (what bridgetower_ds.train runs) at micro batch 1, in `dtype`, with
+    """ds_configs/bridgetower_zero1_bf16.json (what bridgetower_ds.train runs) at micro batch BT_PAIRS, in `dtype`, with
     BT_SETTINGS[setting] on top."""
     from bridgetower_ds.train import DEFAULT_DS_CONFIG
     from ds_core.config import read_ds_json, resolve_ds_path
     from ds_core.device.precision import apply_precision
 
     cfg = read_ds_json(str(resolve_ds_path(DEFAULT_DS_CONFIG)))
-    cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1,
+    cfg.update(train_micro_batch_size_per_gpu=BT_PAIRS, gradient_accumulation_steps=1, train_batch_size=BT_PAIRS,
                **BT_SETTINGS[setting])
     return apply_precision(cfg, dtype, DEFAULT_DS_CONFIG)
 

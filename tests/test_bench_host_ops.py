@@ -45,8 +45,8 @@ def counts():
 
 
 def assert_no_item_of_ours(r: dict) -> None:
-    sites = r["sync_sites"]
-    assert sites and not any("bridgetower_ds/" in s for s in sites), sites  # DeepSpeed's and transformers' remain
+    sites = r["sync_sites"]  # DeepSpeed's and transformers' may remain (Habana's fork reads none in fp32)
+    assert not any("bridgetower_ds/" in s for s in sites) and sum(sites.values()) == r["total"]["syncs"], sites
     assert r["prof_total"]["ops"] > r["total"]["ops"]  # the profiler sees nested ops and views too
     assert r["prof_total"]["syncs"] >= r["total"]["syncs"]
 
@@ -63,6 +63,10 @@ def test_bridgetower_bf16_step_does_not_grow_with_the_number_of_tensors(counts):
     ~13 more in its backward hooks)."""
     runs = {n: counts("bf16", n) for n in (1, 2)}
     assert {r["zero_optimizer"] for r in runs.values()} == {"BF16_Optimizer"}
+    # the counter sees a library's read: BF16_Optimizer's check of the gradient norm (0.19: is_invalid_grad_norm;
+    # Habana's fork: the assert of a positive norm in its step)
+    sites = runs[1]["sync_sites"]
+    assert any("is_invalid_grad_norm" in s or "bf16_optimizer.py" in s for s in sites), sites
     assert runs[1]["engine_step"]["ops"] == runs[2]["engine_step"]["ops"], [r["engine_step"] for r in runs.values()]
     assert runs[2]["total"]["ops"] > runs[1]["total"]["ops"]  # the second layer is there: the model's ops grew
 
