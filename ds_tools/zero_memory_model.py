@@ -129,6 +129,15 @@ def deepspeed_optimizer(stage: int, precision: str, grad_accum_dtype: str | None
                           f"DeepSpeed {deepspeed_version()} refuses it at deepspeed.initialize ({e})") from None
 
 
+@functools.lru_cache(maxsize=None)
+def bf16_grads_held() -> bool:
+    """Whether the installed DeepSpeed keeps BF16_Optimizer's bf16 gradients between steps (ds_core.compat.
+    deepspeed_behaviour.bf16_grads_held: Habana's fork does, 0.19 frees them)."""
+    from ds_core.compat.deepspeed_behaviour import bf16_grads_held as held
+
+    return held()
+
+
 def estimate(shape: ModelShape, stage: int, micro_batch: int, ranks_per_node: int, nodes: int, *,
              checkpointing: bool = False, fused_adam: bool = True, buckets: dict | None = None,
              overlap_comm: bool = False, precision: str = "bf16", grad_accum: int = 1,
@@ -176,10 +185,13 @@ def estimate(shape: ModelShape, stage: int, micro_batch: int, ranks_per_node: in
         e.parts["states: fp32 gradient buffer, NOT partitioned (4 B/param, bf16_optimizer.py:191)"] = 4.0 * P
         e.parts["states: fp32 master partition (4 B/param / N, bf16_optimizer.py:182)"] = 4.0 * P / n
         e.parts["states: Adam moments partition (8 B/param / N)"] = 8.0 * P / n
-        fb["gradients: bf16 (2 B/param), added into the fp32 buffer at the boundary"] = 2.0 * P
+        if bf16_grads_held():  # Habana's fork: no zero_grad of BF16_Optimizer, the step leaves them allocated
+            e.parts["states: bf16 gradients, kept between steps (2 B/param)"] = 2.0 * P
+        else:
+            fb["gradients: bf16 (2 B/param), added into the fp32 buffer at the boundary"] = 2.0 * P
+            st["gradients: bf16 (2 B/param)"] = 2.0 * P
         # communication_data_type defaults to bf16 (engine.py:1727): the fp32 buffer is cast for the all-reduce
         fb["all-reduce: bf16 cast of the fp32 buffer (engine.py:3802)"] = 2.0 * min(P, DS_ALLREDUCE_BUCKET)
-        st["gradients: bf16 (2 B/param)"] = 2.0 * P
     elif opt == "DeepSpeedZeroOptimizer":
         e.parts[f"states: flat {precision} params ({lp:.0f} B/param, stage_1_and_2.py:560)"] = lp * P
         e.parts["states: fp32 master partition (4 B/param / N, stage_1_and_2.py:560)"] = 4.0 * P / n

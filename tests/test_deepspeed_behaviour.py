@@ -1,6 +1,7 @@
 """Behaviour that differs between the DeepSpeed releases of the support matrix, read from the installed one
 (ds_core.compat.deepspeed_behaviour), stated here per release: which optimizer wrapper a configuration gets (what
-ds-tune's memory model and the config checks ask), and whether the comms logger's timer is cumulative."""
+ds-tune's memory model and the config checks ask), whether the comms logger's timer is cumulative, and whether
+BF16_Optimizer's bf16 gradients stay allocated between steps."""
 from __future__ import annotations
 
 import pytest
@@ -22,6 +23,9 @@ WRAPPERS = {
               (2, "bf16", "fp32"): "DeepSpeedZeroOptimizer", (3, "bf16", "fp32"): "DeepSpeedZeroOptimizer_Stage3"},
 }
 CUMULATIVE = {(0, 19): True, (0, 16): False}
+# whether BF16_Optimizer's bf16 gradients stay allocated between steps (ds-tune's memory model; measured against the
+# live tensors by tests/test_bench_zero_memory.py)
+BF16_GRADS_HELD = {(0, 19): False, (0, 16): True}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +60,18 @@ def test_bf16_zero0_accumulation_follows_the_installed_deepspeed(release):
 
 def test_the_comms_timer_is_read_as_this_deepspeed_keeps_it(release):
     assert comms_timer_cumulative() is CUMULATIVE[release]
+
+
+def test_bf16_gradients_between_steps_as_this_deepspeed_keeps_them(release):
+    from ds_core.compat.deepspeed_behaviour import bf16_grads_held
+    from ds_tools.zero_memory_model import ModelShape, Tower, estimate
+
+    assert bf16_grads_held() is BF16_GRADS_HELD[release]
+    shape = ModelShape(name="t", params=10**8, largest_layer_params=10**6, vocab=0, head_seq=0, exact=True,
+                       towers=[Tower(name="t", layers=2, hidden=64, heads=2, intermediate=256, seq=16)])
+    e = estimate(shape, 1, 1, 2, 1, grad_accum_dtype="fp32")
+    held = [k for k in e.parts if k.startswith("states: bf16 gradients")]
+    assert e.optimizer == "BF16_Optimizer" and bool(held) is BF16_GRADS_HELD[release], e.parts
 
 
 def test_zero_gradient_buckets_hold_every_gradient(release):

@@ -88,10 +88,13 @@ def test_the_optimizer_deepspeed_picks_and_its_buffers():
     big = tuning.model_shape("bert-1.5b")
     P, GBy = big.params, 1e9
     # the shipped bert_1p5b_zero1_bf16.json: bf16, grad_accum_dtype fp32, ZeRO-1, 64 ranks -> BF16_Optimizer, whose
-    # fp32 gradient buffer is not partitioned: 2 (bf16 params) + 4 (fp32 grads) + 12 / N bytes per parameter held
+    # fp32 gradient buffer is not partitioned: 2 (bf16 params) + 4 (fp32 grads) + 12 / N bytes per parameter held,
+    # + 2 (the bf16 gradients) where the installed DeepSpeed keeps them between steps (Habana's fork)
     e = zmm.estimate(big, 1, 32, 8, 8, grad_accum=2, grad_accum_dtype="fp32")
     assert e.optimizer == "BF16_Optimizer"
-    assert e.model_states == pytest.approx(6 * P + 12 * P / 64) and 9.3 * GBy < e.model_states < 9.6 * GBy
+    held = 2 * P if zmm.bf16_grads_held() else 0
+    assert e.model_states == pytest.approx(6 * P + held + 12 * P / 64)
+    assert 9.3 * GBy < e.model_states - held < 9.6 * GBy
     assert any("NOT partitioned" in k for k in e.parts)
     # + the bf16 gradients of forward/backward: ~12.6 GiB (13.5 GB) per rank before activations
     assert e.total - e.activations == pytest.approx(8 * P + 12 * P / 64 + 2 * min(P, 5e8), rel=0.02)

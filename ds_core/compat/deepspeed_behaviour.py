@@ -12,6 +12,9 @@ one of them.
 - universal_load_repoints_fp32, zero_buckets_drop_cpu: two faults of 0.16, probed on stand-ins, which the
   changes ds_core.compat.universal_load and ds_core.compat.zero_buckets make right where the installed DeepSpeed has
   them.
+- bf16_grads_held: whether BF16_Optimizer's bf16 gradients stay allocated between steps (the fork's engine frees them
+  only through the wrapper's zero_grad, which its BF16_Optimizer lacks: they go at the next backward); ds-tune's
+  memory model counts them as held between steps there.
 - What a non-finite gradient norm does is decided per wrapper by DeepSpeed's step and read at run time
   (ds_core.run.loop): 0.19's BF16_Optimizer skips the update; the fork's asserts `all_groups_norm > 0`; ZeRO-1/2 with
   bf16 and no overflow check applies it with DeepSpeed's -1 for the norm. The loop turns each into the divergence
@@ -131,5 +134,15 @@ def zero_buckets_drop_cpu() -> bool:
     return getattr(fn, "deepspeeds", fn)([torch.zeros(4)]) == []
 
 
-__all__ = ["optimizer_wrapper", "WrapperRefused", "WRAPPER_NAMES", "comms_timer_cumulative", "deepspeed_version",
-           "universal_load_repoints_fp32", "zero_buckets_drop_cpu"]
+def bf16_grads_held() -> bool:
+    """Whether the installed DeepSpeed keeps BF16_Optimizer's bf16 gradients allocated from one step to the next.
+    DeepSpeedEngine's step releases gradients through the wrapper's zero_grad: 0.19's BF16_Optimizer has one (they are
+    set to None), Habana's fork's has none and its engine then does nothing, so they live until BF16_Optimizer.backward
+    clears them (2 bytes per parameter, measured by bench.zero_memory)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return not hasattr(BF16_Optimizer, "zero_grad")
+
+
+__all__ = ["bf16_grads_held", "optimizer_wrapper", "WrapperRefused", "WRAPPER_NAMES", "comms_timer_cumulative",
+           "deepspeed_version", "universal_load_repoints_fp32", "zero_buckets_drop_cpu"]
