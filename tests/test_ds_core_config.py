@@ -180,9 +180,17 @@ def test_bf16_accumulation_asked_for_is_warned_with_the_measured_error(capsys):
         assert "cannot accumulate bf16 gradients in fp32 at ZeRO stage 0" in err and "1.15 %" in err, err
 
 
-def test_fp32_accumulation_with_zero0_bf16_is_refused_before_deepspeed():
+def test_the_accumulation_deepspeed_refuses_with_zero0_bf16_is_refused_before_deepspeed():
+    """0.19 refuses fp32 accumulation at bf16 ZeRO-0, Habana's fork bf16 (tests/test_deepspeed_behaviour.py)."""
+    from ds_core.compat.deepspeed_behaviour import WrapperRefused, optimizer_wrapper
+
+    try:
+        optimizer_wrapper(0, "bf16", "fp32")
+        refused = "bf16"
+    except WrapperRefused:
+        refused = "fp32"
     with pytest.raises(ConfigError, match="grad_accum_dtype.*stage 0"):
-        load_ds_config(_ds(zero_optimization={"stage": 0}, data_types={"grad_accum_dtype": "fp32"}), 2)
+        load_ds_config(_ds(zero_optimization={"stage": 0}, data_types={"grad_accum_dtype": refused}), 2)
 
 
 @pytest.mark.parametrize("path", sorted(DS_CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
