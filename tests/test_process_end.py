@@ -86,7 +86,7 @@ def test_plain_exit_aborts_where_run_main_exits_with_the_rank_status(tmp_path):
         res = _run(tmp_path, "run_main", status)
         assert res.returncode == status, (res.returncode, res.stderr[-2000:])
         assert "terminate called" not in res.stderr and "Fatal Python error" not in res.stderr
-        assert res.stdout == "main done"
+        assert res.stdout.endswith("main done")  # flushed at exit (torch 2.9's gloo prints a line of its own first)
         out = tmp_path / f"run_main_{status}"
         assert (out / "atexit").read_text() == "ran"
         assert (out / "thread").read_text() == "done"
