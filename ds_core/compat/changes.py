@@ -148,6 +148,19 @@ def _buckets_fixed() -> str | None:
     return "this DeepSpeed groups ZeRO's gradients by dtype, on any device"
 
 
+def _zero3_gather() -> str | None:
+    return signature_differs("deepspeed.runtime.zero.partition_parameters:Init", "_allgather_params_coalesced",
+                             ["param_list", "hierarchy", "quantize"])
+
+
+def _zero3_gather_fixed() -> str | None:
+    from ds_core.compat.deepspeed_behaviour import zero3_gather_waits_last_only
+
+    if zero3_gather_waits_last_only():
+        return None
+    return "this DeepSpeed's ZeRO-3 coalesced all-gather waits for every parameter's collective"
+
+
 def _baton() -> str | None:
     return signature_differs("torch.utils.cpp_extension:FileBaton", "__init__", ["lock_file_path", "wait_seconds"],
                              allowed=("warn_after_seconds",))
@@ -195,6 +208,11 @@ CHANGES: tuple[Change, ...] = (
            "the links deepspeed.utils.tensor_fragment.map_to_flat_opt_states leaves (0.16: every fp32 view pointed "
            "at the exp_avg_sq buffer)", "ds_core.compat.universal_load", "tests/test_resize.py", _relink,
            not_needed=_relink_fixed),
+    Change("zero3_gather_waits", "ZeRO-3's coalesced all-gather on the CPU accelerator one parameter at a time, each "
+           "waited for", "deepspeed.runtime.zero.partition_parameters.Init._allgather_params_coalesced (0.16 waits "
+           "for the last parameter's all-gather only: over gloo an earlier gathered weight could be read before it "
+           "arrived)", "ds_core.compat.zero3_gather", "tests/test_zero3_gather.py", _zero3_gather,
+           not_needed=_zero3_gather_fixed),
     Change("op_build_lock_holder", "the JIT build lock of DeepSpeed's ops names its holder; a dead holder's is cleared",
            "torch.utils.cpp_extension.FileBaton, the lock every load of a DeepSpeed op takes (torch's own, not "
            "DeepSpeed's)", "ds_core.compat.op_baton", "tests/test_ds_core_engine.py", _baton),

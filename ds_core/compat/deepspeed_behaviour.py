@@ -15,6 +15,8 @@ one of them.
 - bf16_grads_held: whether BF16_Optimizer's bf16 gradients stay allocated between steps (the fork's engine frees them
   only through the wrapper's zero_grad, which its BF16_Optimizer lacks: they go at the next backward); ds-tune's
   memory model counts them as held between steps there.
+- zero3_gather_waits_last_only: whether ZeRO-3's coalesced all-gather waits for its last collective only (0.16), a
+  race over gloo that ds_core.compat.zero3_gather closes on the CPU accelerator; read from the function's source.
 - What a non-finite gradient norm does is decided per wrapper by DeepSpeed's step and read at run time
   (ds_core.run.loop): 0.19's BF16_Optimizer skips the update; the fork's asserts `all_groups_norm > 0`; ZeRO-1/2 with
   bf16 and no overflow check applies it with DeepSpeed's -1 for the norm. The loop turns each into the divergence
@@ -144,5 +146,21 @@ def bf16_grads_held() -> bool:
     return not hasattr(BF16_Optimizer, "zero_grad")
 
 
+def zero3_gather_waits_last_only() -> bool:
+    """Whether the installed DeepSpeed's Init._allgather_params_coalesced waits for its last handle only (0.16: "Wait
+    ensures the operation is enqueued"; 0.19 waits for each). A race has no cheap probe: this reads the source of
+    DeepSpeed's own function (kept as `deepspeeds` where ds_core.compat.zero3_gather replaced it)."""
+    import inspect
+
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    fn = Init._allgather_params_coalesced
+    fn = getattr(fn, "deepspeeds", fn)
+    try:
+        return "launch_handles[-1].wait()" in inspect.getsource(fn)
+    except (OSError, TypeError):  # no source (a compiled or zipped install): nothing known, DeepSpeed's path stays
+        return False
+
+
 __all__ = ["bf16_grads_held", "optimizer_wrapper", "WrapperRefused", "WRAPPER_NAMES", "comms_timer_cumulative",
-           "deepspeed_version", "universal_load_repoints_fp32", "zero_buckets_drop_cpu"]
+           "deepspeed_version", "universal_load_repoints_fp32", "zero_buckets_drop_cpu", "zero3_gather_waits_last_only"]

@@ -20,6 +20,7 @@ from ds_core.compat.flat_norm import use_flat_grad_norm
 from ds_core.compat.grad_hook import use_one_op_grad_hook
 from ds_core.compat.lazy_compile import import_muon_lazily
 from ds_core.compat.op_baton import use_holder_baton
+from ds_core.compat.zero3_gather import use_gather_per_param
 from ds_core.compat.zero_buckets import use_dtype_buckets
 from ds_core.device import hpu
 from ds_core.device.cpu_info import use_cached_cpu_info
@@ -230,6 +231,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, optimizer=None, lr_
     say = (lambda line: print(line, flush=True)) if rank == 0 else None
     import_muon_lazily(say)  # imported by ZeRO's optimizer check; its torch.compile decorations would import Inductor
     use_dtype_buckets(say)  # ZeRO-1/2's buffered gradient reduction leaves no CPU gradient out (Habana's fork)
+    use_gather_per_param(get_accelerator().device_name(), say)  # ZeRO-3 gathers over gloo waited for (the fork)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, optimizer=optimizer,
                                            lr_scheduler=lr_scheduler, config=ds_config)
     engine.flat_layout = flat_layout(moved)  # recorded in checkpoints' fingerprints (ds_core.checkpoint)
