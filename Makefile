@@ -67,6 +67,7 @@ $(STAMP): pyproject.toml stacks/latest.txt stacks/gaudi.txt
 	$(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then \
 	  $(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -c $(CONSTRAINTS) -e ".[hpu]"; fi
+	$(PY) tools/venv_scripts.py $(VENV)
 	$(PY) -c "import ds_core, ds_tools, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
 	@if [ "$(BUILD_OPS)" != 0 ]; then $(PY) -m ds_tools.build_ops; fi
 	@touch $(STAMP)

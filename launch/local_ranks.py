@@ -35,14 +35,11 @@ from ds_core.rank.rendezvous import LOOPBACK, free_port, rank_env, rank_variable
 
 
 def deepspeed_launcher() -> list[str]:
-    """DeepSpeed's launcher run by this interpreter: the `deepspeed` script beside it, else its module. Never a
-    `deepspeed` found elsewhere on PATH: on a Gaudi image that is the image's script, whose interpreter is the
-    image's Python, not this venv's (which sees the image's DeepSpeed and the toolkit): DeepSpeed starts every rank
-    with the launcher's own interpreter, which could not import the toolkit."""
-    exe = Path(sys.executable).parent / "deepspeed"
-    if exe.exists():
-        return [str(exe)]
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner"]
+    """DeepSpeed's launcher run by this interpreter, through launch.ds_runner (its MPI exports as given). Never a
+    `deepspeed` found on PATH: on a Gaudi image that is the image's script, whose interpreter is the image's Python,
+    not this venv's (which sees the image's DeepSpeed and the toolkit): DeepSpeed starts every rank with the
+    launcher's own interpreter, which could not import the toolkit."""
+    return [sys.executable, "-u", "-m", "launch.ds_runner"]
 
 
 def local_command(num_ranks: int, target: Sequence[str], *, master_port: int) -> list[str]:

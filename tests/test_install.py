@@ -5,7 +5,7 @@ torch package lies in, so nothing is downloaded); a copy of the working tree the
 PYTHON=<image>/bin/python3 WHEELHOUSE=<empty dir>`, with the network refused where `unshare -n` is allowed. Without
 tools/parent_site.py `.venv` (made with --system-site-packages) sees the base interpreter's packages only: no torch,
 and setup stops. With it, `.venv` must import the image's torch (no second copy in .venv) and DeepSpeed, and the
-toolkit from the copy."""
+toolkit from the copy, and an active venv's `deepspeed` must be a script that runs .venv's Python."""
 from __future__ import annotations
 
 import os
@@ -79,3 +79,10 @@ def test_setup_keeps_the_torch_of_a_venv_python(tmp_path):
     venv_site = Path(sysconfig.get_path("purelib", vars={"base": str(clone / ".venv"),
                                                          "platbase": str(clone / ".venv")}))
     assert not (venv_site / "torch").exists(), "a second torch was installed into .venv"
+    # DeepSpeed is the image's too: its launcher script in .venv/bin runs .venv's Python (tools/venv_scripts.py), so
+    # an active venv's `deepspeed` starts ranks that import the toolkit
+    launcher = clone / ".venv" / "bin" / "deepspeed"
+    assert launcher.read_text().splitlines()[0] == f"#!{clone / '.venv' / 'bin' / 'python'}", launcher.read_text()
+    probe = subprocess.run([str(launcher), "--help"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert probe.returncode == 0 and "--hostfile" in probe.stdout, probe.stdout[-2000:]

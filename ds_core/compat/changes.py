@@ -161,6 +161,18 @@ def _zero3_gather_fixed() -> str | None:
     return "this DeepSpeed's ZeRO-3 coalesced all-gather waits for every parameter's collective"
 
 
+def _exports() -> str | None:
+    return signature_differs("deepspeed.launcher.multinode_runner:MultiNodeRunner", "add_export", ["key", "var"])
+
+
+def _exports_fixed() -> str | None:
+    from ds_core.compat.deepspeed_behaviour import quotes_plain_exports
+
+    if quotes_plain_exports():
+        return None
+    return "this DeepSpeed's launcher quotes only the exported values a shell would split"
+
+
 def _baton() -> str | None:
     return signature_differs("torch.utils.cpp_extension:FileBaton", "__init__", ["lock_file_path", "wait_seconds"],
                              allowed=("warn_after_seconds",))
@@ -213,6 +225,10 @@ CHANGES: tuple[Change, ...] = (
            "for the last parameter's all-gather only: over gloo an earlier gathered weight could be read before it "
            "arrived)", "ds_core.compat.zero3_gather", "tests/test_zero3_gather.py", _zero3_gather,
            not_needed=_zero3_gather_fixed),
+    Change("mpi_exports_as_given", "the launcher's exported variables reach MPI ranks as given (quoted only where a "
+           "shell would split them)", "deepspeed.launcher.multinode_runner.MultiNodeRunner.add_export (0.16 wraps "
+           "every value in double quotes, which mpirun's -x hands to every rank)", "launch.ds_runner",
+           "tests/test_launch_ssh.py", _exports, not_needed=_exports_fixed),
     Change("op_build_lock_holder", "the JIT build lock of DeepSpeed's ops names its holder; a dead holder's is cleared",
            "torch.utils.cpp_extension.FileBaton, the lock every load of a DeepSpeed op takes (torch's own, not "
            "DeepSpeed's)", "ds_core.compat.op_baton", "tests/test_ds_core_engine.py", _baton),

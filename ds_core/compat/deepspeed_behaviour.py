@@ -17,6 +17,8 @@ one of them.
   memory model counts them as held between steps there.
 - zero3_gather_waits_last_only: whether ZeRO-3's coalesced all-gather waits for its last collective only (0.16), a
   race over gloo that ds_core.compat.zero3_gather closes on the CPU accelerator; read from the function's source.
+- quotes_plain_exports: whether the launcher's MultiNodeRunner.add_export wraps a plain value in double quotes
+  (0.16: mpirun's `-x KEY="value"` then hands the quotes to every rank; launch.ds_runner).
 - What a non-finite gradient norm does is decided per wrapper by DeepSpeed's step and read at run time
   (ds_core.run.loop): 0.19's BF16_Optimizer skips the update; the fork's asserts `all_groups_norm > 0`; ZeRO-1/2 with
   bf16 and no overflow check applies it with DeepSpeed's -1 for the norm. The loop turns each into the divergence
@@ -162,5 +164,17 @@ def zero3_gather_waits_last_only() -> bool:
         return False
 
 
+def quotes_plain_exports() -> bool:
+    """Whether the installed DeepSpeed's MultiNodeRunner.add_export quotes a plain value (0.16) or keeps it as given
+    (0.19 quotes only what a shell would split); one call on a stand-in runner."""
+    from deepspeed.launcher.multinode_runner import MultiNodeRunner
+
+    fn = MultiNodeRunner.add_export
+    stand_in = types.SimpleNamespace(exports={})
+    getattr(fn, "deepspeeds", fn)(stand_in, "DS_CORE_PROBE", "cpu")
+    return stand_in.exports["DS_CORE_PROBE"] != "cpu"
+
+
 __all__ = ["bf16_grads_held", "optimizer_wrapper", "WrapperRefused", "WRAPPER_NAMES", "comms_timer_cumulative",
-           "deepspeed_version", "universal_load_repoints_fp32", "zero_buckets_drop_cpu", "zero3_gather_waits_last_only"]
+           "deepspeed_version", "universal_load_repoints_fp32", "zero_buckets_drop_cpu", "zero3_gather_waits_last_only",
+           "quotes_plain_exports"]
