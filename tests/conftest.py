@@ -20,6 +20,17 @@ from launch import local_ranks
 REPO = Path(__file__).resolve().parents[1]
 
 
+def deepspeed_release(*tables) -> tuple[int, int]:
+    """The installed DeepSpeed's (major, minor); each per-release table of a test must name it (stacks/: the support
+    matrix), else the test says which release it does not know."""
+    import deepspeed
+
+    got = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
+    for table in tables:
+        assert got in table, f"DeepSpeed {deepspeed.__version__} is not a release of the support matrix (stacks/)"
+    return got
+
+
 def dist_env(**extra: str) -> dict[str, str]:
     """Environment for launched ranks: CPU accelerator, one thread per rank (2 cores shared by 2 ranks), this
     checkout first on PYTHONPATH, offline."""

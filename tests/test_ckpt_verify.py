@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, dist_env, run_deepspeed
+from conftest import REPO, deepspeed_release, dist_env, run_deepspeed
 from ds_core.checkpoint import manifest as mf
 from ds_core.run.divergence import DivergenceGuard
 from ds_tools.scaling import summary_of
@@ -154,9 +154,7 @@ def _one_line_verdict(proc) -> str:
 @pytest.mark.stack
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_nonfinite_gradients_stop_the_run_in_one_line(tmp_path, wrapper):
-    import deepspeed
-
-    release = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
+    release = deepspeed_release(NONFINITE)
     sched = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
                                                           "warmup_num_steps": 20, "warmup_type": "linear"}}}
     if wrapper == "bf16_optimizer":  # fp32 accumulation of bf16 gradients: DeepSpeed's BF16_Optimizer at ZeRO-1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import deepspeed_release
 from ds_core.compat.deepspeed_behaviour import WrapperRefused, comms_timer_cumulative, optimizer_wrapper
 from ds_core.config import settle_grad_accum_dtype
 from ds_core.errors import ConfigError
@@ -30,11 +31,7 @@ BF16_GRADS_HELD = {(0, 19): False, (0, 16): True}
 
 @pytest.fixture(scope="module")
 def release() -> tuple[int, int]:
-    import deepspeed
-
-    got = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
-    assert got in WRAPPERS, f"DeepSpeed {deepspeed.__version__} is not a release of the support matrix (stacks/)"
-    return got
+    return deepspeed_release(WRAPPERS, CUMULATIVE, BF16_GRADS_HELD)
 
 
 def test_the_wrapper_is_the_installed_deepspeeds_decision(release):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, deepspeed_release
 
 pytestmark = pytest.mark.stack
 
@@ -18,11 +18,7 @@ QUOTES = {(0, 19): False, (0, 16): True}
 
 
 def release() -> tuple[int, int]:
-    import deepspeed
-
-    got = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
-    assert got in QUOTES, f"DeepSpeed {deepspeed.__version__} is not a release of the support matrix (stacks/)"
-    return got
+    return deepspeed_release(QUOTES)
 
 
 def test_exports_by_0_19s_rule():

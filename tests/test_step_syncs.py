@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_deepspeed
+from conftest import deepspeed_release, run_deepspeed
 
 pytestmark = pytest.mark.stack  # the host reads of a step: what bounds an HPU's or a GPU's step, on every stack
 STEPS, LOG_EVERY = 8, 4
@@ -25,9 +25,7 @@ BF16_OPTIMIZER_CHECKS = {(0, 19): "runtime/utils.py", (0, 16): "runtime/engine.p
 
 
 def bf16_optimizer_check() -> str:
-    import deepspeed
-
-    return BF16_OPTIMIZER_CHECKS[tuple(int(x) for x in deepspeed.__version__.split(".")[:2])]
+    return BF16_OPTIMIZER_CHECKS[deepspeed_release(BF16_OPTIMIZER_CHECKS)]
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import deepspeed_release
+
 pytestmark = pytest.mark.stack
 
 # DeepSpeed release (stacks/) -> whether its Init._allgather_params_coalesced waits for the last handle only
@@ -13,11 +15,7 @@ LAST_ONLY = {(0, 19): False, (0, 16): True}
 
 
 def release() -> tuple[int, int]:
-    import deepspeed
-
-    got = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
-    assert got in LAST_ONLY, f"DeepSpeed {deepspeed.__version__} is not a release of the support matrix (stacks/)"
-    return got
+    return deepspeed_release(LAST_ONLY)
 
 
 def test_the_wait_is_read_from_the_installed_deepspeed():
