@@ -82,8 +82,13 @@ def write_loopback_hostfile(path: str | os.PathLike, nodes: int, slots: int) -> 
     only labels: every launcher is told the master address (loopback) directly."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"node{i} slots={slots}\n" for i in range(nodes)))
+    path.write_text(loopback_hostfile_text(nodes, slots))
     return path
+
+
+def loopback_hostfile_text(nodes: int, slots: int) -> str:
+    """The text of write_loopback_hostfile's hostfile (a plan holds it before anything is written)."""
+    return "".join(f"node{i} slots={slots}\n" for i in range(nodes))
 
 
 def node_commands(nodes: int, ranks_per_node: int, target: Sequence[str], *, master_port: int,

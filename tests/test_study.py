@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 from ds_core.rank.rendezvous import rank_env
-from ds_tools.study import StudyError, load_study, runner
+from ds_tools.study import StudyError, load_study, plan, runner
 from ds_tools.study.__main__ import main as study_main
 from launch import local_ranks
 
@@ -81,14 +81,16 @@ def test_nodes_and_hostfile_commands(tmp_path, monkeypatch):
     text = text.replace('[flags]\nworkers = "--dataloader_num_workers"\n', "")
     study = load_study(write(tmp_path, text))
     monkeypatch.chdir(tmp_path)
-    cmds = runner.commands_for(study, study.cells()[2], tmp_path / "out", write=True)  # nodes=2, buckets
+    p = plan.build(study, study.cells()[2], tmp_path / "out")  # nodes=2, buckets
+    cmds = p.commands
     assert cmds[0][1:3] == ["-m", "launch.run"] and "--module" in cmds[0]
     hostfile = Path(cmds[0][cmds[0].index("--hostfile") + 1])
-    assert hostfile.read_text() == "node-a slots=8\nnode-b slots=8\n"  # the first N hosts
+    assert p.files[hostfile] == "node-a slots=8\nnode-b slots=8\n"  # the first N hosts
     assert cmds[0].count("--deepspeed_config") == 1  # given to launch.run, not twice
+    assert not (tmp_path / "out").exists()  # a plan writes nothing
     text2 = text.replace('launcher = "hostfile"\nhostfile = "hosts"', 'launcher = "simulated_nodes"')
     study = load_study(write(tmp_path, text2))
-    cmds = runner.commands_for(study, study.cells()[2], tmp_path / "out2", write=True)
+    cmds = plan.build(study, study.cells()[2], tmp_path / "out2").commands
     assert len(cmds) == 2 and [c[c.index("--node_rank") + 1] for c in cmds] == ["0", "1"]
     assert all("--no_ssh" in c and c[c.index("--master_addr") + 1] == "127.0.0.1" for c in cmds)
 

@@ -1,4 +1,5 @@
-"""Run a study: every cell, one after another, each through a real launcher in its own run directory.
+"""Run a study: round by round, each open combination's next cell: its plan built once (ds_tools.study.plan), the
+plan run through a real launcher in the cell's own run directory, its result collected (`run`, read top to bottom).
 
 Study directory layout (`--out`, default runs/studies/<name>):
 
@@ -13,15 +14,17 @@ An emulated multi-node cell also has link_probe.json (ds_tools.study.linkprobe, 
 and fabric.json (the link, whether its latency was emulated, the number of twins).
 
 `cell.json` is written last and atomically: {"status": "ok" | "failed" | "timeout", "exit_code", "seconds", "values",
-"repeat", "command", "log_tail"}. A cell is complete when its status is ok and its metrics.jsonl has a summary record.
+"repeat", "index", "master_port", "command", "log_tail"}. A cell is complete when its status is ok and its
+metrics.jsonl has a summary record.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import sys
-import zlib
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, TextIO
@@ -30,9 +33,13 @@ import ds_core
 from ds_core.config import atomic_write_text
 from ds_core.outputs.metrics import last_summary
 from ds_core.rank.rendezvous import free_port, rank_env
-from ds_tools.study import netns
+from ds_tools.intervals import mean_interval
+from ds_tools.study import netns, plan as cell_plan
+from ds_tools.study.plan import cell_dir, fabric_key, max_nodes, twin_dir
 from ds_tools.study.spec import Cell, Study, StudyError, dump_json
 from launch import local_ranks
+
+__all__ = ["cell_dir", "fabric_key", "max_nodes", "twin_dir", "plan", "run", "read_summary", "read_status"]
 
 REPO_ROOT = Path(ds_core.__file__).resolve().parents[1]  # ranks import the same checkout as this process
 LOG_TAIL_CHARS = 4000
@@ -40,10 +47,6 @@ LOG_TAIL_CHARS = 4000
 
 def default_out(study: Study) -> Path:
     return Path("runs") / "studies" / study.name
-
-
-def cell_dir(out: Path, cell: Cell) -> Path:
-    return out / "cells" / cell.key
 
 
 def read_summary(run_dir: Path) -> dict | None:
@@ -63,96 +66,206 @@ def is_complete(run_dir: Path) -> bool:
     return bool(st and st.get("status") == "ok" and read_summary(run_dir) is not None)
 
 
-# ------------------------------------------------------------------------------------------------ commands
-
-def _hostfile_slice(study: Study, nodes: int, dest: Path) -> Path:
-    """The first `nodes` host lines of the study's hostfile, written for this cell (comments and blanks skipped)."""
-    src = Path(study.hostfile)
-    try:
-        lines = [ln for ln in src.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    except FileNotFoundError:
-        raise StudyError(f"{study.path}: [study] hostfile {src}: file not found") from None
-    if len(lines) < nodes:
-        raise StudyError(f"{study.path}: a cell needs {nodes} node(s) but hostfile {src} lists {len(lines)}")
-    dest.write_text("\n".join(lines[:nodes]) + "\n")
-    return dest
+def throughput_of(run_dir: Path) -> float | None:
+    """A complete cell's measurement: its summary's samples/s (warm-up excluded); None otherwise."""
+    summary = read_summary(run_dir) if is_complete(run_dir) else None
+    return summary.get("samples_per_s") if summary else None
 
 
-def commands_for(study: Study, cell: Cell, out: Path, *, write: bool) -> list[list[str]]:
-    """The launcher command(s) of a cell; with `write` the cell's DeepSpeed JSON and hostfile are written too."""
-    run_dir = cell_dir(out, cell).resolve()
-    ds_cfg = study.ds_config_for(cell)
-    ds_json = run_dir / "study_ds_config.json" if ds_cfg is not None else None
-    if write:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if ds_cfg is not None:
-            atomic_write_text(ds_json, dump_json(ds_cfg))
-    args = study.train_args(cell, run_dir, ds_json)
-    nodes = study.nodes_of(cell)
-    port = free_port() if write else 29500
-    if study.launcher == "local":
-        return [local_ranks.local_command(study.ranks_per_node, ["--module", "ds_tools.study.cell", *args],
-                                          master_port=port)]
-    if study.launcher == "simulated_nodes":
-        hostfile = run_dir / "hostfile"
-        if write:
-            local_ranks.write_loopback_hostfile(hostfile, nodes, study.ranks_per_node)
-        return local_ranks.node_commands(nodes, study.ranks_per_node, ["--module", "ds_tools.study.cell", *args],
-                                         master_port=port, hostfile=hostfile)
-    if study.launcher == "emulated_fabric":
-        # one namespace per node (ds_tools.study.netns), each node's DeepSpeed launcher inside its namespace
-        spaces, addrs = netns.names(max_nodes(study), fabric_key(out))
-        hostfile = run_dir / "hostfile"
-        if write:
-            hostfile.write_text("".join(f"{a} slots={study.ranks_per_node}\n" for a in addrs[:nodes]))
-        cmds = local_ranks.node_commands(nodes, study.ranks_per_node, ["--module", "ds_tools.study.cell", *args],
-                                         master_port=port, hostfile=hostfile, master_addr=addrs[0])
-        # The emulated nodes share this host's CPUs: a 1-node cell would compute faster than each node of a 2-node
-        # cell and the comparison would charge the difference to the network. So every cell keeps max_nodes nodes
-        # busy: its own, plus independent one-node twins of itself (same training, own run directory, no traffic
-        # between them) in the remaining namespaces: each node's CPU share is the same in every cell.
-        for i in range(nodes, len(spaces)):
-            tdir = twin_dir(out, cell, i)
-            thost = tdir / "hostfile"
-            if write:
-                tdir.mkdir(parents=True, exist_ok=True)
-                thost.write_text(f"{addrs[i]} slots={study.ranks_per_node}\n")
-            targs = study.train_args(cell, tdir.resolve(), ds_json)
-            cmds += local_ranks.node_commands(1, study.ranks_per_node, ["--module", "ds_tools.study.cell", *targs],
-                                              master_port=free_port() if write else 29500 + i, hostfile=thost,
-                                              master_addr=addrs[i])
-        return [["ip", "netns", "exec", ns, *c] for ns, c in zip(spaces, cmds)]
-    # hostfile: launch.run (pdsh by default) on the first N hosts; it passes --deepspeed_config and --preset itself
-    hostfile = _hostfile_slice(study, nodes, run_dir / "hostfile") if write else run_dir / "hostfile"
-    if ds_json is None:
-        raise StudyError(f"{study.path}: launcher = \"hostfile\" needs [study] deepspeed_config")
-    i = args.index("--deepspeed_config")
-    module_args = args[:i] + args[i + 2:]
-    return [[sys.executable, "-m", "launch.run", "--hostfile", str(hostfile), "--module", "ds_tools.study.cell",
-             "--deepspeed_config", str(ds_json), "--master_port", str(port), *study.launch_args, "--",
-             *module_args]]
-
+# ------------------------------------------------------------------------------------------------ planning
 
 def plan(study: Study, out: Path, stream: TextIO | None = None) -> None:
+    """`ds-study plan`: the measuring rule, then every cell of the first rounds with what it writes and runs."""
     stream = stream or sys.stdout
     cells = study.cells()
     axes = ' x '.join(f'{k} {len(v)}' for k, v in study.axes.items()) or 'no axes'
-    print(f"study {study.name}: {len(cells)} cell(s) ({axes}"
-          f", repeats {study.repeats}), launcher {study.launcher}, study directory {out}", file=stream)
+    print(f"study {study.name}: {len(cells)} cell(s) ({axes}, repeats {study.repeats}), launcher {study.launcher}, "
+          f"study directory {out}", file=stream)
+    print(measuring_rule(study), file=stream)
     for cell in cells:
         d = cell_dir(out, cell)
         state = "complete" if is_complete(d) else ("failed" if read_status(d) else "to run")
         print(f"\n[{cell.index + 1}/{len(cells)}] {cell.label()} -> {d} ({state})", file=stream)
-        cfg = study.ds_config_for(cell)
-        if cfg is not None:
-            print(f"  DeepSpeed JSON: zero_optimization = {json.dumps(cfg.get('zero_optimization', {}))}, "
-                  f"JSON micro batch {cfg.get('train_micro_batch_size_per_gpu')} "
-                  f"(a --micro_batch_size flag overrides it)", file=stream)
-        for cmd in commands_for(study, cell, out, write=False):
-            print("  " + " ".join(cmd), file=stream)
+        cell_plan.describe(cell_plan.build(study, cell, out), study, stream)
+
+
+def measuring_rule(study: Study) -> str:
+    n = len(study.combos())
+    rule = (f"measuring: {study.repeats} run(s) of each of {n} combination(s), interleaved round by round "
+            f"(cell numbers say the order)")
+    if study.precision and study.max_repeats > study.repeats:
+        rule += (f"; then further rounds for each combination whose samples/s 95 % interval is wider than "
+                 f"+-{100 * study.precision:g} % of its mean, up to {study.max_repeats} runs each, no new round "
+                 f"after {study.budget_s:g} s (ports: 2 more per later cell)")
+    return rule
+
+
+def open_combos(study: Study, samples: dict, failures: dict, rnd: int, elapsed_s: float) -> tuple[list, str]:
+    """The combinations round `rnd` measures (0-based), and why the others are left out: every one for the first
+    `repeats` rounds; after that those whose throughput's interval is wider than the study's precision, while the
+    time budget lasts. A combination that failed twice is not tried again."""
+    every = list(range(len(study.combos())))
+    if rnd < study.repeats:
+        return every, ""
+    if not study.precision or rnd >= study.max_repeats:
+        return [], f"{study.max_repeats} run(s) per combination"
+    if elapsed_s >= study.budget_s:
+        return [], f"time budget {study.budget_s:g} s spent ({elapsed_s:.0f} s)"
+    todo = []
+    for i in every:
+        if failures.get(i, 0) >= 2:
+            continue
+        got = samples.get(i, [])
+        rel = mean_interval(got).rel_half if len(got) >= 2 else None
+        if rel is None or rel > study.precision:
+            todo.append(i)
+    return todo, "" if todo else f"every interval within +-{100 * study.precision:g} %"
 
 
 # ----------------------------------------------------------------------------------------------------- run
+
+def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None = None,
+        cwd: Path | None = None) -> dict:
+    """Run the study: prepare its data, then round by round each open combination's next cell (plan it, run the plan,
+    collect its result), until every combination's throughput is known to the study's precision or its bounds are
+    reached. Returns {"ok": n, "failed": n, "skipped": n}. Never raises for a failed cell."""
+    stream = stream or sys.stdout
+
+    def say(msg: str) -> None:
+        print(f"[ds-study] {msg}", file=stream, flush=True)
+
+    cwd = Path(cwd or Path.cwd())
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(study.path, out / "study.toml")
+    env = rank_env(pythonpath=[REPO_ROOT], extra=study.env)
+    _prepare(study, out, env, cwd, say)
+    say(measuring_rule(study))
+    counts = {"ok": 0, "failed": 0, "skipped": 0}
+    samples: dict = {}
+    failures: dict = {}
+    t0 = time.monotonic()
+    for rnd in range(study.max_repeats):
+        todo, why = open_combos(study, samples, failures, rnd, time.monotonic() - t0)
+        if not todo:
+            say(f"measuring done after {rnd} round(s): {why}")
+            break
+        # interleaved, and each round starts one combination later: none always runs first after a pause
+        for i in todo[rnd % len(todo):] + todo[:rnd % len(todo)]:
+            cell = study.cell(i, rnd)
+            head = (f"cell {cell.index + 1} (round {rnd + 1}; {counts['ok'] + counts['skipped']} done, "
+                    f"{counts['failed']} failed)")
+            thr = _cell(study, cell, out, env, cwd, rerun, counts, head, say)
+            if thr is None:
+                failures[i] = failures.get(i, 0) + 1
+            else:
+                samples.setdefault(i, []).append(thr)
+    for i, combo in enumerate(study.combos()):
+        if samples.get(i):
+            label = " ".join(f"{k}={v}" for k, v in combo.items()) or "the study"
+            say(f"{label}: {mean_interval(samples[i]).text()} samples/s")
+    say(f"finished: {counts['ok']} ran, {counts['skipped']} skipped (complete), {counts['failed']} failed; "
+        f"report: python -m ds_tools.study report {out}")
+    return counts
+
+
+def _cell(study: Study, cell: Cell, out: Path, env, cwd: Path, rerun: bool, counts: dict, head: str,
+          say: Callable[[str], None]) -> float | None:
+    """One cell: skip it when complete (its command must be the plan's), else plan, run, collect; its samples/s."""
+    p = cell_plan.build(study, cell, out)
+    d = p.run_dir
+    if d.exists() and not rerun and is_complete(d):
+        st = read_status(d)
+        if _comparable(st.get("command")) != _comparable(p.commands):
+            raise StudyError(f"{d}: this cell was run with another command than {study.path} now gives; rerun it "
+                             f"with --rerun or give another --out. Was: {' '.join(st['command'][0])}")
+        counts["skipped"] += 1
+        thr = throughput_of(d)
+        say(f"{head}: {cell.label()}: complete, skipped ({thr:.2f} samples/s)")
+        return thr
+    say(f"{head}: {cell.label()}")
+    for old, name in ((d, d.name), (out / "twins" / cell.key, f"twins-{cell.key}")):
+        if old.exists():    # an earlier attempt (a twin must train afresh, not resume its finished earlier run)
+            _move_aside(out, old, say, name)
+    if p.port_checked_here and not _port_free(p.port):
+        port = free_port()
+        say(f"  master port {p.port} (planned) is taken: using {port}")
+        p = cell_plan.build(study, cell, out, port=port)
+    res = _launch(p, study, out, env, cwd, say)
+    return _collect(p, study, res, counts, say)
+
+
+def _launch(p, study: Study, out: Path, env, cwd: Path, say) -> local_ranks.LaunchResult:
+    """Write the plan's files, set up its fabric, probe the link, run its commands."""
+    for path, text in p.files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+    fab_ctx = nullcontext() if p.fabric is None else netns.emulated_fabric(
+        len(p.fabric["namespaces"]), mbit=p.fabric["mbit"], delay_ms=p.fabric["delay_ms"], key=p.fabric["key"])
+    with fab_ctx as fab:
+        if fab is not None:
+            say(f"  emulated fabric {p.fabric['name']}: {fab.mbit:g} Mbit/s, {fab.delay_ms:g} ms "
+                + ("" if fab.latency_emulated else "(latency NOT emulated: no sch_netem in this kernel) ")
+                + f"between {len(fab.namespaces)} namespace(s)")
+            fabric = {k: p.fabric[k] for k in ("name", "mbit", "delay_ms")}
+            atomic_write_text(p.run_dir / "fabric.json", dump_json({**fabric, "latency_emulated":
+                                                                     fab.latency_emulated, "twins": p.twins}))
+            if p.twins:
+                say(f"  beside {p.twins} independent twin(s) in the other namespace(s), so that every cell loads "
+                    "the host's CPUs alike")
+            if p.probe:
+                _probe_link(p, env, cwd, say)
+        return local_ranks.run_launchers(p.commands, env=env, cwd=cwd, timeout_s=study.timeout_s,
+                                         log_path=p.run_dir / "log.txt", on_poll=_Progress(p.run_dir, say),
+                                         poll_s=2.0)
+
+
+def _collect(p, study: Study, res, counts: dict, say) -> float | None:
+    """cell.json (written last, atomically) from the launch's result and the run's summary; the cell's samples/s."""
+    d, log = p.run_dir, p.run_dir / "log.txt"
+    summary = read_summary(d)
+    status = "timeout" if res.timed_out else ("ok" if res.ok and summary is not None else "failed")
+    rec = {"status": status, "exit_code": res.exit_code if not (res.ok and summary is None) else 1,
+           "seconds": round(res.seconds, 1), "values": p.cell.values, "repeat": p.cell.repeat,
+           "index": p.cell.index, "master_port": p.port, "command": p.commands,
+           "log_tail": "" if status == "ok" else _log_tail(log)}
+    if res.ok and summary is None:
+        rec["log_tail"] = "exit code 0 but no summary record in metrics.jsonl\n" + _log_tail(log)
+    atomic_write_text(d / "cell.json", dump_json(rec))
+    if status == "ok":
+        counts["ok"] += 1
+        say(f"  done in {res.seconds:.0f} s: {summary['samples_per_s']:.2f} samples/s")
+        return summary["samples_per_s"]
+    counts["failed"] += 1
+    why = f"timed out after {study.timeout_s:.0f} s (process groups killed)" if res.timed_out else \
+        f"exit code {rec['exit_code']}"
+    last = [ln for ln in rec["log_tail"].splitlines() if ln.strip()][-1:] or ["(empty log)"]
+    say(f"  FAILED: {why}; log {log}; last line: {last[0][:200]}")
+    return None
+
+
+def _prepare(study: Study, out: Path, env, cwd: Path, say) -> None:
+    """The study's `prepare` command, once, where what it creates is missing."""
+    if not study.prepare or (cwd / study.prepare_creates).exists():
+        return
+    cmd = [sys.executable if study.prepare[0] == "python" else study.prepare[0], *study.prepare[1:]]
+    say(f"preparing: {' '.join(cmd)}")
+    res = local_ranks.run_launchers([cmd], env=env, cwd=cwd, timeout_s=study.timeout_s, log_path=out / "prepare.log")
+    if not res.ok or not (cwd / study.prepare_creates).exists():
+        raise StudyError(f"{study.path}: [study] prepare failed (exit {res.exit_code}) or did not create "
+                         f"{study.prepare_creates}; see {out / 'prepare.log'}")
+
+
+def _port_free(port: int) -> bool:
+    """Whether a rendezvous could listen on `port` now (SO_REUSEADDR, as torch's TCPStore: a socket of an earlier
+    run lingering in TIME_WAIT does not block it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
 
 def _log_tail(path: Path) -> str:
     try:
@@ -175,7 +288,7 @@ def _move_aside(out: Path, d: Path, say: Callable[[str], None], name: str = "") 
 
 
 class _Progress:
-    """Polls the running cell's metrics.jsonl and prints each new throughput figure (rank 0 writes it)."""
+    """Polls the running cell's metrics.jsonl and prints its latest throughput figure (rank 0 writes it)."""
 
     def __init__(self, run_dir: Path, say: Callable[[str], None]):
         self.path, self.say, self.seen = run_dir / "metrics.jsonl", say, 0
@@ -185,54 +298,24 @@ class _Progress:
             lines = self.path.read_text(encoding="utf-8").splitlines()
         except FileNotFoundError:
             return
+        latest = None
         for line in lines[self.seen:]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                return  # a line being written: read it next time
+                break  # a line being written: read it next time
             self.seen += 1
             if rec.get("type") == "step" and rec.get("samples_per_s"):
-                self.say(f"  step {rec['step']}: {rec['samples_per_s']:.2f} samples/s")
+                latest = rec
+        if latest is not None:   # one line per poll, however many steps were logged since
+            self.say(f"  step {latest['step']}: {latest['samples_per_s']:.2f} samples/s")
 
 
-def max_nodes(study: Study) -> int:
-    return max(study.nodes_of(c) for c in study.cells())
-
-
-def twin_dir(out: Path, cell: Cell, node: int) -> Path:
-    """Run directory of an emulated cell's independent twin in namespace `node` (outside cells/: not a cell)."""
-    return out / "twins" / cell.key / f"node{node}"
-
-
-def fabric_key(out: Path) -> int:
-    """Namespace names and subnet of an emulated-fabric study: stable per output directory (a rerun's commands
-    compare equal), distinct between studies run side by side."""
-    return zlib.crc32(str(Path(out).resolve()).encode())
-
-
-def _fabric(study: Study, cell: Cell, out: Path):
-    if study.launcher != "emulated_fabric":
-        return nullcontext()
-    f = study.fabric_of(cell)
-    return netns.emulated_fabric(max_nodes(study), mbit=f["mbit"], delay_ms=f["delay_ms"], key=fabric_key(out))
-
-
-def _probe_bytes(mbit: float) -> int:
-    """The probe's bandwidth message: ~40 ms of the link at its rate (bandwidth-bound, not latency-bound),
-    at least 256 KiB."""
-    return max(1 << 18, int(mbit * 1e6 / 8 * 0.04))
-
-
-def _probe_link(study: Study, cell: Cell, fab, d: Path, env, cwd, say) -> None:
+def _probe_link(p, env, cwd: Path, say) -> None:
     """ds_tools.study.linkprobe between the cell's nodes, before it trains: the link's per-call cost, measured, in
-    d/link_probe.json (a failed probe is said and left out: the comparison then says the cost was not measured)."""
-    nodes, port = study.nodes_of(cell), free_port()
-    cmds = [fab.wrap(i, [sys.executable, "-u", "-m", "ds_tools.study.linkprobe", "--rank", str(i), "--world_size",
-                         str(nodes), "--master_addr", fab.addresses[0], "--master_port", str(port), "--out",
-                         str((d / "link_probe.json").resolve()), "--nbytes", str(_probe_bytes(fab.mbit))])
-            for i in range(nodes)]
-    res = local_ranks.run_launchers(cmds, env=env, cwd=cwd or Path.cwd(), timeout_s=180,
-                                    log_path=d / "link_probe.log")
+    link_probe.json (a failed probe is said and left out: the comparison then says the cost was not measured)."""
+    d = p.run_dir
+    res = local_ranks.run_launchers(p.probe, env=env, cwd=cwd, timeout_s=180, log_path=d / "link_probe.log")
     try:
         r = json.loads((d / "link_probe.json").read_text())
         say(f"  link probe: a tiny all_reduce takes {1e3 * r['alpha_all_reduce_s']:.3f} ms, an all_gather "
@@ -242,86 +325,8 @@ def _probe_link(study: Study, cell: Cell, fab, d: Path, env, cwd, say) -> None:
         say(f"  link probe FAILED (exit {res.exit_code}); see {d / 'link_probe.log'}")
 
 
-def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None = None,
-        cwd: Path | None = None) -> dict:
-    """Run every cell not yet complete; returns {"ok": n, "failed": n, "skipped": n}. Never raises for a failed cell."""
-    stream = stream or sys.stdout
-
-    def say(msg: str) -> None:
-        print(f"[ds-study] {msg}", file=stream, flush=True)
-
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(study.path, out / "study.toml")
-    cells = study.cells()
-    counts = {"ok": 0, "failed": 0, "skipped": 0}
-    env = rank_env(pythonpath=[REPO_ROOT], extra=study.env)
-    if study.prepare and not (Path(cwd or Path.cwd()) / study.prepare_creates).exists():
-        cmd = [sys.executable if study.prepare[0] == "python" else study.prepare[0], *study.prepare[1:]]
-        say(f"preparing: {' '.join(cmd)}")
-        res = local_ranks.run_launchers([cmd], env=env, cwd=cwd or Path.cwd(), timeout_s=study.timeout_s,
-                                        log_path=out / "prepare.log")
-        if not res.ok or not (Path(cwd or Path.cwd()) / study.prepare_creates).exists():
-            raise StudyError(f"{study.path}: [study] prepare failed (exit {res.exit_code}) or did not create "
-                             f"{study.prepare_creates}; see {out / 'prepare.log'}")
-    for cell in cells:
-        d = cell_dir(out, cell)
-        head = (f"cell {cell.index + 1}/{len(cells)} ({counts['ok'] + counts['skipped']} done, "
-                f"{counts['failed']} failed)")
-        if d.exists() and not rerun and is_complete(d):
-            st = read_status(d)
-            planned = commands_for(study, cell, out, write=False)
-            if _comparable(st.get("command")) != _comparable(planned):
-                raise StudyError(f"{d}: this cell was run with another command than {study.path} now gives; rerun it "
-                                 f"with --rerun or give another --out. Was: {' '.join(st['command'][0])}")
-            counts["skipped"] += 1
-            say(f"{head}: {cell.label()}: complete, skipped ({read_summary(d)['samples_per_s']:.2f} samples/s)")
-            continue
-        say(f"{head}: {cell.label()}")
-        if d.exists():
-            _move_aside(out, d, say)
-        if (out / "twins" / cell.key).exists():   # a twin must train afresh, not resume its finished earlier run
-            _move_aside(out, out / "twins" / cell.key, say, name=f"twins-{cell.key}")
-        cmds = commands_for(study, cell, out, write=True)
-        log = d / "log.txt"
-        with _fabric(study, cell, out) as fab:
-            if fab is not None:
-                say(f"  emulated fabric {study.fabric_of(cell)['name']}: {fab.mbit:g} Mbit/s, {fab.delay_ms:g} ms "
-                    + ("" if fab.latency_emulated else "(latency NOT emulated: no sch_netem in this kernel) ")
-                    + f"between {len(fab.namespaces)} namespace(s)")
-                atomic_write_text(d / "fabric.json", dump_json({**study.fabric_of(cell),
-                                                                "latency_emulated": fab.latency_emulated,
-                                                                "twins": len(cmds) - study.nodes_of(cell)}))
-                if len(cmds) > study.nodes_of(cell):
-                    say(f"  beside {len(cmds) - study.nodes_of(cell)} independent twin(s) in the other namespace(s), "
-                        "so that every cell loads the host's CPUs alike")
-                if study.nodes_of(cell) > 1:
-                    _probe_link(study, cell, fab, d, env, cwd, say)
-            res = local_ranks.run_launchers(cmds, env=env, cwd=cwd or Path.cwd(), timeout_s=study.timeout_s,
-                                            log_path=log, on_poll=_Progress(d, say), poll_s=2.0)
-        summary = read_summary(d)
-        status = "timeout" if res.timed_out else ("ok" if res.ok and summary is not None else "failed")
-        rec = {"status": status, "exit_code": res.exit_code if not (res.ok and summary is None) else 1,
-               "seconds": round(res.seconds, 1), "values": cell.values, "repeat": cell.repeat, "command": cmds,
-               "log_tail": "" if status == "ok" else _log_tail(log)}
-        if res.ok and summary is None:
-            rec["log_tail"] = "exit code 0 but no summary record in metrics.jsonl\n" + _log_tail(log)
-        atomic_write_text(d / "cell.json", dump_json(rec))
-        if status == "ok":
-            counts["ok"] += 1
-            say(f"  done in {res.seconds:.0f} s: {summary['samples_per_s']:.2f} samples/s")
-        else:
-            counts["failed"] += 1
-            why = f"timed out after {study.timeout_s:.0f} s (process groups killed)" if res.timed_out else \
-                f"exit code {rec['exit_code']}"
-            last = [ln for ln in rec["log_tail"].splitlines() if ln.strip()][-1:] or ["(empty log)"]
-            say(f"  FAILED: {why}; log {log}; last line: {last[0][:200]}")
-    say(f"finished: {counts['ok']} ran, {counts['skipped']} skipped (complete), {counts['failed']} failed; "
-        f"report: python -m ds_tools.study report {out}")
-    return counts
-
-
 def _comparable(cmds) -> list:
-    """A command with its master port blanked (a fresh free port per attempt is not a different cell)."""
+    """A command with its master port blanked (a port taken by something else is not a different cell)."""
     if not cmds:
         return []
     out = []

@@ -18,7 +18,12 @@ Schema (every key of [study] is optional except `module`; unknown keys are refus
     hostfile = ""                          # launcher = "hostfile": the cluster's hostfile
     launch_args = []                       # launcher = "hostfile": extra flags of launch.run (--profile efa, ...)
     timeout_s = 900                        # per cell; the cell's process groups are killed after it
-    repeats = 1                            # runs per combination (the report shows their spread)
+    repeats = 1                            # runs per combination to start with (2 or more for an interval)
+    precision = 0.05                       # then more runs, round by round, of each combination whose throughput's
+                                           # 95 % interval is wider than +-5 % of its mean (0: just `repeats`) ...
+    max_repeats = 8                        # ... up to this many runs per combination (default 8 with a precision)
+    budget_s = 1800                        # ... and no new round after this many seconds of measuring
+    master_port = 0                        # first cell's master port; 0: derived from the study directory
     baseline = { allreduce = "buckets" }   # the cell speedups are measured against (default: first value per axis)
     comms_logger = false                   # DeepSpeed's communication logger in every cell's JSON
     single_bucket_elements = 2000000000    # allreduce = "single": reduce_bucket_size (>= gradient elements)
@@ -72,10 +77,12 @@ ALLREDUCE_VALUES = ("buckets", "single")
 # (MEMORY_OPT_ALLREDUCE_SIZE, not configurable) and all-reduces each once per step.
 SINGLE_ZERO = {"contiguous_gradients": False, "overlap_comm": False, "reduce_scatter": False}
 DEFAULT_SINGLE_BUCKET = 2_000_000_000
+DEFAULT_MAX_REPEATS = 8
 
 _STUDY_KEYS = {"name", "module", "preset", "deepspeed_config", "steps", "warmup_steps", "args", "launcher",
                "ranks_per_node", "hostfile", "launch_args", "timeout_s", "repeats", "baseline", "comms_logger",
-               "single_bucket_elements", "prepare", "prepare_creates"}
+               "single_bucket_elements", "prepare", "prepare_creates", "precision", "max_repeats", "budget_s",
+               "master_port"}
 _TOP_KEYS = {"study", "axes", "flags", "env", "fabrics"}
 _FABRIC_KEYS = {"mbit", "delay_ms"}
 
@@ -121,6 +128,10 @@ class Study:
     single_bucket_elements: int = DEFAULT_SINGLE_BUCKET
     prepare: list = field(default_factory=list)
     prepare_creates: str = ""
+    precision: float = 0.0     # target 95 % half-width / mean of each cell's throughput; 0: `repeats` runs only
+    max_repeats: int = 0       # set by load_study: repeats, or DEFAULT_MAX_REPEATS with a precision
+    budget_s: float = 1800.0   # no new measuring round starts after this many seconds
+    master_port: int = 0       # 0: derived from the study directory (runner.planned_port)
     axes: dict = field(default_factory=dict)
     flags: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
@@ -132,14 +143,25 @@ class Study:
         return {"name": name, **self.fabrics[name]}
 
     # ----------------------------------------------------------------------------------------------- cells
-    def cells(self) -> list[Cell]:
+    def combos(self) -> list[dict]:
+        """Every combination of axis values, in [axes] order."""
         names = list(self.axes)
-        combos = itertools.product(*(self.axes[n] for n in names)) if names else [()]
-        out = []
-        for combo in combos:
-            for rep in range(self.repeats):
-                out.append(Cell(len(out), dict(zip(names, combo)), rep))
-        return out
+        return [dict(zip(names, c)) for c in (itertools.product(*(self.axes[n] for n in names)) if names else [()])]
+
+    def cell(self, combo: int, repeat: int) -> Cell:
+        """Repeat `repeat` of combination `combo`. Cells are numbered round by round (all combinations' repeat 0,
+        then all repeat 1, ...): the order they are measured in, interleaved so that a machine's load falls on
+        every combination alike."""
+        combos = self.combos()
+        return Cell(repeat * len(combos) + combo, combos[combo], repeat)
+
+    def cells(self) -> list[Cell]:
+        """The cells every study runs: `repeats` rounds of every combination (a precision may add rounds)."""
+        return [self.cell(i, r) for r in range(self.repeats) for i in range(len(self.combos()))]
+
+    def all_cells(self) -> list[Cell]:
+        """Every cell a run may measure: `max_repeats` rounds."""
+        return [self.cell(i, r) for r in range(self.max_repeats) for i in range(len(self.combos()))]
 
     def baseline_values(self) -> dict:
         return {n: self.baseline.get(n, vals[0]) for n, vals in self.axes.items() if n != "nodes"}
@@ -239,14 +261,22 @@ def load_study(path: str | Path) -> Study:
                              ("comms_logger", (bool,), "true or false"),
                              ("single_bucket_elements", (int,), "an integer >= 1"), ("name", (str,), "a string"),
                              ("prepare", (list,), "a command as a list of strings"),
-                             ("prepare_creates", (str,), "a path")):
+                             ("prepare_creates", (str,), "a path"), ("precision", (int, float), "a fraction"),
+                             ("max_repeats", (int,), "an integer"), ("budget_s", (int, float), "seconds"),
+                             ("master_port", (int,), "a port number")):
         if key in s:
             setattr(st, key, _expect(path, f"[study] {key}", s[key], types, what))
     checks = [("steps", st.steps >= 1, ">= 1"), ("warmup_steps", 0 <= st.warmup_steps < st.steps,
                                                    f">= 0 and < steps ({st.steps})"),
               ("ranks_per_node", st.ranks_per_node >= 1, ">= 1"), ("timeout_s", st.timeout_s > 0, "> 0"),
               ("repeats", st.repeats >= 1, ">= 1"), ("launcher", st.launcher in LAUNCHERS, f"one of {LAUNCHERS}"),
-              ("single_bucket_elements", st.single_bucket_elements >= 1, ">= 1")]
+              ("single_bucket_elements", st.single_bucket_elements >= 1, ">= 1"),
+              ("precision", 0 <= st.precision < 1, ">= 0 and < 1 (e.g. 0.05: +-5 % of the mean)"),
+              ("budget_s", st.budget_s > 0, "> 0"),
+              ("master_port", st.master_port == 0 or 1024 <= st.master_port <= 65000, "0 or 1024-65000")]
+    st.max_repeats = st.max_repeats or (max(st.repeats, DEFAULT_MAX_REPEATS) if st.precision else st.repeats)
+    checks += [("max_repeats", st.max_repeats >= st.repeats, f">= repeats ({st.repeats})"),
+               ("repeats", st.repeats >= 2 or not st.precision, ">= 2 with a precision (an interval needs two runs)")]
     for key, ok, what in checks:
         if not ok:
             raise StudyError(f"{path}: [study] {key} = {getattr(st, key)!r}: expected {what}")
