@@ -25,6 +25,7 @@ from typing import Iterable, Sequence
 
 from ds_core.cli import ArgumentParser, cli_main, flag
 from ds_tools import scaling_explain as explain
+from ds_tools.intervals import Estimate, mean_interval, ratio_interval
 
 # Keys that make two runs incomparable: a different value changes the work per sample or per accelerator.
 # grad_accum / global_batch are deliberately not here: they legitimately change in strong-scaling studies and are
@@ -45,6 +46,7 @@ class Run:
     config: dict = field(default_factory=dict)   # GROUP_KEYS values (None when unknown)
     extra: dict = field(default_factory=dict)    # shown, not grouped on: grad_accum, global_batch, mfu ...
     phases: dict | None = None                   # sampled phase seconds (ds_core.outputs.phases), None without them
+    factors: dict = field(default_factory=dict)  # what else a study varied (fabric, allreduce ...): grouped on too
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Group:
     def title(self) -> str:
         c = dict(zip(GROUP_KEYS, self.key))
         parts = [f"{k.replace('_', ' ')} {c[k]}" for k in GROUP_KEYS[1:] if c[k] is not None]
+        parts += [f"{k} {v}" for k, v in self.key[len(GROUP_KEYS):]]
         return f"{c['model'] or 'unknown model'}" + (f" ({', '.join(parts)})" if parts else "")
 
 
@@ -101,7 +104,7 @@ def _canonical_accelerator(name):
         return name
 
 
-def run_from_summary(summary: dict, source: str) -> Run:
+def run_from_summary(summary: dict, source: str, factors: dict | None = None) -> Run:
     try:
         world = int(summary["world_size"])
         throughput = float(summary["samples_per_s"])
@@ -115,23 +118,60 @@ def run_from_summary(summary: dict, source: str) -> Run:
     extra = {k: summary[k] for k in ("grad_accum", "global_batch", "mfu", "tflops_per_accelerator")
              if summary.get(k) is not None}
     return Run(nodes=nodes, accelerators=world, throughput=throughput, source=source, config=config, extra=extra,
-               phases=explain.phases_of(summary))
+               phases=explain.phases_of(summary), factors=dict(factors or {}))
 
 
 def read_runs(paths: Iterable[str | Path]) -> list:
-    """Runs from run directories (``DIR/metrics.jsonl``, or one level of sub-runs) or metrics.jsonl files."""
+    """Runs from run directories (``DIR/metrics.jsonl``, sub-runs one or two levels down), study directories
+    (``ds-study run``'s: each complete cell, with the axis values it varied besides nodes) or metrics.jsonl files."""
     runs = []
     for p in map(Path, paths):
         if p.is_dir():
-            files = [p / "metrics.jsonl"] if (p / "metrics.jsonl").is_file() else sorted(p.glob("*/metrics.jsonl"))
-            if not files:
-                raise ScalingError(f"{p}: no metrics.jsonl in it or in its sub-directories")
+            found = _runs_under(p)
+            if not found:
+                raise ScalingError(f"{p}: no metrics.jsonl in it, in its sub-directories or two levels down, and no "
+                                   "complete cell if it is a study directory")
+            runs += found
         elif p.is_file():
-            files = [p]
+            runs.append(run_from_summary(summary_of(p), str(p)))
         else:
             raise ScalingError(f"{p}: no such run directory or metrics.jsonl")
-        runs += [run_from_summary(summary_of(f), str(f)) for f in files]
     return runs
+
+
+# study axes already among GROUP_KEYS (through the run's summary) under another name
+_AXIS_KEYS = {"nodes", "zero_stage", "micro_batch_size"}
+
+
+def study_runs(study_dir: Path) -> list:
+    """The complete cells of a study directory (STUDY/study.toml, STUDY/cells/<key>/cell.json says ok), each with the
+    values of the axes it varied besides those its summary already holds; failed, unfinished, earlier (previous/)
+    and twin runs are not cells of the study and are left out."""
+    runs = []
+    for d in sorted(p for p in (study_dir / "cells").iterdir() if p.is_dir()):
+        try:
+            cell = json.loads((d / "cell.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if cell.get("status") != "ok" or not (d / "metrics.jsonl").is_file():
+            continue
+        factors = {k: v for k, v in (cell.get("values") or {}).items() if k not in _AXIS_KEYS}
+        runs.append(run_from_summary(summary_of(d / "metrics.jsonl"), str(d / "metrics.jsonl"), factors))
+    return runs
+
+
+def _is_study(d: Path) -> bool:
+    return (d / "study.toml").is_file() and (d / "cells").is_dir()
+
+
+def _runs_under(p: Path, depth: int = 0) -> list:
+    if (p / "metrics.jsonl").is_file():
+        return [run_from_summary(summary_of(p / "metrics.jsonl"), str(p / "metrics.jsonl"))]
+    if _is_study(p):
+        return study_runs(p)
+    if depth >= 2:
+        return []
+    return [r for d in sorted(x for x in p.iterdir() if x.is_dir()) for r in _runs_under(d, depth + 1)]
 
 
 def read_table(path: str | Path) -> list:
@@ -182,7 +222,9 @@ def group_runs(runs: Sequence[Run], baseline_nodes: int | None = None) -> list:
         raise ScalingError("no runs given")
     by_key: dict = {}
     for r in runs:
-        by_key.setdefault(tuple(_norm(r.config.get(k)) for k in GROUP_KEYS), []).append(r)
+        key = tuple(_norm(r.config.get(k)) for k in GROUP_KEYS) + tuple(sorted((k, str(v)) for k, v in
+                                                                             r.factors.items()))
+        by_key.setdefault(key, []).append(r)
     keys = sorted(by_key, key=lambda k: (-len(by_key[k]), str(k)))
     groups = []
     for key in keys:
@@ -198,199 +240,216 @@ def group_runs(runs: Sequence[Run], baseline_nodes: int | None = None) -> list:
             base = cands[0]
         reason = ""
         if groups:
-            first = dict(zip(GROUP_KEYS, groups[0].key))
-            diffs = [f"{k} {v!r} vs {first[k]!r}" for k, v in zip(GROUP_KEYS, key) if v != first[k]]
+            first, mine = _key_dict(groups[0].key), _key_dict(key)
+            diffs = [f"{k} {mine.get(k)!r} vs {first.get(k)!r}" for k in dict.fromkeys([*first, *mine])
+                     if mine.get(k) != first.get(k)]
             reason = "not comparable with the first group: different " + ", ".join(diffs)
         groups.append(Group(key=key, runs=members, baseline=base, reason=reason))
     return groups
 
 
+def _key_dict(key: tuple) -> dict:
+    return {**dict(zip(GROUP_KEYS, key)), **dict(key[len(GROUP_KEYS):])}
+
+
+def _mean_phases(runs: Sequence[Run]) -> dict | None:
+    """The runs' mean phase seconds; None unless every run has phase timing."""
+    if not runs or any(r.phases is None for r in runs):
+        return None
+    return {k: sum(r.phases[k] for r in runs) / len(runs) for k in runs[0].phases}
+
+
 def rows_of(group: Group) -> list:
-    base = group.baseline
-    base_per_acc = base.throughput / base.accelerators
-    rows = []
+    """One row per scale (nodes, accelerators): the mean throughput of the runs at that scale with its 95 % interval
+    and their number, the efficiency and speedup against the baseline's scale with theirs (ds_tools.intervals), and
+    what grew, from the means."""
+    by_scale: dict = {}
     for r in group.runs:
-        per_acc = r.throughput / r.accelerators
-        rows.append({"nodes": r.nodes, "accelerators": r.accelerators, "throughput": r.throughput,
-                     "per_accelerator": per_acc, "efficiency": per_acc / base_per_acc,
-                     "speedup": r.throughput / base.throughput, "baseline": r is base,
-                     "lost": explain.lost_points(base.accelerators, base.throughput, base.phases,
-                                                 r.accelerators, r.throughput, r.phases),
-                     "group": group.title, **{k: v for k, v in zip(GROUP_KEYS, group.key)},
-                     **r.extra, "source": r.source})
+        by_scale.setdefault((r.nodes, r.accelerators), []).append(r)
+    b_runs = by_scale[(group.baseline.nodes, group.baseline.accelerators)]
+    b_thr = mean_interval([r.throughput for r in b_runs])
+    b_acc, b_phases = group.baseline.accelerators, _mean_phases(b_runs)
+    rows = []
+    for (nodes, acc), runs in by_scale.items():
+        thr = mean_interval([r.throughput for r in runs])
+        is_base = runs is b_runs
+        eff = Estimate(1.0, None, thr.n) if is_base else ratio_interval(thr.scaled(b_acc / acc), b_thr)
+        speed = Estimate(1.0, None, thr.n) if is_base else ratio_interval(thr, b_thr)
+        rows.append({"nodes": nodes, "accelerators": acc, "throughput": thr.value, "throughput_half": thr.half,
+                     "n": thr.n, "per_accelerator": thr.value / acc, "efficiency": eff.value,
+                     "efficiency_half": eff.half, "speedup": speed.value, "speedup_half": speed.half,
+                     "baseline": is_base, "estimate": thr, "efficiency_estimate": eff,
+                     "lost": explain.lost_points(b_acc, b_thr.value, b_phases, acc, thr.value, _mean_phases(runs)),
+                     "group": group.title, **_key_dict(group.key), **runs[0].extra,
+                     "source": runs[0].source, "runs": [r.source for r in runs]})
     return rows
 
 
-def repeat_notes(group: Group) -> list:
-    """Runs repeated at one scale are listed, not averaged; their spread says how much to trust one efficiency."""
-    notes = []
-    by_scale: dict = {}
-    for r in group.runs:
-        by_scale.setdefault((r.nodes, r.accelerators), []).append(r.throughput / r.accelerators)
-    for (nodes, acc), vals in sorted(by_scale.items()):
-        if len(vals) > 1:
-            notes.append(f"{len(vals)} runs at {nodes} node(s) / {acc} accelerator(s): {min(vals):.2f} to "
-                         f"{max(vals):.2f} sequences/s per accelerator (spread {100 * (max(vals) / min(vals) - 1):.0f} "
-                         "%); efficiencies are against the baseline run named above.")
-    return notes
+METHOD_NOTE = ("sequences/s: the mean of the n runs at that scale, +- the half-width of its 95 % Student t interval; "
+               "efficiency and speedup: +- from both means' intervals (relative standard errors combined, "
+               "Welch-Satterthwaite degrees of freedom); one run has no interval and says so (ds_tools/intervals.py).")
 
 
 # ------------------------------------------------------------------------------------------------- formatting
 
-_COLS = ("nodes", "accelerators", "throughput", "per_accelerator", "efficiency", "speedup")
-_HEAD = ("nodes", "accelerators", "sequences/s", "sequences/s per accelerator", "scaling efficiency %",
-         "speedup")
+_COLS = ("nodes", "accelerators", "throughput", "throughput_half", "per_accelerator", "efficiency",
+         "efficiency_half", "speedup", "speedup_half", "n")
+_HEAD = ("nodes", "accelerators", "sequences/s", "± 95 %", "sequences/s per accelerator", "scaling efficiency %",
+         "± 95 %", "speedup", "n")
+
+
+def _pm(half, row: dict, scale: float = 1.0) -> str:
+    if row["baseline"] and scale == 100.0:
+        return "baseline"
+    return "one run" if row["n"] == 1 else ("n/a" if half is None else f"{scale * half:.2f}")
 
 
 def _cells(row: dict) -> list:
     return [str(row["nodes"]), str(row["accelerators"]), f"{row['throughput']:.2f}",
-            f"{row['per_accelerator']:.2f}", f"{100 * row['efficiency']:.2f}", f"{row['speedup']:.2f}"]
+            _pm(row["throughput_half"], row), f"{row['per_accelerator']:.2f}", f"{100 * row['efficiency']:.2f}",
+            _pm(row["efficiency_half"], row, 100.0), f"{row['speedup']:.2f}", str(row["n"])]
 
 
-def _short(source: str) -> str:
-    """runs/bert/n2/metrics.jsonl -> bert/n2: enough to tell repeated runs apart in a table."""
-    p = Path(source)
-    if p.name == "metrics.jsonl":
-        p = p.parent
-    return "/".join(p.parts[-2:])
+def run_labels(groups: Sequence[Group]) -> dict:
+    """source -> the shortest tail of its path that no other run shares (`a/cells/nodes-1__rep0` and
+    `b/cells/nodes-1__rep0` stay apart): each row names its own runs."""
+    def parts(src: str) -> tuple:
+        p = Path(src)
+        return (p.parent if p.name == "metrics.jsonl" else p).parts
+
+    sources = list(dict.fromkeys(r.source for g in groups for r in g.runs))
+    out = {}
+    for src in sources:
+        mine = parts(src)
+        for k in range(min(2, len(mine)), len(mine) + 1):
+            if all(parts(o)[-k:] != mine[-k:] for o in sources if o != src):
+                break
+        out[src] = "/".join(mine[-k:]) if mine else src
+    return out
+
+
+def _runs_text(row: dict, labels: dict) -> str:
+    names = [labels.get(s, s) for s in row["runs"]]
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]}, ... {names[-1]} ({len(names)} runs)"
 
 
 def format_md(groups: Sequence[Group]) -> str:
     out = []
+    labels = run_labels(groups)
     for i, g in enumerate(groups, 1):
         b = g.baseline
         out.append(f"### Group {i}: {g.title}")
         if g.reason:
             out.append(f"\n_{g.reason}_")
-        out.append(f"\nBaseline: {b.nodes} node(s), {b.accelerators} accelerator(s) ({_short(b.source)}).\n")
-        out.append("| " + " | ".join(_HEAD) + " | run |")
+        out.append(f"\nBaseline: {b.nodes} node(s), {b.accelerators} accelerator(s).\n")
+        out.append("| " + " | ".join(_HEAD) + " | runs |")
         out.append("|" + "|".join("---:" for _ in _HEAD) + "|:---|")
-        out += ["| " + " | ".join(_cells(r)) + f" | {_short(r['source'])} |" for r in rows_of(g)]
-        out += [f"\n{note}" for note in repeat_notes(g)]
+        out += ["| " + " | ".join(_cells(r)) + f" | {_runs_text(r, labels)} |" for r in rows_of(g)]
+        out.append(f"\n{METHOD_NOTE}")
         out += _md_lost(g)
         out.append("")
     return "\n".join(out)
 
 
 def _md_lost(g: Group) -> list:
-    """The breakdown table: points of efficiency each phase cost, per run larger than the baseline. Left out where no
-    run has phase timing (published numbers): every row would be zeros and the whole loss under "anything else"."""
+    """The breakdown table: points of efficiency each phase cost, per scale larger than the baseline. Left out where
+    no run has phase timing (published numbers): every row would be zeros and the whole loss under "anything else"."""
     rows = [r for r in rows_of(g) if not r["baseline"]]
     if not any(r["lost"]["timed"] for r in rows):
         return []
     heads = [explain.BUCKET_TITLES[k] for k in explain.BUCKETS]
-    out = ["\nWhat grew against the baseline: points of scaling efficiency lost to each part of the step "
-           "(they add up to 100 - efficiency; negative: that part shrank).\n",
-           "| nodes | accelerators | " + " | ".join(heads) + " | total lost | phase timing |",
-           "|" + "|".join("---:" for _ in range(len(heads) + 3)) + "|:---|"]
+    out = ["\nWhat grew against the baseline: points of scaling efficiency lost to each part of the step, from the "
+           "mean throughputs and phase times (they add up to 100 - efficiency; negative: that part shrank).\n",
+           "| nodes | accelerators | " + " | ".join(heads) + " | total lost | n | phase timing |",
+           "|" + "|".join("---:" for _ in range(len(heads) + 4)) + "|:---|"]
     for r in rows:
         lost = r["lost"]
         out.append(f"| {r['nodes']} | {r['accelerators']} | "
                    + " | ".join(f"{round(lost[k], 2) + 0.0:.2f}" for k in explain.BUCKETS)
-                   + f" | {round(lost['total'], 2) + 0.0:.2f}"
+                   + f" | {round(lost['total'], 2) + 0.0:.2f} | {r['n']}"
                    + f" | {'yes' if lost['timed'] else 'no: all in anything else'} |")
     return out
+
+
+def _num(v, digits: int) -> str:
+    return "" if v is None else f"{round(v, digits) + 0.0:.{digits}f}"
 
 
 def format_csv(groups: Sequence[Group]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["group", *_COLS, "baseline", *(f"lost_{k}" for k in explain.BUCKETS), "lost_total",
-                "phase_timing", "reason"])
+                "phase_timing", "reason", "runs"])
+    labels = run_labels(groups)
     for i, g in enumerate(groups, 1):
         for r in rows_of(g):
-            c = _cells(r)
-            c[4] = f"{r['efficiency']:.4f}"    # csv keeps efficiency a fraction, like json
             lost = r["lost"]
-            w.writerow([i, *c, int(r["baseline"]),
-                        *(f"{round(lost[k], 4) + 0.0:.4f}" for k in (*explain.BUCKETS, "total")),
-                        int(lost["timed"]), g.reason])
+            w.writerow([i, r["nodes"], r["accelerators"], _num(r["throughput"], 2), _num(r["throughput_half"], 2),
+                        _num(r["per_accelerator"], 2), _num(r["efficiency"], 4), _num(r["efficiency_half"], 4),
+                        _num(r["speedup"], 2), _num(r["speedup_half"], 2), r["n"], int(r["baseline"]),
+                        *(_num(lost[k], 4) for k in (*explain.BUCKETS, "total")), int(lost["timed"]), g.reason,
+                        " ".join(labels[s] for s in r["runs"])])
     return buf.getvalue()
 
 
 def format_json(groups: Sequence[Group]) -> str:
     rows = []
+    labels = run_labels(groups)
     for i, g in enumerate(groups, 1):
         for r in rows_of(g):
-            r = {k: (round(v, 4) if k in ("throughput", "per_accelerator", "speedup") else v) for k, v in r.items()}
+            r = {k: (round(v, 4) if k in ("throughput", "throughput_half", "per_accelerator", "speedup",
+                                          "speedup_half") and v is not None else v)
+                 for k, v in r.items() if k not in ("estimate", "efficiency_estimate")}
             r["efficiency"] = round(r["efficiency"], 6)
+            r["efficiency_half"] = None if r["efficiency_half"] is None else round(r["efficiency_half"], 6)
             r["lost"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r["lost"].items()}
+            r["runs"] = [labels[s] for s in r["runs"]]
             rows.append({"group_index": i, "reason": g.reason, **r})
     return json.dumps(rows, indent=2)
 
 
 def plot(groups: Sequence[Group], path: str | Path) -> None:
-    """Throughput against accelerators with each group's ideal (linear from its baseline) line, and efficiency."""
+    """Throughput against accelerators with each group's ideal (linear from its baseline) line, and efficiency, both
+    with their 95 % intervals as error bars; with phase timing, what grew (ds_tools.scaling_explain.plot_lost)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     timed = any(r["lost"]["timed"] for g in groups for r in rows_of(g) if not r["baseline"])
-    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.2))
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.6))
     ax1, ax2 = axes[:2]
     for i, g in enumerate(groups):
         rows = rows_of(g)
         x = [r["accelerators"] for r in rows]
         color = f"C{i % 10}"
-        base_per_acc = g.baseline.throughput / g.baseline.accelerators
-        label = f"{i + 1}: {g.key[0]}" if len(groups) > 1 else str(g.key[0])
-        ax1.plot(x, [r["throughput"] for r in rows], "o-", color=color, label=label)
-        ax1.plot(x, [base_per_acc * a for a in x], "--", color=color, alpha=0.5, label=f"{label} ideal")
-        ax2.plot(x, [100 * r["efficiency"] for r in rows], "o-", color=color, label=label)
-    ax1.set_xlabel("accelerators")
-    ax1.set_ylabel("sequences/s")
-    ax1.set_title("Throughput (dashed: ideal linear scaling)")
-    ax2.set_xlabel("accelerators")
-    ax2.set_ylabel("scaling efficiency %")
+        base_per_acc = rows[[r["baseline"] for r in rows].index(True)]["per_accelerator"]
+        label = f"{i + 1}: {g.title}" if len(groups) > 1 else str(g.key[0])
+        ax1.errorbar(x, [r["throughput"] for r in rows], yerr=[r["throughput_half"] or 0 for r in rows], fmt="o-",
+                     color=color, capsize=3, label=label)
+        ax1.plot(x, [base_per_acc * a for a in x], "--", color=color, alpha=0.5)
+        ax2.errorbar(x, [100 * r["efficiency"] for r in rows], yerr=[100 * (r["efficiency_half"] or 0) for r in rows],
+                     fmt="o-", color=color, capsize=3, label=label)
+    ax1.set(xlabel="accelerators", ylabel="sequences/s", title="Throughput, 95 % intervals (dashed: ideal)")
+    ax2.set(xlabel="accelerators", ylabel="scaling efficiency %", title="Per-accelerator throughput vs baseline")
     ax2.axhline(100, color="grey", lw=0.8, ls=":")
     ax2.set_ylim(bottom=0)
-    ax2.set_title("Per-accelerator throughput vs baseline")
-    from matplotlib.ticker import MaxNLocator
-
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if len({a for g in groups for a in (r.accelerators for r in g.runs)}) > 2:
             ax.set_xscale("log", base=2)
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=6)
     if timed:  # without phase timing every bar would be "anything else": the panel says nothing
-        _plot_lost(axes[2], groups)
+        bars = [(f"{i + 1}:{r['accelerators']}" if len(groups) > 1 else str(r["accelerators"]), r["lost"])
+                for i, g in enumerate(groups) for r in rows_of(g) if not r["baseline"]]
+        explain.plot_lost(axes[2], bars)
     if len(groups) == 1:
         fig.suptitle(groups[0].title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _plot_lost(ax, groups: Sequence[Group]) -> None:
-    """Stacked bars: per larger run, the points of efficiency lost to each part of the step."""
-    labels = []
-    bars = []
-    for i, g in enumerate(groups):
-        for r in rows_of(g):
-            if not r["baseline"]:
-                labels.append(f"{i + 1}:{r['accelerators']}" if len(groups) > 1 else str(r["accelerators"]))
-                bars.append(r["lost"])
-    x = list(range(len(bars)))
-    pos, neg = [0.0] * len(bars), [0.0] * len(bars)
-    for j, k in enumerate(explain.BUCKETS):
-        vals = [b[k] for b in bars]
-        bottom = [pos[n] if v >= 0 else neg[n] for n, v in enumerate(vals)]
-        ax.bar(x, vals, bottom=bottom, color=f"C{j}", label=explain.BUCKET_TITLES[k])
-        for n, v in enumerate(vals):
-            if v >= 0:
-                pos[n] += v
-            else:
-                neg[n] += v
-    ax.set_xticks(x, labels)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel("accelerators")
-    ax.set_ylabel("efficiency points lost vs baseline")
-    ax.set_title("What grew (stacked: sum = 100 - efficiency)")
-    ax.grid(alpha=0.3, axis="y")
-    if bars:
-        ax.legend(fontsize=7)
 
 
 # ------------------------------------------------------------------------------------------------------- CLI

@@ -58,3 +58,42 @@ def lost_points(base_acc: int, base_thr: float, base_phases: dict | None,
     out["total"] = 100.0 * (t_run - t_base) / t_run
     out["timed"] = timed
     return out
+
+
+def stack_segments(lost: dict) -> list[tuple[str, float, float]]:
+    """(bucket, bottom, height) of one stacked bar whose parts sum to its total: the parts that grew stacked up from
+    zero, then the parts that shrank stacked down from that top, so the bar ends at the total (a shrinking part is
+    drawn inside the bar it takes back from, never below zero where the total is positive)."""
+    segs, top = [], 0.0
+    for k in BUCKETS:
+        if lost[k] > 0:
+            segs.append((k, top, lost[k]))
+            top += lost[k]
+    for k in BUCKETS:
+        if lost[k] < 0:
+            segs.append((k, top, lost[k]))
+            top += lost[k]
+    return segs
+
+
+def plot_lost(ax, bars: list[tuple[str, dict]]) -> None:
+    """Stacked bars, one per (label, lost_points result): the points of efficiency lost to each part of the step;
+    a shrinking part hatched, a black tick and the number at the total."""
+    seen = set()
+    for x, (label, lost) in enumerate(bars):
+        for k, bottom, height in stack_segments(lost):
+            j = BUCKETS.index(k)
+            ax.bar(x, height, bottom=bottom, color=f"C{j}", hatch="//" if height < 0 else None,
+                   edgecolor="black" if height < 0 else None, linewidth=0.5,
+                   label=None if k in seen else BUCKET_TITLES[k])
+            seen.add(k)
+        ax.plot([x - 0.45, x + 0.45], [lost["total"]] * 2, color="black", lw=1.5)
+        ax.annotate(f"{lost['total']:.1f}", (x, lost["total"]), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars])
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("accelerators")
+    ax.set_ylabel("efficiency points lost vs baseline")
+    ax.set_title("What grew (hatched: shrank; black line: total = 100 - efficiency)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    if bars:
+        ax.legend(fontsize=7)

@@ -36,13 +36,15 @@ def test_breakdown_adds_up_and_names_what_grew(tmp_path, capsys):
     assert rows[1]["lost"]["total"] == pytest.approx(0.0)
 
     md = report([str(tmp_path)], capsys)
-    assert "| communication | slowest rank | data | anything else | total lost | phase timing |" in md
-    assert "| 4 | 32 | 16.00 | 4.80 | -0.80 | 0.00 | 20.00 | yes |" in md
-    assert "| 2 | 16 | 0.00 | 0.00 | 0.00 | 9.09 | 9.09 | no: all in anything else |" in md
+    assert "| communication | slowest rank | data | anything else | total lost | n | phase timing |" in md
+    assert "| 4 | 32 | 16.00 | 4.80 | -0.80 | 0.00 | 20.00 | 1 | yes |" in md
+    assert "| 2 | 16 | 0.00 | 0.00 | 0.00 | 9.09 | 9.09 | 1 | no: all in anything else |" in md
     out = report([str(tmp_path), "--format", "csv"], capsys).splitlines()
+    head = out[0].split(",")
     assert "lost_comm,lost_wait,lost_data,lost_other,lost_total,phase_timing" in out[0]
-    assert [line for line in out if line.startswith("1,4,32,")][0].split(",")[8:14] == \
-        ["16.0000", "4.8000", "-0.8000", "0.0000", "20.0000", "1"]
+    row = dict(zip(head, [line for line in out if line.startswith("1,4,32,")][0].split(",")))
+    assert [row[k] for k in ("lost_comm", "lost_wait", "lost_data", "lost_other", "lost_total", "phase_timing")] \
+        == ["16.0000", "4.8000", "-0.8000", "0.0000", "20.0000", "1"]
 
 
 def test_breakdown_plot_has_the_stacked_bars(tmp_path, capsys):
@@ -54,3 +56,26 @@ def test_breakdown_plot_has_the_stacked_bars(tmp_path, capsys):
 
     w, h = Image.open(png).size
     assert w > 1.3 * h            # three panels side by side: throughput, efficiency, what grew
+
+
+@pytest.mark.parametrize("lost", [
+    {"comm": 40.46, "wait": 3.93, "data": -1.0, "other": 11.04},    # a part that shrank among parts that grew
+    {"comm": 5.0, "wait": -2.0, "data": -1.0, "other": -4.0},       # more shrank than grew: a negative total
+])
+def test_stacked_parts_end_at_the_total(lost):
+    """The breakdown's bar: its parts, stacked, end exactly at the total; with a positive total nothing is drawn below
+    zero and the bar's top is the sum of what grew (the parts that shrank hatched inside it), never past it."""
+    from ds_tools import scaling_explain as explain
+
+    lost = {**lost, "total": sum(lost.values())}
+    segs = explain.stack_segments(lost)
+    assert sorted(k for k, _, _ in segs) == sorted(explain.BUCKETS)
+    bottom, height = segs[-1][1], segs[-1][2]
+    assert bottom + height == pytest.approx(lost["total"])
+    for (_, b0, h0), (_, b1, _) in zip(segs, segs[1:]):
+        assert b1 == pytest.approx(b0 + h0)          # each part starts where the one before it ended
+    lows = [min(b, b + h) for _, b, h in segs]
+    grew = sum(v for k, v in lost.items() if k in explain.BUCKETS and v > 0)
+    assert max(max(b, b + h) for _, b, h in segs) == pytest.approx(grew)
+    if lost["total"] >= 0:
+        assert min(lows) >= 0

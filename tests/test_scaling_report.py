@@ -1,6 +1,7 @@
 """ds_tools.scaling: the published BERT-Large table, hand-written metrics.jsonl fixtures (grouping, baseline, broken
 runs), --plot, and (slow) real metrics.jsonl written by ds_core.run.loop on 1 and 2 ranks."""
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -44,10 +45,13 @@ def test_published_bert_large_table(tmp_path, capsys):
     for r in rows:
         assert {"nodes", "accelerators", "throughput", "per_accelerator", "efficiency", "speedup"} <= set(r)
     md = report(["--from-table", str(csv)], capsys)
-    assert "| 8 | 64 | 9977.54 | 155.90 | 90.39 | 7.23 |" in md
+    # one published figure per scale: one measurement, said to be one, no interval
+    assert "| 8 | 64 | 9977.54 | one run | 155.90 | 90.39 | one run | 7.23 | 1 |" in md
+    assert "| 1 | 8 | 1379.76 | one run | 172.47 | 100.00 | baseline | 1.00 | 1 |" in md
     out = report(["--from-table", str(csv), "--format", "csv"], capsys).splitlines()
-    assert out[0].startswith("group,nodes,accelerators,throughput,per_accelerator,efficiency,speedup")
-    assert out[2].startswith("1,2,16,2705.57,169.10,0.9804,1.96")
+    assert out[0].startswith("group,nodes,accelerators,throughput,throughput_half,per_accelerator,efficiency,"
+                             "efficiency_half,speedup,speedup_half,n")
+    assert out[2].startswith("1,2,16,2705.57,,169.10,0.9804,,1.96,,1,")
 
 
 def test_runs_from_metrics_jsonl_and_baseline_nodes(tmp_path, capsys):
@@ -63,11 +67,17 @@ def test_runs_from_metrics_jsonl_and_baseline_nodes(tmp_path, capsys):
     by_nodes = {r["nodes"]: r for r in rows}
     assert by_nodes[2]["efficiency"] == 1.0 and by_nodes[2]["speedup"] == 1.0
     assert round(by_nodes[1]["efficiency"], 4) == round(172.47 / (2705.57 / 16), 4)
-    # a repeated run at one scale is listed, with the spread, never averaged
+    # runs repeated at one scale are one row: their mean, its 95 % t interval (t(0.975, 1) = 12.706) and n; the
+    # efficiency interval of a larger scale carries the baseline's uncertainty
     write_run(tmp_path, "n1_again", 1, 1300.0)
+    rows = {r["nodes"]: r for r in json.loads(report([str(tmp_path), "--format", "json"], capsys))}
+    assert rows[1]["n"] == 2 and rows[1]["throughput"] == pytest.approx((1379.76 + 1300.0) / 2, abs=1e-4)
+    half = 12.706 * statistics.stdev([1379.76, 1300.0]) / 2 ** 0.5
+    assert rows[1]["throughput_half"] == pytest.approx(half, abs=1e-3)
+    assert sorted(r.split("/")[-1] for r in rows[1]["runs"]) == ["n1", "n1_again"]
+    assert rows[2]["n"] == 1 and rows[2]["efficiency_half"] is None    # one run at 2 nodes: no interval
     md = report([str(tmp_path)], capsys)
-    assert "| 1 | 8 | 1300.00 |" in md and "| 1 | 8 | 1379.76 |" in md
-    assert "2 runs at 1 node(s) / 8 accelerator(s): 162.50 to 172.47" in md
+    assert f"| 1 | 8 | {(1379.76 + 1300.0) / 2:.2f} | {half:.2f} |" in md and "| 2 |" in md
     assert scaling.main([str(tmp_path), "--baseline-nodes", "3"]) == 2
     err = capsys.readouterr().err
     assert "group bert_large (accelerator " in err and "has runs at 1, 2, 4 node(s) only" in err  # names, no reprs

@@ -124,9 +124,11 @@ def test_from_table_reproduces_published_speedups(tmp_path, capsys):
     assert [round(r["speedup"], 2) for r in rows] == [1.0, round(580.1 / 336.5, 2), round(602.1 / 336.5, 2)]
     assert [round(r["speedup"], 2) for r in rows] == [1.0, 1.72, 1.79]
     md = (tmp_path / "rep" / "report.md").read_text()
-    assert "| 2 | 602.10 |  | 1.79 |" in md and "| 0 | 336.50 |  | 1.00 (baseline) |" in md
+    # one published figure each: said to be one measurement, no interval
+    assert "| 2 | 602.10 | one run |  | 1.79 | one run | 1 |" in md
+    assert "| 0 | 336.50 | one run |  | 1.00 (baseline) |  | 1 |" in md
     csv_lines = (tmp_path / "rep" / "report.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("source,dataloader_num_workers,samples_per_s") and len(csv_lines) == 4
+    assert csv_lines[0].startswith("source,cell,dataloader_num_workers,samples_per_s") and len(csv_lines) == 4
     with Image.open(tmp_path / "rep" / "throughput.png") as im:
         assert im.format == "PNG" and im.size[0] > 400
 
@@ -138,7 +140,8 @@ def test_from_table_scaling_goes_through_ds_core_scaling(tmp_path, capsys):
     rows = json.loads((tmp_path / "rep" / "report.json").read_text())["scaling"]
     assert [round(100 * r["efficiency"], 2) for r in rows] == [100.0, 98.04, 95.88, 90.39]  # ds_tools.scaling's
     assert (tmp_path / "rep" / "scaling.png").stat().st_size > 1000
-    assert "| 8 | 64 | 9977.54 | 155.90 | 90.39 | 7.23 |" in (tmp_path / "rep" / "report.md").read_text()
+    assert "| 8 | 64 | 9977.54 | one run | 155.90 | 90.39 | one run | 7.23 | 1 |" in \
+        (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_bad_table_and_missing_study_dir(tmp_path, capsys):
@@ -198,8 +201,9 @@ def test_report_of_ok_failed_and_unrun_cells(tmp_path, capsys):
     (failed / "cell.json").write_text(json.dumps({"status": "failed", "exit_code": 3, "log_tail": "x\nboom\n"}))
     assert study_main(["report", str(out)]) == 0
     md = (out / "report" / "report.md").read_text()
-    assert "| 0 | single | 10.00 | 5.00 | 1.00 (baseline) |  | 1 | 1.0 | 0.00 | 0.500 | 300.00 |" in md
-    assert "| 1 | single |  |  |  |  | 0 (+1 failed) |" in md and "| 2 | single |  |  |  |  | 0 (not run) |" in md
+    assert "| 0 | single | 10.00 | one run | 5.00 | 1.00 (baseline) |  | 1 | 1.0 | 0.00 | 0.500 | 300.00 |" in md
+    assert "| 1 | single |  |  |  |  |  | 0 (+1 failed) |" in md
+    assert "| 2 | single |  |  |  |  |  | 0 (not run) |" in md
     assert "`workers-1__allreduce-single__rep0`: failed, exit code 3: `boom`" in md
     assert "1 cell(s) not run yet" in md and "workers-2__allreduce-single__rep0" in md
     data = json.loads((out / "report" / "report.json").read_text())

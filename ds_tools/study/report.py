@@ -25,6 +25,7 @@ from statistics import mean
 from typing import Sequence
 
 from ds_tools import scaling
+from ds_tools.intervals import Estimate, mean_interval, ratio_interval
 from ds_tools.study.runner import cell_dir, read_status, read_summary
 from ds_tools.study.spec import Study, StudyError, load_study
 
@@ -49,17 +50,28 @@ class Combo:
     speedup: float | None = None
     failed: int = 0
 
+    speedup_half: float | None = None
+
+    @property
+    def estimate(self) -> Estimate | None:
+        """The mean samples/s with its 95 % interval and the number of runs (ds_tools.intervals)."""
+        return mean_interval(self.samples) if self.samples else None
+
     @property
     def mean(self) -> float | None:
         return mean(self.samples) if self.samples else None
 
     @property
+    def half(self) -> float | None:
+        return self.estimate.half if self.samples else None
+
+    @property
     def per_accelerator(self) -> float | None:
         return self.mean / self.accelerators if self.mean and self.accelerators else None
 
-    @property
-    def spread_pct(self) -> float | None:
-        return 100 * (max(self.samples) / min(self.samples) - 1) if len(self.samples) > 1 else None
+    def label(self) -> str:
+        """The combination as a name: `nodes=2 fabric=slow` (`all` where the study has no axis)."""
+        return " ".join(f"{k}={v}" for k, v in self.values.items()) or "all"
 
 
 # ------------------------------------------------------------------------------------------------- reading
@@ -84,11 +96,14 @@ def comms_per_step(stats: dict, steps: int) -> dict:
 
 
 def cell_rows(study: Study, out: Path) -> list[dict]:
-    """One row per cell of the study (planned order): status, throughput, comms, memory."""
+    """One row per cell of the study (measuring order): the first `repeats` rounds, and the later rounds' cells that
+    ran; status, throughput, comms, memory."""
     rows = []
-    for cell in study.cells():
+    for cell in study.all_cells():
         d = cell_dir(out, cell)
         st = read_status(d)
+        if cell.repeat >= study.repeats and st is None:
+            continue    # a round the precision did not need
         row = {"cell": cell.key, **{f"axis:{k}": v for k, v in cell.values.items()}, "repeat": cell.repeat,
                "status": st["status"] if st else "not run", "exit_code": st.get("exit_code") if st else None}
         summary = read_summary(d) if st and st.get("status") == "ok" else None
@@ -116,7 +131,7 @@ def cell_rows(study: Study, out: Path) -> list[dict]:
 
 
 def combos_of(study: Study, rows: list[dict]) -> list[Combo]:
-    names = [n for n in study.axes if n != "nodes"] + (["nodes"] if "nodes" in study.axes else [])
+    names = list(study.axes)
     by: dict = {}
     for r in rows:
         values = {n: r[f"axis:{n}"] for n in names}
@@ -142,21 +157,23 @@ def combos_of(study: Study, rows: list[dict]) -> list[Combo]:
 
 
 def _speedups(combos: list[Combo], baseline: dict) -> None:
-    """Speedup of each combination against the baseline combination (same values on every non-node axis)."""
+    """Speedup of each combination against the baseline combination (the baseline's values on every non-node axis,
+    the fewest nodes), with its 95 % interval from both means' (ds_tools.intervals.ratio_interval)."""
     def match(c: Combo) -> bool:
         return all(str(c.values.get(k)) == str(v) for k, v in baseline.items() if k in c.values)
 
-    base = next((c for c in combos if match(c) and c.mean), None)
-    if base is None:
-        base = next((c for c in combos if c.mean), None)
+    measured = sorted((c for c in combos if c.mean), key=lambda c: int(c.values.get("nodes", 1)))
+    base = next((c for c in measured if match(c)), measured[0] if measured else None)
     for c in combos:
-        c.speedup = c.mean / base.mean if (base and c.mean) else None
+        r = ratio_interval(c.estimate, base.estimate) if (base and c.mean) else None
+        c.speedup, c.speedup_half = (r.value, r.half) if r else (None, None)
         c.extra["baseline"] = c is base
 
 
 # The columns report.csv writes besides the axes (report()), and those a table may carry that are not axes either.
 REPORT_COLUMNS = ("samples_per_s", "throughput", "accelerators", "source", "note", "per_accelerator", "speedup",
-                  "spread_pct", "runs", "failed", "repeats_samples_per_s", "baseline", "other_collectives")
+                  "spread_pct", "runs", "failed", "repeats_samples_per_s", "baseline", "other_collectives", "cell",
+                  "samples_per_s_half", "speedup_half", "n")
 _MEASURED = ("grad_collectives_per_step", "grad_bytes_per_step", "step_time_s", "peak_memory_bytes")
 
 
@@ -182,11 +199,15 @@ def read_cells_table(path: str | Path, axes_hint: Sequence[str] = ()) -> list[Co
     if value_col is None:
         raise StudyError(f"{path}: columns {cols}; expected a samples_per_s (or throughput) column")
     axes = [c for c in cols if c not in REPORT_COLUMNS + _MEASURED + ("peak_memory_kind",)]
+    if not axes and "cell" in cols:
+        axes = ["cell"]     # a report.csv of a study without axes: its one combination is named `all`
     if not axes:
         raise StudyError(f"{path}: no axis column besides {value_col} (expected e.g. dataloader_num_workers)")
     by: dict = {}
     for i, row in enumerate(reader, 2):
         row = {k.strip(): (v or "").strip() for k, v in row.items() if k}
+        if not row[value_col] and row.get("runs") == "0":
+            continue    # a report.csv's combination that has not run (its failures are in the study's report)
         try:
             value = float(row[value_col])
             acc = int(row["accelerators"]) if row.get("accelerators") else \
@@ -232,10 +253,16 @@ def _mb(v) -> str:
     return "" if v is None else f"{v / 2**20:.2f}"
 
 
+def _pm(c: Combo, half) -> str:
+    """The ± column: the interval's half-width, `one run` for one measurement, empty for none."""
+    return "" if not c.samples else ("one run" if len(c.samples) == 1 else _fmt(half))
+
+
 def combos_md(combos: list[Combo], axes: list[str], title: str) -> str:
     show_comms = any("grad_collectives_per_step" in c.extra for c in combos)
     show_mem = any("peak_memory_bytes" in c.extra for c in combos)
-    head = [*axes, "samples/s", "samples/s per accelerator", "speedup", "spread over repeats %", "runs"]
+    axes = axes or ["cell"]
+    head = [*axes, "samples/s", "± 95 %", "samples/s per accelerator", "speedup", "± 95 %", "n"]
     if show_comms:
         head += ["gradient collectives / step", "gradient MiB / step", "step time s"]
     if show_mem:
@@ -245,59 +272,73 @@ def combos_md(combos: list[Combo], axes: list[str], title: str) -> str:
     for c in combos:
         runs = f"{len(c.samples)}" + (f" (+{c.failed} failed)" if c.failed else "") + \
             (" (not run)" if not c.samples and not c.failed else "")
-        cells = [str(c.values.get(a, "")) for a in axes] + [
-            _fmt(c.mean), _fmt(c.per_accelerator), (_fmt(c.speedup) + (" (baseline)" if c.extra.get("baseline")
-                                                                        else "")) if c.speedup else "",
-            _fmt(c.spread_pct, ".1f"), runs]
+        base = c.extra.get("baseline")
+        cells = [str(c.values.get(a, c.label() if a == "cell" else "")) for a in axes] + [
+            _fmt(c.mean), _pm(c, c.half), _fmt(c.per_accelerator),
+            (_fmt(c.speedup) + (" (baseline)" if base else "")) if c.speedup else "",
+            "" if base else _pm(c, c.speedup_half), runs]
         if show_comms:
             cells += [_fmt(c.extra.get("grad_collectives_per_step"), ".1f"), _mb(c.extra.get("grad_bytes_per_step")),
                       _fmt(c.extra.get("step_time_s"), ".3f")]
         if show_mem:
             cells += [_mb(c.extra.get("peak_memory_bytes"))]
         out.append("| " + " | ".join(cells) + " |")
+    out.append("\nsamples/s: the mean of n runs ± the half-width of its 95 % Student t interval; speedup ± from both "
+               "means' intervals (ds_tools/intervals.py); one run has no interval.")
     return "\n".join(out)
 
 
-def plot_bars(sources: list[tuple[str, list[Combo]]], axes: list[str], path: Path) -> None:
-    """Grouped bars: x = combinations of all axes but the last, one bar per value of the last axis; whiskers span
-    the repeats' min..max. One panel per source (our study, each table)."""
+BAR_IN = 0.36      # inches per bar: room for its rotated value label, whatever the number of cells
+
+
+def bars_figure(sources: list[tuple[str, list[Combo]]], axes: list[str]):
+    """Grouped bars: x = combinations of all axes but the last, one bar per value of the last axis (nodes last, so
+    1- and 2-node cells stand side by side); whiskers: the 95 % interval; each bar's value and n written upright
+    above it. One panel per source (our study, each table). The figure widens with the bars, so nothing overprints."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    width_in = max(6.0, 1.1 * max(len(c) for _, c in sources) / 2 + 3)
-    fig, panels = plt.subplots(1, len(sources), figsize=(width_in * len(sources), 4.4), squeeze=False)
+    widths = [max(5.0, BAR_IN * len(c) * 1.25 + 2.0) for _, c in sources]
+    fig, panels = plt.subplots(1, len(sources), figsize=(sum(widths), 4.8), squeeze=False,
+                               gridspec_kw={"width_ratios": widths})
     for ax, (title, combos) in zip(panels[0], sources):
         ax_axes = [a for a in axes if any(a in c.values for c in combos)]
         hue = ax_axes[-1] if ax_axes else None
         groups = list(dict.fromkeys(tuple(str(c.values[a]) for a in ax_axes[:-1]) for c in combos))
         hues = list(dict.fromkeys(str(c.values[hue]) for c in combos)) if hue else [""]
         width = 0.8 / max(1, len(hues))
+        top = max((c.mean + (c.half or 0) for c in combos if c.mean), default=1.0)
         for j, h in enumerate(hues):
-            xs, ys, lo, hi = [], [], [], []
-            for c in combos:
-                if hue and str(c.values[hue]) != h or not c.mean:
-                    continue
-                g = tuple(str(c.values[a]) for a in ax_axes[:-1])
-                xs.append(groups.index(g) + (j - (len(hues) - 1) / 2) * width)
-                ys.append(c.mean)
-                lo.append(c.mean - min(c.samples))
-                hi.append(max(c.samples) - c.mean)
-            bars = ax.bar(xs, ys, width, yerr=[lo, hi] if any(lo + hi) else None, capsize=3,
-                          label=f"{hue}={h}" if hue else None, color=f"C{j % 10}")
-            for b, c_y in zip(bars, ys):
-                ax.annotate(f"{c_y:.1f}", (b.get_x() + b.get_width() / 2, c_y), ha="center", va="bottom", fontsize=7)
+            mine = [c for c in combos if (not hue or str(c.values[hue]) == h) and c.mean]
+            xs = [groups.index(tuple(str(c.values[a]) for a in ax_axes[:-1])) + (j - (len(hues) - 1) / 2) * width
+                  for c in mine]
+            ax.bar(xs, [c.mean for c in mine], width, yerr=[c.half or 0 for c in mine], capsize=3,
+                   label=f"{hue}={h}" if hue else None, color=f"C{j % 10}")
+            for x, c in zip(xs, mine):
+                ax.annotate(f"{c.mean:.1f} (n={len(c.samples)})", (x, c.mean + (c.half or 0) + 0.01 * top),
+                            ha="center", va="bottom", rotation=90, fontsize=7)
+        ax.set_ylim(0, top * 1.45)   # room for the upright labels
         ax.set_xticks(range(len(groups)))
-        # tick labels carry values only (the axis names go to the x label) so that six groups still fit
-        ax.set_xticklabels(["\n".join(g) if g else "all" for g in groups], fontsize=8)
+        # tick labels carry values only (the axis names go to the x label); upright when many, so they never touch
+        many = len(groups) > 4
+        ax.set_xticklabels([(" / " if many else "\n").join(g) if g else "all" for g in groups], fontsize=8,
+                           rotation=90 if many else 0)
         ax.set_xlabel(" / ".join(ax_axes[:-1]), fontsize=8)
-        ax.set_ylabel("samples/s (whole job)")
+        ax.set_ylabel("samples/s (whole job), 95 % interval")
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         if hue:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
+    return fig
+
+
+def plot_bars(sources: list[tuple[str, list[Combo]]], axes: list[str], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = bars_figure(sources, axes)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -312,7 +353,7 @@ def report(study_dir: Path | None, tables: Sequence[str | Path] = (), out_dir: P
     scaling_tables = [Path(t) for t in tables if _is_scaling_table(Path(t))]
     cell_tables = [Path(t) for t in tables if Path(t) not in scaling_tables]
 
-    axes = [n for n in study.axes if n != "nodes"] if study else []
+    axes = list(study.axes) if study else []
     sources: list[tuple[str, list[Combo]]] = []
     data: dict = {"study": study.name if study else None, "cells": [], "combos": [], "scaling": []}
     md = [f"# Study report: {study.name if study else ', '.join(map(str, tables))}", ""]
@@ -327,14 +368,12 @@ def report(study_dir: Path | None, tables: Sequence[str | Path] = (), out_dir: P
                   f"{first.get('model', '?')}, ZeRO {first.get('zero_stage', '?')}, micro batch "
                   f"{first.get('micro_batch', '?')}, {first.get('world_size', '?')} rank(s) per cell.")
         md.append("")
-        if axes:
-            combos = combos_of(study, rows)
-            sources.append((f"this study ({study.name})", combos))
-            base = study.baseline_values()
-            md.append(combos_md(combos, axes + (["nodes"] if "nodes" in study.axes else []),
-                                "Throughput by cell (speedup against " +
-                                ", ".join(f"{k}={v}" for k, v in base.items()) + ")"))
-            md.append("")
+        combos = combos_of(study, rows)      # every study, a node-only one too: report.csv always has its cells
+        sources.append((f"this study ({study.name})", combos))
+        base = study.baseline_values()
+        md.append(combos_md(combos, axes, "Throughput by cell (speedup against " +
+                            (", ".join(f"{k}={v}" for k, v in base.items()) or "the fewest nodes") + ")"))
+        md.append("")
         failed = [r for r in rows if r["status"] in ("failed", "timeout")]
         not_run = [r["cell"] for r in rows if r["status"] == "not run"]
         if not_run:
@@ -362,12 +401,13 @@ def report(study_dir: Path | None, tables: Sequence[str | Path] = (), out_dir: P
             axes = axes or t_axes
     for title, combos in sources:
         for c in combos:
-            data["combos"].append({"source": title, **c.values, "samples_per_s": c.mean,
+            data["combos"].append({"source": title, "cell": c.label(), **c.values, "samples_per_s": c.mean,
+                                   "samples_per_s_half": c.half, "n": len(c.samples),
                                    "per_accelerator": c.per_accelerator, "speedup": c.speedup,
-                                   "spread_pct": c.spread_pct, "runs": len(c.samples), "failed": c.failed,
+                                   "speedup_half": c.speedup_half, "runs": len(c.samples), "failed": c.failed,
                                    "repeats_samples_per_s": c.samples, **c.extra})
     files = []
-    if sources:
+    if any(c.mean for _, combos in sources for c in combos):
         png = out_dir / "throughput.png"
         plot_bars(sources, axes or [a for a in sources[0][1][0].values], png)
         files.append(png)
@@ -376,9 +416,7 @@ def report(study_dir: Path | None, tables: Sequence[str | Path] = (), out_dir: P
 
     runs = []
     if study and "nodes" in study.axes:
-        runs = scaling.read_runs([cell_dir(study_dir, c) for c in study.cells()
-                                  if read_status(cell_dir(study_dir, c)) and
-                                  read_status(cell_dir(study_dir, c)).get("status") == "ok"])
+        runs = scaling.study_runs(study_dir)   # grouped by every other axis too (fabric, allreduce ...)
     for t in scaling_tables:
         runs += scaling.read_table(t)
     if runs:
