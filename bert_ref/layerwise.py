@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ds_core.compat import changes
 from ds_core.compat.zero_layout import FlatLayout, missing_attributes, partition_segments, zero_layouts
 from ds_core.device.hpu import op_on_device, sum_dtype
 from ds_core.errors import ConfigError
@@ -324,7 +325,10 @@ def attach_zero_layout(engine: Any, optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(optimizer, _TensorwiseOptimizer):
         return
     name = type(optimizer).__name__
-    if why := missing_attributes(engine.optimizer):  # ds_core.compat.changes: zero_partition_layout
+    # ds_core.compat.changes: zero_partition_layout, the read of the wrapper's layout, decided per wrapper instance
+    state = changes.state("zero_partition_layout")
+    why = missing_attributes(engine.optimizer) or (state if state.startswith("off") else None)
+    if why:
         raise ConfigError(f"{name} computes its trust ratios per parameter tensor from DeepSpeed's partition layout, "
                           f"and {why}: run {name} with another ZeRO stage, or --optimizer adamw")
     layouts, group = zero_layouts(engine.optimizer)

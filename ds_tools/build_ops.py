@@ -14,10 +14,10 @@ from ds_core.cli import ArgumentParser
 
 def main(argv: Sequence[str] | None = None) -> int:
     ArgumentParser(prog="python -m ds_tools.build_ops", description=__doc__, allow_abbrev=False).parse_args(argv)
-    from ds_core.compat.op_baton import use_holder_baton
+    from ds_core.compat.changes import apply_change
     from ds_core.device.ops_check import build_ahead
 
-    use_holder_baton()  # as a rank does: a lock left by a killed build does not stop this one
+    apply_change("op_build_lock_holder")  # as a rank does: a lock left by a killed build does not stop this one
     build_ahead()
     return 0
 

@@ -93,12 +93,12 @@ def measure(dist, mode: str) -> dict:
     method = "get_grads_for_norm" if stage == 1 else "get_grad_norm_direct"
     from deepspeed.runtime import bf16_optimizer
 
-    from ds_core.compat.changes import status
+    from ds_core.compat.changes import applied, states
 
-    clip_on = getattr(bf16_optimizer.clip_tensors_by_global_norm, "ds_core_device_clip", False)
+    clip_on = applied(bf16_optimizer.clip_tensors_by_global_norm) == "device_clip"
     return {"rank": dist.rank, "world": dist.world_size, "optimizer": type(zo).__name__, "groups": groups,
             "installed": method in vars(zo), "grad_hook": hook,  # installed: the instance's own method
-            "changes": status(), "device_clip": clip_on}
+            "changes": states(), "device_clip": clip_on}
 
 
 def compare_grad_hooks(engine, zo, backward, counter) -> dict | None:

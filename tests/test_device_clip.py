@@ -2,11 +2,14 @@
 whether the norm is over or under the threshold, and no host read of the norm (DeepSpeed's reads it once)."""
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
 from deepspeed.runtime.utils import clip_tensors_by_global_norm
 
-from ds_core.compat.flat_norm import device_clip, use_device_clip
+from ds_core.compat.flat_norm import device_clip
 from ds_tools.op_count import OpCounter
 
 pytestmark = pytest.mark.stack
@@ -65,11 +68,20 @@ def test_a_norm_given_as_a_number_is_deepspeeds_path():
 def test_installed_in_bf16_optimizer_once():
     from deepspeed.runtime import bf16_optimizer
 
+    from ds_core.compat import changes
+
     before = bf16_optimizer.clip_tensors_by_global_norm
+    engine = SimpleNamespace(optimizer=object.__new__(bf16_optimizer.BF16_Optimizer))  # the wrapper a run gets
     try:
-        use_device_clip()
+        assert changes.apply_change("device_clip", engine=engine, device_type="cpu") == "on"
         installed = bf16_optimizer.clip_tensors_by_global_norm
-        use_device_clip()
-        assert installed is bf16_optimizer.clip_tensors_by_global_norm and installed.ds_core_device_clip
+        changes.apply_change("device_clip", engine=engine, device_type="cpu")
+        assert installed is bf16_optimizer.clip_tensors_by_global_norm
+        assert changes.applied(installed) == "device_clip" and changes.original(installed) is before
+        # switched off: DeepSpeed's own function back in its place
+        os.environ[changes.ENV] = "off:device_clip"
+        assert changes.apply_change("device_clip", engine=engine, device_type="cpu").startswith("off: switched off")
+        assert bf16_optimizer.clip_tensors_by_global_norm is before
     finally:
+        os.environ.pop(changes.ENV, None)
         bf16_optimizer.clip_tensors_by_global_norm = before

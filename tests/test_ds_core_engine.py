@@ -96,7 +96,8 @@ def test_a_killed_holders_op_build_lock_stops_no_later_load(tmp_path):
     from torch.utils.file_baton import FileBaton
 
     from conftest import REPO
-    from ds_core.compat.op_baton import make_baton_class, use_holder_baton
+    from ds_core.compat.changes import applied, apply_change
+    from ds_core.compat.op_baton import make_baton_class
 
     lock = tmp_path / "lock"
     holder = subprocess.Popen([sys.executable, "-c", (
@@ -122,4 +123,5 @@ def test_a_killed_holders_op_build_lock_stops_no_later_load(tmp_path):
     mine = holder_baton(str(lock))  # held by this (live) process: a waiter keeps waiting
     assert mine.try_acquire() and waits(holder_baton(str(lock), wait_seconds=0.05), 1.0)
     mine.release()
-    assert use_holder_baton() and cpp.FileBaton.ds_core_holder_baton  # the name torch's JIT build takes
+    assert apply_change("op_build_lock_holder") == "on"
+    assert applied(cpp.FileBaton) == "op_build_lock_holder"  # the name torch's JIT build takes

@@ -22,7 +22,7 @@ def release() -> tuple[int, int]:
 
 
 def test_exports_by_0_19s_rule():
-    from launch.ds_runner import add_export
+    from ds_core.compat.mpi_exports import add_export
 
     runner = type("Runner", (), {"exports": {}})()
     for key, value in (("DS_ACCELERATOR", "cpu"), ("HCCL_SOCKET_IFNAME", " eth0\n"), ("LD_LIBRARY_PATH", "/a:/b"),
@@ -36,7 +36,8 @@ def test_the_runner_gets_it_where_the_installed_deepspeed_quotes_plain_values():
     """In a process of its own (it replaces a class attribute): DeepSpeed's MPI runner, as launch.ds_runner leaves
     it, exports a plain value as given on every release; DeepSpeed's own quoted it where QUOTES says so."""
     code = ("from ds_core.compat.deepspeed_behaviour import quotes_plain_exports as q; before = q(); "
-            "from launch.ds_runner import use_exports_as_given as use; installed = use(print); "
+            "from ds_core.compat.changes import apply_stage; "
+            "installed = apply_stage('launcher', say=print)['mpi_exports_as_given'] == 'on'; "
             "from deepspeed.launcher.multinode_runner import MultiNodeRunner as M; "
             "r = type('R', (), {'exports': {}})(); M.add_export(r, 'K', 'cpu'); "
             "print(before, installed, r.exports['K'])")

@@ -19,11 +19,11 @@ def release() -> tuple[int, int]:
 
 
 def test_the_wait_is_read_from_the_installed_deepspeed():
-    from ds_core.compat.changes import status
+    from ds_core.compat.changes import states
     from ds_core.compat.deepspeed_behaviour import zero3_gather_waits_last_only
 
     assert zero3_gather_waits_last_only() is LAST_ONLY[release()]
-    state = status()["zero3_gather_waits"]
+    state = states()["zero3_gather_waits"]
     assert state == "on" if LAST_ONLY[release()] else state.startswith("not needed"), state
 
 
@@ -39,17 +39,19 @@ def test_each_parameter_is_gathered_by_a_call_of_its_own():
 def test_installed_on_the_cpu_accelerator_only_and_once(monkeypatch):
     from deepspeed.runtime.zero.partition_parameters import Init
 
-    from ds_core.compat.zero3_gather import use_gather_per_param
+    from ds_core.compat.changes import apply_change, original
 
-    own = Init._allgather_params_coalesced
-    own = getattr(own, "deepspeeds", own)
+    def use(device_type: str, say=None) -> bool:
+        return apply_change("zero3_gather_waits", device_type=device_type, say=say) == "on"
+
+    own = original(Init._allgather_params_coalesced)
     monkeypatch.setattr(Init, "_allgather_params_coalesced", own)
     said: list[str] = []
-    assert not use_gather_per_param("hpu", said.append) and Init._allgather_params_coalesced is own  # stream order
-    installed = use_gather_per_param("cpu", said.append)
+    assert not use("hpu", said.append) and Init._allgather_params_coalesced is own  # stream order
+    installed = use("cpu", said.append)
     assert installed is LAST_ONLY[release()] and said == []
     if installed:
-        assert Init._allgather_params_coalesced.deepspeeds is own
-        assert use_gather_per_param("cpu") and Init._allgather_params_coalesced.deepspeeds is own  # not wrapped twice
+        assert Init._allgather_params_coalesced.__wrapped__ is own
+        assert use("cpu") and Init._allgather_params_coalesced.__wrapped__ is own  # not wrapped twice
     else:
         assert Init._allgather_params_coalesced is own

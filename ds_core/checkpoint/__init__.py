@@ -370,10 +370,12 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {root / load_tag}")
-    if load_tag != tag:  # loaded from the universal format: the links older DeepSpeed leaves wrong, made right
-        from ds_core.compat.universal_load import relink
+    # the changes of this stage (ds_core.compat.changes): after a universal load, the links older DeepSpeed leaves
+    # wrong, made right
+    from ds_core.compat.changes import apply_stage
 
-        relink(engine, say=(lambda line: print(line, flush=True)) if rank() == 0 else None)
+    apply_stage("checkpoint_load", engine=engine, universal=load_tag != tag,
+                say=(lambda line: print(line, flush=True)) if rank() == 0 else None)
     me = rank()
     if me < saved_world:
         state: dict[str, Any] = dict(states[me])

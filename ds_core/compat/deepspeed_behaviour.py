@@ -16,7 +16,7 @@ one of them.
   only through the wrapper's zero_grad, which its BF16_Optimizer lacks: they go at the next backward); ds-tune's
   memory model counts them as held between steps there.
 - zero3_gather_waits_last_only: whether ZeRO-3's coalesced all-gather waits for its last collective only (0.16), a
-  race over gloo that ds_core.compat.zero3_gather closes on the CPU accelerator; read from the function's source.
+  race over gloo that ds_core.compat.zero3_gather closes on the CPU accelerator; probed on stand-in parameters.
 - quotes_plain_exports: whether the launcher's MultiNodeRunner.add_export wraps a plain value in double quotes
   (0.16: mpirun's `-x KEY="value"` then hands the quotes to every rank; launch.ds_runner).
 - What a non-finite gradient norm does is decided per wrapper by DeepSpeed's step and read at run time
@@ -130,12 +130,13 @@ def universal_load_repoints_fp32() -> bool:
 def zero_buckets_drop_cpu() -> bool:
     """Whether the installed DeepSpeed's ZeRO-1/2 split_half_float_double (the grouping of buffered_reduce_fallback)
     leaves a CPU float tensor out of every bucket (0.16; ds_core.compat.zero_buckets). Asked of DeepSpeed's own
-    function also after ds_core.compat.zero_buckets replaced it (the replacement keeps it as `deepspeeds`)."""
+    function also after ds_core.compat.zero_buckets replaced it (ds_core.compat.changes.original)."""
     import torch
     from deepspeed.runtime.zero import stage_1_and_2
 
-    fn = stage_1_and_2.split_half_float_double
-    return getattr(fn, "deepspeeds", fn)([torch.zeros(4)]) == []
+    from ds_core.compat.changes import original
+
+    return original(stage_1_and_2.split_half_float_double)([torch.zeros(4)]) == []
 
 
 def bf16_grads_held() -> bool:
@@ -148,20 +149,46 @@ def bf16_grads_held() -> bool:
     return not hasattr(BF16_Optimizer, "zero_grad")
 
 
+class _Handle:
+    def __init__(self, waited: list):
+        self.waited = waited
+
+    def wait(self) -> None:
+        self.waited.append(self)
+
+
 def zero3_gather_waits_last_only() -> bool:
-    """Whether the installed DeepSpeed's Init._allgather_params_coalesced waits for its last handle only (0.16: "Wait
-    ensures the operation is enqueued"; 0.19 waits for each). A race has no cheap probe: this reads the source of
-    DeepSpeed's own function (kept as `deepspeeds` where ds_core.compat.zero3_gather replaced it)."""
-    import inspect
+    """Whether the installed DeepSpeed's Init._allgather_params_coalesced waits for its last collective's handle only
+    (0.16: "Wait ensures the operation is enqueued"; 0.19 waits for each): one call of DeepSpeed's own function on two
+    stand-in parameters of a two-rank partition, whose collectives (deepspeed.comm's, swapped for the call) return
+    handles that record their waits."""
+    import torch
+    from deepspeed.runtime.zero import partition_parameters as pp
 
-    from deepspeed.runtime.zero.partition_parameters import Init
+    from ds_core.compat.changes import original
 
-    fn = Init._allgather_params_coalesced
-    fn = getattr(fn, "deepspeeds", fn)
+    launched: list = []
+    waited: list = []
+
+    def all_gather(*args, **kwargs):
+        launched.append(_Handle(waited))
+        return launched[-1]
+
+    def param() -> Any:
+        shard = torch.zeros(1)
+        shard.ds_numel = 1
+        return types.SimpleNamespace(ds_tensor=shard, ds_numel=1, ds_shape=(1,), data=None)
+
+    stand_in = types.SimpleNamespace(num_partitions=2, _partition_world_size=lambda p: 2, local_device="cpu",
+                                     use_all_gather_into_tensor=True, get_partition_dp_group=lambda p: None)
+    comm = types.SimpleNamespace(all_gather_into_tensor=all_gather, all_gather=all_gather)
+    real = pp.dist
+    pp.dist = comm
     try:
-        return "launch_handles[-1].wait()" in inspect.getsource(fn)
-    except (OSError, TypeError):  # no source (a compiled or zipped install): nothing known, DeepSpeed's path stays
-        return False
+        original(pp.Init._allgather_params_coalesced)(stand_in, [param(), param()])
+    finally:
+        pp.dist = real
+    return len(launched) == 2 and waited == launched[-1:]
 
 
 def quotes_plain_exports() -> bool:
@@ -169,9 +196,10 @@ def quotes_plain_exports() -> bool:
     (0.19 quotes only what a shell would split); one call on a stand-in runner."""
     from deepspeed.launcher.multinode_runner import MultiNodeRunner
 
-    fn = MultiNodeRunner.add_export
+    from ds_core.compat.changes import original
+
     stand_in = types.SimpleNamespace(exports={})
-    getattr(fn, "deepspeeds", fn)(stand_in, "DS_CORE_PROBE", "cpu")
+    original(MultiNodeRunner.add_export)(stand_in, "DS_CORE_PROBE", "cpu")
     return stand_in.exports["DS_CORE_PROBE"] != "cpu"
 
 

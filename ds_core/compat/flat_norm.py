@@ -5,26 +5,34 @@ optimizer step, compute the global norm one tensor at a time: ~20 host ops and 3
 host ops per BERT-Large step on the CPU proxy), work that grows with the number of tensors and bounds a GPU's step.
 - BF16_Optimizer (ZeRO-1 with "data_types": {"grad_accum_dtype": "fp32"}, the BERT JSONs): every rank holds the
   full reduced gradient in fp32_groups_gradients_flat; get_grads_for_norm returns a view per parameter, which
-  get_global_norm_of_tensors norms one by one in float32 and stacks. Here it returns the group's flat buffer instead:
-  the same float32 norm over the same numbers (padding is zeros, and a tensor without a gradient has zeros there:
-  the buffer is zeroed after every step), and for clipping the same in-place scale of the same memory.
-- DeepSpeedZeroOptimizer (ZeRO-1/2 otherwise, e.g. BridgeTower's JSON): get_grad_norm_direct norms the partition's
-  gradient views one by one in float64. With fp32 accumulation of bf16 gradients they are views into one
-  GradPartitionBufferGroup.flat_partition, whose sum of squares is taken here in a few float64 chunks (no float64
-  copy of the whole partition); without it (bf16 accumulation) the views' norms come from one torch._foreach_norm
-  (float64 results: a fused multi-tensor kernel on CUDA). Either way all-reduced over the data-parallel group and
-  masked as DeepSpeed masks a non-finite norm.
+  get_global_norm_of_tensors norms one by one (float32 norms of float32 views), then sums their squares in float32.
+  Here get_grads_for_norm returns one small float64 tensor instead: the L2 norms of the flat buffers' 2**26-element
+  chunks, each accumulated in float64 (DeepSpeed's norm dtype, ds_core.compat.flat_norm.norm_dtype); DeepSpeed's
+  get_global_norm_of_tensors then rounds those to float32 and norms them in float32. The result is the float64
+  norm of the same numbers (padding and tensors without a gradient are zeros: the buffer is zeroed after every
+  step) rounded to float32, with one float32 rounding per chunk (one chunk below 67M elements); DeepSpeed's own
+  differs from it by its float32 accumulation (~1e-6 relative for 1e5-element tensors, tests/test_flat_norm.py).
+  For clipping the flat buffers themselves are returned: the same in-place scale of the same memory.
+- DeepSpeedZeroOptimizer (ZeRO-1/2 otherwise, e.g. BridgeTower's JSON): get_grad_norm_direct takes the L2 norm of
+  each of the partition's gradient views in float64 (0.19: its get_norm_dtype, float32 on a device without float64),
+  sums their squares in float64, rounds the sum to float32, all-reduces it (float32) and takes the square root. Here
+  the same, with other float64 terms: with fp32 accumulation of bf16 gradients the views lie in one
+  GradPartitionBufferGroup.flat_partition, whose norm is taken in float64 chunks (no float64 copy of the whole
+  partition); without it (bf16 accumulation) the views' float64 norms come from one torch._foreach_norm (a fused
+  multi-tensor kernel on CUDA). Only the float64 summation order differs, then the same float32 rounding, all-reduce
+  and mask of a non-finite norm as -1 (relative difference within a few float32 ulps: rel 3e-7 in the test).
 DeepSpeed has no setting for either (zero_optimization.compute_grad_norm=false drops the norm, which NVLAMB / LANS
 clip by and the metrics log), so the methods are replaced on the engine's optimizer instance.
 BF16_Optimizer then clips by that norm (the JSON's gradient_clipping, BridgeTower's 1.0) with DeepSpeed's
 clip_tensors_by_global_norm, whose `if clip_coef < 1` reads the norm on the host: a device sync every step. Its name in
-deepspeed.runtime.bf16_optimizer is replaced by device_clip: the same coefficient, clamped to 1 on the device and
-multiplied into the flat buffers in one multi-tensor call (the same bits: a gradient under the threshold is
-multiplied by exactly 1). Where DeepSpeed's norm has more to do (model or pipeline parallelism, MoE, CPU offload,
-another norm type, no flat buffer, HPU graph capture) its own method stays.
-Each replacement is applied by feature (ds_core.compat.changes): on a DeepSpeed whose methods take other parameters it
-stays off with one line. Habana's fork (0.16.1) has the same methods; it norms ZeRO's tensors in float64 without a
-get_norm_dtype and its clip takes `use_graph` (HPU graph capture), which goes to DeepSpeed's own clip.
+deepspeed.runtime.bf16_optimizer is replaced by device_clip: the coefficient max_norm / (norm + eps) computed as
+DeepSpeed computes it (float32), clamped to 1 on the device and multiplied in place into the fp32 views in one
+multi-tensor call (the same bits: a gradient under the threshold is multiplied by exactly 1). Where DeepSpeed's norm
+has more to do (model or pipeline parallelism, MoE, CPU offload, another norm type, no flat buffer, HPU graph capture)
+its own method stays.
+Each replacement is applied by ds_core.compat.changes (stage after_initialize), gated by the fingerprint of the body
+it replaces. Habana's fork (0.16.1) has the same methods; it norms ZeRO's tensors in float64 without a get_norm_dtype
+and its clip takes `use_graph` (HPU graph capture), which goes to DeepSpeed's own clip.
 """
 from __future__ import annotations
 
@@ -35,76 +43,87 @@ import torch
 CHUNK = 1 << 26  # elements per float64 temporary (512 MB): a few chunks for a BERT-Large partition
 
 
-def use_flat_grad_norm(engine: Any, say: Callable[[str], None] | None = None) -> bool:
-    """Install the flat-buffer norm on the engine's ZeRO-1/2 or bf16 optimizer where it applies; True if it did.
-    Where the installed DeepSpeed lacks what it replaces (ds_core.compat.changes), `say` gets the one line."""
-    from ds_core.compat.changes import missing, say_off
-
-    try:
-        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-        from deepspeed.runtime.constants import PIPE_REPLICATED
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    except ImportError:
-        return False
-    opt = engine.optimizer
+def _engine_wrapper(ctx: Any) -> tuple[Any, str | None]:
+    """The engine's optimizer wrapper, and why the flat norms do not serve it (None: they may)."""
+    if ctx.engine is None:
+        return None, "no engine given"
+    opt = ctx.engine.optimizer
     if getattr(opt, "has_moe_layers", False) or getattr(opt, "mpu", None) is not None:
-        return False
-    if isinstance(opt, BF16_Optimizer):
-        if (why := missing("flat_grad_norm_bf16")) or not hasattr(opt, "fp32_groups_gradients_flat"):
-            say_off("flat_grad_norm_bf16", why or "BF16_Optimizer has no fp32_groups_gradients_flat", say)
-            return False
-        if getattr(opt, "graph_harvesting", False):  # HPU graphs replay DeepSpeed's own norm ops as captured
-            return False
-        if any(getattr(p, PIPE_REPLICATED, False) for g in opt.bf16_groups for p in g):
-            return False
-        _install_bf16(opt)
-        use_device_clip(say)
-        return True
-    if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload:
-        return False
-    use_group_norm_sentinel(opt, say)  # a fix of older DeepSpeed's combined norm, whether or not the flat norm applies
-    if why := missing("flat_grad_norm_zero"):
-        say_off("flat_grad_norm_zero", why, say)
-        return False
+        return opt, "MoE or model parallelism: DeepSpeed's own norm, which skips replicated tensors"
+    return opt, None
+
+
+def apply_bf16(ctx: Any) -> str | None:
+    """Change flat_grad_norm_bf16 on the engine's BF16_Optimizer (ds_core.compat.changes.apply_stage)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+
+    from ds_core.compat.changes import NotNeeded, replace
+
+    opt, why = _engine_wrapper(ctx)
+    if why or not isinstance(opt, BF16_Optimizer):
+        return NotNeeded(why or f"this run's optimizer wrapper is {type(opt).__name__}, not BF16_Optimizer")
+    if not hasattr(opt, "fp32_groups_gradients_flat"):
+        return "BF16_Optimizer has no fp32_groups_gradients_flat"
+    if getattr(opt, "graph_harvesting", False):  # HPU graphs replay DeepSpeed's own norm ops as captured
+        return NotNeeded("HPU graph capture replays DeepSpeed's own norm")
+    if any(getattr(p, PIPE_REPLICATED, False) for g in opt.bf16_groups for p in g):
+        return NotNeeded("pipeline-replicated parameters: DeepSpeed's own norm skips them")
+    replace(opt, "get_grads_for_norm", lambda per_tensor: _bf16_norm(opt, per_tensor), "flat_grad_norm_bf16")
+    return None
+
+
+def apply_zero(ctx: Any) -> str | None:
+    """Change flat_grad_norm_zero on the engine's DeepSpeedZeroOptimizer (ds_core.compat.changes.apply_stage)."""
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from ds_core.compat.changes import NotNeeded, replace
+
+    opt, why = _engine_wrapper(ctx)
+    if why or not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload:
+        return NotNeeded(why or ("CPU offload: DeepSpeed's own norm" if isinstance(opt, DeepSpeedZeroOptimizer) else
+                                 f"this run's optimizer wrapper is {type(opt).__name__}, not DeepSpeedZeroOptimizer"))
     # model parallelism (a group set from an mpu): DeepSpeed's norm, which skips replicated tensors
-    if getattr(opt, "model_parallel_group", None) is not None:
-        return False
-    if any(getattr(p, PIPE_REPLICATED, False) for g in opt.params_in_partition for p in g):
-        return False
-    _install_zero(opt)
-    return True
+    if getattr(opt, "model_parallel_group", None) is not None or any(
+            getattr(p, PIPE_REPLICATED, False) for g in opt.params_in_partition for p in g):
+        return NotNeeded("model or pipeline parallelism: DeepSpeed's own norm skips replicated tensors")
+    replace(opt, "get_grad_norm_direct", lambda per_tensor: _zero_norm(opt, per_tensor), "flat_grad_norm_zero")
+    return None
 
 
-def use_group_norm_sentinel(opt: Any, say: Callable[[str], None] | None = None) -> bool:
-    """Where DeepSpeed's ZeRO-1/2 combines its groups' norms with a plain vector norm (before 0.19's
-    combine_grad_norm_groups), a group whose norm is non-finite (masked as -1) yields a finite global norm (sqrt of
-    the others' squares plus 1): the update is applied with NaN gradients and a norm that looks healthy, and a
-    checkpoint of NaN weights is saved. Here the combined norm is inf when any group's is non-finite or negative, as
-    0.19 returns it; the divergence guard then stops the run at that step (ds_core.run.divergence). Not needed where
-    DeepSpeed has the fix; CPU offload and MoE keep DeepSpeed's own method."""
-    from ds_core.compat.changes import BY_NAME, missing, say_off
+def apply_group_norm(ctx: Any) -> str | None:
+    """Change nonfinite_group_norm: where DeepSpeed's ZeRO-1/2 combines its groups' norms with a plain vector norm
+    (before 0.19's combine_grad_norm_groups), a group whose norm is non-finite (masked as -1) yields a finite global
+    norm (sqrt of the others' squares plus 1): the update is applied with NaN gradients and a norm that looks
+    healthy, and a checkpoint of NaN weights is saved. Here the combined norm is the float32 vector norm of the
+    groups' float32 norms, as DeepSpeed's, replaced by inf when any group's is non-finite or negative, as 0.19
+    returns it; the divergence guard then stops the run at that step (ds_core.run.divergence). CPU offload and MoE
+    keep DeepSpeed's own method."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if BY_NAME["nonfinite_group_norm"].not_needed() is not None or opt.cpu_offload or opt.has_moe_layers:
-        return False
-    if why := missing("nonfinite_group_norm"):
-        say_off("nonfinite_group_norm", why, say)
-        return False
+    from ds_core.compat.changes import NotNeeded, replace
 
-    def scaled_global_norm(norm_type=2):
-        assert norm_type == 2, "only L2 norm supported"
-        norms = torch.stack([opt.get_grad_norm_direct(opt.averaged_gradients[i], opt.params_in_partition[i])
-                             for i in range(len(opt.bit16_groups))])
-        combined = torch.linalg.vector_norm(norms, ord=norm_type)
-        invalid = (~torch.isfinite(norms) | (norms < 0)).any()
-        return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+    opt = getattr(ctx.engine, "optimizer", None)
+    if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or opt.has_moe_layers:
+        return NotNeeded(f"this run's optimizer wrapper is {type(opt).__name__} without the combined group norm "
+                         f"(DeepSpeedZeroOptimizer without CPU offload or MoE)")
 
-    opt.scaled_global_norm = scaled_global_norm
-    return True
+    def make(deepspeeds):
+        def scaled_global_norm(norm_type=2):
+            assert norm_type == 2, "only L2 norm supported"
+            norms = torch.stack([opt.get_grad_norm_direct(opt.averaged_gradients[i], opt.params_in_partition[i])
+                                 for i in range(len(opt.bit16_groups))])
+            combined = torch.linalg.vector_norm(norms, ord=norm_type)
+            invalid = (~torch.isfinite(norms) | (norms < 0)).any()
+            return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
+        return scaled_global_norm
+
+    replace(opt, "scaled_global_norm", make, "nonfinite_group_norm")
+    return None
 
 
-def _install_bf16(opt: Any) -> None:
-    per_tensor = opt.get_grads_for_norm
-
+def _bf16_norm(opt: Any, per_tensor: Callable) -> Callable:
     def get_grads_for_norm(for_clipping=False):
         if getattr(opt, "_uses_muon", False):
             return per_tensor(for_clipping)
@@ -115,12 +134,11 @@ def _install_bf16(opt: Any) -> None:
         # get_global_norm_of_tensors then norms in float32 as it norms each tensor
         return [torch.cat([chunk_norms(f.view(-1)) for f in flats])], {}
 
-    opt.get_grads_for_norm = get_grads_for_norm
+    return get_grads_for_norm
 
 
-def _install_zero(opt: Any) -> None:
-    per_tensor_direct = opt.get_grad_norm_direct  # DeepSpeed's, for every case this does not cover
-
+def _zero_norm(opt: Any, per_tensor_direct: Callable) -> Callable:
+    # per_tensor_direct: DeepSpeed's, for every case this does not cover
     def get_grad_norm_direct(gradients, params, norm_type=2):
         if float(norm_type) != 2.0:
             return per_tensor_direct(gradients, params, norm_type)
@@ -134,7 +152,7 @@ def _install_zero(opt: Any) -> None:
         return global_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=norm_dtype())), opt.dp_process_group,
                            opt.device)
 
-    opt.get_grad_norm_direct = get_grad_norm_direct
+    return get_grad_norm_direct
 
 
 def device_clip(host_clip: Callable) -> Callable:
@@ -153,20 +171,22 @@ def device_clip(host_clip: Callable) -> Callable:
             torch._foreach_mul_(tensors, coef)
         return global_norm
 
-    clip_tensors_by_global_norm.ds_core_device_clip = True
     return clip_tensors_by_global_norm
 
 
-def use_device_clip(say: Callable[[str], None] | None = None) -> bool:
-    """BF16_Optimizer.step's clip through device_clip (idempotent; every BF16_Optimizer of the process: the same
-    result as DeepSpeed's, without the sync); True if it is installed. Off, with `say`'s line, where the installed
-    DeepSpeed's function takes parameters device_clip does not know."""
+def apply_device_clip(ctx: Any) -> str | None:
+    """Change device_clip: BF16_Optimizer.step's clip through device_clip (every BF16_Optimizer of the process: the
+    same result as DeepSpeed's, without the sync); applied where the engine's wrapper is a BF16_Optimizer."""
     from deepspeed.runtime import bf16_optimizer
 
-    from ds_core.compat.changes import replace_attr
+    from ds_core.compat.changes import NotNeeded, replace
 
-    return replace_attr("device_clip", bf16_optimizer, "clip_tensors_by_global_norm", "ds_core_device_clip",
-                        device_clip, say)
+    opt = getattr(ctx.engine, "optimizer", None)
+    if not isinstance(opt, bf16_optimizer.BF16_Optimizer):
+        return NotNeeded(f"this run's optimizer wrapper is {type(opt).__name__}; the clip replaced is "
+                         f"BF16_Optimizer's")
+    replace(bf16_optimizer, "clip_tensors_by_global_norm", device_clip, "device_clip")
+    return None
 
 
 def norm_dtype() -> torch.dtype:
@@ -199,5 +219,5 @@ def global_norm(norms: torch.Tensor, group: Any, device: Any) -> torch.Tensor:
     return total.masked_fill_(total.isinf().logical_or(total.isnan()), -1.0)
 
 
-__all__ = ["use_flat_grad_norm", "use_group_norm_sentinel", "use_device_clip", "device_clip", "chunk_norms",
+__all__ = ["apply_bf16", "apply_zero", "apply_group_norm", "apply_device_clip", "device_clip", "chunk_norms",
            "global_norm", "norm_dtype", "CHUNK"]

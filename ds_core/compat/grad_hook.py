@@ -12,48 +12,48 @@ and ~1,200 for BERT-Large's 398. DeepSpeed has no setting for it, so the method 
 instance; where the hook has more to do (the AutoEP folding correction) DeepSpeed's own method stays. Only on CUDA
 and the CPU, where the in-place mixed-dtype add is tested against DeepSpeed's copy-then-add bit for bit
 (tests/test_flat_norm.py on the real engine; tests/test_gpu_train.py on CUDA); HPU keeps DeepSpeed's hook.
-Applied by feature (ds_core.compat.changes): Habana's fork (0.16.1) has the same method with the same body; a
-DeepSpeed whose _update_hp_grad takes other parameters keeps its own, with one line.
+Applied by ds_core.compat.changes (stage after_initialize) only where DeepSpeed's _update_hp_grad is a body it was
+verified against (its fingerprint, per tested release: 0.19.8 and Habana's fork 0.16.1); any other body keeps
+DeepSpeed's own hook, with one line.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 DEVICES = ("cuda", "cpu")
 
 
-def use_one_op_grad_hook(engine: Any, device_type: str, say: Callable[[str], None] | None = None) -> bool:
-    """Install the two-op gradient accumulation on the engine's BF16_Optimizer; True if it did."""
-    from ds_core.compat.changes import missing, say_off
+def apply(ctx: Any) -> str | None:
+    """Change one_op_grad_hook on the engine's BF16_Optimizer (ds_core.compat.changes.apply_stage)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    try:
-        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    except ImportError:
-        return False
-    opt = engine.optimizer
-    if not isinstance(opt, BF16_Optimizer) or device_type not in DEVICES:
-        return False
+    from ds_core.compat.changes import NotNeeded, replace
+
+    opt = getattr(ctx.engine, "optimizer", None)
+    if not isinstance(opt, BF16_Optimizer):
+        return NotNeeded(f"this run's optimizer wrapper is {type(opt).__name__}, not BF16_Optimizer")
+    if ctx.device_type not in DEVICES:
+        return NotNeeded(f"on {ctx.device_type} DeepSpeed's own hook runs (tested bit for bit on {', '.join(DEVICES)})")
     if getattr(opt, "autoep_folding_tp_group", None) is not None:
-        return False
-    why = missing("one_op_grad_hook") or next(
-        (f"BF16_Optimizer has no {a}" for a in ("fp32_groups_gradients", "fp32_groups_has_gradients")
-         if not hasattr(opt, a)), None)
-    if why:
-        say_off("one_op_grad_hook", why, say)
-        return False
+        return NotNeeded("the AutoEP folding correction: DeepSpeed's own hook")
+    lacks = [a for a in ("fp32_groups_gradients", "fp32_groups_has_gradients") if not hasattr(opt, a)]
+    if lacks:
+        return f"BF16_Optimizer has no {', '.join(lacks)}"
 
-    def _update_hp_grad(lp, group_idx, param_idx, clear_lp_grads):
-        if lp.grad is None:
-            return
-        hp_grad = opt.fp32_groups_gradients[group_idx][param_idx]  # a 1-D view of the flat fp32 buffer
-        hp_grad.add_(lp.grad.view(hp_grad.shape))
-        lp._hp_grad = hp_grad
-        opt.fp32_groups_has_gradients[group_idx][param_idx] = True
-        if clear_lp_grads:
-            lp.grad.zero_()
+    def make(deepspeeds: Any) -> Any:
+        def _update_hp_grad(lp, group_idx, param_idx, clear_lp_grads):
+            if lp.grad is None:
+                return
+            hp_grad = opt.fp32_groups_gradients[group_idx][param_idx]  # a 1-D view of the flat fp32 buffer
+            hp_grad.add_(lp.grad.view(hp_grad.shape))
+            lp._hp_grad = hp_grad
+            opt.fp32_groups_has_gradients[group_idx][param_idx] = True
+            if clear_lp_grads:
+                lp.grad.zero_()
+        return _update_hp_grad
 
-    opt._update_hp_grad = _update_hp_grad
-    return True
+    replace(opt, "_update_hp_grad", make, "one_op_grad_hook")
+    return None
 
 
-__all__ = ["use_one_op_grad_hook"]
+__all__ = ["apply", "DEVICES"]

@@ -4,11 +4,11 @@ deepspeed.initialize with ZeRO checks the client optimizer with is_zero_supporte
 deepspeed.runtime.zero.muon.muon_optimizer on every call (DeepSpeed moved it there so that `import deepspeed` stays
 fast). That module decorates its Newton-Schulz kernels with torch.compile at import, and a first torch.compile call
 imports Inductor: ~1.9 s per rank on a 2-core EPYC, paid by every run, though only a Muon optimizer ever calls those
-kernels (this toolkit builds NVLAMB, LANS and AdamW). import_muon_lazily imports the module once with torch.compile
+kernels (this toolkit builds NVLAMB, LANS and AdamW). `apply` imports the module once with torch.compile
 standing in as deferred_compile: each decorated function is compiled by the real torch.compile, with the same
 arguments, on its first call. Nothing else changes; a run that compiles its model (--compile) still imports Inductor
-then. Applied by feature (ds_core.compat.changes): a DeepSpeed without that module (Habana's fork, 0.16.1) compiles
-nothing there, and the change is off with one line.
+then. Applied by ds_core.compat.changes (stage before_initialize): a DeepSpeed without that module (Habana's fork,
+0.16.1) compiles nothing there, and the change is off with one line.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from ds_core.compat.changes import MUON_MODULE, missing, say_off
+from ds_core.compat.checks import MUON_MODULE
 
 
 def deferred_compile(real: Callable) -> Callable:
@@ -42,21 +42,18 @@ def deferred_compile(real: Callable) -> Callable:
     return compile_
 
 
-def import_muon_lazily(say: Callable[[str], None] | None = None) -> bool:
-    """Import DeepSpeed's Muon module (where this DeepSpeed has one) with its torch.compile decorations deferred;
-    True where it is imported (now or before)."""
+def apply(ctx: Any) -> str | None:
+    """Change lazy_muon_import: DeepSpeed's Muon module imported (where this DeepSpeed has one) with its
+    torch.compile decorations deferred; a module already imported stays as it is."""
     if MUON_MODULE in sys.modules:
-        return True
-    if why := missing("lazy_muon_import"):
-        say_off("lazy_muon_import", why, say)
-        return False
+        return None
     real = torch.compile
     torch.compile = deferred_compile(real)
     try:
         importlib.import_module(MUON_MODULE)
     finally:
         torch.compile = real
-    return True
+    return None
 
 
-__all__ = ["deferred_compile", "import_muon_lazily", "MUON_MODULE"]
+__all__ = ["deferred_compile", "apply", "MUON_MODULE"]

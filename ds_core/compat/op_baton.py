@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Callable
+from typing import Any
 
 HOST = socket.gethostname()
 
@@ -57,7 +57,6 @@ def make_baton_class(base: type) -> type:
                     return
                 time.sleep(self.wait_seconds)
 
-    HolderBaton.ds_core_holder_baton = True
     return HolderBaton
 
 
@@ -71,13 +70,14 @@ def _remove_if_unchanged(path: str, text: str) -> None:
         pass
 
 
-def use_holder_baton(say: Callable[[str], None] | None = None) -> bool:
-    """torch's JIT builds in this process take HolderBaton (idempotent); True if they do."""
+def apply(ctx: Any) -> str | None:
+    """Change op_build_lock_holder: torch's JIT builds in this process take HolderBaton (ds_core.compat.changes)."""
     import torch.utils.cpp_extension as cpp
 
-    from ds_core.compat.changes import replace_attr
+    from ds_core.compat.changes import replace
 
-    return replace_attr("op_build_lock_holder", cpp, "FileBaton", "ds_core_holder_baton", make_baton_class, say)
+    replace(cpp, "FileBaton", make_baton_class, "op_build_lock_holder")
+    return None
 
 
-__all__ = ["holder_gone", "make_baton_class", "use_holder_baton", "HOST"]
+__all__ = ["holder_gone", "make_baton_class", "apply", "HOST"]

@@ -9,31 +9,28 @@ reads a parameter's fp32 value through the mapping reads the second moment: safe
 export of the model (ds_core.outputs.results.save_model) and every check of the weights after a resize. 0.19 keeps
 hp_fragment and points the state fragments at the buffers instead. Whether the installed DeepSpeed has the fault is
 probed on a two-element stand-in (ds_core.compat.deepspeed_behaviour.universal_load_repoints_fp32); where it has,
-relink() links the mappings again the way the optimizer links them after its first step (its own
+`apply` links the mappings again the way the optimizer links them after its first step (its own
 _link_all_hp_params and _lazy_init_hp_params_optimizer_state).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 
-def relink(engine: Any, say: Callable[[str], None] | None = None) -> bool:
-    """Link every parameter's fp32 and optimizer-state fragments to the optimizer's flat partition and state again,
-    where the installed DeepSpeed has the fault (ds_core.compat.changes: universal_load_links); True if it did."""
-    from ds_core.compat.changes import BY_NAME, missing, say_off
+def apply(ctx: Any) -> str | None:
+    """Change universal_load_links, after a checkpoint load: where the load went through the universal format, link
+    every parameter's fp32 and optimizer-state fragments to the optimizer's flat partition and state again."""
+    from ds_core.compat.changes import NotNeeded
 
-    if BY_NAME["universal_load_links"].not_needed() is not None:
-        return False
-    opt = engine.optimizer
+    if not ctx.universal:
+        return NotNeeded("this load was not from the universal format")
+    opt = getattr(ctx.engine, "optimizer", None)
     if not hasattr(opt, "_hp_optimizer_states_linked"):  # ZeRO-3 / no wrapper: not loaded through that function
-        return False
-    if why := missing("universal_load_links"):
-        say_off("universal_load_links", why, say)
-        return False
+        return NotNeeded(f"{type(opt).__name__} is not loaded through map_to_flat_opt_states")
     opt._link_all_hp_params()
     opt._hp_optimizer_states_linked = False
     opt._lazy_init_hp_params_optimizer_state()
-    return True
+    return None
 
 
-__all__ = ["relink"]
+__all__ = ["apply"]

@@ -8,8 +8,9 @@ then too, but gloo's handles on the CPU accelerator are independent, so an earli
 data arrived: uninitialized memory in a gathered weight (seen in one 2-rank ZeRO-3 run in three: a 128-element
 parameter saved as garbage). 0.19 waits for every handle. Where the installed function waits for the last one only,
 and only on the CPU accelerator, each parameter is gathered by a call of its own, whose one handle is the one waited
-for. DeepSpeed has no setting for it, and a race has no cheap probe: the check reads the function's source
-(ds_core.compat.deepspeed_behaviour.zero3_gather_waits_last_only).
+for. DeepSpeed has no setting for it. Whether the installed function waits for the last handle only is probed by calling
+it on stand-in parameters whose collectives record their waits (ds_core.compat.deepspeed_behaviour.
+zero3_gather_waits_last_only); the change is on only where its body is the one verified (its fingerprint).
 """
 from __future__ import annotations
 
@@ -23,26 +24,20 @@ def gather_per_param(deepspeeds: Callable[..., Any]) -> Callable[..., Any]:
         for param in param_list:
             deepspeeds(self, [param], hierarchy, quantize)
 
-    _allgather_params_coalesced.deepspeeds = deepspeeds
     return _allgather_params_coalesced
 
 
-def use_gather_per_param(device_type: str, say: Callable[[str], None] | None = None) -> bool:
-    """On the CPU accelerator, ZeRO-3's coalesced all-gather per parameter where the installed DeepSpeed waits for
-    its last handle only (ds_core.compat.changes: zero3_gather_waits); True if it is installed (idempotent)."""
+def apply(ctx: Any) -> str | None:
+    """Change zero3_gather_waits: on the CPU accelerator, ZeRO-3's coalesced all-gather per parameter (the installed
+    DeepSpeed waits for its last handle only: ds_core.compat.changes decided it needs the fix)."""
     from deepspeed.runtime.zero.partition_parameters import Init
 
-    from ds_core.compat.changes import BY_NAME, missing, say_off
+    from ds_core.compat.changes import NotNeeded, replace
 
-    if getattr(Init._allgather_params_coalesced, "deepspeeds", None) is not None:
-        return True
-    if device_type != "cpu" or BY_NAME["zero3_gather_waits"].not_needed() is not None:
-        return False
-    if why := missing("zero3_gather_waits"):
-        say_off("zero3_gather_waits", why, say)
-        return False
-    Init._allgather_params_coalesced = gather_per_param(Init._allgather_params_coalesced)
-    return True
+    if ctx.device_type != "cpu":
+        return NotNeeded(f"{ctx.device_type} runs collectives in stream order: the last handle's wait covers all")
+    replace(Init, "_allgather_params_coalesced", gather_per_param, "zero3_gather_waits")
+    return None
 
 
-__all__ = ["gather_per_param", "use_gather_per_param"]
+__all__ = ["gather_per_param", "apply"]

@@ -11,7 +11,7 @@ grouping (same buckets, same order: half, float, double, bfloat16; strided tenso
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 import torch
 
@@ -28,28 +28,20 @@ def split_by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return buckets
 
 
-def use_dtype_buckets(say: Callable[[str], None] | None = None) -> bool:
-    """ZeRO-1/2's buffered reduction through split_by_dtype where the installed DeepSpeed's grouping drops CPU
-    tensors (ds_core.compat.changes: cpu_gradient_buckets); True if it is installed (idempotent)."""
+def apply(ctx: Any) -> str | None:
+    """Change cpu_gradient_buckets: ZeRO-1/2's buffered reduction through split_by_dtype (the installed DeepSpeed's
+    grouping drops CPU tensors: ds_core.compat.changes decided it needs the fix)."""
     from deepspeed.runtime.zero import stage_1_and_2
 
-    from ds_core.compat.changes import BY_NAME, missing, say_off
+    from ds_core.compat.changes import replace
 
-    if getattr(stage_1_and_2.split_half_float_double, "deepspeeds", None) is not None:
-        return True
-    if BY_NAME["cpu_gradient_buckets"].not_needed() is not None:
-        return False
-    if why := missing("cpu_gradient_buckets"):
-        say_off("cpu_gradient_buckets", why, say)
-        return False
-    deepspeeds = stage_1_and_2.split_half_float_double
+    def make(deepspeeds: Any) -> Any:
+        def split_half_float_double(tensors):
+            return split_by_dtype(tensors)
+        return split_half_float_double
 
-    def split_half_float_double(tensors):
-        return split_by_dtype(tensors)
-
-    split_half_float_double.deepspeeds = deepspeeds  # DeepSpeed's own, for the probe (deepspeed_behaviour)
-    stage_1_and_2.split_half_float_double = split_half_float_double
-    return True
+    replace(stage_1_and_2, "split_half_float_double", make, "cpu_gradient_buckets")
+    return None
 
 
-__all__ = ["split_by_dtype", "use_dtype_buckets", "DTYPES"]
+__all__ = ["split_by_dtype", "apply", "DTYPES"]

@@ -3,11 +3,11 @@
 DeepSpeed's JIT op builder asks py-cpuinfo (`cpuinfo.get_cpu_info`) for the architecture and the SIMD width each time
 it loads an op, twice per load, and every CPU rank loads DeepSpeed's shared-memory communication op when its process
 group starts. py-cpuinfo answers by running a subprocess that probes CPUID: ~1.3 s per call on a 2-core EPYC, so ~2.6
-s of each CPU rank's start went to a question whose answer does not change on the machine. `use_cached_cpu_info`
-answers it from the per-machine cache (the folder of ds_core.device.precision.cache_path, file cpu_info.json) under a
-key made of what the kernel says of the CPU (model, flags, CPU count), py-cpuinfo's and Python's versions; a miss asks
-py-cpuinfo once and stores its answer. DeepSpeed reads `arch`, `flags` and `vendor_id_raw` of it; clock fields
-(`hz_actual`) are those of the first answer.
+s of each CPU rank's start went to a question whose answer does not change on the machine. `cached` (put in
+py-cpuinfo's place by change cached_cpu_info, ds_core.compat.changes) answers it from the per-machine cache (the
+folder of ds_core.device.precision.cache_path, file cpu_info.json) under a key made of what the kernel says of the
+CPU (model, flags, CPU count), py-cpuinfo's and Python's versions; a miss asks py-cpuinfo once and stores its answer.
+DeepSpeed reads `arch`, `flags` and `vendor_id_raw` of it; clock fields (`hz_actual`) are those of the first answer.
 """
 from __future__ import annotations
 
@@ -50,16 +50,7 @@ def cached(ask: Callable[[], dict], version: str) -> Callable[[], dict]:
                     write_cache(cpu_info_path(), key, memo["info"])
         return copy.deepcopy(memo["info"])  # a caller that edits its answer leaves the next one's alone
 
-    get_cpu_info.ds_core_cached = True
     return get_cpu_info
 
 
-def use_cached_cpu_info() -> None:
-    """Make `cpuinfo.get_cpu_info` (what DeepSpeed's op builders and CPU Adam call) the cached one in this process."""
-    try:
-        import cpuinfo
-    except ImportError:  # DeepSpeed falls back to lscpu without py-cpuinfo: nothing to cache
-        return
-    if getattr(cpuinfo.get_cpu_info, "ds_core_cached", False):
-        return
-    cpuinfo.get_cpu_info = cached(cpuinfo.get_cpu_info, getattr(cpuinfo, "CPUINFO_VERSION_STRING", "?"))
+__all__ = ["cached", "cpu_info_key", "cpu_info_path"]

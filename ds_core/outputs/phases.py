@@ -26,8 +26,8 @@ How it is measured, and why it costs little:
   * Per-rank figures meet in ONE small all_gather (7 + MAX_COLLECTIVES float64 per rank, float32 on an HPU: the
     phases and each collective's duration) on the boundary where a sample is read,
     i.e. every `every`-th step only; every rank decides sampling from the step number alone, so all take part.
-  * Collectives are timed by wrapping the methods of deepspeed.comm's backend object (`cdb`) once; the wrapper is a
-    flag test outside sampled steps.
+  * Collectives are timed through the wrappers change comm_phase_timing puts on deepspeed.comm's backend object
+    (ds_core.compat.comm_timing); the wrapper is a flag test outside sampled steps.
 
 Limits: past MAX_COLLECTIVES per step, per-rank totals approximate the wait (a rank ahead at one collective and
 behind at the next counts only the difference of its totals); a collective on a side stream (overlap_comm on GPU)
@@ -43,10 +43,6 @@ import torch
 from ds_core.device import hpu
 
 PHASES = ("data", "forward", "backward", "step")
-# deepspeed.comm backend methods that move data between ranks (comm/comm.py calls cdb.<name>)
-COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "broadcast",
-               "all_to_all_single", "gather", "scatter")
 FIELDS = ("data_s", "forward_s", "backward_s", "comm_s", "step_s", "wait_s")
 MAX_COLLECTIVES = 64       # per sampled step, timed one by one (ZeRO-3 issues more: its wait falls back to totals)
 
@@ -151,37 +147,29 @@ class PhaseTimer:
 
     # -- communication --------------------------------------------------------------------------------------------
     def _install_comm_timing(self) -> None:
+        """Listen to deepspeed.comm's collectives where change comm_phase_timing wrapped them (ds_core.compat.
+        changes, stage after_initialize); where it is off, no collective is timed (comm_s and wait_s stay 0)."""
         if self._wrapped:
             return
-        try:
-            import deepspeed.comm.comm as dcomm
-        except ImportError:      # pragma: no cover - deepspeed is a dependency
-            return
-        cdb = getattr(dcomm, "cdb", None)
-        if cdb is None:
-            return
-        for name in COLLECTIVES:
-            fn = getattr(cdb, name, None)
-            if fn is not None and not getattr(fn, "_phase_timed", False):
-                setattr(cdb, name, self._timed(fn))
+        from ds_core.compat import changes, comm_timing
+
+        if changes.is_on("comm_phase_timing"):
+            comm_timing.listen(self._around)
         self._wrapped = True
 
-    def _timed(self, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            cur, phase = self._cur, self._phase
-            if cur is None or phase not in cur.comm:
-                return fn(*args, **kwargs)
-            t = time.perf_counter()
-            t0 = self._mark()
-            t1 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                t2 = time.perf_counter()
-                cur.comm[phase].append((t0, self._mark()))
-                self.overhead_s += (t1 - t) + (time.perf_counter() - t2)
-        timed._phase_timed = True  # type: ignore[attr-defined]
-        return timed
+    def _around(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        cur, phase = self._cur, self._phase
+        if cur is None or phase not in cur.comm:
+            return fn(*args, **kwargs)
+        t = time.perf_counter()
+        t0 = self._mark()
+        t1 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            t2 = time.perf_counter()
+            cur.comm[phase].append((t0, self._mark()))
+            self.overhead_s += (t1 - t) + (time.perf_counter() - t2)
 
     # -- reading ---------------------------------------------------------------------------------------------------
     def _read(self, s: _Sample) -> None:

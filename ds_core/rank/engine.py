@@ -16,14 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ds_core.compat.flat_norm import use_flat_grad_norm
-from ds_core.compat.grad_hook import use_one_op_grad_hook
-from ds_core.compat.lazy_compile import import_muon_lazily
-from ds_core.compat.op_baton import use_holder_baton
-from ds_core.compat.zero3_gather import use_gather_per_param
-from ds_core.compat.zero_buckets import use_dtype_buckets
+from ds_core.compat import changes
 from ds_core.device import hpu
-from ds_core.device.cpu_info import use_cached_cpu_info
 from ds_core.errors import ConfigError
 from ds_core.rank.parent_watch import watch_parent
 from ds_core.rank.rendezvous import free_port, rank_variables
@@ -127,10 +121,12 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     # not pass the starter's TORCH_EXTENSIONS_DIR to other nodes); a value set by the user wins
     os.environ.update(torch_extensions_env(os.environ))
     accel = get_accelerator()
-    use_holder_baton()  # a JIT op build lock left by a killed process does not stop this one (ds_core.compat.op_baton)
-    if accel.device_name() == "cpu":
-        use_cached_cpu_info()  # DeepSpeed's op load asks py-cpuinfo twice, ~1.3 s each (ds_core.device.cpu_info)
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+    # the changes inside DeepSpeed of this stage (ds_core.compat.changes): the op build lock that names its holder,
+    # py-cpuinfo's answer cached for DeepSpeed's op loads
+    local_zero = os.environ.get("LOCAL_RANK", "0") == "0"
+    changes.apply_stage("process_start", device_type=accel.device_name(),
+                        say=(lambda line: print(line, flush=True)) if local_zero else None)
+    if local_zero:
         for lock, age in stale_build_locks():
             print(f"[ds_core] warning: {lock} is {age / 60:.0f} min old: a torch extension build that held it was "
                   f"probably killed, and this run will wait for it forever when it needs that op. If no build is "
@@ -226,17 +222,17 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, optimizer=None, lr_
     ds_config = prepare_optimizer_ops(ds_config, get_accelerator().device_name(), rank,
                                       say=lambda line: print(line, flush=True))
     ds_config = without_throughput_timer(ds_config)
-    # the changes inside DeepSpeed (ds_core.compat.changes), each applied where the installed DeepSpeed has what it
-    # replaces; rank 0 says which one is off and why
+    # the changes inside DeepSpeed (ds_core.compat.changes) of the stages around deepspeed.initialize, each where the
+    # switch leaves it on and the installed DeepSpeed has (and needs) what it replaces; rank 0 says which is off
     say = (lambda line: print(line, flush=True)) if rank == 0 else None
-    import_muon_lazily(say)  # imported by ZeRO's optimizer check; its torch.compile decorations would import Inductor
-    use_dtype_buckets(say)  # ZeRO-1/2's buffered gradient reduction leaves no CPU gradient out (Habana's fork)
-    use_gather_per_param(get_accelerator().device_name(), say)  # ZeRO-3 gathers over gloo waited for (the fork)
+    device_type = get_accelerator().device_name()
+    changes.apply_stage("before_initialize", device_type=device_type, say=say)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters, optimizer=optimizer,
                                            lr_scheduler=lr_scheduler, config=ds_config)
     engine.flat_layout = flat_layout(moved)  # recorded in checkpoints' fingerprints (ds_core.checkpoint)
-    use_flat_grad_norm(engine, say)  # ZeRO-1/2's global gradient norm in a few ops over its flat buffer, not per tensor
-    use_one_op_grad_hook(engine, get_accelerator().device_name(), say)  # BF16_Optimizer's gradient hook: 2 ops, not 5
+    changes.apply_stage("after_initialize", engine=engine, device_type=device_type, say=say)
+    if say is not None:
+        say(changes.start_line())  # every change's state, as the run's summary records it
     return engine
 
 

@@ -331,9 +331,9 @@ def global_grad_norm(engine) -> Any:
     host read: the engine's _global_grad_norm, which DeepSpeed sets after every optimizer step and 0.19's
     get_global_grad_norm() returns as it is; Habana's fork's get_global_grad_norm() calls .item() on it, a device sync
     every step (ds_core.compat.changes: engine_grad_norm). An engine without the attribute: its method."""
-    from ds_core.compat.changes import missing
+    from ds_core.compat.changes import is_on
 
-    if missing("engine_grad_norm") is None and "_global_grad_norm" in vars(engine):
+    if "_global_grad_norm" in vars(engine) and is_on("engine_grad_norm"):
         return vars(engine)["_global_grad_norm"]
     return engine.get_global_grad_norm()
 

@@ -1,0 +1,34 @@
+"""The DeepSpeed method bodies each change inside DeepSpeed was verified against, by fingerprint
+(ds_core.compat.fingerprint), per tested release of the support matrix (stacks/).
+
+{"module:qualname" of the body a change replaces: {fingerprint: the release it was read in}}. A change whose body
+has another fingerprint in the installed DeepSpeed stays off (ds_core.compat.changes.unverified). A fix of an older
+release's behaviour lists only the releases that need it (the others have the fix: a probe says so first).
+To add a release: read each body below in it against the change's code and docstring, then record what
+`python -m ds_core.compat.fingerprint DEEPSPEED_SOURCE_ROOT` prints.
+"""
+from __future__ import annotations
+
+LATEST = "DeepSpeed 0.19.8"
+FORK = "Habana's fork 0.16.1 (release 1.21.0)"
+
+VERIFIED: dict[str, dict[str, str]] = {
+    # flat_grad_norm_bf16: the per-parameter fp32 views of fp32_groups_gradients (the same body in both)
+    "deepspeed.runtime.bf16_optimizer:BF16_Optimizer.get_grads_for_norm": {"ecdd83e4ea428792": f"{LATEST}, {FORK}"},
+    # flat_grad_norm_zero: float64 norm per view, float64 sum of squares, float32 before the all-reduce, -1 mask
+    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.get_grad_norm_direct": {
+        "28d2038dcb0f8868": LATEST, "474ded403870d603": FORK},
+    # device_clip: coefficient max_norm / (norm + eps), applied where < 1 (0.16's also takes use_graph)
+    "deepspeed.runtime.utils:clip_tensors_by_global_norm": {"b881968ce91f6149": LATEST, "3db9fbd4baae280a": FORK},
+    # one_op_grad_hook: copy to fp32, then add, then mark (0.19 adds the AutoEP folding branch, left to DeepSpeed)
+    "deepspeed.runtime.bf16_optimizer:BF16_Optimizer._update_hp_grad": {
+        "2f9a1dc221be62dc": LATEST, "f11b80d41f9a398f": FORK},
+    # nonfinite_group_norm: torch.norm of the stacked group norms (0.19 has combine_grad_norm_groups: not needed)
+    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.scaled_global_norm": {"07b69f1f4b24ec19": FORK},
+    # cpu_gradient_buckets: buckets by legacy type string of the accelerator's device (0.19 groups by dtype)
+    "deepspeed.runtime.zero.stage_1_and_2:split_half_float_double": {"cad711431c15a3e3": FORK},
+    # zero3_gather_waits: one async all-gather per parameter, the last handle waited for (0.19 waits for each)
+    "deepspeed.runtime.zero.partition_parameters:Init._allgather_params_coalesced": {"2917618e63112cc4": FORK},
+    # mpi_exports_as_given: every value in double quotes (0.19 quotes what a shell would split)
+    "deepspeed.launcher.multinode_runner:MultiNodeRunner.add_export": {"c0b68fbf6253861b": FORK},
+}
