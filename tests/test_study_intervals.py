@@ -49,7 +49,7 @@ def test_ratio_interval_propagates_both_sides():
     assert r.value == pytest.approx(0.5) and r.se == pytest.approx(0.5 * rse)
     assert r.df == pytest.approx(4.0)               # equal relative variances, 2 + 2 degrees of freedom
     assert r.half == pytest.approx(t975(4) * 0.5 * rse)
-    assert r.half > a.rel_half * r.value             # wider than either side's own
+    assert r.se / r.value > max(a.se / a.value, b.se / b.value)    # less certain than either side alone
     assert ratio_interval(a, mean_interval([200.0])).half is None   # one run on either side: none
 
 
