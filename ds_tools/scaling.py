@@ -408,6 +408,13 @@ def format_json(groups: Sequence[Group]) -> str:
     return json.dumps(rows, indent=2)
 
 
+def short_titles(groups: Sequence[Group]) -> list:
+    """Each group named by what sets it apart from the others (`fabric slow`), its whole title where nothing does."""
+    keys = [_key_dict(g.key) for g in groups]
+    differ = [k for k in dict.fromkeys(k for d in keys for k in d) if len({str(d.get(k)) for d in keys}) > 1]
+    return [", ".join(f"{k.replace('_', ' ')} {d.get(k)}" for k in differ) or g.title for d, g in zip(keys, groups)]
+
+
 def plot(groups: Sequence[Group], path: str | Path) -> None:
     """Throughput against accelerators with each group's ideal (linear from its baseline) line, and efficiency, both
     with their 95 % intervals as error bars; with phase timing, what grew (ds_tools.scaling_explain.plot_lost)."""
@@ -418,6 +425,7 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     timed = any(r["lost"]["timed"] for g in groups for r in rows_of(g) if not r["baseline"])
+    short = short_titles(groups)
     fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.6))
     ax1, ax2 = axes[:2]
     for i, g in enumerate(groups):
@@ -425,7 +433,7 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
         x = [r["accelerators"] for r in rows]
         color = f"C{i % 10}"
         base_per_acc = rows[[r["baseline"] for r in rows].index(True)]["per_accelerator"]
-        label = f"{i + 1}: {g.title}" if len(groups) > 1 else str(g.key[0])
+        label = f"{i + 1}: {short[i]}" if len(groups) > 1 else str(g.key[0])
         ax1.errorbar(x, [r["throughput"] for r in rows], yerr=[r["throughput_half"] or 0 for r in rows], fmt="o-",
                      color=color, capsize=3, label=label)
         ax1.plot(x, [base_per_acc * a for a in x], "--", color=color, alpha=0.5)
@@ -442,7 +450,7 @@ def plot(groups: Sequence[Group], path: str | Path) -> None:
             ax.set_xscale("log", base=2)
     ax1.legend(fontsize=6)
     if timed:  # without phase timing every bar would be "anything else": the panel says nothing
-        bars = [(f"{i + 1}:{r['accelerators']}" if len(groups) > 1 else str(r["accelerators"]), r["lost"])
+        bars = [(f"{short[i]}\n{r['accelerators']}" if len(groups) > 1 else str(r["accelerators"]), r["lost"])
                 for i, g in enumerate(groups) for r in rows_of(g) if not r["baseline"]]
         explain.plot_lost(axes[2], bars)
     if len(groups) == 1:

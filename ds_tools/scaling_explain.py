@@ -88,8 +88,13 @@ def plot_lost(ax, bars: list[tuple[str, dict]]) -> None:
                    label=None if k in seen else BUCKET_TITLES[k])
             seen.add(k)
         ax.plot([x - 0.45, x + 0.45], [lost["total"]] * 2, color="black", lw=1.5)
-        ax.annotate(f"{lost['total']:.1f}", (x, lost["total"]), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(bars)), [label for label, _ in bars])
+        ax.annotate(f"{lost['total']:.1f}", (x + 0.46, lost["total"]), ha="left", va="center", fontsize=7)
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    ax.set_xlim(-0.6, len(bars) - 0.2)     # room for the totals written right of their bars
+    tops = [max([0.0] + [max(b, b + h) for _, b, h in stack_segments(lost)]) for _, lost in bars]
+    lows = [min([0.0] + [min(b, b + h) for _, b, h in stack_segments(lost)]) for _, lost in bars]
+    if bars:
+        ax.set_ylim(min(lows) * 1.1, max(tops) * 1.25 + 1)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("accelerators")
     ax.set_ylabel("efficiency points lost vs baseline")
