@@ -104,6 +104,10 @@ class TrainConfig:
                        "backend (inductor; hpu_backend on Gaudi): on, off, or auto (on where the model measured its "
                        "compiled step faster, BERT on CUDA, and on Gaudi in eager mode as Habana recommends; "
                        "docs/compile.md).", default="auto")
+    ds_changes: str = arg("The toolkit's changes inside DeepSpeed (ds_core.compat.changes): on (each where the "
+                          "installed DeepSpeed has and needs it), off (DeepSpeed's own path throughout) or "
+                          "off:NAME[,NAME...]; empty keeps the environment's DS_TOOLKIT_CHANGES. The run's summary "
+                          "lists each change's state.", default="")
 
     def validate(self) -> None:
         checks = [
@@ -133,6 +137,10 @@ class TrainConfig:
         for name, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"TrainConfig.{name} = {getattr(self, name)!r}: expected {expected}")
+        if self.ds_changes:
+            from ds_core.compat.changes import parse_switch
+
+            parse_switch(self.ds_changes, "TrainConfig.ds_changes (--ds_changes)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

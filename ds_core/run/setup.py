@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from ds_core.checkpoint import select_resume_tag
 from ds_core.checkpoint.resize import ResizePlan, plan_resize
+from ds_core.compat import changes
 from ds_core.config import Batch, TrainConfig, ds_config_for, parse_settings, precision_of, save_run_config, sections_of
 from ds_core.config.ds_json import check_ds_json
 from ds_core.errors import ConfigError
@@ -130,6 +131,7 @@ def start_run(spec: RunSpec, argv: Sequence[str] | None = None) -> Run:
     check_ds_json(train.deepspeed_config, optimizer_in_code=spec.optimizer_in_code)  # before distributed init
     if spec.trains(cfg):
         prepare_run_dir(train)  # a used run_dir is refused (or moved aside) before any rank starts
+    changes.configure(train.ds_changes)  # --ds_changes: which changes inside DeepSpeed apply (and in child processes)
     dist = init_distributed(train.dist_timeout_s)
     set_seed(train.seed)
     # --resume: the newest checkpoint whose files verify on every rank, agreed before anything is loaded or printed

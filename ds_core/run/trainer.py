@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ds_core import checkpoint as ckpt
+from ds_core.compat import changes
 from ds_core.config import atomic_write_text
 from ds_core.device.precision import resolve_precision
 from ds_core.outputs.metrics import (
@@ -358,6 +359,8 @@ class Trainer:
         extra = reduce_summary_stats(dict(stats, peak_memory_gb_per_rank=[peak_memory_bytes(dist.accelerator) / 2**30]),
                                      dist.world_size, frozenset(getattr(data, "shared_summary_stats", ())))
         extra["peak_memory_kind"] = "process peak RSS" if dist.accelerator == "cpu" else "allocator peak"
+        # every change inside DeepSpeed: on / off / not needed, with the reason (ds_core.compat.changes)
+        extra["ds_changes"] = changes.states()
         if self.profile is not None and self.profile.summary is not None:
             extra["profile"] = self.profile.summary  # this rank's (rank 0 writes the summary record)
         if stopped:
