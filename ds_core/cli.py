@@ -16,11 +16,13 @@ Kept free of torch and deepspeed imports: the launch wrappers use it on a login 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence, TextIO
 
 USAGE_ERROR = 2  # argparse's status for a bad command line; ours for bad input found after parsing
 READER_GONE = 128 + 13  # a shell's status for a command ended by SIGPIPE (its reader, e.g. `head`, left early)
@@ -77,6 +79,24 @@ def run_cli(prog: str, body: Callable[[], int | None], errors: tuple[type[BaseEx
     except BrokenPipeError:  # error() flushes stdout first
         return reader_gone()
     return 0 if status is None else status
+
+
+@contextlib.contextmanager
+def json_stdout() -> Iterator[TextIO]:
+    """For a command whose stdout is JSON (`--json`, `--format json`, `--out -`): yields the real stdout for the JSON
+    and sends everything else to stderr while the body runs: prints, and log handlers that write to stdout, those
+    there before (moved for good: a library's warning printed after the JSON breaks it as much as one before) and
+    those a library creates meanwhile (DeepSpeed's logger writes to the stdout it finds when it is first imported:
+    its "Setting accelerator to CPU" warning came first on ds-tune --json's stdout)."""
+    real = sys.stdout
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    for lg in loggers:
+        for h in lg.handlers:
+            if isinstance(h, logging.StreamHandler) and h.stream is real:
+                h.setStream(sys.stderr)
+    with contextlib.redirect_stdout(sys.stderr):
+        yield real
 
 
 def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:

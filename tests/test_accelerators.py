@@ -17,7 +17,7 @@ def test_names_and_aliases_resolve_case_insensitively():
     assert accelerators.get("H100") is accelerators.get("h100-sxm")
     assert accelerators.get("a100") is accelerators.get("a100-40g")
     for row in accelerators.ACCELERATORS:
-        assert row.memory_gb > 0 and row.interconnect
+        assert row.memory_gib > 0 and row.interconnect
         assert row.bf16_tflops is None or row.fp32_tflops is None or row.bf16_tflops > row.fp32_tflops
 
 
@@ -45,7 +45,7 @@ def test_metrics_and_tuning_read_the_same_rows(monkeypatch):
         for name in (row.name, *row.aliases):
             assert peak_tflops_for(name, "bf16") == row.bf16_tflops
             assert peak_tflops_for(name, "fp32") == row.fp32_tflops
-            assert tuning.capacity_bytes(name, 8) == row.memory_gb * tuning.GB
+            assert tuning.capacity_bytes(name, 8) == row.memory_gib * 2 ** 30
     # the PCIe part is not billed at the SXM peak, and no figure is invented where the vendor publishes none
     assert peak_tflops_for("h100-pcie") < peak_tflops_for("h100")
     assert peak_tflops_for("gaudi2", "fp32") is None and peak_tflops_for("cuda") is None

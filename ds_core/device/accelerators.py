@@ -22,8 +22,15 @@ Aliases include the systems ds_tools.fabrics models (dl1: AWS DL1 = 8 first-gene
 the 40 GB part as the bare "a100", so no tool assumes memory the device may not have; dgx-h100), so that ds-tune and
 `ds-scaling-report predict` take one set of names.
 
-Memory is the capacity the vendor prints (GB). ds_tools.tuning reads it as 10^9 bytes; HBM stacks are sized in
-binary units, so the device usually has a few per cent more than that, which only adds to the tuner's margin.
+Memory (`memory_gib`, what ds-tune weighs a configuration against) is the capacity in GiB (2^30 bytes): HBM stacks are
+sized in binary units, and the vendors' "GB" on these parts means GiB or a little less, never 10^9 bytes:
+  [Gaudi]  "32 GB HBM2" (HL-205: 4 stacks of 8 GiB), "96 GB HBM2e" (HL-225: 6 x 16 GiB), "128 GB HBM2e" (Gaudi 3:
+           8 x 16 GiB); hl-smi reports 32768 MiB on an HL-205 and 98304 MiB on an HL-225.
+  [NVIDIA] the datasheets' 40 GB / 80 GB (A100), 80 GB (H100) and 141 GB (H200); the capacity the driver reports
+           (NVML, nvidia-smi): A100 40960 / 81920 MiB (40 / 80 GiB), H100 81559 MiB (79.65 GiB), H200 143771 MiB
+           (140.40 GiB) (Modal, "Why does an NVIDIA H100 80GB card offer 85.52 GB?",
+           thundergolfer.com/blog/nvidia-gpu-memory-capacity). The H100 and H200 figures are those the device has,
+           below the datasheet number read as GiB: so NVIDIA's "141 GB" is taken as 140.40 GiB (150.75 x 10^9 bytes).
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ class Accelerator:
     aliases: tuple[str, ...]
     bf16_tflops: float | None    # dense bf16 matrix peak per device
     fp32_tflops: float | None    # fp32 without TF32 (torch's default for matmuls); None where not published
-    memory_gb: float             # vendor's capacity figure, GB
+    memory_gib: float            # capacity, GiB (2^30 bytes): see the module's note on memory
     interconnect: str
 
     def peak_tflops(self, dtype: str) -> float | None:
@@ -51,11 +58,12 @@ ACCELERATORS: tuple[Accelerator, ...] = (
     Accelerator("a100-40g", ("a100", "dgx-a100"), 312.0, 19.5, 40.0,
                 "SXM4: NVLink 600 GB/s; PCIe: Gen4 64 GB/s (NVLink bridge 600 GB/s)"),
     Accelerator("a100-80g", (), 312.0, 19.5, 80.0, "SXM4: NVLink 600 GB/s; PCIe: Gen4 64 GB/s"),
-    # [H100] dense = datasheet's sparse figure / 2 (whitepaper: 989.4 SXM5, 756 PCIe)
-    Accelerator("h100-sxm", ("h100", "dgx-h100"), 989.4, 67.0, 80.0, "NVLink 900 GB/s (NVSwitch); PCIe Gen5 128 GB/s"),
-    Accelerator("h100-pcie", (), 756.0, 51.0, 80.0, "PCIe Gen5 128 GB/s; NVLink bridge 600 GB/s"),
+    # [H100] dense = datasheet's sparse figure / 2 (whitepaper: 989.4 SXM5, 756 PCIe). Memory: the 81559 MiB NVML
+    # reports on the SXM part; the PCIe part (the same 80 GB datasheet figure) is given the same, not checked on one.
+    Accelerator("h100-sxm", ("h100", "dgx-h100"), 989.4, 67.0, 79.65, "NVLink 900 GB/s (NVSwitch); PCIe Gen5 128 GB/s"),
+    Accelerator("h100-pcie", (), 756.0, 51.0, 79.65, "PCIe Gen5 128 GB/s; NVLink bridge 600 GB/s"),
     # [H200] SXM: same compute as H100 SXM
-    Accelerator("h200", ("h200-sxm",), 989.4, 67.0, 141.0, "NVLink 900 GB/s (NVSwitch); PCIe Gen5 128 GB/s"),
+    Accelerator("h200", ("h200-sxm",), 989.4, 67.0, 140.40, "NVLink 900 GB/s (NVSwitch); PCIe Gen5 128 GB/s"),
     # [Gaudi] HL-205 (AWS DL1): 10 x 100 GbE RoCE v2 on chip
     Accelerator("gaudi", ("gaudi1", "hl-205", "dl1"), 60.0, None, 32.0,
                 "10 x 100 GbE RoCE v2 on chip (HLS-1: 7 all-to-all inside the box, 3 out)"),
