@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_core import checkpoint as ckpt
-from ds_core.cli import ArgumentParser, cli_main
+from ds_core.cli import ArgumentParser, cli_main, json_stdout
 from ds_core.errors import ConfigError
 
 
@@ -223,9 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.cmd == "info":
-        d = info(args.run_dir)
-        print(json.dumps(d, indent=2, default=str)) if args.json else print_info(d)
+    if args.cmd == "info" and args.json:
+        with json_stdout() as out:  # stdout is the JSON only: what a library logs or prints meanwhile goes to stderr
+            print(json.dumps(info(args.run_dir), indent=2, default=str), file=out)
+    elif args.cmd == "info":
+        print_info(info(args.run_dir))
     elif args.cmd == "universal":
         print(f"universal checkpoint: {universal(args.run_dir, args.tag)}")
     else:

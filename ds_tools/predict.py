@@ -16,7 +16,15 @@ The model, per optimizer step and rank (B = micro_batch x grad_accum sequences):
     ds_tools.fabrics (hierarchical ring, NCCL bus bandwidth, one efficiency factor per fabric).
   * overlap: from the measured run's phase timing (ds_core.outputs.phases: phase_comm_s is the exposed part of the
     modelled comm at the measured scale); without phase timing, 0 (stage 0/1 reduce after backward, at the
-    accumulation boundary: engine.py:3089, nothing to hide behind) and the output says it was assumed.
+    accumulation boundary: engine.py:3089, nothing to hide behind) and the output says it was assumed. Exposed
+    communication is (1 - overlap) comm(N), never more than comm(N): a measured exposed part beyond the modelled
+    comm is not communication the model knows of, and stays in the step as compute (the output says how much).
+  * interval: from the calibration's residuals (`calibration`): the published table's node counts predicted from its
+    1-node figure with the fitted factor, their relative errors r_i (n of them, one parameter fitted), and the 95 %
+    prediction interval  +- t(0.975, n-1) s sqrt(1 + 1/n),  s = sqrt(sum r_i^2 / (n-1)), on the predicted
+    throughput and efficiency. None for a fabric fitted to nothing. The output says when a node count lies beyond
+    the calibrated ones, or the model is not the one the factor was fitted on: the interval is the calibration's
+    spread there, not a bound.
 """
 from __future__ import annotations
 
@@ -28,8 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ds_core.cli import ArgumentParser, cli_main, flag
+from ds_core.cli import ArgumentParser, cli_main, flag, json_stdout
 from ds_tools import fabrics, scaling_explain as explain
+from ds_tools.intervals import t975
 from ds_tools.scaling import ScalingError, summary_of
 
 DS = "deepspeed 0.19.8"
@@ -133,14 +142,20 @@ def predict(m: Measured, fab: fabrics.Fabric, *, params: int, stage: int, precis
     b0 = micro * m.grad_accum
     t0 = b0 * m.nodes * a / m.seq_per_s                       # measured optimizer step, seconds
     comm0 = comm_seconds(collectives(stage, precision, params, m.grad_accum, **calls), fab, a, m.nodes)
-    wait0 = 0.0
+    wait0, excess = 0.0, 0.0
     if m.phases:
         total = sum(m.phases.values())
-        exposed0 = t0 * m.phases["phase_comm_s"] / total
+        measured_exposed = t0 * m.phases["phase_comm_s"] / total
         wait0 = t0 * m.phases["phase_wait_s"] / total
-        overlap = max(0.0, min(1.0, 1 - exposed0 / comm0)) if comm0 > 0 else 0.0
-        overlap_src = ("measured: exposed comm %.4f s of modelled %.4f s" % (exposed0, comm0) if comm0 > 0 else
-                       "assumed 0: the measured run has no communication to compare with")
+        # exposed comm is at most the modelled comm; what the run exposed beyond it stays in the step as compute
+        exposed0 = min(measured_exposed, comm0)
+        excess = measured_exposed - exposed0
+        overlap = 1 - exposed0 / comm0 if comm0 > 0 else 0.0
+        overlap_src = ("measured: exposed comm %.4f s of modelled %.4f s" % (measured_exposed, comm0) if comm0 > 0
+                       else "assumed 0: the measured run has no communication to compare with")
+        if excess > 0:
+            overlap_src += ("; the %.4f s exposed beyond the modelled comm is not communication the model knows of "
+                            "and is kept in the step as compute" % excess)
     else:
         overlap, exposed0 = 0.0, comm0
         overlap_src = "assumed 0 (no phase timing in the measured run)"
@@ -155,9 +170,9 @@ def predict(m: Measured, fab: fabrics.Fabric, *, params: int, stage: int, precis
         g = _accum(micro, a, n, m.grad_accum, global_batch)
         b = micro * g
         comm = comm_seconds(collectives(stage, precision, params, g, **calls), fab, a, n)
-        # the measured exposed comm is kept and only the modelled growth beyond it is added (partly hidden):
-        # the measured point is reproduced exactly even where the model under- or over-shoots it there
-        exposed = max(0.0, exposed0 + (1 - overlap) * (comm - comm0))
+        # (1 - overlap) comm(N): at the measured scale the measured exposed part (exposed0), so the measured point
+        # is reproduced exactly; never above comm(N)
+        exposed = (1 - overlap) * comm
         step = (per_seq + wait_seq) * b + exposed
         per_acc = b / step
         rows.append({"nodes": n, "accelerators": n * a, "grad_accum": g, "seq_per_s": per_acc * n * a,
@@ -214,10 +229,84 @@ def calibrate(name: str, params: int | None = None) -> float:
     return round(min(grid, key=err), 3)
 
 
+def _model_key(name: str) -> str:
+    """One spelling per model: the preset name a run's summary records (bert_1p5b), whatever alias or path named it."""
+    from ds_tools.tuning import MODEL_ALIASES
+
+    return MODEL_ALIASES.get(name, Path(name).stem if name.endswith(".json") else name)
+
+
+def calibration(fab: fabrics.Fabric) -> dict | None:
+    """The fit of the fabric's factor on its published table: the relative errors of the node counts predicted from
+    the 1-node figure, and the 95 % prediction interval they give (relative half-width). None where the fabric, as
+    given, was fitted on nothing (no published table, or its factor or per-call cost changed on the command line)."""
+    if fab.name not in PUBLISHED or fab != fabrics.FABRICS.get(fab.name):
+        return None
+    spec = PUBLISHED[fab.name]
+    from ds_tools.tuning import model_shape
+
+    params = model_shape(spec["model"], 128).params
+    rows = published_prediction(fab.name, params=params)["rows"]
+    resid = {r["nodes"]: r["seq_per_s"] / spec["table"][r["nodes"]] - 1 for r in rows if r["nodes"] != 1}
+    n = len(resid)
+    s = math.sqrt(sum(x * x for x in resid.values()) / (n - 1))       # one parameter (the factor) fitted
+    return {"fabric": fab.name, "model": _model_key(spec["model"]), "params": params, "nodes": sorted(spec["table"]),
+            "residuals": resid, "df": n - 1, "rel_half": t975(n - 1) * s * math.sqrt(1 + 1 / n)}
+
+
+def with_interval(res: dict, fab: fabrics.Fabric, *, model: str | None, kept_accum: bool) -> dict:
+    """The rows' 95 % intervals from the calibration's residuals, and the notes a reader needs to weigh them:
+    node counts beyond the calibrated ones, a model other than the one the factor was fitted on, an accumulation
+    kept at the measured one. model: the predicted model's name (None: given by --params)."""
+    cal = calibration(fab)
+    notes = []
+    for r in res["rows"]:
+        h = None if cal is None or r["nodes"] == res["measured_nodes"] else cal["rel_half"]
+        r["interval_rel"] = h
+        for k in ("seq_per_s", "efficiency"):
+            r[f"{k}_low"] = None if h is None else r[k] * (1 - h)
+            r[f"{k}_high"] = None if h is None else r[k] * (1 + h)
+        r["extrapolated"] = cal is not None and r["nodes"] > max(cal["nodes"])
+    if cal is None:
+        notes.append(f"No interval: fabric {fab.name}'s factor {fab.efficiency} is fitted to no measurement "
+                     f"({fab.calibrated_on or 'line rate'}); the rows are the model's figures alone.")
+        res.update(calibration=None, notes=notes)
+        return res
+    resid = ", ".join(f"{n} nodes {100 * x:+.2f} %" for n, x in cal["residuals"].items())
+    notes.append(f"Interval: 95 % prediction interval +-{100 * cal['rel_half']:.1f} % of the predicted throughput "
+                 f"and efficiency, from the calibration's residuals ({cal['model']} on {fab.name}: {resid}; "
+                 f"t(0.975, {cal['df']}) s sqrt(1 + 1/{len(cal['residuals'])})); the measured node count carries "
+                 f"its measurement's own uncertainty only.")
+    beyond = [r["nodes"] for r in res["rows"] if r["extrapolated"]]
+    if beyond:
+        notes.append(f"Extrapolated: {', '.join(map(str, beyond))} node(s) lie beyond the calibrated "
+                     f"{min(cal['nodes'])}-{max(cal['nodes'])} nodes; the interval there is the calibration's "
+                     "spread carried over, not a bound.")
+    if (model is None and res["params"] != cal["params"]) or (model is not None and _model_key(model) != cal["model"]):
+        what = f"{_model_key(model)} ({res['params'] / 1e6:.1f} M parameters)" if model else \
+            f"a model of {res['params'] / 1e6:.1f} M parameters (--params)"
+        notes.append(f"Across models: the factor was fitted on {cal['model']} ({cal['params'] / 1e6:.1f} M "
+                     f"parameters); this predicts {what}, {res['params'] / cal['params']:.2f}x the bytes per "
+                     "collective, with the same factor assumed.")
+    if kept_accum:
+        notes.append(f"Accumulation kept at the measured {res['rows'][0]['grad_accum']} at every node count (no "
+                     "--global_batch): the global batch grows with the nodes.")
+    res.update(calibration={**cal, "residuals": {str(k): v for k, v in cal["residuals"].items()}}, notes=notes)
+    return res
+
+
 # ------------------------------------------------------------------------------------------------- output
 
-_COLS = ("nodes", "accelerators", "grad_accum", "seq_per_s", "per_accelerator", "efficiency", "comm_s",
-         "exposed_comm_s")
+_COLS = ("nodes", "accelerators", "grad_accum", "seq_per_s", "seq_per_s_low", "seq_per_s_high", "per_accelerator",
+         "efficiency", "efficiency_low", "efficiency_high", "comm_s", "exposed_comm_s", "extrapolated")
+
+
+def _interval_cell(r: dict, res: dict, key: str, scale: float) -> str:
+    if r["nodes"] == res["measured_nodes"]:
+        return "measured"
+    if r.get(f"{key}_low") is None:
+        return "none"
+    return f"{scale * r[f'{key}_low']:.2f}-{scale * r[f'{key}_high']:.2f}"
 
 
 def format_md(res: dict) -> str:
@@ -229,19 +318,22 @@ def format_md(res: dict) -> str:
     out += [f"  * {c['kind']} {c['nbytes'] / 1e6:.1f} MB in {c['calls']} call(s) x {c['per_step']} per step "
             f"({c['why']})"
             for c in res["collectives"]]
-    out += ["", "| nodes | accelerators | grad accum | predicted sequences/s | per accelerator | efficiency % | "
-                "comm s/step | exposed comm s/step |", "|" + "---:|" * 8]
+    out += ["", "| nodes | accelerators | grad accum | predicted sequences/s | 95 % interval | per accelerator | "
+                "efficiency % | 95 % interval | comm s/step | exposed comm s/step |", "|" + "---:|" * 10]
     for r in res["rows"]:
-        out.append(f"| {r['nodes']} | {r['accelerators']} | {r['grad_accum']} | {r['seq_per_s']:.2f} | "
-                   f"{r['per_accelerator']:.2f} | {100 * r['efficiency']:.2f} | {r['comm_s']:.4f} | "
-                   f"{r['exposed_comm_s']:.4f} |")
-    return "\n".join(out)
+        nodes = f"{r['nodes']} (extrapolated)" if r.get("extrapolated") else str(r["nodes"])
+        out.append(f"| {nodes} | {r['accelerators']} | {r['grad_accum']} | {r['seq_per_s']:.2f} | "
+                   f"{_interval_cell(r, res, 'seq_per_s', 1)} | {r['per_accelerator']:.2f} | "
+                   f"{100 * r['efficiency']:.2f} | "
+                   f"{_interval_cell(r, res, 'efficiency', 100)} | {r['comm_s']:.4f} | {r['exposed_comm_s']:.4f} |")
+    return "\n".join(out + [""] + res.get("notes", []))
 
 
 def format_csv(res: dict) -> str:
     lines = [",".join(_COLS) + ",fabric,efficiency_factor,overlap"]
     for r in res["rows"]:
-        lines.append(",".join(f"{r[k]:.6g}" if isinstance(r[k], float) else str(r[k]) for k in _COLS)
+        lines.append(",".join(f"{r.get(k):.6g}" if isinstance(r.get(k), float) else
+                              "" if r.get(k) is None else str(r[k]) for k in _COLS)
                      + f",{res['fabric']},{res['efficiency_factor']},{res['overlap']:.4f}")
     return "\n".join(lines)
 
@@ -301,21 +393,72 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _main(a: argparse.Namespace) -> int:
-    summary: dict = {}
+# flag -> the measured run's summary key it would override: given both, they must agree
+_RUN_FIELDS = (("--accelerators_per_node", "accelerators_per_node"), ("--grad_accum", "grad_accum"),
+               ("--zero_stage", "zero_stage"), ("--precision", "precision"), ("--micro_batch", "micro_batch"))
+
+
+def _measured(a: argparse.Namespace) -> tuple[Measured, dict]:
+    """The measured point, from --from RUN_DIR or --measured; refuses flags that contradict the run, and a
+    --measured figure without the accumulation it ran at."""
     if a.from_run:
         m, summary = _measured_from_run(a.from_run)
-    elif a.measured and a.measured_nodes:
-        m = Measured(nodes=a.measured_nodes, per_node=a.accelerators_per_node or 0, seq_per_s=a.measured,
-                     grad_accum=a.grad_accum or 1)
-    else:
+        for name, key in _RUN_FIELDS:
+            given = getattr(a, name[2:])
+            if given is not None and summary.get(key) is not None and str(given) != str(summary[key]):
+                raise PredictError(f"{name} {given} contradicts the measured run's {key} {summary[key]} (--from "
+                                   f"{a.from_run}): drop the flag, or measure the configuration you mean")
+        ran, named = summary.get("model"), a.model
+        if ran and named and _model_key(named) != _model_key(str(ran)):
+            raise PredictError(f"--model {named}: the measured run (--from {a.from_run}) is of model {ran}; its "
+                               f"throughput says nothing about {_model_key(named)}'s compute: measure "
+                               f"{_model_key(named)}, or drop --model to predict {ran}")
+        return m, summary
+    if not (a.measured and a.measured_nodes):
         raise PredictError("give --from RUN_DIR, or --measured SEQ_PER_S with --measured_nodes")
-    if a.accelerators_per_node:
-        m.per_node = a.accelerators_per_node
-    if a.grad_accum and a.from_run:
-        m.grad_accum = a.grad_accum
-    if m.per_node <= 0:
+    if not a.accelerators_per_node:
         raise PredictError("--accelerators_per_node: needed with --measured")
+    if not a.grad_accum and not a.global_batch:
+        raise PredictError("--global_batch (kept at every node count, the accumulation following) or --grad_accum "
+                           "(the measured run's, kept at every node count): needed with --measured, whose step, "
+                           "and so the share of communication in it, depends on the accumulation")
+    return Measured(nodes=a.measured_nodes, per_node=a.accelerators_per_node, seq_per_s=a.measured,
+                    grad_accum=a.grad_accum or 1), {}
+
+
+def _fabric(a: argparse.Namespace) -> fabrics.Fabric:
+    if a.fabric:
+        try:
+            fab = fabrics.lookup(a.fabric)
+        except ValueError as e:
+            raise PredictError(str(e)) from None
+        if a.efficiency is not None:
+            fab = fabrics.Fabric(**{**fab.__dict__, "efficiency": a.efficiency, "calibrated_on": "--efficiency"})
+        if a.call_us:
+            if a.call_us < 0:
+                raise PredictError(f"--call_us {a.call_us}: expected >= 0")
+            fab = fabrics.Fabric(**{**fab.__dict__, "call_us": a.call_us})
+        return fab
+    if a.intra_gbps and a.inter_gbps:
+        try:
+            return fabrics.custom(a.intra_gbps, a.inter_gbps, a.latency_us, a.efficiency or 1.0, a.call_us)
+        except ValueError as e:
+            raise PredictError(str(e)) from None
+    raise PredictError("give --fabric NAME or --intra_gbps and --inter_gbps")
+
+
+def _main(a: argparse.Namespace) -> int:
+    if a.format == "json":
+        with json_stdout() as out:
+            print(json.dumps(_predict(a), indent=2), file=out)
+        return 0
+    res = _predict(a)
+    print({"md": format_md, "csv": format_csv}[a.format](res))
+    return 0
+
+
+def _predict(a: argparse.Namespace) -> dict:
+    m, summary = _measured(a)
     stage = a.zero_stage if a.zero_stage is not None else summary.get("zero_stage")
     precision = a.precision or summary.get("precision")
     micro = a.micro_batch or summary.get("micro_batch")
@@ -324,6 +467,7 @@ def _main(a: argparse.Namespace) -> int:
             raise PredictError(f"{name}: not given and not in the measured run")
     if a.global_batch and not a.grad_accum and not a.from_run:
         m.grad_accum = _accum(int(micro), m.per_node, m.nodes, 1, a.global_batch)
+    model = None
     if a.params:
         params = a.params
     else:
@@ -336,29 +480,11 @@ def _main(a: argparse.Namespace) -> int:
             params = model_shape(model, a.seq_len).params
         except TuningError as e:
             raise PredictError(str(e)) from None
-    if a.fabric:
-        try:
-            fab = fabrics.lookup(a.fabric)
-        except ValueError as e:
-            raise PredictError(str(e)) from None
-        if a.efficiency is not None:
-            fab = fabrics.Fabric(**{**fab.__dict__, "efficiency": a.efficiency, "calibrated_on": "--efficiency"})
-        if a.call_us:
-            if a.call_us < 0:
-                raise PredictError(f"--call_us {a.call_us}: expected >= 0")
-            fab = fabrics.Fabric(**{**fab.__dict__, "call_us": a.call_us})
-    elif a.intra_gbps and a.inter_gbps:
-        try:
-            fab = fabrics.custom(a.intra_gbps, a.inter_gbps, a.latency_us, a.efficiency or 1.0, a.call_us)
-        except ValueError as e:
-            raise PredictError(str(e)) from None
-    else:
-        raise PredictError("give --fabric NAME or --intra_gbps and --inter_gbps")
+    fab = _fabric(a)
     res = predict(m, fab, params=params, stage=int(stage), precision=str(precision), micro=int(micro),
                   nodes=a.nodes, global_batch=a.global_batch, param_groups=a.param_groups,
                   small_calls=a.small_calls)
-    print({"md": format_md, "csv": format_csv, "json": lambda r: json.dumps(r, indent=2)}[a.format](res))
-    return 0
+    return with_interval(res, fab, model=model, kept_accum=not a.global_batch)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -93,7 +93,7 @@ def test_cli_errors_name_the_flag(tmp_path, capsys):
     assert "--measured_nodes" in capsys.readouterr().err
     assert scaling_cli.main(["predict", "--measured", "100", "--measured_nodes", "1", "--accelerators_per_node", "8",
                          "--params", "1000", "--zero_stage", "0", "--precision", "fp32", "--micro_batch", "8",
-                         "--nodes", "2"]) == 2
+                         "--grad_accum", "1", "--nodes", "2"]) == 2
     assert "--fabric" in capsys.readouterr().err
 
 
@@ -124,3 +124,82 @@ def test_the_shipped_published_tables_are_the_calibration_tables():
         assert {r.accelerators for r in runs} == {n * spec["per_node"] for n in spec["table"]}
         assert {(r.config["micro_batch"], r.config["precision"]) for r in runs} == {(str(spec["micro"]),
                                                                                     spec["precision"])}
+
+
+# BERT-1.5B, Habana's ZeRO-1 layout on DL1, from an 8-Gaudi figure
+DL1_1P5B = ["predict", "--measured", "160", "--measured_nodes", "1", "--model", "bert-1.5b", "--precision", "bf16",
+            "--zero_stage", "1", "--micro_batch", "32", "--global_batch", "12288", "--accelerators_per_node", "8",
+            "--fabric", "dl1"]
+
+
+def test_intervals_from_the_calibration_residuals_cover_the_published_table(capsys):
+    """The interval is the calibration's: the published node counts, predicted from their 1-node figure, lie inside
+    it; beyond the calibrated nodes and across models the output says so; a fabric fitted to nothing has none."""
+    from ds_tools.intervals import t975
+
+    for name in predict.PUBLISHED:
+        table = predict.PUBLISHED[name]["table"]
+        rows = predict.published_prediction(name, params=P)["rows"]
+        resid = [r["seq_per_s"] / table[r["nodes"]] - 1 for r in rows if r["nodes"] != 1]
+        n = len(resid)
+        half = t975(n - 1) * (sum(x * x for x in resid) / (n - 1)) ** 0.5 * (1 + 1 / n) ** 0.5
+        assert predict.calibration(fabrics.FABRICS[name])["rel_half"] == pytest.approx(half)
+        argv = ["predict", "--measured", str(table[1]), "--measured_nodes", "1", "--params", str(P), "--precision",
+                predict.PUBLISHED[name]["precision"], "--zero_stage", "0", "--micro_batch", "64", "--global_batch",
+                "65536", "--accelerators_per_node", "8", "--fabric", name, "--nodes", *map(str, sorted(table)),
+                "--format", "json"]
+        assert scaling_cli.main(argv) == 0
+        res = json.loads(capsys.readouterr().out)
+        for r in res["rows"][1:]:
+            assert r["seq_per_s_low"] <= table[r["nodes"]] <= r["seq_per_s_high"], (name, r)
+            assert not r["extrapolated"]
+        assert res["rows"][0]["seq_per_s_low"] is None        # the measured point: its own uncertainty only
+        assert not any("Across models" in x or "Extrapolated" in x for x in res["notes"])
+    assert scaling_cli.main([*DL1_1P5B, "--nodes", "1", "8", "16"]) == 0
+    md = capsys.readouterr().out
+    assert "| 16 (extrapolated) |" in md and "beyond the calibrated 1-8 nodes" in md
+    assert "Across models: the factor was fitted on bert_large" in md and "bert_1p5b" in md
+    eff16 = [ln for ln in md.splitlines() if ln.startswith("| 16 ")][0].split("|")[8]
+    low, high = map(float, eff16.split("-"))
+    assert low < high                                          # an interval, not one number
+    assert scaling_cli.main([*DL1_1P5B[:-2], "--intra_gbps", "800", "--inter_gbps", "400", "--nodes", "2"]) == 0
+    assert "No interval" in capsys.readouterr().out
+    assert predict.calibration(fabrics.Fabric(**{**fabrics.FABRICS["dl1"].__dict__, "efficiency": 0.1})) is None
+
+
+def test_inputs_that_contradict_each_other_are_refused(tmp_path, capsys):
+    debug = write_run(tmp_path, "debug_n1", 1, 30.0, model="debug", per_node=1, zero_stage=1, precision="bf16")
+    assert scaling_cli.main(["predict", "--from", str(debug), "--model", "bert-1.5b", "--fabric", "dl1",
+                             "--nodes", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--model bert-1.5b" in err and "model debug" in err
+    run = write_run(tmp_path, "n1", 1, 512.0, zero_stage=1, precision="bf16")
+    assert scaling_cli.main(["predict", "--from", str(run), "--zero_stage", "3", "--fabric", "dl1",
+                             "--nodes", "2"]) == 2
+    assert "--zero_stage 3 contradicts the measured run's zero_stage 1" in capsys.readouterr().err
+    # the same model by its alias is no contradiction
+    assert scaling_cli.main(["predict", "--from", str(run), "--model", "bert-large", "--fabric", "dl1",
+                             "--nodes", "2"]) == 0
+    capsys.readouterr()
+    # a bare figure without its accumulation: refused, not taken as accumulation 1
+    assert scaling_cli.main([*[a for a in DL1_1P5B if a not in ("--global_batch", "12288")], "--nodes", "16"]) == 2
+    assert "--global_batch" in capsys.readouterr().err
+
+
+def test_exposed_comm_never_exceeds_comm(tmp_path, capsys):
+    """A run whose measured exposed communication exceeds what the model gives for it (here: a small parameter count
+    named with --params): the excess stays in the step as compute, and exposed <= comm on every row."""
+    run = write_run(tmp_path, "n1", 1, 512.0, phase_data_s=0.01, phase_forward_s=0.3, phase_backward_s=0.4,
+                    phase_comm_s=0.2, phase_step_s=0.05, phase_wait_s=0.04, zero_stage=1, precision="bf16")
+    assert scaling_cli.main(["predict", "--from", str(run), "--params", "1000000", "--fabric", "dgx-a100",
+                             "--nodes", "1", "2", "4", "8", "--format", "json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["rows"][0]["seq_per_s"] == pytest.approx(512.0)    # the measured point is still reproduced
+    assert all(r["exposed_comm_s"] <= r["comm_s"] for r in res["rows"])
+    assert res["overlap"] == 0 and "kept in the step as compute" in res["overlap_source"]
+
+
+def test_report_help_lists_predict(capsys):
+    assert scaling_cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "ds-scaling-report predict" in out and "predict --help" in out
