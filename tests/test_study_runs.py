@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, dist_env
+from ds_tools.intervals import mean_interval
+from ds_tools.study import load_study
 
 pytestmark = pytest.mark.slow
 TIMEOUT = 1500
@@ -113,7 +115,10 @@ def test_two_by_two_study_runs_reports_resumes_and_records_a_failure(tmp_path):
     assert md.count("(baseline)") == 1
 
 
-def test_simulated_nodes_study_gives_the_scaling_table(tmp_path):
+def test_simulated_nodes_study_measures_round_by_round_and_gives_the_scaling_table(tmp_path):
+    """Two rounds of both cells, then (a precision no run can reach) a third round, bounded by max_repeats; cells run
+    interleaved, each with the port `ds-study plan` printed; the scaling table has each scale's mean, interval and
+    the three runs behind it."""
     study = tmp_path / "nodes.toml"
     study.write_text(f"""
 [study]
@@ -124,21 +129,41 @@ args = ["--num_samples", "256"]
 launcher = "simulated_nodes"
 ranks_per_node = 1
 timeout_s = 600
+repeats = 2
+precision = 0.000001
+max_repeats = 3
 
 [axes]
 nodes = [1, 2]
 """)
     out = tmp_path / "out"
+    planned = study_cli("plan", str(study), "--out", str(out), cwd=tmp_path)
+    assert planned.returncode == 0, planned.stdout[-3000:]
     proc = study_cli("run", str(study), "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:]
+    # interleaved: round by round, each round starting one combination later
+    order = [line.split(": ", 1)[1].split(" (repeat")[0] + f" r{line.split('(repeat ')[1][0]}"
+             for line in proc.stdout.splitlines() if line.startswith("[ds-study] cell ")]
+    assert order == ["nodes=1 r0", "nodes=2 r0", "nodes=2 r1", "nodes=1 r1", "nodes=1 r2", "nodes=2 r2"], order
+    assert "measuring done after 3 round(s): 3 run(s) per combination" in proc.stdout
+    for cell in load_study(study).cells():   # the first two rounds: the plan's port is the one the cell used
+        rec = json.loads((out / "cells" / cell.key / "cell.json").read_text())
+        assert f"master port {rec['master_port']}\n" in planned.stdout
+        assert all(c[c.index("--master_port") + 1] == str(rec["master_port"]) for c in rec["command"])
     log = (out / "cells" / "nodes-2__rep0" / "log.txt").read_text()
     assert "node_rank=1" in log and "nnodes=2" in log  # two launchers, each its own simulated node
     rows = json.loads((out / "report" / "report.json").read_text())["scaling"]
-    assert [(r["nodes"], r["accelerators"]) for r in rows] == [(1, 1), (2, 2)]
+    assert [(r["nodes"], r["accelerators"], r["n"]) for r in rows] == [(1, 1, 3), (2, 2, 3)]
+    thr = {n: [[json.loads(x) for x in (out / "cells" / f"nodes-{n}__rep{r}" / "metrics.jsonl").read_text()
+                .splitlines()][-1]["samples_per_s"] for r in range(3)] for n in (1, 2)}
+    for row in rows:
+        est = mean_interval(thr[row["nodes"]])
+        assert row["throughput"] == pytest.approx(est.value, rel=1e-4)
+        assert row["throughput_half"] == pytest.approx(est.half, rel=1e-3)
     assert rows[0]["baseline"] and rows[1]["efficiency"] == pytest.approx(
         rows[1]["per_accelerator"] / rows[0]["per_accelerator"], rel=1e-4)  # the JSON rounds to 4 decimals
-    summary = [json.loads(x) for x in (out / "cells" / "nodes-2__rep0" / "metrics.jsonl").read_text().splitlines()][-1]
-    assert rows[1]["throughput"] == pytest.approx(summary["samples_per_s"], rel=1e-4)
+    assert rows[1]["efficiency_half"] > 0
     md = (out / "report" / "report.md").read_text()
     assert "Scaling over nodes (ds_tools.scaling)" in md and "scaling efficiency %" in md
     assert (out / "report" / "scaling.png").stat().st_size > 1000
+    assert (out / "report" / "throughput.png").stat().st_size > 1000

@@ -144,7 +144,7 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
     samples: dict = {}
     failures: dict = {}
     t0 = time.monotonic()
-    for rnd in range(study.max_repeats):
+    for rnd in range(study.max_repeats + 1):    # the last turn only says why measuring stopped
         todo, why = open_combos(study, samples, failures, rnd, time.monotonic() - t0)
         if not todo:
             say(f"measuring done after {rnd} round(s): {why}")
