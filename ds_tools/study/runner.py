@@ -152,8 +152,9 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
         # interleaved, and each round starts one combination later: none always runs first after a pause
         for i in todo[rnd % len(todo):] + todo[:rnd % len(todo)]:
             cell = study.cell(i, rnd)
-            head = (f"cell {cell.index + 1} (round {rnd + 1}; {counts['ok'] + counts['skipped']} done, "
-                    f"{counts['failed']} failed)")
+            planned = len(study.cells())
+            head = (f"cell {cell.index + 1}" + (f"/{planned}" if cell.index < planned else " (a round for precision)")
+                    + f" ({counts['ok'] + counts['skipped']} done, {counts['failed']} failed)")
             thr = _cell(study, cell, out, env, cwd, rerun, counts, head, say)
             if thr is None:
                 failures[i] = failures.get(i, 0) + 1
