@@ -285,8 +285,8 @@ def rows_of(group: Group) -> list:
     return rows
 
 
-METHOD_NOTE = ("sequences/s: the mean of the n runs at that scale, +- the half-width of its 95 % Student t interval; "
-               "efficiency and speedup: +- from both means' intervals (relative standard errors combined, "
+METHOD_NOTE = ("sequences/s: the mean of the n runs at that scale, ± the half-width of its 95 % Student t interval; "
+               "efficiency and speedup: ± from both means' intervals (relative standard errors combined, "
                "Welch-Satterthwaite degrees of freedom); one run has no interval and says so (ds_tools/intervals.py).")
 
 
