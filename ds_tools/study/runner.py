@@ -139,6 +139,11 @@ def run(study: Study, out: Path, *, rerun: bool = False, stream: TextIO | None =
     shutil.copyfile(study.path, out / "study.toml")
     env = rank_env(pythonpath=[REPO_ROOT], extra=study.env)
     _prepare(study, out, env, cwd, say)
+    if rerun:   # every earlier cell aside first: a later round this run does not reach must not count in its report
+        for cell in study.all_cells():
+            for old, name in ((cell_dir(out, cell), cell.key), (out / "twins" / cell.key, f"twins-{cell.key}")):
+                if old.exists():
+                    _move_aside(out, old, say, name)
     say(measuring_rule(study))
     counts = {"ok": 0, "failed": 0, "skipped": 0}
     samples: dict = {}
