@@ -206,7 +206,7 @@ def published_prediction(name: str, efficiency: float | None = None, params: int
     if efficiency is not None:
         fab = fabrics.Fabric(**{**fab.__dict__, "efficiency": efficiency})
     if params is None:
-        from ds_tools.tuning import model_shape
+        from ds_tools.model_shapes import model_shape
 
         params = model_shape(spec["model"], 128).params
     t = spec["table"]
@@ -231,7 +231,7 @@ def calibrate(name: str, params: int | None = None) -> float:
 
 def _model_key(name: str) -> str:
     """One spelling per model: the preset name a run's summary records (bert_1p5b), whatever alias or path named it."""
-    from ds_tools.tuning import MODEL_ALIASES
+    from ds_tools.model_shapes import MODEL_ALIASES
 
     return MODEL_ALIASES.get(name, Path(name).stem if name.endswith(".json") else name)
 
@@ -243,7 +243,7 @@ def calibration(fab: fabrics.Fabric) -> dict | None:
     if fab.name not in PUBLISHED or fab != fabrics.FABRICS.get(fab.name):
         return None
     spec = PUBLISHED[fab.name]
-    from ds_tools.tuning import model_shape
+    from ds_tools.model_shapes import model_shape
 
     params = model_shape(spec["model"], 128).params
     rows = published_prediction(fab.name, params=params)["rows"]
@@ -471,7 +471,8 @@ def _predict(a: argparse.Namespace) -> dict:
     if a.params:
         params = a.params
     else:
-        from ds_tools.tuning import TuningError, model_shape
+        from ds_tools.model_shapes import model_shape
+        from ds_tools.zero_memory_model import TuningError
 
         model = a.model or summary.get("model")
         if not model:
