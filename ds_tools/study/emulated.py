@@ -12,7 +12,8 @@ factor = bandwidth / tbf rate) and per-call cost from the link probe that ran ov
 
 Measured exposed communication: the run's sampled phase timing (`phase_comm_s`, ds_core.outputs.phases) where the run
 has it; otherwise DeepSpeed's comms logger, or the growth of the step over the 1-node cell; the table says which. Of
-repeated cells the fastest is compared (the least disturbed on a shared machine). Beside the raw efficiency, a
+repeated cells the fastest is compared (the least disturbed on a shared machine); the last column gives the
+efficiency of the means of all repeats with its 95 % interval and n (ds_tools.intervals). Beside the raw efficiency, a
 compute-matched one: the emulated nodes share the host's CPUs (with each other and any other load), so compute per
 rank differs between cells, which no network model predicts; it takes the baseline's compute plus the cell's
 measured non-compute time. Targets: efficiency within 5 points, communication within 25 %.
@@ -26,6 +27,7 @@ from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main
 from ds_tools import fabrics, predict, scaling_explain as explain
+from ds_tools.intervals import Estimate, mean_interval, ratio_interval
 from ds_tools.study.runner import read_summary
 from ds_tools.study.spec import StudyError, load_study
 
@@ -159,6 +161,7 @@ def compare(out: str | Path, efficiency: float | None = None) -> list[dict]:
                 meas_comm = step_s(s) - step_s(s0)
                 how = "step growth over 1 node"
             meas_eff = (s["samples_per_s"] / s["world_size"]) / (s0["samples_per_s"] / s0["world_size"])
+            mean_eff = _mean_efficiency(cells, ones, name, n)
             # the same, had this cell's ranks computed as fast as the baseline's (the emulated nodes share the host's
             # CPUs with any other load: compute per rank varies between cells, which no network model predicts): the
             # baseline's compute plus this cell's measured non-compute time (exposed comm, wait, timing overhead)
@@ -177,11 +180,25 @@ def compare(out: str | Path, efficiency: float | None = None) -> list[dict]:
                          "measured_step_s": step_s(s), "predicted_step_s": p["step_s"],
                          "measured_comm_s": meas_comm, "predicted_comm_s": p["exposed_comm_s"], "comm_from": how,
                          "measured_efficiency": meas_eff, "predicted_efficiency": p["efficiency"],
+                         "measured_efficiency_mean": mean_eff.value, "measured_efficiency_half": mean_eff.half,
+                         "measured_efficiency_n": mean_eff.n, "baseline_n": len(ones),
                          "efficiency_error_points": 100 * (p["efficiency"] - meas_eff),
                          "measured_efficiency_matched": matched,
                          "matched_error_points": None if matched is None else 100 * (p["efficiency"] - matched),
                          "comm_error_rel": (p["exposed_comm_s"] - meas_comm) / meas_comm if meas_comm > 0 else None})
     return rows
+
+
+def _mean_efficiency(cells: list, ones: list, fabric: str, nodes: int) -> Estimate:
+    """Efficiency of the mean of every repeat of (fabric, nodes) against the mean of every 1-node cell, with its 95 %
+    interval (ds_tools.intervals): beside the fastest-run comparison, how far repeats of the study agree."""
+    def per_acc(c: dict) -> float:
+        return c["summary"]["samples_per_s"] / c["summary"]["world_size"]
+
+    mine = [per_acc(c) for c in cells if str(c["values"].get("fabric", fabric)) == fabric
+            and int(c["summary"].get("nodes") or 1) == nodes]
+    eff = ratio_interval(mean_interval(mine), mean_interval([per_acc(c) for c in ones]))
+    return Estimate(eff.value, eff.half, len(mine), eff.df, eff.se)
 
 
 def calibrate(out: str | Path, fabric: str) -> float:
@@ -196,7 +213,8 @@ def calibrate(out: str | Path, fabric: str) -> float:
 def format_md(rows: Sequence[dict]) -> str:
     out = ["| fabric | link | nodes | exposed comm s/step measured | predicted | error % | efficiency % measured | "
            "predicted | error points | efficiency % measured, compute-matched | error points | compute x 1-node | "
-           "per-call cost us | bandwidth factor | collective calls/step |", "|:---|:---|" + "---:|" * 13]
+           "per-call cost us | bandwidth factor | collective calls/step | efficiency % of the means ± 95 % (n) |",
+           "|:---|:---|" + "---:|" * 14]
     for r in rows:
         link = f"{r['mbit']:g} Mbit/s, {r['delay_ms']:g} ms" + ("" if r["latency_emulated"] else " (no netem)")
         err = "n/a" if r["comm_error_rel"] is None else f"{100 * r['comm_error_rel']:+.1f}"
@@ -207,7 +225,8 @@ def format_md(rows: Sequence[dict]) -> str:
         out.append(f"| {r['fabric']} | {link} | {r['nodes']} | {r['measured_comm_s']:.4f} | "
                    f"{r['predicted_comm_s']:.4f} | {err} | {100 * r['measured_efficiency']:.2f} | "
                    f"{100 * r['predicted_efficiency']:.2f} | {r['efficiency_error_points']:+.2f} | {matched} | "
-                   f"{growth} | {call} | {r['efficiency_factor']:.3f} | {1 + r['small_calls'] + r['param_groups']} |")
+                   f"{growth} | {call} | {r['efficiency_factor']:.3f} | {1 + r['small_calls'] + r['param_groups']} | "
+                   f"{_eff_text(r)} |")
     out.append(f"\nTargets: efficiency within {EFFICIENCY_POINTS:g} points, exposed communication within "
                f"{100 * COMM_REL:g} %. Model: ds_tools.predict (DeepSpeed's collectives for the stage, ring "
                "alpha-beta); exposed communication measured by " + ", ".join(sorted({r["comm_from"] for r in rows}))
@@ -220,6 +239,12 @@ def format_md(rows: Sequence[dict]) -> str:
                "assumes 1.00, as on real nodes); compute-matched efficiency: the baseline's compute plus the cell's "
                "measured non-compute time (exposed comm, slowest-rank wait, phase-timing overhead).")
     return "\n".join(out)
+
+
+def _eff_text(r: dict) -> str:
+    half = r.get("measured_efficiency_half")
+    return (f"{100 * r['measured_efficiency_mean']:.2f} " + ("(one run)" if half is None else f"± {100 * half:.2f}")
+            + f" (n={r['measured_efficiency_n']}; 1 node n={r['baseline_n']})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
