@@ -5,7 +5,8 @@ through the real launchers (launch.local_ranks), `ds-study report` writes the ta
     ds-study run studies/bridgetower_dataloading.toml [--out DIR] [--rerun]
     ds-study report runs/studies/bridgetower_dataloading [--from_table CELLS.csv]
 
-The schema is documented in ds_tools/study/spec.py; the directory layout in ds_tools/study/runner.py.
+The schema is documented in ds_tools/study/spec.py, a cell's plan (what it writes and runs) in ds_tools/study/plan.py,
+the measuring rounds and the directory layout in ds_tools/study/runner.py.
 """
 from ds_tools.study.spec import Cell, Study, StudyError, load_study
 
