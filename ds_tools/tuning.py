@@ -190,19 +190,20 @@ def _reason(o: Option, best: Option | None, seq: int) -> str:
     if best.safe and not o.safe:
         return (f"headroom {o.headroom / GIB:.2f} GiB, below the rule's {o.margin / GIB:.2f} GiB "
                 f"({100 * SAFETY_MARGIN:.0f} % of its {gib:.2f} GiB peak){step}")
-    if o.step and best.step:
+    timed = o.step is not None and best.step is not None
+    full = timed and o.step.compute_s is not None and best.step.compute_s is not None   # compute in the step too
+    unit = "s per step" if full else "s of communication per step"
+    if timed:
         t, tb = o.step.total_s, best.step.total_s
         if t > tb * (1 + SAME_SPEED):
-            why = f"slower: {t:.2f} s per step against {tb:.2f} s (+{100 * (t / tb - 1):.0f} %)"
-            if o.step.comm_s > tb:
+            why = f"slower: {t:.2f} {unit} against {tb:.2f} s (+{100 * (t / tb - 1):.0f} %)"
+            if full and o.step.comm_s > tb:
                 why += (f"; its communication alone ({o.step.comm_s:.2f} s) exceeds that step, so no overlap with "
                         f"compute makes it faster")
             return why
-        same = f"as fast ({t:.2f} s per step)"
-    else:
-        same = "ranked below"
-        if o.checkpointing and not best.checkpointing:
-            return f"{same}: recomputes the forward (activation checkpointing)"
+    if o.checkpointing and not best.checkpointing and not full:
+        return "ranked below: recomputes the forward (activation checkpointing)"
+    same = f"as fast ({o.step.total_s:.2f} {unit})" if timed else "ranked below"
     if min(o.micro_batch * seq, SATURATING_TOKENS) < min(best.micro_batch * seq, SATURATING_TOKENS):
         return (f"{same}, with a smaller micro batch: {o.micro_batch * seq} tokens against "
                 f"{best.micro_batch * seq} keep the accelerator less busy")
@@ -395,7 +396,7 @@ def _report(a: argparse.Namespace, out) -> int:
             "ds_config": cfg if a.out == "-" else a.out}
         print(json.dumps({"model": shape.name, "params": shape.params, "ranks": n, "capacity_gib": cap / GIB,
                           "usable_gib": cap * USABLE_FRACTION / GIB, "headroom_rule": HEADROOM_RULE,
-                          "step_time": times.describe(), "rows": [_row_json(o, why) for o, why in shown],
+                          "step_time": times.describe(shape), "rows": [_row_json(o, why) for o, why in shown],
                           "feasible": [_row_json(o, why) for o, why in shown if o.fits],
                           "recommended": rec, "advice": tips}, indent=2), file=out)
         return 0 if best else 1
@@ -417,7 +418,7 @@ def _print_report(a: argparse.Namespace, shape: ModelShape, times: TimeModel, sh
     print(f"Memory: every buffer DeepSpeed 0.19 allocates for the configuration ({a.precision}"
           f"{', fp32 gradient accumulation at ZeRO >= 1' if a.precision == 'bf16' else ''}; ds_tools.tuning.estimate), "
           f"peak = held between steps + the largest phase; activations by formula.")
-    print(times.describe() + "\n")
+    print(times.describe(shape) + "\n")
     print(_table(shown) if shown else "Nothing fits.")
     if not best:
         print("\nNothing fits. What would:")

@@ -54,15 +54,20 @@ class TimeModel:
     ranks_per_node: int
     nodes: int
 
-    def describe(self) -> str:
+    def describe(self, shape: ModelShape) -> str:
         if self.fabric is None:
             return ("Step time: not modelled (no fabric for this accelerator; give --fabric): rows ranked by memory "
                     "and stage only.")
         f = self.fabric
-        comp = (f"compute = 6 x parameters x tokens per sequence (x 4/3 with activation checkpointing) at "
-                f"{100 * self.mfu:.0f} % of the {self.peak_tflops:g} TFLOPs dense peak (--mfu, assumed)"
-                if self.peak_tflops else "compute not modelled (no published peak for this precision): rows ranked "
-                                         "on communication, checkpointed rows last")
+        if not self.peak_tflops:
+            comp = ("compute not modelled (no published peak for this precision): rows ranked on communication, "
+                    "checkpointed rows last")
+        elif len(shape.towers) > 1:
+            comp = (f"compute not modelled ({shape.name} has {len(shape.towers)} towers of different token counts): "
+                    "rows ranked on communication, checkpointed rows last")
+        else:
+            comp = (f"compute = 6 x parameters x tokens per sequence (x 4/3 with activation checkpointing) at "
+                    f"{100 * self.mfu:.0f} % of the {self.peak_tflops:g} TFLOPs dense peak (--mfu, assumed)")
         return (f"Step time = compute + communication, not overlapped: {comp}; communication = the collectives "
                 f"DeepSpeed issues for the stage, as `ds-scaling-report predict` models them, on fabric {f.name} "
                 f"(efficiency factor {f.efficiency}, {f.calibrated_on or 'not calibrated: line rate'}).")

@@ -57,7 +57,7 @@ def test_step_times_use_predicts_collectives_and_fabric():
     assert opts[3, 32].step.comm_s == pytest.approx(6 * opts[3, 192].step.comm_s)
     # the accelerator with no modelled system gets no step times, and the output says so
     none = tuning.time_model("h200", 8, 2, "bf16", None, 0.4)
-    assert none.fabric is None and "not modelled" in none.describe()
+    assert none.fabric is None and "not modelled" in none.describe(shape)
 
 
 def test_top_n_prints_n_rows_and_the_headroom_rule(tmp_path, capsys):
