@@ -1,7 +1,7 @@
 # Two commands for a fresh machine: `make demo` and `make test`. Both create .venv on first use.
 # Versions come from the support matrix, stacks/<stack>.txt (docs/gaudi.md): set-up installs with that file's pins as
 # pip constraints (tools/stacks.py), so a fresh install is what CI tested. STACK=auto picks the stack whose DeepSpeed
-# and transformers the Python already has (a Gaudi image: stacks/gaudi.txt), else stacks/latest.txt.
+# and transformers the Python already has (a Gaudi image: stacks/gaudi-<release>.txt), else stacks/latest.txt.
 # torch is installed (the stack's, the CPU build here) only when no torch is importable: on a Gaudi or GPU machine
 # the venv is made with --system-site-packages so it sees the torch that is already installed and keeps it; where
 # $(PYTHON) is itself a venv (torch in its own site-packages), tools/parent_site.py makes .venv see that venv too.
@@ -45,7 +45,7 @@ WHEELHOUSE_MAX_MB ?= 0
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml stacks/latest.txt stacks/gaudi.txt
+$(STAMP): pyproject.toml $(wildcard stacks/*.txt)
 	@if [ ! -x $(PY) ]; then \
 	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 	    echo "[setup] torch found in $(PYTHON): creating $(VENV) with --system-site-packages to keep it"; \
@@ -91,18 +91,21 @@ test-fast: $(STAMP)
 test-stack: $(STAMP)
 	$(PY) -m pytest -q --durations=15 -m stack tests
 
-# The Gaudi lane (docs/gaudi.md), as a Gaudi user installs: a venv that plays the image's Python (GAUDI_IMAGE:
-# stacks/gaudi.txt's `# image` packages, DeepSpeed from Habana's fork at HABANA_DS, its source tree or release archive;
-# reused while neither changed), the README's `make setup PYTHON=<it>` into GAUDI_VENV (it keeps the image's torch,
-# DeepSpeed and transformers), then `make test-stack` there:
-#   make test-gaudi HABANA_DS=path/to/habana-deepspeed-1.21.0.tar.gz
+# A Gaudi lane (docs/gaudi.md), as a Gaudi user installs: a venv that plays the image's Python (GAUDI_IMAGE: the
+# `# image` packages of stacks/gaudi-$(GAUDI).txt on the stack's Python version, DeepSpeed from Habana's fork at
+# HABANA_DS, its source tree or release archive; reused while neither changed), the README's `make setup PYTHON=<it>`
+# into GAUDI_VENV (it keeps the image's torch, DeepSpeed and transformers), then `make test-stack` there. GAUDI: the
+# Intel Gaudi software release (1.23: Gaudi 2/3; 1.21: the last for first-gen Gaudi, AWS DL1):
+#   make test-gaudi GAUDI=1.21 HABANA_DS=path/to/habana-deepspeed-1.21.0.tar.gz
 HABANA_DS   ?=
-GAUDI_IMAGE ?= .gaudi-image
-GAUDI_VENV  ?= .venv-gaudi
+GAUDI       ?= 1.23
+GAUDI_IMAGE ?= .gaudi-image-$(GAUDI)
+GAUDI_VENV  ?= .venv-gaudi-$(GAUDI)
 test-gaudi:
 	@test -n "$(HABANA_DS)" || { echo "make test-gaudi: set HABANA_DS to Habana's DeepSpeed fork (its source tree or release archive, e.g. habana-deepspeed-1.21.0.tar.gz)" >&2; exit 2; }
-	$(PYTHON) tools/stacks.py image --stack gaudi --fork "$(HABANA_DS)" --venv $(GAUDI_IMAGE)
-	$(MAKE) test-stack PYTHON=$(abspath $(GAUDI_IMAGE))/bin/python VENV=$(GAUDI_VENV) STACK=gaudi \
+	@test -f stacks/gaudi-$(GAUDI).txt || { echo "make test-gaudi: GAUDI=$(GAUDI): no stacks/gaudi-$(GAUDI).txt (tested releases: $$(ls stacks | sed -n 's/^gaudi-\(.*\)\.txt$$/\1/p' | tr '\n' ' '))" >&2; exit 2; }
+	$(PYTHON) tools/stacks.py image --stack gaudi-$(GAUDI) --fork "$(HABANA_DS)" --venv $(GAUDI_IMAGE)
+	$(MAKE) test-stack PYTHON=$(abspath $(GAUDI_IMAGE))/bin/python VENV=$(GAUDI_VENV) STACK=gaudi-$(GAUDI) \
 	  EXTRAS=$(EXTRAS) TORCH_EXTENSIONS_DIR=$(abspath $(GAUDI_VENV))/torch_extensions
 
 bench: $(STAMP)
@@ -116,7 +119,7 @@ bench: $(STAMP)
 
 # every wheel the toolkit needs beyond BASE (the packages the target already has), for Python PY_VER on PLATFORM, at
 # the versions of the stack the target's set-up installs with (STACK; auto builds latest's: for a Gaudi image's
-# cluster, STACK=gaudi with a BASE of the image's packages);
+# cluster, STACK=gaudi-1.23 (or gaudi-1.21) with a BASE of the image's packages);
 # DeepSpeed built here from its sdist (needs this machine's venv: pip, packaging, torch for DeepSpeed's setup.py).
 # `make wheelhouse PY=3.12 PLATFORM=manylinux_2_28_x86_64`: on this target PY names the target's Python version.
 wheelhouse:
@@ -137,4 +140,4 @@ gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check --budget $(GPU_CHECK_BUDGET) --started_at $(GPU_CHECK_T0) $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(GAUDI_VENV) $(GAUDI_IMAGE) demo_out runs .pytest_cache
+	rm -rf $(VENV) .venv-gaudi-* .gaudi-image-* demo_out runs .pytest_cache

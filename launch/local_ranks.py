@@ -194,20 +194,34 @@ class LauncherGroup:
             self._log = subprocess.DEVNULL
 
     def wait(self, timeout_s: float, on_poll: Callable[[], None] | None = None, poll_s: float = 1.0,
-             fail_fast: bool = True, grace_s: float = 0.0) -> LaunchResult:
+             fail_fast: bool = True, grace_s: float = 0.0, peer_exit_s: float | None = None) -> LaunchResult:
         """Wait for every process; after `timeout_s` kill them all. With `fail_fast`, one process failing ends the
         others (a simulated node or rank whose peer died would otherwise wait for its collective timeout): SIGTERM
         and up to `grace_s` to finish (a rank in the middle of a checkpoint write finishes it, as DeepSpeed's
-        launch.py allows 30 s), then SIGKILL."""
+        launch.py allows 30 s), then SIGKILL. With `peer_exit_s`, one process ending well while its peers run is
+        bounded too: ranks of one job end together (every entry point's last collective is the barrier of
+        ds_core.rank.engine.shutdown_distributed), so a peer still running `peer_exit_s` after one ended is waiting
+        for a rank that is gone, and is ended the same way (result.extra["peer_exit"]: which ended, which were
+        ended)."""
         t0 = time.monotonic()
         timed_out = False
         codes: list[int | None] = [None] * len(self.procs)
+        first_end: tuple[int, float] | None = None  # (index, when) of the first process that ended with status 0
+        extra: dict = {}
         try:
             while True:
                 codes = self.poll()
                 if all(c is not None for c in codes):
                     break
-                if fail_fast and any(c not in (None, 0) for c in codes):
+                if first_end is None and 0 in codes:
+                    first_end = (codes.index(0), time.monotonic())
+                failed = fail_fast and any(c not in (None, 0) for c in codes)
+                stranded = peer_exit_s is not None and first_end is not None and \
+                    time.monotonic() - first_end[1] > peer_exit_s
+                if failed or stranded:
+                    if stranded and not failed:
+                        extra["peer_exit"] = {"ended": first_end[0], "after_s": peer_exit_s,
+                                              "running": [i for i, c in enumerate(codes) if c is None]}
                     if grace_s > 0:
                         self.signal(signal.SIGTERM)
                         end = time.monotonic() + grace_s
@@ -221,11 +235,11 @@ class LauncherGroup:
                     on_poll()
                 time.sleep(poll_s)
         finally:
-            if not (fail_fast and grace_s > 0 and any(c not in (None, 0) for c in codes)):
+            if not (grace_s > 0 and (extra or (fail_fast and any(c not in (None, 0) for c in codes)))):
                 codes = self.poll()
             self.kill()
         return LaunchResult([p.returncode for p in self.procs], timed_out, time.monotonic() - t0, self.log_path,
-                            killed=[c is None for c in codes])
+                            extra=extra, killed=[c is None for c in codes])
 
 
 def run_launchers(cmds: Sequence[Sequence[str]], *, env: Mapping[str, str], cwd: str | os.PathLike,
@@ -235,13 +249,19 @@ def run_launchers(cmds: Sequence[Sequence[str]], *, env: Mapping[str, str], cwd:
     return LauncherGroup(cmds, env=env, cwd=cwd, log_path=log_path).wait(timeout_s, on_poll=on_poll, poll_s=poll_s)
 
 
+# How long the ranks of one job may outlive a rank that ended well (launch.local_ranks, run_ranks): every entry point
+# ends with a barrier (ds_core.rank.engine.shutdown_distributed), after which a rank only leaves its process (a few
+# seconds on a loaded host); one still running after this is waiting for a peer that is gone.
+PEER_EXIT_S = 120.0
+
+
 def run_ranks(cmds: Sequence[tuple[Sequence[str], Mapping[str, str]]], *, cwd: str | os.PathLike, timeout_s: float,
               log_path: str | os.PathLike | None = None, on_poll: Callable[[], None] | None = None,
               poll_s: float = 1.0, grace_s: float = 30.0) -> LaunchResult:
     """Start ranks made by `rank_commands`, wait up to `timeout_s`; one failing rank ends the others after `grace_s`
     (a peer left alone would wait for its collective timeout), as DeepSpeed's launch.py does."""
     group = LauncherGroup([c for c, _ in cmds], envs=[e for _, e in cmds], cwd=cwd, log_path=log_path)
-    return group.wait(timeout_s, on_poll=on_poll, poll_s=poll_s, grace_s=grace_s)
+    return group.wait(timeout_s, on_poll=on_poll, poll_s=poll_s, grace_s=grace_s, peer_exit_s=PEER_EXIT_S)
 
 
 _CLI_FLAGS = {"--no_local_rank", "-h", "--help"}
@@ -279,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout_s", type=float, default=0, help="kill every rank after this long (default: never)")
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS per rank (default: inherited)")
     ap.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the target")
+    ap.add_argument("--peer_exit_s", type=float, default=PEER_EXIT_S,
+                    help=f"end the other ranks this long after one ended with status 0 while they still run (they "
+                         f"wait for a rank that is gone), exit status 1 (default {PEER_EXIT_S:.0f})")
     a = ap.parse_args(ours)
     if not target:
         ap.error("no target: expected -m MODULE or a script path, then its arguments")
@@ -301,10 +324,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                           inherit_output=True)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: group.signal(signum))
-    res = group.wait(a.timeout_s or float("inf"), poll_s=0.1, grace_s=30.0)
+    res = group.wait(a.timeout_s or float("inf"), poll_s=0.1, grace_s=30.0, peer_exit_s=a.peer_exit_s)
     if res.timed_out:
         print(f"[launch.local_ranks] timed out after {a.timeout_s:.0f} s: every rank killed", file=sys.stderr)
     code = res.exit_code
+    failed = next((i for i, (c, k) in enumerate(zip(res.codes, res.killed)) if c != 0 and not k), None)
+    if "peer_exit" in res.extra:
+        gone = res.extra["peer_exit"]
+        print(f"[launch.local_ranks] rank {gone['ended']} ended (status 0) and rank(s) "
+              f"{', '.join(map(str, gone['running']))} still ran {a.peer_exit_s:.0f} s later, waiting for it: ended "
+              f"them; exit status 1", file=sys.stderr)
+        return 1
+    if failed is not None and any(res.killed):
+        print(f"[launch.local_ranks] rank {failed} failed (exit status {res.codes[failed]}): the other ranks were "
+              f"ended", file=sys.stderr)
     return 128 - code if code < 0 else code  # a rank killed by signal S: the shell's 128 + S
 
 

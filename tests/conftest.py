@@ -45,8 +45,13 @@ def run_group(cmd: list[str], timeout: float, cwd: Path | None = None,
     killed (launch.local_ranks.LauncherGroup) and the test fails with the output."""
     with tempfile.TemporaryDirectory(prefix="run_group_") as d:
         log = Path(d) / "out.txt"
-        res = local_ranks.LauncherGroup([cmd], env=env or dict(os.environ), cwd=cwd or REPO, log_path=log).wait(
-            timeout, poll_s=0.2, fail_fast=False)
+        group = local_ranks.LauncherGroup([cmd], env=env or dict(os.environ), cwd=cwd or REPO, log_path=log)
+        try:
+            res = group.wait(timeout, poll_s=0.2, fail_fast=False)
+        except pytest.fail.Exception as limit:  # the per-test time limit (pytest-timeout) ended the test meanwhile
+            group.kill()
+            pytest.fail(f"{str(limit).splitlines()[0]}; process group killed: {' '.join(cmd)}\nits last lines:\n"
+                        f"{log.read_text(errors='replace')[-8000:]}", pytrace=False)
         out = log.read_text(errors="replace")
     if res.timed_out:
         pytest.fail(f"timed out after {timeout:.0f} s, process group killed: {' '.join(cmd)}\n{out[-8000:]}")

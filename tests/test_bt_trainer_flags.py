@@ -194,3 +194,47 @@ def test_checkpoint_links_follow_complete_checkpoints_and_pruning(tmp_path):
     shutil.rmtree(root / "global_step2")  # pruned by save_total_limit
     link_checkpoints(tmp_path, root)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-9"]
+
+
+def _bool_flags(tree: type) -> list[tuple[str, str, object, object]]:
+    """(flag, section, field, value when true) of every boolean setting of a settings tree, FLAG_CONSTS included."""
+    from ds_core.config import section_types
+
+    found = []
+    for section, cls in section_types(tree).items():
+        for f in dataclasses.fields(cls):
+            if f.type in (bool, "bool"):
+                found.append((f"--{f.name}", section, f.name, True))
+        for flag, (name, on, _off) in getattr(cls, "FLAG_CONSTS", {}).items():
+            found.append((flag, section, name, on))
+    return found
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("tree", ["bridgetower", "bert"])
+def test_every_boolean_flag_takes_trainers_forms(tree, tmp_path):
+    """`--flag`, `--flag True`, `--flag false` (and yes/no, 1/0), as optimum-habana's commands write them
+    (HfArgumentParser's bool fields; `--bf16` too, whose false is fp32); any other word is refused naming the flag."""
+    from bert_ref.configs import BertSettings
+
+    settings = {"bridgetower": BridgeTowerSettings, "bert": BertSettings}[tree]
+    base = {"bridgetower": [], "bert": ["--input_dir", str(tmp_path)]}[tree]
+    flags = _bool_flags(settings)
+    assert len(flags) >= (20 if tree == "bridgetower" else 5) and any(f[0] == "--bf16" for f in flags)
+    for flag, section, name, on in flags:
+        if flag.startswith("--no_"):
+            continue
+
+        def parsed(*argv):  # the setting's value, or the refusal of a flag that needs others (--reset_optimizer)
+            try:
+                return getattr(getattr(parse_settings(settings, base + list(argv)), section), name)
+            except ConfigError as e:
+                return f"refused: {e}"
+
+        true_forms = {repr(parsed(flag)), repr(parsed(flag, "True")), repr(parsed(flag, "yes"))}
+        assert len(true_forms) == 1, (flag, true_forms)
+        assert parsed(flag) == on or str(parsed(flag)).startswith("refused"), (flag, parsed(flag))
+        false_forms = {repr(parsed(flag, "false")), repr(parsed(flag, "0")), repr(parsed(flag, "No"))}
+        assert len(false_forms) == 1 and parsed(flag, "false") != on, (flag, false_forms)
+        with pytest.raises((ConfigError, SystemExit)):
+            parse_settings(settings, base + [flag, "maybe"])

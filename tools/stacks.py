@@ -2,7 +2,7 @@
 with them.
 
     python tools/stacks.py constraints --stack auto --out .venv/constraints.txt   (make setup)
-    python tools/stacks.py image --stack gaudi --fork PATH --venv .gaudi-image     (make test-gaudi)
+    python tools/stacks.py image --stack gaudi-1.21 --fork PATH --venv .gaudi-image-1.21  (make test-gaudi)
     python tools/stacks.py which                                                   (the stack this Python matches)
     python tools/stacks.py freeze --stack latest                                   (rewrite a stack file from here)
 
@@ -91,18 +91,72 @@ def installed(inherited_only: bool = False) -> dict[str, str]:
 
 
 def choose(stack: str, have: dict[str, str]) -> tuple[str, str]:
-    """(stack name, why). auto: the stack whose DeepSpeed (major.minor) and transformers (major) the installed ones
-    match; nothing installed yet, or no stack matching, gives `latest`."""
+    """(stack name, why). auto: the stack the installed torch, DeepSpeed and transformers are closest to: each must
+    have the stack's major release (DeepSpeed: major.minor), then the stack whose versions match at major.minor
+    most often wins (an image of a Gaudi release between two tested ones, 1.22's torch 2.7 and transformers 4.51,
+    takes the stack of its transformers and DeepSpeed). Nothing installed yet, or no stack matching, gives `latest`."""
     if stack != "auto":
         read_stack(stack)
         return stack, "asked for"
+    best, best_score = None, -1
     for name in stack_names():
         pins, _ = read_stack(name)
-        same = [pkg for pkg, n in (("deepspeed", 2), ("transformers", 1))
-                if pkg in have and release(have[pkg])[:n] == release(pins.get(pkg, ""))[:n]]
-        if same and all(pkg not in have or pkg in same for pkg in ("deepspeed", "transformers")):
-            return name, "installed " + ", ".join(f"{p} {have[p]}" for p in same)
-    return "latest", "nothing installed matches another stack"
+        found = [p for p in KEPT if p in have and p in pins]
+        major = {"deepspeed": 2, "transformers": 1, "torch": 1}
+        if not any(p != "torch" for p in found) or any(
+                release(have[p])[:major[p]] != release(pins[p])[:major[p]] for p in found):
+            continue
+        score = sum(release(have[p])[:2] == release(pins[p])[:2] for p in found)
+        if score > best_score or (score == best_score and best is not None and name < best):
+            best, best_score = name, score
+    if best is None:
+        return "latest", "nothing installed matches another stack"
+    return best, "installed " + ", ".join(f"{p} {have[p]}" for p in KEPT if p in have)
+
+
+# Intel Gaudi software releases in use and the PyTorch each ships (Intel Gaudi support matrix,
+# https://docs.habana.ai/en/latest/Support_Matrix/Support_Matrix.html and its per-release pages): set-up names the
+# release an image's torch belongs to. 1.21 is the last release for first-gen Gaudi (AWS DL1); 1.22 and 1.23 run
+# Gaudi 2 and Gaudi 3.
+GAUDI_TORCH = {"1.21": (2, 6), "1.22": (2, 7), "1.23": (2, 9)}
+
+
+def stack_meta(name: str) -> dict[str, str]:
+    """The `# key: value` lines of a stack file's header (gaudi: the Gaudi software release; python: the Python
+    version its lane runs)."""
+    meta = {}
+    for line in (STACKS / f"{name}.txt").read_text().splitlines():
+        m = re.fullmatch(r"#\s*(gaudi|python):\s*(\S+)\s*", line)
+        if m:
+            meta[m.group(1)] = m.group(2)
+    return meta
+
+
+def gaudi_release(have: dict[str, str]) -> str | None:
+    """The Intel Gaudi software release these packages are: habana-torch-plugin's version where installed (a Gaudi
+    image), else the release whose PyTorch the installed torch is, where DeepSpeed is the 0.16 line of Habana's fork."""
+    plugin = have.get("habana-torch-plugin")
+    if plugin:
+        return ".".join(map(str, release(plugin)[:2]))
+    if "torch" not in have or release(have.get("deepspeed", ""))[:2] != (0, 16):
+        return None
+    return next((rel for rel, torch in GAUDI_TORCH.items() if release(have["torch"])[:2] == torch), None)
+
+
+def describe(name: str, have: dict[str, str]) -> str:
+    """What set-up says of the stack it chose: the Gaudi release the packages match, and whether CI tests it as such
+    or it lies between two tested stacks."""
+    rel, meta = gaudi_release(have), stack_meta(name)
+    if rel is None:
+        return f"stack {name}"
+    tested = sorted((stack_meta(s)["gaudi"], s) for s in stack_names() if "gaudi" in stack_meta(s))
+    if meta.get("gaudi") == rel:
+        return f"Intel Gaudi software {rel}: stack {name}"
+    lower = [s for r, s in tested if release(r) < release(rel)]
+    upper = [s for r, s in tested if release(r) > release(rel)]
+    where = (f"between the tested stacks {lower[-1]} and {upper[0]}, covered by both ends" if lower and upper else
+             "outside the tested Gaudi releases")
+    return f"Intel Gaudi software {rel} ({where}): stack {name}"
 
 
 def kept_too_old(have: dict[str, str]) -> list[str]:
@@ -140,7 +194,7 @@ def cmd_constraints(args: argparse.Namespace) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(f"# written by tools/stacks.py from stacks/{name}.txt; {why}\n" + "\n".join(lines) + "\n")
     kept = ", ".join(f"{p} {image[p]}" for p in KEPT if p in image) or "none: no image packages"
-    print(f"[setup] stack {name} (stacks/{name}.txt; {why}); kept as installed: {kept}")
+    print(f"[setup] {describe(name, have)} (stacks/{name}.txt; {why}); kept as installed: {kept}")
     return 0
 
 
@@ -150,14 +204,16 @@ def cmd_which(args: argparse.Namespace) -> int:
     pins, _ = read_stack(name)
     off = [f"{p} {have.get(p, 'missing')} (tested: {v})" for p, v in pins.items()
            if not IMAGE_RUNTIME.match(p) and release(have.get(p, "")) != release(v)]
-    print(f"stack {name} ({why}): " + ("every package as tested" if not off else
+    print(f"{describe(name, have)} ({why}): " + ("every package as tested" if not off else
                                        f"{len(off)} package(s) differ from it: " + "; ".join(off)))
     return 0
 
 
-def fingerprint(stack: str, fork: Path) -> str:
-    """What an image venv was built from: the stack file and the fork's bytes (a directory: its file list)."""
-    h = hashlib.sha256((STACKS / f"{stack}.txt").read_bytes())
+def fingerprint(stack: str, fork: Path, python: str) -> str:
+    """What an image venv was built from: the stack's `# image` pins, its Python and the fork's bytes (a directory:
+    its file list). The stack's other pins are set-up's, not the image's: re-freezing them keeps the image."""
+    pins, image = read_stack(stack)
+    h = hashlib.sha256(("\n".join(f"{p}=={pins[p]}" for p in sorted(image)) + f"\npython {python}\n").encode())
     if fork.is_file():
         h.update(fork.read_bytes())
     else:
@@ -175,13 +231,14 @@ def cmd_image(args: argparse.Namespace) -> int:
         print(f"error: --fork {args.fork}: no such file or directory (Habana's DeepSpeed fork: its source tree or "
               f"release archive, e.g. habana-deepspeed-1.21.0.tar.gz)", file=sys.stderr)
         return 2
-    stamp, want = venv / ".image", fingerprint(args.stack, fork)
+    version = stack_meta(args.stack).get("python")
+    stamp, want = venv / ".image", fingerprint(args.stack, fork, args.python or version or "")
     py = venv / "bin" / "python"
     if stamp.is_file() and stamp.read_text().strip() == want and py.exists():
-        print(f"[image] {venv}: already built from stacks/{args.stack}.txt and {fork.name}")
+        print(f"[image] {venv}: already built from stacks/{args.stack}.txt's image and {fork.name}")
         return 0
     pip = [str(py), "-m", "pip", "install", "-q", "-c", str(STACKS / f"{args.stack}.txt")]
-    run([sys.executable, "-m", "venv", "--clear", str(venv)])
+    run([args.python or find_python(version), "-m", "venv", "--clear", str(venv)])
     # the fork builds without pip's isolated environment (its setup.py imports torch): wheel must be there
     run(pip + ["wheel", "setuptools"])
     run(pip + sorted(f"{p}=={pins[p]}" for p in image if p != "deepspeed"))
@@ -195,6 +252,26 @@ def cmd_image(args: argparse.Namespace) -> int:
     stamp.write_text(want + "\n")
     print(f"[image] {venv}: " + ", ".join(f"{p}=={pins[p]}" for p in sorted(image)) + f" (deepspeed {got})")
     return 0
+
+
+def find_python(version: str | None) -> str:
+    """An interpreter of `version` (X.Y; None: this one): `pythonX.Y` on PATH where it runs (a pyenv shim of a version
+    not selected does not), else pyenv's install of it, else /usr/bin's. The image's Python is the stack's: Gaudi
+    1.21's images run Ubuntu 22.04's Python 3.10."""
+    import glob
+    import shutil
+
+    if version is None or ".".join(map(str, sys.version_info[:2])) == version:
+        return sys.executable
+    exe = f"python{version}"
+    roots = [os.environ.get("PYENV_ROOT", ""), str(Path.home() / ".pyenv")]
+    pyenv = [f for r in roots if r for f in sorted(glob.glob(f"{r}/versions/{version}.*/bin/{exe}"), reverse=True)]
+    for cand in [shutil.which(exe), *pyenv, f"/usr/bin/{exe}"]:
+        if cand and os.access(cand, os.X_OK) and subprocess.run([cand, "-c", "pass"],
+                                                                capture_output=True).returncode == 0:
+            return cand
+    raise SystemExit(f"error: the stack's Python {version} was not found (no working {exe} on PATH, in pyenv's "
+                     f"versions or /usr/bin): install it, or give --python")
 
 
 def run(cmd: list[str], env: dict | None = None) -> None:
@@ -250,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("which", help="the stack this Python matches, and what differs from it", allow_abbrev=False)
     i = sub.add_parser("image", help="a venv playing a stack's image (its `# image` packages, DeepSpeed from --fork)",
                        allow_abbrev=False)
-    i.add_argument("--stack", default="gaudi")
+    i.add_argument("--stack", default="gaudi-1.23")
+    i.add_argument("--python", default="", help="the image's Python (default: the stack's `# python:` version)")
     i.add_argument("--fork", required=True, help="Habana's DeepSpeed fork: source tree or release archive")
     i.add_argument("--venv", required=True, help="the venv to make (reused where built from the same files)")
     f = sub.add_parser("freeze", help="rewrite a stack file from this environment", allow_abbrev=False)

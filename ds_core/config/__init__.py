@@ -33,8 +33,9 @@ def arg(text: str, *, aliases: Sequence[str] = (), **kw: Any) -> Any:
 
     aliases: other flag names for the same setting (HfArgumentParser's "aliases" metadata), e.g. transformers'
     `--output_dir` for `--run_dir`: one setting, two spellings, no second parser. A flag that sets a field to a
-    fixed value (`--bf16` -> precision "bf16") goes in the class attribute FLAG_CONSTS = {"--bf16": ("precision",
-    "bf16")} (HfArgumentParser hands every metadata key to argparse, so it cannot live in the field's metadata)."""
+    fixed value (`--bf16` -> precision "bf16", `--bf16 false` -> "fp32") goes in the class attribute
+    FLAG_CONSTS = {"--bf16": ("precision", "bf16", "fp32")} (HfArgumentParser hands every metadata key to argparse,
+    so it cannot live in the field's metadata)."""
     metadata: dict[str, Any] = {"help": text}
     if aliases:
         metadata["aliases"] = list(aliases)
@@ -46,7 +47,7 @@ class TrainConfig:
     """Settings of the training loop shared by every model (DeepSpeed's own settings stay in the DeepSpeed JSON)."""
 
     # transformers' `--bf16` is `--precision bf16` (a class attribute, not a field: parse_args reads it)
-    FLAG_CONSTS = {"--bf16": ("precision", "bf16")}
+    FLAG_CONSTS = {"--bf16": ("precision", "bf16", "fp32")}
 
     run_dir: str = arg("Output directory: run_config.json, ds_config.json, metrics.jsonl, checkpoints/.",
                          default="runs/default", aliases=["--output_dir"])
@@ -197,6 +198,23 @@ def settings_parser(types: Sequence[type], description: str | None, prog: str | 
     return parser
 
 
+class _BoolConst(argparse.Action):
+    """A FLAG_CONSTS flag in the forms HfArgumentParser gives a bool field (`--bf16`, `--bf16 True`, `--bf16 false`):
+    const = (the field's value when true, when false); the word is read by transformers' own string_to_bool."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from transformers.hf_argparser import string_to_bool
+
+        on, off = self.const
+        try:
+            # `--bf16` alone: argparse hands nargs='?' its const
+            setting = True if values is None or values is self.const else string_to_bool(values)
+        except argparse.ArgumentTypeError:
+            raise ConfigError(f"{option_string} {values}: expected nothing, or a boolean (true/false, yes/no, 1/0)") \
+                from None
+        setattr(namespace, self.dest, on if setting else off)
+
+
 def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, description: str | None = None,
                prog: str | None = None) -> tuple:
     """Parse dataclass types from `--config FILE.json` (defaults) and flags (overrides); one instance per type.
@@ -210,8 +228,10 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
                                                        "command line override it.")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="Set by launchers; ignored.")
     for t in types:  # flags that set a field to a fixed value (FLAG_CONSTS), writing the field's own dest
-        for flag, (name, value) in getattr(t, "FLAG_CONSTS", {}).items():
-            parser.add_argument(flag, dest=name, action="store_const", const=value, help=f"same as --{name} {value}")
+        for flag, (name, value, off) in getattr(t, "FLAG_CONSTS", {}).items():
+            parser.add_argument(flag, dest=name, nargs="?", metavar="BOOL", action=_BoolConst, const=(value, off),
+                                help=f"same as --{name} {value} (`{flag}`, `{flag} true`; `{flag} false`: "
+                                     f"--{name} {off}), as transformers' TrainingArguments takes it")
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
         path = config_file(pre.config)

@@ -80,8 +80,13 @@ def shutdown_distributed() -> None:
     called on the error path, where a dead peer could make a collective-style shutdown wait. For gloo it does NOT
     stop the group's threads while anything still holds the group (DeepSpeed's engine does, until the process
     ends): ProcessGroupGloo.shutdown() is a no-op, its work and transport threads live until the C++ object dies.
-    That is why a rank ends through ds_core.rank.process_end.run_main, not through interpreter finalisation."""
+    That is why a rank ends through ds_core.rank.process_end.run_main, not through interpreter finalisation.
+
+    A barrier comes first: the ranks of a run that went well leave together, after rank 0's last writes, so a
+    launcher can take a rank still running well after a peer ended for one waiting on a peer that is gone
+    (launch.local_ranks.PEER_EXIT_S)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
