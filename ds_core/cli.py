@@ -93,7 +93,7 @@ def json_stdout() -> Iterator[TextIO]:
                                       if isinstance(lg, logging.Logger))]
     for lg in loggers:
         for h in lg.handlers:
-            if isinstance(h, logging.StreamHandler) and h.stream is real:
+            if isinstance(h, logging.StreamHandler) and h.stream in (real, sys.__stdout__):
                 h.setStream(sys.stderr)
     with contextlib.redirect_stdout(sys.stderr):
         yield real
