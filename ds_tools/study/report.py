@@ -317,7 +317,7 @@ def bars_figure(sources: list[tuple[str, list[Combo]]], axes: list[str]):
             ax.bar(xs, [c.mean for c in mine], width, yerr=[c.half or 0 for c in mine], capsize=3,
                    label=f"{hue}={h}" if hue else None, color=f"C{j % 10}")
             for x, c in zip(xs, mine):
-                ax.annotate(f"{c.mean:.1f} (n={len(c.samples)})", (x, c.mean + (c.half or 0) + 0.01 * top),
+                ax.annotate(f"{c.mean:.1f} (n={len(c.samples)})", (x, c.mean + (c.half or 0) + 0.03 * top),
                             ha="center", va="bottom", rotation=90, fontsize=7)
         ax.set_ylim(0, top * 1.45)   # room for the upright labels
         ax.set_xticks(range(len(groups)))
