@@ -133,7 +133,8 @@ def ours_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> dic
     from bert_ref.model import flops_per_sequence
     from bert_ref.step import make_step_fn
     from ds_core.config import TrainConfig
-    from ds_core.rank.engine import compile_model, set_seed
+    from ds_core.rank.compile import compile_model
+    from ds_core.rank.dist import set_seed
     from ds_core.run.setup import LoopSettings, Run
     from ds_core.run.trainer import ModelInfo, Trainer
 
@@ -255,7 +256,7 @@ def trainer_part(a: argparse.Namespace, tmp: Path, shards: Path, dtype: str) -> 
     from bert_ref.model import hf_config
     from bert_ref.optim import build_optimizer
     from ds_core.config.optim import OptimArgs
-    from ds_core.rank.engine import set_seed
+    from ds_core.rank.dist import set_seed
 
     preset = _slice(a.model)
     set_seed(0)
@@ -322,7 +323,7 @@ def side_worker(a: argparse.Namespace, side: str, shards: Path, out: Path) -> No
     """One measurement window in its own process: build `side` (ours / trainer), train warm-up + --steps optimizer
     steps, write its numbers to `out`. A fresh process per window: neither side inherits the other's heap, caches or
     threads, and a window's numbers are not skewed by which side happened to run first in one process."""
-    from ds_core.rank.engine import init_distributed, shutdown_distributed
+    from ds_core.rank.dist import init_distributed, shutdown_distributed
 
     global _DIST
     if a.threads:
@@ -435,7 +436,7 @@ def memory_worker(stage: int, out: Path) -> None:
     """One rank of the memory launch: build the 1.5B slice engine, run 2 optimizer steps, write this rank's numbers."""
     from bert_ref.data import build_data
     from bert_ref.step import step_fn
-    from ds_core.rank.engine import init_distributed, set_seed, shutdown_distributed
+    from ds_core.rank.dist import init_distributed, set_seed, shutdown_distributed
 
     preset = _memory_slice(os.environ.get("BENCH_MEMORY_MODEL", BIG_SLICE["name"]))
     dist = init_distributed()
@@ -507,7 +508,7 @@ def main() -> None:
                          "32 on 8 GPUs), so the optimizer is amortised as there; 1 shows the optimizer's share")
     ap.add_argument("--compile", default="off", choices=("off", "on"),
                     help="our side's model and losses through torch.compile as `--compile on` runs them "
-                         "(ds_core.rank.engine.compile_model); the Trainer stays eager")
+                         "(ds_core.rank.compile.compile_model); the Trainer stays eager")
     ap.add_argument("--steps", type=int, default=2, help="measured optimizer steps per window (after --warmup)")
     ap.add_argument("--profile_steps", type=int, default=0,
                     help="torch.profiler over this many warm-up steps of each side (ds_core.outputs.profile: aten ops, "
@@ -594,7 +595,7 @@ def main() -> None:
     print(json.dumps(result))
 
 
-_DIST = None  # ds_core.rank.engine.DistInfo of this process, set in main()
+_DIST = None  # ds_core.rank.dist.DistInfo of this process, set in main()
 
 if __name__ == "__main__":
     run_main(main)  # ends without interpreter finalisation: see ds_core.rank.process_end

@@ -161,7 +161,7 @@ def _bt(name: str, layers: int, setting: str, dtype: str, image_size: int = 0):
 def count(name: str, layers: int, setting: str, dtype: str = "bf16", image_size: int = 0) -> dict:
     """Both counts (the module's docstring) of one preset: total, DeepSpeed's engine.step (ZeRO + the optimizer) and
     the optimizer's own step; steps 1-2 warm up, 3 is dispatch-counted, 4-5 profiled."""
-    from ds_core.rank.engine import init_distributed, set_seed
+    from ds_core.rank.dist import init_distributed, set_seed
 
     init_distributed()  # a world of one on a free port
     set_seed(0)

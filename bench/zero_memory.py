@@ -123,7 +123,7 @@ def worker(cases: list, out: Path, seq: int) -> None:
     import torch
     from transformers import BertConfig, BertForPreTraining
 
-    from ds_core.rank.engine import init_distributed, shutdown_distributed
+    from ds_core.rank.dist import init_distributed, shutdown_distributed
 
     init_distributed()  # DeepSpeed's, plus the release of its CPU allreduce workspace name in /dev/shm
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

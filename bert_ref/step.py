@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from bert_ref.data import IGNORE_INDEX
 from ds_core.compat.hf import padding_mask
 from ds_core.errors import ConfigError
-from ds_core.rank.engine import compile_backend
+from ds_core.rank.compile import compile_backend
 from ds_core.run.loop import StepOutput, to_device
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
@@ -44,7 +44,7 @@ def make_step_fn(sparse_mlm_predictions: int = 0, compiled: bool = False) -> Cal
     """step_fn, or with sparse_mlm_predictions = P > 0 the sparse-MLM step: the model (build_model(...,
     sparse_mlm=True)) computes the MLM head only at P positions per sequence (the masked ones, 0-padded), the loss is
     the same mean over the masked tokens. FLOPs: flops_per_sequence(preset, mlm_positions=P).
-    compiled: the losses through torch.compile too (the model is compiled by ds_core.rank.engine.compile_model), with
+    compiled: the losses through torch.compile too (the model is compiled by ds_core.rank.compile.compile_model), with
     the accelerator's backend as the model's (hpu_backend on Gaudi, which has no inductor): the fp32 cast, log-softmax
     and gather over the vocabulary become one kernel instead of an fp32 copy of the logits."""
     if not sparse_mlm_predictions and not compiled:
@@ -58,7 +58,7 @@ def make_step_fn(sparse_mlm_predictions: int = 0, compiled: bool = False) -> Cal
 
 
 def compiled_losses() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """pretraining_losses through torch.compile with the accelerator's backend (ds_core.rank.engine.compile_backend:
+    """pretraining_losses through torch.compile with the accelerator's backend (ds_core.rank.compile.compile_backend:
     hpu_backend on Gaudi, where inductor, torch.compile's default, is not supported), one static graph."""
     return torch.compile(pretraining_losses, dynamic=False, backend=compile_backend())
 

@@ -21,7 +21,9 @@ from ds_core.checkpoint import export_hf
 from ds_core.config.optim import schedule_for
 from ds_core.errors import ConfigError
 from ds_core.outputs.monitors import apply_report_to
-from ds_core.rank.engine import build_engine, compile_model, shutdown_distributed
+from ds_core.rank.compile import compile_model
+from ds_core.rank.dist import shutdown_distributed
+from ds_core.rank.engine import build_engine
 from ds_core.rank.process_end import run_main
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine = _engine(run)
     # every batch has one shape (seq_len; the sparse head's P positions): one static graph
     # auto compiles on CUDA: BERT-Large's compiled step was 1.51x the eager one on an H200 (docs/compile.md); on Gaudi
-    # auto compiles every model (Habana's recommended execution; ds_core.rank.engine.compile_wanted)
+    # auto compiles every model (Habana's recommended execution; ds_core.rank.compile.compile_wanted)
     compiled = compile_model(engine, run.train.compile, dynamic=False, auto_on=COMPILE_AUTO_ON)
     checkpoints = Checkpointing(run, engine, {"preset": preset.name, "optimizer": run.cfg.optim.optimizer},
                                 init_from=args.init_run_dir() or None, reset_optimizer=args.reset_optimizer)

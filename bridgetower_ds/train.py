@@ -24,7 +24,9 @@ from bridgetower_ds.tokenizer import expected_padded_length, load_tokenizer
 from ds_core.config import read_ds_json, resolve_ds_path
 from ds_core.errors import ConfigError
 from ds_core.outputs.results import keep_frozen_fp32, save_metrics, save_model
-from ds_core.rank.engine import build_engine, compile_model, shutdown_distributed
+from ds_core.rank.compile import compile_model
+from ds_core.rank.dist import shutdown_distributed
+from ds_core.rank.engine import build_engine
 from ds_core.rank.process_end import run_main
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer

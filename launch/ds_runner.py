@@ -15,13 +15,12 @@ also keeps the launcher on this interpreter (launch.local_ranks.deepspeed_launch
 """
 from __future__ import annotations
 
-import sys
-
 
 def main() -> None:
+    from ds_core import log
     from ds_core.compat.changes import apply_stage
 
-    apply_stage("launcher", say=lambda line: print(line, file=sys.stderr, flush=True))
+    apply_stage("launcher", say=lambda line: log.say(line, stderr=True))
     from deepspeed.launcher.runner import main as runner_main
 
     runner_main()

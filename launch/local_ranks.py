@@ -57,7 +57,7 @@ def rank_commands(num_ranks: int, target: Sequence[str], *, master_port: int, en
     deepspeed/launcher/launch.py sets for a one-node world (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, CROSS_RANK=0,
     CROSS_SIZE=1, LOCAL_SIZE, RANK, LOCAL_RANK, and `--local_rank=N` after the target unless `local_rank_arg` is
     false) and runs unbuffered (`python -u`), as there. launch.py also narrows CUDA_VISIBLE_DEVICES to the ranks'
-    devices; each rank here picks device LOCAL_RANK itself (ds_core.rank.engine.init_distributed), which is the same.
+    devices; each rank here picks device LOCAL_RANK itself (ds_core.rank.dist.init_distributed), which is the same.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks = {num_ranks}: expected >= 1")
@@ -200,7 +200,7 @@ class LauncherGroup:
         and up to `grace_s` to finish (a rank in the middle of a checkpoint write finishes it, as DeepSpeed's
         launch.py allows 30 s), then SIGKILL. With `peer_exit_s`, one process ending well while its peers run is
         bounded too: ranks of one job end together (every entry point's last collective is the barrier of
-        ds_core.rank.engine.shutdown_distributed), so a peer still running `peer_exit_s` after one ended is waiting
+        ds_core.rank.dist.shutdown_distributed), so a peer still running `peer_exit_s` after one ended is waiting
         for a rank that is gone, and is ended the same way (result.extra["peer_exit"]: which ended, which were
         ended)."""
         t0 = time.monotonic()
@@ -250,7 +250,7 @@ def run_launchers(cmds: Sequence[Sequence[str]], *, env: Mapping[str, str], cwd:
 
 
 # How long the ranks of one job may outlive a rank that ended well (launch.local_ranks, run_ranks): every entry point
-# ends with a barrier (ds_core.rank.engine.shutdown_distributed), after which a rank only leaves its process (a few
+# ends with a barrier (ds_core.rank.dist.shutdown_distributed), after which a rank only leaves its process (a few
 # seconds on a loaded host); one still running after this is waiting for a peer that is gone.
 PEER_EXIT_S = 120.0
 

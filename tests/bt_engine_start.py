@@ -33,7 +33,8 @@ def start(ds_json: str, logit_scale: str) -> dict:
     from bridgetower_ds.configs import ModelArgs
     from bridgetower_ds.model import build_model
     from bridgetower_ds.tokenizer import debug_tokenizer
-    from ds_core.rank.engine import build_engine, init_distributed, set_seed
+    from ds_core.rank.dist import init_distributed, set_seed
+    from ds_core.rank.engine import build_engine
 
     dist = init_distributed()
     set_seed(1)
@@ -89,7 +90,7 @@ def main() -> None:
         out = start(ds_json, logit_scale)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"rank{out['rank']}.json").write_text(json.dumps(out))
-    from ds_core.rank.engine import shutdown_distributed
+    from ds_core.rank.dist import shutdown_distributed
 
     shutdown_distributed()
 

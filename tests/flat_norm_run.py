@@ -22,7 +22,7 @@ from ds_core.rank.process_end import run_main
 
 
 def main() -> None:
-    from ds_core.rank.engine import init_distributed, shutdown_distributed
+    from ds_core.rank.dist import init_distributed, shutdown_distributed
 
     out_dir, *modes = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     dist = init_distributed()
@@ -43,7 +43,8 @@ def measure(dist, mode: str) -> dict:
     from bert_ref.step import step_fn
     from ds_core.config import DS_CONFIG_DIR
     from ds_core.config.optim import OptimArgs
-    from ds_core.rank.engine import build_engine, set_seed
+    from ds_core.rank.dist import set_seed
+    from ds_core.rank.engine import build_engine
     from ds_tools.op_count import OpCounter
 
     set_seed(0)

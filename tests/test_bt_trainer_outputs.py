@@ -230,7 +230,7 @@ def _run_of(tmp_path: Path, argv: list[str], ds: dict):
     from bridgetower_ds import compat
     from bridgetower_ds.configs import BridgeTowerSettings
     from ds_core.config import parse_settings
-    from ds_core.rank.engine import DistInfo
+    from ds_core.rank.dist import DistInfo
     from ds_core.run.setup import Run
 
     run_dir = tmp_path / "run"

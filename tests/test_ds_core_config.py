@@ -226,7 +226,7 @@ def test_new_run_settings_are_validated():
 
 
 def test_compile_setting_is_auto_on_or_off_and_auto_follows_the_model():
-    from ds_core.rank.engine import compile_wanted
+    from ds_core.rank.compile import compile_wanted
 
     (default,) = parse_args([TrainConfig], [])
     (on,) = parse_args([TrainConfig], ["--compile", "on"])

@@ -1,4 +1,4 @@
-"""ds_core.rank.engine helpers that need no process group."""
+"""ds_core.rank.engine and ds_core.rank.shm helpers that need no process group."""
 import os
 import time
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ds_core.checkpoint import describe_mismatch
-from ds_core.rank.engine import cpu_shm_buffer_name, flat_layout, odd_sizes_last, stale_build_locks
+from ds_core.rank.engine import flat_layout, odd_sizes_last
+from ds_core.rank.shm import cpu_shm_buffer_name, stale_build_locks
 
 
 def test_stale_build_locks_finds_old_locks_only(tmp_path, monkeypatch):
@@ -83,14 +84,13 @@ def test_a_checkpoint_of_another_deepspeed_optimizer_wrapper_is_refused_by_name(
 
 
 @pytest.mark.stack
-def test_a_killed_holders_op_build_lock_stops_no_later_load(tmp_path):
+def test_a_killed_holders_op_build_lock_stops_no_later_load(tmp_path, monkeypatch):
     """ds_core.compat.op_baton: a process killed while it held the JIT build lock of an op leaves the file; torch's
     own baton waits for it forever, the holder-naming one (installed into torch.utils.cpp_extension by every rank)
     sees the holder is gone, clears the lock and goes on. A live holder's lock is waited for."""
     import signal
     import subprocess
     import sys
-    import threading
 
     import torch.utils.cpp_extension as cpp
     from torch.utils.file_baton import FileBaton
@@ -110,18 +110,33 @@ def test_a_killed_holders_op_build_lock_stops_no_later_load(tmp_path):
     holder.wait()
     assert lock.read_text().split()[1] == str(holder.pid)  # left behind, naming its dead holder
 
-    def waits(baton, seconds: float) -> bool:
-        t = threading.Thread(target=baton.wait, daemon=True)
-        t.start()
-        t.join(seconds)
-        return t.is_alive()
+    class StillWaiting(Exception):
+        pass
 
-    assert waits(FileBaton(str(lock), wait_seconds=0.05), 1.0)  # torch's own: still waiting (forever)
+    def sleeps_to_return(baton, limit: int = 3) -> int | None:
+        """How many sleeps baton.wait() took before it returned; None: still waiting after `limit` (its loop only
+        sleeps while the lock is there, so a wait that sleeps `limit` times on an unchanged lock waits forever)."""
+        slept: list[float] = []
+
+        def sleep(seconds: float) -> None:
+            slept.append(seconds)
+            if len(slept) >= limit:
+                raise StillWaiting
+
+        with monkeypatch.context() as m:
+            m.setattr(time, "sleep", sleep)  # the time module both batons sleep through
+            try:
+                baton.wait()
+            except StillWaiting:
+                return None
+        return len(slept)
+
+    assert sleeps_to_return(FileBaton(str(lock), wait_seconds=0.05)) is None  # torch's own: waits forever
     holder_baton = make_baton_class(FileBaton)
     assert not holder_baton(str(lock)).try_acquire()
-    assert not waits(holder_baton(str(lock), wait_seconds=0.05), 5.0) and not lock.exists()
+    assert sleeps_to_return(holder_baton(str(lock), wait_seconds=0.05)) == 0 and not lock.exists()
     mine = holder_baton(str(lock))  # held by this (live) process: a waiter keeps waiting
-    assert mine.try_acquire() and waits(holder_baton(str(lock), wait_seconds=0.05), 1.0)
+    assert mine.try_acquire() and sleeps_to_return(holder_baton(str(lock), wait_seconds=0.05)) is None
     mine.release()
     assert apply_change("op_build_lock_holder") == "on"
     assert applied(cpp.FileBaton) == "op_build_lock_holder"  # the name torch's JIT build takes

@@ -6,7 +6,7 @@ import pytest
 
 from ds_core.config import TrainConfig
 from ds_core.errors import ConfigError
-from ds_core.rank.engine import DistInfo
+from ds_core.rank.dist import DistInfo
 from ds_core.run.setup import LoopSettings, Run
 
 DIST = DistInfo(rank=1, local_rank=1, world_size=2, local_world_size=2, nodes=1, accelerator="cpu", device=None,

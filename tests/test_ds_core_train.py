@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, dist_env, run_deepspeed, run_group
 from ds_core.config import DS_CONFIG_DIR
-from ds_core.rank.engine import SHM_DIR
+from ds_core.rank.shm import SHM_DIR
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(REPO / "tests" / "tiny_train.py")
@@ -119,7 +119,8 @@ SHM_WORKER = """
 import os
 import deepspeed
 import torch
-from ds_core.rank.engine import SHM_DIR, cpu_shm_buffer_name, init_distributed, shutdown_distributed
+from ds_core.rank.dist import init_distributed, shutdown_distributed
+from ds_core.rank.shm import SHM_DIR, cpu_shm_buffer_name
 from ds_core.rank.process_end import end_process
 
 deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed alone: its CPU allreduce workspace is created

@@ -190,12 +190,11 @@ def test_aws_batch_main_and_child_agree(tmp_path):
 
 
 def test_aws_batch_main_gives_up_with_a_clear_error(tmp_path):
-    t0 = time.monotonic()
+    # the main gives up by itself at --register_timeout (its own status and message; py() fails the test on a hang)
     proc = py("launch.aws_batch", "--register_port", str(free_port()), "--register_timeout", "2", cwd=tmp_path,
               env=_batch_env(0, 3), timeout=60)
     assert proc.returncode == 2  # the one status for bad input (ds_core.cli); was 3
     assert "0 of 2 child nodes registered within 2 s; missing node indices [1, 2]" in proc.stderr
-    assert time.monotonic() - t0 < 50
     child = py("launch.aws_batch", "--register_port", str(free_port()), "--register_timeout", "2", cwd=tmp_path,
                env=_batch_env(1, 2, "127.0.0.1"), timeout=60)
     assert child.returncode == 2 and "could not register with the main node 127.0.0.1" in child.stderr

@@ -213,7 +213,7 @@ def test_launch_run_openmpi_over_ssh(tmp_path, private_sshd):
 
 
 # ------------------------------------------------------------------------------------------------ MPI rendezvous, hangs
-RDV_PROBE = '''"""Rendezvous through ds_core.rank.engine, one all-reduce, record it; with --hold keep all-reducing
+RDV_PROBE = '''"""Rendezvous through ds_core.rank.dist, one all-reduce, record it; with --hold keep all-reducing
 until killed. The rendezvous may take 20 s on a loaded 2-core machine: it gets --init_timeout_s, and only the held
 all-reduces the short --dist_timeout_s (their own group), so a frozen peer is noticed after that and not after the
 init's bound."""
@@ -221,7 +221,7 @@ import argparse, json, os, time
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-from ds_core.rank.engine import init_distributed, shutdown_distributed
+from ds_core.rank.dist import init_distributed, shutdown_distributed
 from ds_core.rank.process_end import end_process
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)

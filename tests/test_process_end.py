@@ -20,7 +20,7 @@ RANK = """
 import atexit, sys, threading, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from ds_core.rank.engine import shutdown_distributed
+from ds_core.rank.dist import shutdown_distributed
 from ds_core.rank.process_end import run_main
 
 out = Path(sys.argv[1])

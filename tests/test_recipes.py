@@ -27,7 +27,7 @@ from bert_ref.recipes import RECIPES, check_recipe_batch, expand_recipe
 from bert_ref.train import COMPILE_AUTO_ON
 from ds_core.config import Batch, ds_config_for, parse_settings
 from ds_core.errors import ConfigError
-from ds_core.rank.engine import compile_wanted
+from ds_core.rank.compile import compile_wanted
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bert_pretraining.md"
 

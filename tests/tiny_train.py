@@ -30,7 +30,8 @@ import torch
 
 from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig
-from ds_core.rank.engine import build_engine, shutdown_distributed
+from ds_core.rank.dist import shutdown_distributed
+from ds_core.rank.engine import build_engine
 from ds_core.rank.process_end import run_main
 from ds_core.run.components import EvalTask, Evaluation, ModelInfo
 from ds_core.run.loop import StepOutput

@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher adds it
     a = ap.parse_args()
 
-    from ds_core.rank.engine import init_distributed, shutdown_distributed
+    from ds_core.rank.dist import init_distributed, shutdown_distributed
 
     dist = init_distributed(600)
     for spec in a.runs.split(","):

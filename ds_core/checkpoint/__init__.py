@@ -23,13 +23,13 @@ import json
 import os
 import random
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ds_core import log
 from ds_core.checkpoint import manifest as ckpt_manifest
 from ds_core.checkpoint.collective import any_rank, barrier, rank, world_size
 from ds_core.checkpoint.resize import ensure_universal
@@ -144,7 +144,7 @@ def select_resume_tag(ckpt_root: str | os.PathLike, strict: bool = False) -> str
     for tag in tags:
         problems = ckpt_manifest.verify(root / tag, me, world)
         for p in problems or []:
-            print(f"[ds_core] rank {me}: checkpoint {tag} failed verification: {p}", file=sys.stderr, flush=True)
+            log.say(f"rank {me}: checkpoint {tag} failed verification: {p}", every_rank=True, stderr=True)
         if any_rank(bool(problems)):
             if strict:
                 raise CheckpointError(f"--resume_strict: checkpoint {root / tag} failed verification (each rank "
@@ -153,17 +153,16 @@ def select_resume_tag(ckpt_root: str | os.PathLike, strict: bool = False) -> str
                                       f"verifies")
             failed.append(tag)
             continue
-        if me == 0 and problems is None:
-            print(f"[ds_core] checkpoint {root / tag} has no manifest (written before manifests existed): its files "
-                  f"are not verified", flush=True)
+        if problems is None:
+            log.say(f"checkpoint {root / tag} has no manifest (written before manifests existed): its files are not "
+                    f"verified")
         barrier()  # every rank has finished reading the failed ones before they move
         if failed and me == 0:
             moved = [ckpt_manifest.quarantine(root / t).name for t in failed]
             atomic_write_text(root / LATEST, tag + "\n")
-            print(f"[ds_core] WARNING: --resume falls back to {root / tag}: the newer checkpoint(s) "
-                  f"{', '.join(failed)} failed verification (problems printed above) and were moved aside as "
-                  f"{', '.join(moved)} (not deleted); training repeats the steps after {tag}. Pass --resume_strict to "
-                  f"refuse instead", file=sys.stderr, flush=True)
+            log.say(f"WARNING: --resume falls back to {root / tag}: the newer checkpoint(s) {', '.join(failed)} failed "
+                    f"verification (problems printed above) and were moved aside as {', '.join(moved)} (not deleted); "
+                    f"training repeats the steps after {tag}. Pass --resume_strict to refuse instead", stderr=True)
         barrier()
         return tag
     raise CheckpointError(f"--resume: no checkpoint under {root} verifies ({', '.join(failed)} failed; each rank "
@@ -337,9 +336,9 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
     converted once to DeepSpeed's universal format (ds_core.checkpoint.resize.ensure_universal) and loaded from it: the
     engine must have been built with checkpoint.load_universal (ds_core.run.setup.start_run's resize plan sets it). RNG
     on a resize: a rank that existed in the saved run gets its own streams back; a new rank r gets
-    ds_core.rank.engine.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at
+    ds_core.rank.dist.set_seed(seed + step, r), fresh per-rank streams that replay none of another rank's draws at
     step 0. "data" of a new rank is None. tag: the checkpoint select_resume_tag chose (default: latest_tag)."""
-    from ds_core.rank.engine import set_seed
+    from ds_core.rank.dist import set_seed
 
     root = Path(ckpt_root)
     tag = tag or latest_tag(root)
@@ -374,8 +373,7 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
     # wrong, made right
     from ds_core.compat.changes import apply_stage
 
-    apply_stage("checkpoint_load", engine=engine, universal=load_tag != tag,
-                say=(lambda line: print(line, flush=True)) if rank() == 0 else None)
+    apply_stage("checkpoint_load", engine=engine, universal=load_tag != tag, say=log.say)
     me = rank()
     if me < saved_world:
         state: dict[str, Any] = dict(states[me])

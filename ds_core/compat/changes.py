@@ -21,10 +21,10 @@ API (what a run, a tool and a test harness call):
 - states() -> {name: "on" | "off: <why>" | "not needed: <why>"}: what this process applied where the stage ran, else
   what the installed DeepSpeed would get; start_line() is the one line a run prints, and the run's summary record
   holds states() (ds_core.run.trainer).
-- One marker: mark(new, original, name) sets new.__wrapped__ = original (DeepSpeed's own stays reachable, as
-  functools.wraps does) and new.ds_core_change = name; original(obj) is DeepSpeed's own behind our marks, applied(obj)
-  the change that put obj there (None: DeepSpeed's own). replace(owner, attr, make, name) is the one way an attribute
-  is replaced.
+- One marker (ds_core.compat.marks): mark(new, original, name) sets new.__wrapped__ = original (DeepSpeed's own stays
+  reachable, as functools.wraps does) and new.ds_core_change = name; original(obj) is DeepSpeed's own behind our
+  marks, applied(obj) the change that put obj there (None: DeepSpeed's own). replace(owner, attr, make, name) is the
+  one way an attribute is replaced.
 - install_initialize_hooks(): deepspeed.initialize and DeepSpeedEngine.load_checkpoint of this process apply the
   before_initialize / after_initialize / checkpoint_load stages themselves, as a run applies them: for running
   DeepSpeed's own unit tests with the changes on (process_start is applied by the call itself).
@@ -39,23 +39,18 @@ from __future__ import annotations
 
 import importlib
 import os
-import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ds_core.compat import checks
 from ds_core.compat.checks import MUON_MODULE, signature_differs
+from ds_core.compat.marks import NotNeeded, applied, mark, original, replace, undo
 from ds_core.compat.verified import VERIFIED
 from ds_core.errors import ConfigError
 
 STAGES = ("process_start", "before_initialize", "after_initialize", "checkpoint_load", "launcher")
 ENV = "DS_TOOLKIT_CHANGES"
 FLAG = "--ds_changes"
-
-
-class NotNeeded(str):
-    """What an apply function returns where the change has nothing to do in this run (the engine's optimizer wrapper
-    is another, the device is one DeepSpeed's own path serves): the state "not needed: <why>"."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +149,6 @@ CHANGES: tuple[Change, ...] = (
 )
 BY_NAME = {c.name: c for c in CHANGES}
 _APPLIED: dict[str, str] = {}  # name -> state, as this process's last apply of its stage left it
-_PATCHED: dict[str, list[tuple[Any, str, bool]]] = {}  # name -> (module or class, attribute, had its own) replaced
 
 
 # -- the switch ----------------------------------------------------------------------------------------------------
@@ -192,50 +186,6 @@ def configure(value: str | None) -> dict[str, str]:
     return off
 
 
-# -- one marker ----------------------------------------------------------------------------------------------------
-def mark(new: Any, original_obj: Any, name: str) -> Any:
-    new.__wrapped__ = original_obj
-    new.ds_core_change = name
-    return new
-
-
-def applied(obj: Any) -> str | None:
-    """The change that put `obj` where it is; None where it is DeepSpeed's (or the library's) own."""
-    return getattr(obj, "ds_core_change", None) if hasattr(obj, "__wrapped__") else None
-
-
-def original(obj: Any) -> Any:
-    """DeepSpeed's own object behind any number of our replacements."""
-    while applied(obj) is not None:
-        obj = obj.__wrapped__
-    return obj
-
-
-def replace(owner: Any, attr: str, make: Callable[[Any], Any], name: str) -> Any:
-    """owner.attr = make(owner.attr), marked as change `name` (a marked one stays: idempotent); returns it. A module's
-    or class's attribute is remembered so that switching the change off puts DeepSpeed's own back."""
-    current = getattr(owner, attr)
-    if applied(current) == name:
-        return current
-    had_own = isinstance(owner, (type, types.ModuleType)) and attr in vars(owner)
-    new = mark(make(current), current, name)
-    setattr(owner, attr, new)
-    if isinstance(owner, (type, types.ModuleType)):
-        _PATCHED.setdefault(name, []).append((owner, attr, had_own))
-    return new
-
-
-def _undo(name: str) -> None:
-    for owner, attr, had_own in reversed(_PATCHED.pop(name, [])):
-        current = getattr(owner, attr)
-        if applied(current) != name:
-            continue
-        if had_own:
-            setattr(owner, attr, current.__wrapped__)
-        else:
-            delattr(owner, attr)
-
-
 # -- applying ------------------------------------------------------------------------------------------------------
 def unverified(change: Change) -> str | None:
     """Why a body the change replaces is not one it was verified against (None: every one is)."""
@@ -254,7 +204,7 @@ def unverified(change: Change) -> str | None:
 def _decide(change: Change, off: dict[str, str], ctx: Context | None) -> tuple[str, bool]:
     """(state, whether to say it) for one change; applies it where ctx is given and every gate passes."""
     if change.name in off:
-        _undo(change.name)
+        undo(change.name)
         return f"off: {off[change.name]}", False
     if (fixed := change.not_needed()) is not None:
         return f"not needed: {fixed}", False
@@ -300,7 +250,7 @@ def say_off(name: str, why: str, say: Callable[[str], None] | None) -> None:
     """The one line for a change left off because the installed DeepSpeed lacks or changed what it replaces."""
     if say is not None:
         c = BY_NAME[name]
-        say(f"[ds_core] {name} off: {why}; DeepSpeed's own path runs instead ({c.does}: {c.module})")
+        say(f"{name} off: {why}; DeepSpeed's own path runs instead ({c.does}: {c.module})")
 
 
 # -- recording -----------------------------------------------------------------------------------------------------
@@ -329,7 +279,7 @@ def start_line(current: dict[str, str] | None = None) -> str:
     current = states() if current is None else current
     parts = [f"{n}={s}" if s == "on" else f"{n}={s.split(':', 1)[0]} ({s.split(':', 1)[1].strip()})"
              for n, s in current.items()]
-    return (f"[ds_core] changes inside DeepSpeed {deepspeed_version()} ({FLAG} / {ENV}; ds_core.compat.changes): "
+    return (f"changes inside DeepSpeed {deepspeed_version()} ({FLAG} / {ENV}; ds_core.compat.changes): "
             + "; ".join(parts))
 
 

@@ -36,7 +36,7 @@ def timed(fn: Callable) -> Callable:
 def apply(ctx: Any) -> str | None:
     import deepspeed.comm.comm as dcomm
 
-    from ds_core.compat.changes import NotNeeded, replace
+    from ds_core.compat.marks import NotNeeded, replace
 
     cdb = getattr(dcomm, "cdb", None)
     if cdb is None:

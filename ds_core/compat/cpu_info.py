@@ -9,7 +9,7 @@ def apply(ctx: Any) -> str | None:
     """Make `cpuinfo.get_cpu_info` (what DeepSpeed's op builders and CPU Adam call) the cached one in this process."""
     import cpuinfo
 
-    from ds_core.compat.changes import NotNeeded, replace
+    from ds_core.compat.marks import NotNeeded, replace
     from ds_core.device.cpu_info import cached
 
     if ctx.device_type != "cpu":

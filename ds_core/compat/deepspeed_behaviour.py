@@ -134,7 +134,7 @@ def zero_buckets_drop_cpu() -> bool:
     import torch
     from deepspeed.runtime.zero import stage_1_and_2
 
-    from ds_core.compat.changes import original
+    from ds_core.compat.marks import original
 
     return original(stage_1_and_2.split_half_float_double)([torch.zeros(4)]) == []
 
@@ -165,7 +165,7 @@ def zero3_gather_waits_last_only() -> bool:
     import torch
     from deepspeed.runtime.zero import partition_parameters as pp
 
-    from ds_core.compat.changes import original
+    from ds_core.compat.marks import original
 
     launched: list = []
     waited: list = []
@@ -196,7 +196,7 @@ def quotes_plain_exports() -> bool:
     (0.19 quotes only what a shell would split); one call on a stand-in runner."""
     from deepspeed.launcher.multinode_runner import MultiNodeRunner
 
-    from ds_core.compat.changes import original
+    from ds_core.compat.marks import original
 
     stand_in = types.SimpleNamespace(exports={})
     original(MultiNodeRunner.add_export)(stand_in, "DS_CORE_PROBE", "cpu")

@@ -103,14 +103,14 @@ def resolve(target: str) -> Any:
 
 def installed(target: str) -> str | None:
     """The fingerprint of the installed target's source: DeepSpeed's own, behind any replacement of ours."""
-    from ds_core.compat.changes import original
+    from ds_core.compat.marks import original
 
     obj = resolve(target)
     return None if obj is None else of_function(original(obj))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ds_core.compat.changes import VERIFIED
+    from ds_core.compat.verified import VERIFIED
 
     argv = sys.argv[1:] if argv is None else argv
     root = Path(argv[0]) if argv else None

@@ -58,7 +58,7 @@ def apply_bf16(ctx: Any) -> str | None:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.constants import PIPE_REPLICATED
 
-    from ds_core.compat.changes import NotNeeded, replace
+    from ds_core.compat.marks import NotNeeded, replace
 
     opt, why = _engine_wrapper(ctx)
     if why or not isinstance(opt, BF16_Optimizer):
@@ -78,7 +78,7 @@ def apply_zero(ctx: Any) -> str | None:
     from deepspeed.runtime.constants import PIPE_REPLICATED
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from ds_core.compat.changes import NotNeeded, replace
+    from ds_core.compat.marks import NotNeeded, replace
 
     opt, why = _engine_wrapper(ctx)
     if why or not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload:
@@ -102,7 +102,7 @@ def apply_group_norm(ctx: Any) -> str | None:
     keep DeepSpeed's own method."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from ds_core.compat.changes import NotNeeded, replace
+    from ds_core.compat.marks import NotNeeded, replace
 
     opt = getattr(ctx.engine, "optimizer", None)
     if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or opt.has_moe_layers:
@@ -179,7 +179,7 @@ def apply_device_clip(ctx: Any) -> str | None:
     same result as DeepSpeed's, without the sync); applied where the engine's wrapper is a BF16_Optimizer."""
     from deepspeed.runtime import bf16_optimizer
 
-    from ds_core.compat.changes import NotNeeded, replace
+    from ds_core.compat.marks import NotNeeded, replace
 
     opt = getattr(ctx.engine, "optimizer", None)
     if not isinstance(opt, bf16_optimizer.BF16_Optimizer):

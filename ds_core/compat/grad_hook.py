@@ -27,7 +27,7 @@ def apply(ctx: Any) -> str | None:
     """Change one_op_grad_hook on the engine's BF16_Optimizer (ds_core.compat.changes.apply_stage)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    from ds_core.compat.changes import NotNeeded, replace
+    from ds_core.compat.marks import NotNeeded, replace
 
     opt = getattr(ctx.engine, "optimizer", None)
     if not isinstance(opt, BF16_Optimizer):

@@ -27,7 +27,7 @@ def add_export(self: Any, key: str, var: str) -> None:
 def apply(ctx: Any) -> str | None:
     from deepspeed.launcher import multinode_runner
 
-    from ds_core.compat.changes import replace
+    from ds_core.compat.marks import replace
 
     def make(deepspeeds: Any) -> Any:
         def ours(self: Any, key: str, var: str) -> None:

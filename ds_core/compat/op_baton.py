@@ -7,7 +7,7 @@ launcher stops because a sibling failed, kill -9, a timed-out job) leaves the fi
 loads the op waits for it forever, silently. HolderBaton writes `<host> <pid>` into the file it creates; a waiter
 on the same host that finds the holder gone removes the lock (only if it still names that holder) and stops
 waiting, as it would have after the holder's release. A lock without a holder (made by torch's own FileBaton) or held
-on another host (a shared extensions directory) is waited for as before; ds_core.rank.engine warns about an old one.
+on another host (a shared extensions directory) is waited for as before; ds_core.rank.shm warns about an old one.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def apply(ctx: Any) -> str | None:
     """Change op_build_lock_holder: torch's JIT builds in this process take HolderBaton (ds_core.compat.changes)."""
     import torch.utils.cpp_extension as cpp
 
-    from ds_core.compat.changes import replace
+    from ds_core.compat.marks import replace
 
     replace(cpp, "FileBaton", make_baton_class, "op_build_lock_holder")
     return None

@@ -11,7 +11,7 @@ from typing import Any
 
 
 def apply_engine_norm(ctx: Any) -> str | None:
-    from ds_core.compat.changes import NotNeeded
+    from ds_core.compat.marks import NotNeeded
 
     if ctx.engine is None:
         return NotNeeded("no engine given")
@@ -19,7 +19,7 @@ def apply_engine_norm(ctx: Any) -> str | None:
 
 
 def apply_zero_layout(ctx: Any) -> str | None:
-    from ds_core.compat.changes import NotNeeded
+    from ds_core.compat.marks import NotNeeded
     from ds_core.compat.zero_layout import READS, missing_attributes
 
     opt = getattr(ctx.engine, "optimizer", None)

@@ -20,7 +20,7 @@ from typing import Any
 def apply(ctx: Any) -> str | None:
     """Change universal_load_links, after a checkpoint load: where the load went through the universal format, link
     every parameter's fp32 and optimizer-state fragments to the optimizer's flat partition and state again."""
-    from ds_core.compat.changes import NotNeeded
+    from ds_core.compat.marks import NotNeeded
 
     if not ctx.universal:
         return NotNeeded("this load was not from the universal format")

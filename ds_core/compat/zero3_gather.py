@@ -32,7 +32,7 @@ def apply(ctx: Any) -> str | None:
     DeepSpeed waits for its last handle only: ds_core.compat.changes decided it needs the fix)."""
     from deepspeed.runtime.zero.partition_parameters import Init
 
-    from ds_core.compat.changes import NotNeeded, replace
+    from ds_core.compat.marks import NotNeeded, replace
 
     if ctx.device_type != "cpu":
         return NotNeeded(f"{ctx.device_type} runs collectives in stream order: the last handle's wait covers all")

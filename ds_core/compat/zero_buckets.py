@@ -33,7 +33,7 @@ def apply(ctx: Any) -> str | None:
     grouping drops CPU tensors: ds_core.compat.changes decided it needs the fix)."""
     from deepspeed.runtime.zero import stage_1_and_2
 
-    from ds_core.compat.changes import replace
+    from ds_core.compat.marks import replace
 
     def make(deepspeeds: Any) -> Any:
         def split_half_float_double(tensors):

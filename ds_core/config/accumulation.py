@@ -3,10 +3,9 @@ accumulate over micro-steps, what the installed DeepSpeed runs at ZeRO-0 (it dif
 ds_core.compat.deepspeed_behaviour), and a refusal naming the key for a dtype it refuses."""
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
+from ds_core import log
 from ds_core.errors import ConfigError
 
 # Measured with a synthetic check: relative error of a gradient summed over 128 micro-steps.
@@ -14,9 +13,8 @@ BF16_ACCUM_ERROR = "1.15 % relative error at 128 micro-steps in bf16 vs 0.07 % w
 
 
 def notice(msg: str) -> None:
-    """Print once per job: every rank resolves the config, only global rank 0 (or a lone process) speaks."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[ds_core] {msg}", file=sys.stderr, flush=True)
+    """Once per job: every rank resolves the config, only global rank 0 (or a lone process) speaks."""
+    log.say(msg, stderr=True)
 
 
 def settle_grad_accum_dtype(cfg: dict, source: str = "DeepSpeed config") -> None:

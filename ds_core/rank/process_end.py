@@ -28,7 +28,7 @@ def end_process(status: int = 0) -> NoReturn:
 
     Why: a torch C++ thread that needs the GIL after finalisation has begun (gloo's work thread dropping the last
     reference to a collective's tensors, or running a future's Python callback: these threads live until the engine
-    dies, see ds_core.rank.engine.shutdown_distributed) is ended by CPython 3.11 with pthread_exit, which unwinds
+    dies, see ds_core.rank.dist.shutdown_distributed) is ended by CPython 3.11 with pthread_exit, which unwinds
     through a noexcept C++ frame: "terminate called without an active exception", SIGABRT, exit 134, and the launcher
     reports a failed run after a complete one. It failed about one 2-rank run per full test suite (a few hundred such
     runs) on a loaded 2-core CI machine, in a different test each time; tests/test_process_end.py makes it happen

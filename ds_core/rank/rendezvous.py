@@ -2,7 +2,7 @@
 environment a started rank needs (rank_env).
 
 Here, not in launch/local_ranks.py (which starts ranks with them), because a training process needs them too (a
-single process started by hand makes itself a world of one: ds_core.rank.engine.init_distributed) and so does a model
+single process started by hand makes itself a world of one: ds_core.rank.dist.init_distributed) and so does a model
 package's demo (bert_ref.demo), and neither imports the launchers. Kept free of torch and deepspeed imports: the
 local starter uses it before any rank exists.
 """

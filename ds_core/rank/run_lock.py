@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ds_core import log
 from ds_core.errors import ConfigError
 
 LOCK_NAME = ".run.lock"
@@ -110,10 +111,9 @@ class RunLock:
             if held is None or held.get("token") != self.token:
                 if held is None and not self.path.exists():
                     continue  # renamed with its directory a moment ago (moved_to follows)
-                print(f"[ds_core] warning: lost the run_dir lock {self.path}: another run took it over "
-                      f"({held and held.get('host')}, pid {held and held.get('pid')}) after this run's heartbeat "
-                      f"stalled for {STALE_AFTER_S:.0f} s; two runs may now write this run_dir", file=sys.stderr,
-                      flush=True)
+                log.warn(f"lost the run_dir lock {self.path}: another run took it over ({held and held.get('host')}, "
+                         f"pid {held and held.get('pid')}) after this run's heartbeat stalled for {STALE_AFTER_S:.0f} "
+                         f"s; two runs may now write this run_dir", every_rank=True, stderr=True)
                 return
             self.owner["beat"] += 1
             try:  # rewritten in place (not replaced): a replace could clobber a newcomer's lock
@@ -189,8 +189,8 @@ def acquire(run_dir: str | os.PathLike, stale_after_s: float | None = None, hear
                     pass
                 raise RunDirLocked(f"run_dir {root} is in use by {describe(moved, path)} (it took over a dead "
                                    f"run's lock just now)")
-            print(f"[ds_core] run_dir lock {path} was left by a dead run ({describe(held, path)}); taken over "
-                  f"(the old file is kept as {aside.name})", file=sys.stderr, flush=True)
+            log.say(f"run_dir lock {path} was left by a dead run ({describe(held, path)}); taken over (the old file "
+                    f"is kept as {aside.name})", every_rank=True, stderr=True)
             continue
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(owner))

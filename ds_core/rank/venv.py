@@ -19,7 +19,7 @@ def torch_extensions_env(environ: Mapping[str, str]) -> dict[str, str]:
     venvs (or two paths to one venv) find each other's build of DeepSpeed's CPU shm op, see other sources and rebuild
     it (40-50 s per start) on every alternation. One cache per venv ends that. Set by the starters
     (ds_core.rank.rendezvous.rank_env for launch.local_ranks, launch.run, the Makefile) and by every rank
-    (ds_core.rank.engine.init_distributed: other nodes do not get the starter's environment)."""
+    (ds_core.rank.dist.init_distributed: other nodes do not get the starter's environment)."""
     venv = venv_dir()
     if environ.get("TORCH_EXTENSIONS_DIR") or venv is None:
         return {}

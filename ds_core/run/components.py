@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ds_core import checkpoint as ckpt
+from ds_core import checkpoint as ckpt, log
 from ds_core.errors import ConfigError
-from ds_core.rank.engine import set_seed
+from ds_core.rank.dist import set_seed
 from ds_core.run.loop import EvalFn, apply_lr_factor
 from ds_core.run.setup import Run
 
@@ -127,22 +127,19 @@ class Checkpointing:
                 data.load_state_dict(state["data"])
             if resize is not None:
                 apply_lr_factor(self.engine, resize.lr_factor)
-            if rank == 0:
-                print(f"[ds_core] resumed from {self.root / ckpt.tag_for(pos.step)} at step {pos.step}, epoch "
-                      f"{pos.epoch}", flush=True)
-                if resize is not None:
-                    print(f"[ds_core] {resize.describe()}", flush=True)
+            log.say(f"resumed from {self.root / ckpt.tag_for(pos.step)} at step {pos.step}, epoch {pos.epoch}")
+            if resize is not None:
+                log.say(resize.describe())
         else:
-            if self.train.resume and rank == 0:
-                print(f"[ds_core] --resume: no complete checkpoint in {self.root}; starting from step 0", flush=True)
+            if self.train.resume:
+                log.say(f"--resume: no complete checkpoint in {self.root}; starting from step 0")
             pos = Position()
             if self.init_from:
                 step = ckpt.init_from(self.engine, Path(self.init_from) / "checkpoints", self.fingerprint,
                                       self.reset_optimizer)
                 pos = Position(step, 0, step)
-                if rank == 0:
-                    print(f"[ds_core] starting from {self.init_from} at step {step} (optimizer state "
-                          f"{'reset' if self.reset_optimizer else 'carried, step counters reset'})", flush=True)
+                log.say(f"starting from {self.init_from} at step {step} (optimizer state "
+                        f"{'reset' if self.reset_optimizer else 'carried, step counters reset'})")
             data.set_epoch(0)
             set_seed(self.train.seed, rank)  # per-rank model randomness (dropout); a resume restored each rank's own
         if self.train.resume and rank == 0:
@@ -155,7 +152,7 @@ class Checkpointing:
         path = Path(self.train.run_dir) / "metrics.jsonl"
         dropped = ckpt.trim_metrics(path, step)
         if dropped:
-            print(f"[ds_core] --resume: dropped {dropped} metrics record(s) after step {step} from {path}", flush=True)
+            log.say(f"--resume: dropped {dropped} metrics record(s) after step {step} from {path}")
         if self.run.resize is not None:
             with open(path, "a") as f:
                 f.write(json.dumps(self.run.resize.record(step)) + "\n")

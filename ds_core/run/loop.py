@@ -87,7 +87,7 @@ class DataSource(Protocol):
         load_state_dict(states[rank]) did (bitwise on CPU). A source without it resumes on the same world size only:
         ds_core refuses a resize naming the source's class, before any loading.
     RNG on a resize (ds_core.checkpoint.load): a rank that existed in the saved run gets its own python / numpy /
-    torch streams back; a new rank r gets ds_core.rank.engine.set_seed(seed + step, r). Data order never comes from
+    torch streams back; a new rank r gets ds_core.rank.dist.set_seed(seed + step, r). Data order never comes from
     these streams (each source seeds its own generators from the global seed), so they only drive dropout and the like.
     """
 

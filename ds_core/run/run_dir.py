@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from ds_core import log
 from ds_core.config import TrainConfig
 from ds_core.errors import ConfigError
 from ds_core.rank import run_lock
@@ -83,5 +84,5 @@ def prepare_run_dir(cfg: TrainConfig, rank: int | None = None) -> Path | None:
     lock.moved_to(dest)
     run_lock.acquire(cfg.run_dir)
     lock.release()
-    print(f"[ds_core] --overwrite_run_dir: moved the earlier run in {cfg.run_dir} to {dest}", flush=True)
+    log.say(f"--overwrite_run_dir: moved the earlier run in {cfg.run_dir} to {dest}", every_rank=True)
     return dest

@@ -21,7 +21,7 @@ from ds_core.compat import changes
 from ds_core.config import Batch, TrainConfig, ds_config_for, parse_settings, precision_of, save_run_config, sections_of
 from ds_core.config.ds_json import check_ds_json
 from ds_core.errors import ConfigError
-from ds_core.rank.engine import DistInfo, init_distributed, set_seed
+from ds_core.rank.dist import DistInfo, init_distributed, set_seed
 from ds_core.run.run_dir import prepare_run_dir
 from ds_core.schedule import total_optimizer_steps
 

@@ -19,7 +19,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ds_core import checkpoint as ckpt
+from ds_core import checkpoint as ckpt, log
 from ds_core.compat import changes
 from ds_core.config import atomic_write_text
 from ds_core.device.precision import resolve_precision
@@ -34,7 +34,7 @@ from ds_core.outputs.metrics import (
 )
 from ds_core.outputs.phases import PhaseTimer, console_line, record_fields, summary_fields
 from ds_core.outputs.results import save_metrics
-from ds_core.rank.engine import shutdown_distributed
+from ds_core.rank.dist import shutdown_distributed
 from ds_core.run.components import Callback, Checkpointing, EvalTask, Evaluation, ModelInfo, Position, ProfileSteps
 from ds_core.run.divergence import DivergenceGuard
 from ds_core.run.loop import (
@@ -130,8 +130,7 @@ class Trainer:
             self.metrics.close()
             if not self.stopped:
                 self.stop_request.restore()
-        if self.dist.rank == 0:
-            print(f"[ds_core] metrics: {self.metrics.path.resolve()}", flush=True)
+        log.say(f"metrics: {self.metrics.path.resolve()}")
         if self.stopped:
             self._exit_stopped(self.stopped, self.step)
         return summary
@@ -149,9 +148,8 @@ class Trainer:
         end_step = pos.phase_start + self.run.total_steps
         if not pos.resumed or not (pos.step >= end_step if self.cfg.max_steps else pos.epoch >= self.cfg.max_epochs):
             return False
-        if self.dist.rank == 0:
-            print(f"[ds_core] --resume: {self.checkpoints.root / ckpt.tag_for(pos.step)} is this run's end (step "
-                  f"{pos.step}, epoch {pos.epoch}); nothing to train, no record added", flush=True)
+        log.say(f"--resume: {self.checkpoints.root / ckpt.tag_for(pos.step)} is this run's end (step {pos.step}, "
+                f"epoch {pos.epoch}); nothing to train, no record added")
         self.evaluation.during = None  # its last results are in metrics.jsonl already
         return True
 
@@ -282,10 +280,10 @@ class Trainer:
         verdict = guard.observe(step, res.loss, res.skipped, res.grad_norm)
         logs = dict(res.logs, **pending.logs, skipped=res.skipped, skipped_steps=guard.total, **pending.extra)
         self.metrics.step(step, res.samples, res.tokens, loss=res.loss, lr=res.lr, logs=logs, grad_norm=res.grad_norm)
-        if res.skipped and self.dist.rank == 0:
-            print(f"[ds_core] optimizer step {step} skipped by DeepSpeed (gradient norm {res.grad_norm}): the update "
-                  f"was not applied; the LR schedule advanced as for an applied step ({guard.consecutive} in a row, "
-                  f"stop after {self.cfg.max_skipped_steps})", flush=True)
+        if res.skipped:
+            log.say(f"optimizer step {step} skipped by DeepSpeed (gradient norm {res.grad_norm}): the update was not "
+                    f"applied; the LR schedule advanced as for an applied step ({guard.consecutive} in a row, stop "
+                    f"after {self.cfg.max_skipped_steps})")
         if verdict is not None:
             self.metrics.persist()
             raise TrainingDiverged(f"training diverged: {verdict}. Stopped without saving; the latest checkpoint is "
@@ -333,13 +331,13 @@ class Trainer:
 
     def _end_training(self) -> dict:
         """Close the throughput window, save and evaluate at the end, and write the summary record."""
-        step, dist, phases = self.step, self.dist, self.phases
+        step, phases = self.step, self.phases
         self._read()  # the last steps' values: their records and verdicts before the final save
         self.metrics.end_training()  # the throughput window closes here: the final save and eval are timed apart
         phases.finish()  # a sample still pending (read one step late on CUDA/HPU); every rank
-        if not self.stopped and step != self.end_step and dist.rank == 0:  # a len() that is not what it yields
-            print(f"[ds_core] warning: the run ended at optimizer step {step}, its LR schedule at {self.end_step} "
-                  f"(len() of {type(self.run.data).__name__} differs from the batches it yielded)", flush=True)
+        if not self.stopped and step != self.end_step:  # a len() that is not what it yields
+            log.warn(f"the run ended at optimizer step {step}, its LR schedule at {self.end_step} (len() of "
+                     f"{type(self.run.data).__name__} differs from the batches it yielded)")
         if (self.cfg.save_final_checkpoint or self.stopped) and step > 0:
             self._save()  # a stopped run always saves: --resume continues from exactly this step
         if self.evaluation.at_end(step, bool(self.stopped)):
@@ -348,9 +346,8 @@ class Trainer:
         extra.update(summary_fields(phases.samples, first_step=self.pos.step + self.cfg.throughput_warmup_steps,
                                     overhead_s=phases.overhead_s))
         summary = self.metrics.summary(extra)
-        if dist.rank == 0 and phases.samples:  # the console summary line of the phase timing
-            print(f"[ds_core] step time ({summary['phase_sampled_steps']} sampled steps): "
-                  f"{console_line(summary)}", flush=True)
+        if phases.samples:  # the console summary line of the phase timing
+            log.say(f"step time ({summary['phase_sampled_steps']} sampled steps): {console_line(summary)}")
         return summary
 
     def _summary_extra(self, stopped: str | None) -> dict:
@@ -369,13 +366,11 @@ class Trainer:
 
     def _exit_stopped(self, reason: str, step: int) -> None:
         """End the process after an early stop: the checkpoint is saved and every rank is here (same verdict)."""
-        if self.dist.rank == 0:
-            # the last line of ours: DeepSpeed's launcher then logs "[ERROR] ... exits with return code = 75"
-            # (its words)
-            print(f"[ds_core] stopped after optimizer step {step} ({reason}); checkpoint "
-                  f"{self.checkpoints.root / ckpt.tag_for(step)} saved; exit status {EXIT_STOPPED} is a planned stop, "
-                  f"not a failure (DeepSpeed's launcher reports it as '[ERROR] ... return code = {EXIT_STOPPED}'): "
-                  f"run again with --resume to continue", flush=True)
+        # the last line of ours: DeepSpeed's launcher then logs "[ERROR] ... exits with return code = 75" (its words)
+        log.say(f"stopped after optimizer step {step} ({reason}); checkpoint "
+                f"{self.checkpoints.root / ckpt.tag_for(step)} saved; exit status {EXIT_STOPPED} is a planned stop, "
+                f"not a failure (DeepSpeed's launcher reports it as '[ERROR] ... return code = {EXIT_STOPPED}'): run "
+                f"again with --resume to continue")
         if hasattr(self.run.data, "close"):
             self.run.data.close()  # prefetch threads would otherwise keep the interpreter alive
         shutdown_distributed()  # as every entry point does at a normal end (gloo's exit-time abort otherwise)
