@@ -41,7 +41,7 @@ WHEELS   ?= wheelhouse
 # needs every other requirement), so no fixed cap fits every target
 WHEELHOUSE_MAX_MB ?= 0
 
-.PHONY: setup demo test test-fast test-stack test-gaudi lint bench clean wheelhouse gpu-check
+.PHONY: setup demo test test-fast test-stack test-gaudi test-ds-unit lint bench clean wheelhouse gpu-check
 
 setup: $(STAMP)
 
@@ -107,6 +107,13 @@ test-gaudi:
 	$(PYTHON) tools/stacks.py image --stack gaudi-$(GAUDI) --fork "$(HABANA_DS)" --venv $(GAUDI_IMAGE)
 	$(MAKE) test-stack PYTHON=$(abspath $(GAUDI_IMAGE))/bin/python VENV=$(GAUDI_VENV) STACK=gaudi-$(GAUDI) \
 	  EXTRAS=$(EXTRAS) TORCH_EXTENSIONS_DIR=$(abspath $(GAUDI_VENV))/torch_extensions
+
+# DeepSpeed's own unit tests, a subset reaching every change the toolkit makes inside DeepSpeed, run with the changes
+# on and off, every outcome compared test by test (tools/ds_unit_tests.py, docs/development.md); the tests archive of
+# the installed DeepSpeed comes from DS_TESTS (the archive or its folder), else shared/third_party/ beside the checkout
+DS_TESTS ?=
+test-ds-unit: $(STAMP)
+	$(PY) tools/ds_unit_tests.py $(if $(DS_TESTS),--tests "$(DS_TESTS)")
 
 bench: $(STAMP)
 	$(PY) -m bench.h5_loader

@@ -31,12 +31,12 @@ RECORD = "DS_UNIT_RECORD"
 _installed = False
 
 
-def record(stage: str, states: dict[str, str]) -> None:
-    """One JSON line: what one apply of `stage` left in this process."""
+def record(line: dict) -> None:
+    """One JSON line of this process: a stage's {"stage", "states"}, or the tests pytest deselected."""
     folder = os.environ.get(RECORD)
     if folder:
         with open(Path(folder) / f"{os.getpid()}.jsonl", "a") as f:
-            f.write(json.dumps({"stage": stage, "states": states}) + "\n")
+            f.write(json.dumps(line) + "\n")
 
 
 def recorded(own: Callable[..., dict[str, str]]) -> Callable[..., dict[str, str]]:
@@ -44,7 +44,7 @@ def recorded(own: Callable[..., dict[str, str]]) -> Callable[..., dict[str, str]
     by name, so this sees every stage they apply; the toolkit's own function, DeepSpeed untouched."""
     def apply_stage(stage: str, **context: Any) -> dict[str, str]:
         out = own(stage, **context)
-        record(stage, out)
+        record({"stage": stage, "states": out})
         return out
 
     apply_stage.__wrapped__ = own
@@ -84,6 +84,12 @@ def install() -> None:
     else:
         unit.util.bf16_required_version_check = bf16_on_cpu(unit.util.bf16_required_version_check)
     multiprocessing.set_forkserver_preload([__name__])
+
+
+def pytest_deselected(items):
+    """A selected test the suite's pytest.ini deselects (its markers) is recorded: the driver refuses a comparison
+    of tests that never ran."""
+    record({"deselected": [item.nodeid for item in items]})
 
 
 def pytest_report_header(config):
