@@ -43,6 +43,7 @@ from pathlib import Path
 
 from bench.common import REPO, bench_env, run_local_ranks
 from bench.mfu_bound import bound_part
+from ds_core.compat import changes
 from ds_core.rank.process_end import run_main
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -538,9 +539,11 @@ def main() -> None:
     ap.add_argument("--side", default="", choices=("", "ours", "trainer"), help=argparse.SUPPRESS)
     ap.add_argument("--shards", default="", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    changes.add_argument(ap)
     ap.add_argument("--summarize_windows", default="",
                     help="re-summarize a kept run's windows (its last JSON line, or the list of rounds) and exit")
     a = ap.parse_args()
+    changes.configure(a.ds_changes)  # before any rank starts: its processes inherit the switch
     if a.profile_steps and a.warmup < a.profile_steps + 2:
         ap.error(f"--profile_steps {a.profile_steps} needs --warmup >= {a.profile_steps + 2} (got {a.warmup}): the "
                  "profiled steps and one untimed step after them come out of the warm-up")

@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from ds_core.compat import changes
 from ds_tools.op_count import OpCounter
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -280,7 +281,9 @@ def main() -> None:
                     help="BridgeTower's image size (0: the preset's); the dispatched counts do not depend on it (the "
                          "profiler's by ~0.1 %%), the time of emulated bf16 on a CPU does")
     ap.add_argument("--json", default="")
+    changes.add_argument(ap)
     a = ap.parse_args()
+    changes.configure(a.ds_changes)  # before any rank starts: its processes inherit the switch
     if a.dtype == "auto":
         from ds_core.device.precision import resolve_precision
 

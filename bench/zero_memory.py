@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from bench.common import bench_env, run_local_ranks
+from ds_core.compat import changes
 from ds_core.rank.process_end import run_main
 
 BERT = {"model_type": "bert", "architectures": ["BertForPreTraining"], "hidden_size": 768, "num_hidden_layers": 12,
@@ -223,12 +224,14 @@ def main() -> None:
                          + ",".join(SMALL))
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole 2-rank run")
     ap.add_argument("--save", type=Path, help="also write the measured records (JSON) here")
+    changes.add_argument(ap)
     ap.add_argument("--measured", type=Path, help="compare against records saved by --save instead of running")
     ap.add_argument("--target", type=float, default=0.10, help="max relative error per case")
     ap.add_argument("--seq", type=int, default=SEQ,
                     help=f"tokens per sample (default {SEQ}; the prediction uses the same). Fewer is faster where the "
                          "CPU has no native bf16 and makes activations an even smaller share")
     a = ap.parse_args()
+    changes.configure(a.ds_changes)  # before any rank starts: its processes inherit the switch
     cases = list(SMALL) if a.cases == "small" else [c for c in a.cases.split(",") if c]
     for c in cases:
         parse_case(c)

@@ -176,6 +176,12 @@ def switched_off() -> dict[str, str]:
     return parse_switch(os.environ.get(ENV), ENV)
 
 
+def add_argument(parser: Any) -> None:
+    """--ds_changes on an argparse parser (an entry point without TrainConfig); pass its value to configure()."""
+    parser.add_argument(FLAG, default="", help="the toolkit's changes inside DeepSpeed (ds_core.compat.changes): on, "
+                        "off (DeepSpeed's own path) or off:NAME[,NAME...]; empty keeps DS_TOOLKIT_CHANGES")
+
+
 def configure(value: str | None) -> dict[str, str]:
     """An entry point's --ds_changes VALUE: checked, then set as DS_TOOLKIT_CHANGES for this process and the ones it
     starts (None or "": the variable as it is)."""
@@ -318,6 +324,6 @@ def install_initialize_hooks(say: Callable[[str], None] | None = None) -> None:
 
 
 __all__ = ["Change", "Context", "CHANGES", "BY_NAME", "STAGES", "ENV", "FLAG", "MUON_MODULE", "NotNeeded",
-           "apply_stage", "apply_change", "parse_switch", "switched_off", "configure", "mark", "applied", "original",
-           "replace", "unverified", "states", "state", "is_on", "start_line", "say_off", "missing",
-           "install_initialize_hooks", "signature_differs"]
+           "apply_stage", "apply_change", "parse_switch", "switched_off", "add_argument", "configure", "mark",
+           "applied", "original", "replace", "unverified", "states", "state", "is_on", "start_line", "say_off",
+           "missing", "install_initialize_hooks", "signature_differs"]

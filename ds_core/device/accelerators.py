@@ -82,11 +82,6 @@ class UnknownAcceleratorError(ConfigError):
     """An accelerator name that is neither a name nor an alias in ACCELERATORS."""
 
 
-def known_names() -> list[str]:
-    """Every accepted spelling: names and aliases."""
-    return sorted(_BY_NAME)
-
-
 def get(name: str) -> Accelerator:
     """The row for a name or alias (case-insensitive)."""
     try:

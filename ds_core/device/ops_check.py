@@ -26,6 +26,8 @@ import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from ds_core import log
+
 ADAM_TYPES = ("adam", "adamw")
 # DeepSpeed's op builder class for each op its Adam optimizers load, and for the CPU accelerator's shared-memory
 # collectives that deepspeed.comm loads at init_distributed (deepspeed.ops.op_builder, per accelerator)
@@ -169,18 +171,6 @@ def op_problem(op: str, accelerator: str, env: Mapping[str, str] | None = None,
     return load(op)
 
 
-def apply_ops_fallback(ds_config: dict, accelerator: str, problem: str | None = None,
-                       env: Mapping[str, str] | None = None,
-                       load: Callable[[str], str | None] = load_op) -> tuple[dict, str | None]:
-    """(config, note) for one rank: with `"torch_adam": true` and a note when the op its optimizer needs cannot be had
-    (`problem` if given, else op_problem); otherwise the config unchanged and None. Never changed in place."""
-    op = needed_op(ds_config)
-    if op is None:
-        return ds_config, None
-    problem = problem or op_problem(op, accelerator, env, load)
-    return (ds_config, None) if problem is None else with_torch_optimizer(ds_config, op, problem)
-
-
 def agreed_problem(problem: str | None) -> str | None:
     """One rank's problem (with its rank) when any rank has one, on every rank: ranks that step different
     optimizers would not be one data-parallel run. Without a process group, this rank's own.
@@ -213,7 +203,7 @@ def use_deepspeed_arch_list(say: Callable[[str], None], prefix: str) -> None:
     value, note = arch_list_for_deepspeed(os.environ.get("TORCH_CUDA_ARCH_LIST"))
     if note:
         os.environ["TORCH_CUDA_ARCH_LIST"] = value
-        say(f"{prefix} {note}")
+        say(f"{prefix} {note}" if prefix else note)
 
 
 def build_ahead(say: Callable[[str], None] = print, accel=None) -> dict[str, str | None]:
@@ -245,19 +235,21 @@ def build_ahead(say: Callable[[str], None] = print, accel=None) -> dict[str, str
     return out
 
 
-def prepare_optimizer_ops(ds_config: dict, accelerator: str, rank: int = 0,
-                          say: Callable[[str], None] = print) -> dict:
-    """The config this rank gives deepspeed.initialize (see the module docstring); on CUDA the process's
-    TORCH_CUDA_ARCH_LIST is rewritten first. Rank 0 says what changed, one line each."""
+def prepare_optimizer_ops(ds_config: dict, accelerator: str, rank: int = 0, say: Callable[[str], None] = log.say, *,
+                          env: Mapping[str, str] | None = None, load: Callable[[str], str | None] = load_op) -> dict:
+    """The config this rank gives deepspeed.initialize (see the module docstring): with `"torch_adam": true` where the
+    op its optimizer needs cannot be had on some rank (op_problem with `env` and `load`, agreed over the ranks),
+    otherwise unchanged; never changed in place. On CUDA the process's TORCH_CUDA_ARCH_LIST is rewritten first. Rank
+    0 says what changed, one line each, to `say` (ds_core's logger by default; lines without its "[ds_core] ")."""
     if accelerator == "cuda":
-        use_deepspeed_arch_list(say if rank == 0 else (lambda _: None), "[ds_core]")
+        use_deepspeed_arch_list(say if rank == 0 else (lambda _: None), "")
     op = needed_op(ds_config)
     if op is None:
         return ds_config
-    problem = agreed_problem(op_problem(op, accelerator))
+    problem = agreed_problem(op_problem(op, accelerator, env, load))
     if problem is None:
         return ds_config
     out, note = with_torch_optimizer(ds_config, op, problem)
     if rank == 0:
-        say(f"[ds_core] warning: {note}")
+        say(f"warning: {note}")
     return out

@@ -357,11 +357,5 @@ def _load_fabrics(path: Path, fabrics: dict, st: Study) -> None:
             raise StudyError(f"{path}: [axes] fabric value {v!r}: not in [fabrics] {sorted(st.fabrics)}")
 
 
-def study_text_hash(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
 def dump_json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
