@@ -13,7 +13,7 @@ DeepSpeed's distributed tests run each rank in a process forked from multiproces
 test module afresh and never sees this pytest process's patches: the fork server preloads this module, whose import
 installs the same, so every rank starts with them as a run's rank does. Every stage's result (apply_stage's
 {name: state}) is appended to DS_UNIT_RECORD/<pid>.jsonl, so the driver can tell a change that ran from one that
-never did.
+never did, and so are the selected tests the suite's own pytest.ini deselects.
 
 The tests' bf16 check (unit/util.py bf16_required_version_check) asks for CUDA and NCCL versions, so on the CPU
 accelerator every bf16 test would skip; DeepSpeed's CPU accelerator supports bf16 (its is_bf16_supported), and the
