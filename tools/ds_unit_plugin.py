@@ -5,7 +5,7 @@ check.
 The changes come from ds_core.compat.changes, one call per stage, as a training run makes them:
 changes.install_initialize_hooks() applies `process_start` and makes DeepSpeed's own deepspeed.initialize and
 DeepSpeedEngine.load_checkpoint apply `before_initialize`, `after_initialize` and `checkpoint_load` around
-themselves; `launcher` is applied at start too, since DeepSpeed's launcher tests build its runners in this process.
+themselves; `launcher` is applied in the pytest process, where DeepSpeed's launcher tests build its runners.
 The switch DS_TOOLKIT_CHANGES decides what they apply: with "off" the same calls apply nothing, and the session is
 DeepSpeed's own path.
 
@@ -66,8 +66,8 @@ def bf16_on_cpu(original: Callable[..., bool]) -> Callable[..., bool]:
 
 
 def install() -> None:
-    """Once per process: the stages recorded, process_start and launcher applied, the engine stages hooked, the bf16
-    check answered, and the fork server told to do the same in every rank."""
+    """Once per process: the stages recorded, process_start applied, the engine stages hooked, the bf16 check
+    answered, and the fork server told to do the same in every rank."""
     global _installed
     if _installed:
         return
@@ -76,7 +76,6 @@ def install() -> None:
 
     changes.apply_stage = recorded(changes.apply_stage)
     changes.install_initialize_hooks()  # process_start now; the engine stages around DeepSpeed's own calls
-    changes.apply_stage("launcher")
     try:
         import unit.util  # DeepSpeed's tests/unit: the session runs in tests/, which is on sys.path
     except ImportError:
@@ -84,6 +83,14 @@ def install() -> None:
     else:
         unit.util.bf16_required_version_check = bf16_on_cpu(unit.util.bf16_required_version_check)
     multiprocessing.set_forkserver_preload([__name__])
+
+
+def pytest_configure(config):
+    """The launcher stage in the pytest process only, as a run applies it in the launcher's process only: DeepSpeed's
+    launcher tests build its runners here (pytest-forked's children inherit it), never in a rank."""
+    from ds_core.compat import changes
+
+    changes.apply_stage("launcher")
 
 
 def pytest_deselected(items):
