@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ds_core.config import atomic_write_bytes
+from ds_core.files import atomic_write_bytes
 from ds_core.outputs import hf_trainer
 from ds_core.outputs.results import save_metrics, train_metrics
 from ds_core.run.components import Callback

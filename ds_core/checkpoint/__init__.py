@@ -34,8 +34,8 @@ from ds_core.checkpoint import manifest as ckpt_manifest
 from ds_core.checkpoint.collective import any_rank, barrier, rank, world_size
 from ds_core.checkpoint.resize import ensure_universal
 from ds_core.checkpoint.tags import COMPLETE, LATEST, is_complete, latest_tag, step_tags, tag_for
-from ds_core.config import atomic_write_text
 from ds_core.errors import ConfigError
+from ds_core.files import atomic_write_text
 
 HF_MODEL = "hf_model.json"
 

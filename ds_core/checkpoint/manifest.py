@@ -25,7 +25,7 @@ from pathlib import Path
 
 import xxhash
 
-from ds_core.config import atomic_write_text
+from ds_core.files import atomic_write_text
 
 MANIFEST = "MANIFEST.json"
 PART = ".manifest_rank{}.json"

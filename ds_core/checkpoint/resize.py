@@ -26,8 +26,9 @@ from pathlib import Path
 
 from ds_core.checkpoint.collective import any_rank, barrier, rank
 from ds_core.checkpoint.tags import COMPLETE, is_complete, latest_tag
-from ds_core.config import TrainConfig, atomic_write_text, settle_grad_accum_dtype
+from ds_core.config import TrainConfig, settle_grad_accum_dtype
 from ds_core.errors import ConfigError
+from ds_core.files import atomic_write_text
 
 ON_RESIZE = ("keep_batch", "scale_lr")
 UNIVERSAL_SUFFIX = "_universal"

@@ -20,6 +20,7 @@ from typing import Any, Sequence, TypeVar
 
 from ds_core.config.accumulation import settle_grad_accum_dtype  # noqa: F401 - part of ds_core.config's API
 from ds_core.errors import ConfigError
+from ds_core.files import atomic_write_text
 
 T = TypeVar("T")
 
@@ -329,22 +330,6 @@ def save_run_config(run_dir: str | os.PathLike, *instances: Any, rank: int = 0) 
         data = {type(i).__name__: dataclasses.asdict(i) for i in instances}
         atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """atomic_write_bytes of the text in UTF-8."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temporary name in the same directory, fsync, then rename: readers never see a partial file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def write_trainer_state(run_dir: str | os.PathLike, *, step: int, epoch: float, 
             state.best_model_checkpoint = str(ckpt) if ckpt.exists() or saving_it else None
     import dataclasses
 
-    from ds_core.config import atomic_write_text
+    from ds_core.files import atomic_write_text
 
     # TrainerState.save_to_json's text, written atomically (a half-written state file is never left)
     atomic_write_text(path, json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n")

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ds_core.compat.hf import set_config_dtype
-from ds_core.config import atomic_write_text
+from ds_core.files import atomic_write_text
 
 # summary record key -> our name in train_results.json (the post-warm-up window; Trainer's keys:
 # ds_core.outputs.hf_trainer)

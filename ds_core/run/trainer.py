@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 
 from ds_core import checkpoint as ckpt, log
 from ds_core.compat import changes
-from ds_core.config import atomic_write_text
 from ds_core.device.precision import resolve_precision
+from ds_core.files import atomic_write_text
 from ds_core.outputs.metrics import (
     Metrics,
     RunInfo,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 import ds_core
-from ds_core.config import atomic_write_text
+from ds_core.files import atomic_write_text
 from ds_core.outputs.metrics import last_summary
 from ds_core.rank.rendezvous import free_port, rank_env
 from ds_tools.intervals import mean_interval
