@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
+from ds_core import log
 from ds_core.config.accumulation import settle_grad_accum_dtype  # noqa: F401 - part of ds_core.config's API
 from ds_core.errors import ConfigError
 from ds_core.files import atomic_write_text
@@ -518,8 +519,8 @@ def resolve_ds_precision(ds: dict, precision: str, accelerator: str | None = Non
         prec.apply_precision(ds, dtype, source)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if precision == "auto" and dtype == "fp32" and os.environ.get("RANK", "0") == "0":
-        print(f"[ds_core] precision {reason}", flush=True)
+    if precision == "auto" and dtype == "fp32":
+        log.say(f"precision {reason}")
     return ds
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ds_core import log
 from ds_core.device import accelerators, hpu
 from ds_core.device.accelerators import from_device_name
 from ds_core.device.precision import cached_cpu_peak, cpu_peak_tflops, update_cpu_peak
@@ -397,11 +398,11 @@ class Metrics:
         skip = {"type", "time", "warmup"}
         parts = [("eval at " if rec.get("type") == "eval" else "") + f"step {rec['step']}"]
         parts += [f"{k} {_fmt(v)}" for k, v in rec.items() if k not in skip and k != "step" and v is not None]
-        line = "[ds_core] " + " | ".join(parts) + (" (not timed)" if rec.get("warmup") else "")
+        line = " | ".join(parts) + (" (not timed)" if rec.get("warmup") else "")
         if self._bar is not None:
-            self._bar.write(line)
+            self._bar.write(log.PREFIX + line)  # above the bar, which a plain write would break
         else:
-            print(line, flush=True)
+            log.say(line, every_rank=True)  # self.console: rank 0's console already
 
     def _write(self, rec: dict) -> None:
         if self._file is not None:
