@@ -38,9 +38,13 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli, a requirement there
+    import tomli as tomllib
 
 from bench.common import REPO, bench_env, photo_like
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ds_core.compat.hf import call_arguments
 from ds_core.errors import ConfigError
 
 from .configs import BertPreset
@@ -118,21 +119,28 @@ def _megatron_classes() -> tuple[type, type]:
 
     class HabanaFirstAttention(MegatronBertAttention):
         """Layer 0's attention in Habana's form: LayerNorm (Habana's embeddings LayerNorm), embedding dropout,
-        self-attention, output dense + dropout, and no residual (Habana's stream starts at 0)."""
+        self-attention, output dense + dropout, and no residual (Habana's stream starts at 0). The self-attention
+        gets the arguments this attention got, as MegatronBertAttention hands them on (positionally in transformers
+        4.51, by keyword since)."""
 
-        def forward(self, hidden_states, attention_mask=None, **kwargs):
+        def forward(self, hidden_states, *args, **kwargs):
             normed = self.emb_dropout(self.ln(hidden_states))
-            context = self.self(normed, attention_mask=attention_mask, **kwargs)
+            context = self.self(normed, *args, **kwargs)
             return (self.output.dropout(self.output.dense(context[0])),) + tuple(context[1:])
 
     class MegatronBertSdpaSelfAttention(MegatronBertSelfAttention):
-        """MegatronBert self-attention through transformers' sdpa_attention_forward (BERT-Large's kernel)."""
+        """MegatronBert self-attention through transformers' sdpa_attention_forward (BERT-Large's kernel). Its
+        arguments are read by name through the installed MegatronBertSelfAttention's signature
+        (ds_core.compat.hf.call_arguments: 4.51 passes them positionally)."""
 
-        def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, cache=None,
-                    output_attentions=False, **kwargs):
-            if encoder_hidden_states is not None or cache is not None or output_attentions:
-                raise ValueError("MegatronBertSdpaSelfAttention: self-attention of an encoder only (no cross "
-                                 "attention, cache or attention outputs); build the model with "
+        def forward(self, hidden_states, *args, **kwargs):
+            given = call_arguments(MegatronBertSelfAttention.forward, (hidden_states, *args), kwargs)
+            attention_mask = given.get("attention_mask")
+            if any(given.get(k) is not None for k in ("head_mask", "encoder_hidden_states", "cache",
+                                                       "past_key_value", "past_key_values")) or \
+                    given.get("output_attentions"):
+                raise ValueError("MegatronBertSdpaSelfAttention: self-attention of an encoder only (no head mask, "
+                                 "cross attention, cache or attention outputs); build the model with "
                                  "attn_implementation='eager' for those")
             shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
             q, k, v = (lin(hidden_states).view(shape).transpose(1, 2) for lin in (self.query, self.key, self.value))

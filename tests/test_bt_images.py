@@ -53,8 +53,12 @@ converts_rgb = pytest.mark.skipif(not hasattr(bridgetower_image_processor()(), "
 
 def reference(data: bytes) -> torch.Tensor:
     proc = bridgetower_image_processor()()  # the PIL backend of BridgeTowerImageProcessor (ds_core.compat.hf)
-    # do_convert_rgb: transformers' own RGB conversion (CMYK, L, alpha composited onto white), as our decoder does
-    return proc(Image.open(io.BytesIO(data)), do_convert_rgb=True, return_tensors="pt")["pixel_values"][0]
+    # do_convert_rgb: transformers' own RGB conversion (CMYK, L, alpha composited onto white), as our decoder does;
+    # do_center_crop: the processor's configured value (True), given per call because transformers 4.51's preprocess
+    # drops its own (`do_center_crop if ... else self.do_center_crop` is a statement there, not an assignment), so
+    # that release crops only when asked in the call (docs/gaudi.md, transformers differences)
+    return proc(Image.open(io.BytesIO(data)), do_convert_rgb=True, do_center_crop=True,
+                return_tensors="pt")["pixel_values"][0]
 
 
 def ours(data: bytes, size: int = 288, draft: bool = True) -> torch.Tensor:

@@ -14,6 +14,10 @@
   one with no host read.
 - bridgetower_sdpa_missing: BridgeTower's attention-function switch (ALL_ATTENTION_FUNCTIONS, 5.x); 4.55's BridgeTower
   has only its eager attention, which then runs (one line says so).
+- call_arguments: a transformers module's forward arguments by name, however the installed release calls it: 4.51's
+  encoder layers pass attention_mask, head_mask, encoder states, past_key_value and output_attentions positionally,
+  4.55 and 5.x by keyword (5.x names the cache `cache`): a replacement forward reads them through the signature of
+  the forward it replaces, so one body serves every release.
 """
 from __future__ import annotations
 
@@ -88,5 +92,18 @@ def bridgetower_sdpa_missing() -> str | None:
             f"SDPA switch): attention runs eager")
 
 
-__all__ = ["dtype_field", "dtype_kwargs", "set_config_dtype", "bridgetower_image_processor", "padding_mask",
+def call_arguments(forward: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """{name: value} of a call `module.forward(*args, **kwargs)` (self not included in args) bound to the signature of
+    `forward`, the installed transformers' unbound method the call was meant for; names it takes through **kwargs
+    are kept as given. A call that does not fit that signature raises TypeError, as the method itself would."""
+    bound = inspect.signature(forward).bind(None, *args, **kwargs)
+    named = {k: v for k, v in bound.arguments.items() if k != "self"}
+    for name, param in inspect.signature(forward).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(named.pop(name, {}))
+    return named
+
+
+__all__ = ["call_arguments", "dtype_field", "dtype_kwargs", "set_config_dtype", "bridgetower_image_processor",
+           "padding_mask",
            "bridgetower_sdpa_missing"]
