@@ -82,5 +82,6 @@ def test_make_wheelhouse_has_no_size_cap_unless_the_user_sets_one():
         return line
 
     assert "--max_mb 0" in command()
-    assert "--constraints stacks/latest.txt" in command() and "--constraints stacks/gaudi-1.21.txt" in command("STACK=gaudi-1.21")
+    assert "--constraints stacks/latest.txt" in command()
+    assert "--constraints stacks/gaudi-1.21.txt" in command("STACK=gaudi-1.21")
     assert "--max_mb 200" in command("WHEELHOUSE_MAX_MB=200")
