@@ -80,6 +80,19 @@ def test_verdict_fails_on_a_difference_a_change_never_applied_a_leak_and_a_desel
         "applied with DS_TOOLKIT_CHANGES=off: device_clip",
     ]
     assert tool.verdict("0.19.8", archive, {}, {}, set(), [], []) == ["no test ran"]
+    # a change a suite keeps on in the off run is no leak there
+    assert tool.verdict("0.16.1", archive, same, dict(same), {"device_clip"}, on_records, on_records,
+                        frozenset({"device_clip"})) == []
+
+
+def test_the_off_run_switches_off_every_change_but_the_kept_ones():
+    from ds_core.compat.changes import BY_NAME, parse_switch
+
+    names = list(BY_NAME)
+    assert tool.off_switch(names, ()) == "off"
+    assert set(parse_switch(tool.off_switch(names, (("device_clip", "why"),)))) == set(names) - {"device_clip"}
+    for suite in tool.SUITES:  # a kept change is one of the list, with its reason
+        assert all(name in BY_NAME and why for name, why in suite.kept_on)
 
 
 def test_suite_and_archive_by_installed_release(tmp_path):
