@@ -48,6 +48,7 @@ EXTRA = ["--gradient_accumulation_steps", "2", "--max_steps", "0", "--weight_dec
          "--max_eval_samples", "20", "--distribution_strategy", "ddp"]
 
 
+@pytest.mark.stack  # the command as optimum-habana users write it, on each stack's transformers
 def test_published_command_parses_into_the_toolkits_settings():
     cfg = parse_settings(BridgeTowerSettings, PUBLISHED + EXTRA)
     tc, ma, da, ra, oa, ca = cfg.train, cfg.model, cfg.data, cfg.task, cfg.optim, cfg.compat
