@@ -60,10 +60,28 @@ def test_habana_form_computes_habanas_function(attn):
         assert model.cls.predictions.bias[250:].abs().max() == 0
 
 
+# Which dropout stream torch draws: the kept positions of dropout(ones(4096), 0.1) after manual_seed(0), summed.
+# 7494417 under torch 2.9 and 2.13, the stream the reference's training-mode logits were drawn from; torch 2.6's CPU
+# dropout draws another stream (7530515), where the same masks cannot be asked of it.
+REFERENCE_DROPOUT_STREAM = 7494417
+
+
+def dropout_stream() -> int:
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        return int(torch.nn.functional.dropout(torch.ones(4096), 0.1, True).nonzero().sum())
+    finally:
+        torch.random.set_rng_state(state)
+
+
 def test_habana_form_dropout_where_habanas_is():
     """Training mode, dropout 0.1: with torch's generator seeded the same, our eager path draws the same masks as
     Habana's modeling.py (same dropout calls, same order, same shapes: the embedding dropout after its LayerNorm), so
     the logits match too. (SDPA draws its attention dropout inside the kernel: not compared.)"""
+    if dropout_stream() != REFERENCE_DROPOUT_STREAM:
+        pytest.skip(f"torch {torch.__version__} draws another dropout stream than the reference's (probe "
+                    f"{dropout_stream()} against {REFERENCE_DROPOUT_STREAM}): its masks cannot match")
     model = build_model(small(debug_habana, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1),
                         attn_implementation="eager").train()
     load_habana_state_dict(model, habana_weights())
