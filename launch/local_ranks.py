@@ -250,9 +250,11 @@ def run_launchers(cmds: Sequence[Sequence[str]], *, env: Mapping[str, str], cwd:
 
 
 # How long the ranks of one job may outlive a rank that ended well (launch.local_ranks, run_ranks): every entry point
-# ends with a barrier (ds_core.rank.dist.shutdown_distributed), after which a rank only leaves its process (a few
-# seconds on a loaded host); one still running after this is waiting for a peer that is gone.
-PEER_EXIT_S = 120.0
+# ends with a barrier (ds_core.rank.dist.shutdown_distributed), after which a rank only leaves its process: seconds
+# on an idle host, but once over 120 s on a 2-core host at load 12 (joining its data threads, atexit writers). One
+# still running after this is waiting for a peer that is gone; the bound is 5 minutes rather than torch's 30-minute
+# collective timeout.
+PEER_EXIT_S = 300.0
 
 
 def run_ranks(cmds: Sequence[tuple[Sequence[str], Mapping[str, str]]], *, cwd: str | os.PathLike, timeout_s: float,
