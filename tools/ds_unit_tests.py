@@ -71,8 +71,9 @@ SUITES = (
         # ZeRO-2 bf16 with gradient_clipping 1.0 (flat_grad_norm_zero); ZeRO-3 clipping and its norm
         "unit/v1/half_precision/test_bf16.py::TestZero2ReduceScatterOff",
         "unit/runtime/zero/test_zero_grad_clip.py::TestZeroGradClip::test_grad_clip_and_norm_update[bf16-0.05-none]",
-        # universal checkpoint, ZeRO-1, bf16, optimizer states loaded (universal_load_links where needed)
+        # universal checkpoint, ZeRO-1 and ZeRO-3, bf16, optimizer states loaded (universal_load_links where needed)
         f"{_UC}[-1-True-False-1-dtype0]",
+        f"{_UC}[-1-True-False-3-dtype0]",
         # coalesced collectives; an engine's deepspeed.comm (comm_phase_timing wraps its backend's methods)
         "unit/runtime/comm/test_coalesced_collectives.py::TestReduceScatterCoalesced::test_two_inputs",
         "unit/comm/test_dist.py::TestDistInitWithModel::test_no_init[False]",
