@@ -32,8 +32,8 @@ API (what a run, a tool and a test harness call):
 Gating (ds_core.compat.checks, ds_core.compat.fingerprint): each change checks that the installed DeepSpeed has what
 it uses; a fix of an older release's behaviour is "not needed" where a behaviour probe finds the fault absent; a
 change that replaces a method body is on only where that body's fingerprint is one of VERIFIED's, recorded per tested
-release (stacks/latest.txt: DeepSpeed 0.19.8; stacks/gaudi.txt: Habana's fork 0.16.1, release 1.21.0). Otherwise
-DeepSpeed's own path runs and one line names the change and the DeepSpeed version.
+release (stacks/latest.txt: DeepSpeed 0.19.8; stacks/gaudi-1.21.txt and gaudi-1.23.txt: Habana's fork 0.16.1,
+release 1.21.0). Otherwise DeepSpeed's own path runs and one line names the change and the DeepSpeed version.
 """
 from __future__ import annotations
 
