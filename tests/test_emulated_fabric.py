@@ -22,9 +22,12 @@ MBIT = 100
 
 def _study(tmp_path: Path) -> Path:
     text = (REPO / "studies" / "emulated_fabrics.toml").read_text()
-    # the shipped study, smaller: one fabric, fewer steps, one repeat, its data in tmp_path
+    # the shipped study, smaller: one fabric, fewer steps, one run per cell (no precision target), its data in
+    # tmp_path
     text = (text.replace("steps = 40", "steps = 12").replace("repeats = 2", "repeats = 1")
+            .replace("precision = 0.05", "precision = 0.0").replace("max_repeats = 4", "max_repeats = 1")
             .replace('fabric = ["slow", "fast"]', 'fabric = ["slow"]').replace("runs/data", str(tmp_path / "data")))
+    assert "repeats = 1" in text and "precision = 0.0" in text and "max_repeats = 1" in text
     p = tmp_path / "emulated.toml"
     p.write_text(text)
     return p
