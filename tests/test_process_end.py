@@ -27,8 +27,9 @@ out = Path(sys.argv[1])
 HELD = []
 def main():
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=0, world_size=1)
+    side = dist.new_group([0])  # the late work runs on a group of its own: the end's barrier (WORLD) does not wait
     t = torch.ones(4)
-    work = dist.all_reduce(t, async_op=True)
+    work = dist.all_reduce(t, group=side, async_op=True)
     def late(fut):  # runs in gloo's thread, which outlives the main thread
         time.sleep(1.5)
         return fut.value()
@@ -39,7 +40,7 @@ def main():
         time.sleep(0.5)
         (out / "thread").write_text("done")
     threading.Thread(target=writer).start()
-    HELD.append(dist.group.WORLD)  # as DeepSpeed's engine holds its groups until the process ends
+    HELD.extend([dist.group.WORLD, side])  # as DeepSpeed's engine holds its groups until the process ends
     shutdown_distributed()
     print("main done", end="")  # no newline, no flush: the exit must flush it
     if sys.argv[3] != "0":
