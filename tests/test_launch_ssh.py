@@ -222,7 +222,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from ds_core.rank.dist import init_distributed, shutdown_distributed
-from ds_core.rank.process_end import end_process
+from ds_core.rank.process_end import run_main
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--dist_timeout_s", type=int, default=60)
@@ -238,11 +238,12 @@ rec = dict(rank=info.rank, world=info.world_size, nodes=info.nodes, sum=t.item()
            **{{k: os.environ.get(k) for k in keys}})
 with open(os.path.join(args.out, "rdv%d.json" % info.rank), "w") as f:
     json.dump(rec, f)
-while args.hold:
-    dist.all_reduce(t, group=hold_group)
-    time.sleep(0.2)
-shutdown_distributed()
-end_process(0)  # as every rank entry ends (ds_core.rank.process_end.run_main)
+def hold():
+    while args.hold:
+        dist.all_reduce(t, group=hold_group)
+        time.sleep(0.2)
+    shutdown_distributed()
+run_main(hold)  # as every rank entry ends: a frozen peer's timeout ends this rank with status 1, not finalisation
 '''
 # the held all-reduces' timeout (the rendezvous has its own, long one: RDV_PROBE) and launch.guard's grace. The
 # running ranks all-reduce every 0.2 s in lock-step, so 10 s without a peer is a frozen peer even on a loaded

@@ -43,6 +43,8 @@ def main():
     HELD.extend([dist.group.WORLD, side])  # as DeepSpeed's engine holds its groups until the process ends
     shutdown_distributed()
     print("main done", end="")  # no newline, no flush: the exit must flush it
+    if sys.argv[3] == "raise":  # a failed run: its error escapes main
+        raise RuntimeError("a failed step")
     if sys.argv[3] != "0":
         raise SystemExit(int(sys.argv[3]))
 
@@ -53,7 +55,7 @@ else:
 """
 
 
-def _run(tmp_path, how: str, status: int) -> subprocess.CompletedProcess:
+def _run(tmp_path, how: str, status) -> subprocess.CompletedProcess:
     out = tmp_path / f"{how}_{status}"
     out.mkdir()
     mode = how.rstrip("0123456789")  # "plain1": the second try of the plain control
@@ -91,6 +93,26 @@ def test_plain_exit_aborts_where_run_main_exits_with_the_rank_status(tmp_path):
         out = tmp_path / f"run_main_{status}"
         assert (out / "atexit").read_text() == "ran"
         assert (out / "thread").read_text() == "done"
+
+
+def test_a_failed_run_prints_its_traceback_and_exits_1_not_through_finalisation(tmp_path):
+    """An error escaping main: Python's own path finalises with gloo's thread alive (an abort after the traceback,
+    or, the race going the other way, a process that never exits: a launcher then waits for it for good); run_main
+    prints the traceback as Python does and ends with status 1, after joining threads and running atexit."""
+    tries = []
+    for i in range(CONTROL_TRIES):  # the control, as above: the hazard on the error path
+        plain = _run(tmp_path, f"plain{i}", "raise")
+        tries.append((plain.returncode, plain.stderr[-2000:]))
+        if plain.returncode in CRASHES:
+            break
+    assert plain.returncode in CRASHES, tries
+    res = _run(tmp_path, "run_main", "raise")
+    assert res.returncode == 1, (res.returncode, res.stderr[-2000:])
+    assert "RuntimeError: a failed step" in res.stderr and "Traceback" in res.stderr, res.stderr[-2000:]
+    assert "terminate called" not in res.stderr and "Fatal Python error" not in res.stderr
+    assert res.stdout.endswith("main done")
+    out = tmp_path / "run_main_raise"
+    assert (out / "atexit").read_text() == "ran" and (out / "thread").read_text() == "done"
 
 
 @pytest.mark.parametrize("module", ["bert_ref/train.py", "bridgetower_ds/train.py", "tests/tiny_train.py",

@@ -97,8 +97,12 @@ def run_main(main: Callable[[], object]) -> NoReturn:
     (DeepSpeed's, launch.local_ranks, mpirun) before it says anything, and a rank that exits first would get rank 0
     killed before it spoke. A rank still alive after the wait made a mistake rank 0 did not (a path missing on its
     node): the first rank of its node says it, naming the rank. A RunVerdict (a diverged run: every rank reads the same
-    all-reduced values) is said the same way and ends with its status (1). Any other exception escaping main takes
-    Python's usual path (its traceback, status 1): that is a failure of the run, and its error must not be hidden."""
+    all-reduced values) is said the same way and ends with its status (1). Any other exception escaping main is a
+    failure of the run: its traceback is printed as Python prints it (sys.excepthook: torch's, with its [rankN]
+    prefix, once a process group exists) and the process ends with status 1 through end_process too. Python's own
+    path would finalise the interpreter with gloo's threads alive, the hazard end_process exists for: after the
+    traceback the rank aborted (exit 134, "terminate called without an active exception") or, when the race went
+    the other way, never exited, and a launcher waiting for it waited for good."""
     try:
         main()
     except ConfigError as mistake:
@@ -112,4 +116,7 @@ def run_main(main: Callable[[], object]) -> NoReturn:
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)  # what Python prints for sys.exit("message")
         end_process(0 if code is None else code if isinstance(code, int) else 1)
+    except Exception:  # noqa: BLE001 - every failure: its traceback, then the same end as a run that went well
+        sys.excepthook(*sys.exc_info())
+        end_process(1)
     end_process(0)
