@@ -22,7 +22,7 @@ USAGE_ERROR = 2  # ds_core.cli.USAGE_ERROR: argparse's status for a bad command 
 exit_status: int | None = None
 
 
-def end_process(status: int = 0) -> NoReturn:
+def end_process(status: int = 0, failed: bool = False) -> NoReturn:
     """End this process now with `status`, after doing what Python's own exit does while the interpreter is whole
     (Py_FinalizeEx's first steps, in its order), and without the finalisation that follows.
 
@@ -35,7 +35,8 @@ def end_process(status: int = 0) -> NoReturn:
     every time. Skipping finalisation removes the window instead of narrowing it. What is kept: non-daemon threads
     are joined (threading._shutdown, the call Python makes first: there is no public one; it also shuts
     concurrent.futures pools down), atexit handlers run (the run_dir lock, logging, multiprocessing's children,
-    tensorboard writers), stdout/stderr are flushed, MPI is finalised. What is skipped: module teardown and
+    tensorboard writers), stdout/stderr are flushed, MPI is finalised (aborted where `failed`: a failed rank's
+    peers may be waiting for it). What is skipped: module teardown and
     garbage collection, i.e. flushing files that nobody closed (ours are closed explicitly)."""
     global exit_status
     exit_status = status
@@ -52,6 +53,8 @@ def end_process(status: int = 0) -> NoReturn:
     # rank, as at a normal exit.
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        if failed:  # a failed rank: MPI_Finalize would wait for peers that may wait in a collective for this rank
+            mpi.COMM_WORLD.Abort(status)
         mpi.Finalize()
     os._exit(status)
 
@@ -118,5 +121,5 @@ def run_main(main: Callable[[], object]) -> NoReturn:
         end_process(0 if code is None else code if isinstance(code, int) else 1)
     except Exception:  # noqa: BLE001 - every failure: its traceback, then the same end as a run that went well
         sys.excepthook(*sys.exc_info())
-        end_process(1)
+        end_process(1, failed=True)
     end_process(0)
