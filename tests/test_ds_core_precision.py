@@ -77,6 +77,12 @@ def test_peak_is_probed_once_then_cached(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "peak_tflops.json").read_text())
     (key,) = data
     assert "|fp32|threads " in key and "torch " in key  # keyed by CPU model, torch version, dtype, threads
+    # a run under oneDNN's ISA cap probes other kernels: its peak is kept apart, never read by uncapped runs
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert prec.peak_cache_key("fp32") == key + "|isa avx2"
+    assert prec.cached_cpu_peak("fp32", lambda: 0.5) == 0.5
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert prec.cached_cpu_peak("fp32", probe) == 1.5 and len(calls) == 1
     assert prec.cached_cpu_peak("bf16", lambda: 0.25) == 0.25  # another dtype is another entry
     prec.update_cpu_peak("fp32", 1.0)  # a lower re-probe does not replace the cached best
     assert prec.cached_cpu_peak("fp32", probe) == 1.5

@@ -100,10 +100,17 @@ def cache_path() -> Path:
     return Path(base) / "peak_tflops.json"
 
 
+# oneDNN's ISA cap (its documented variables, DNNL_ is the older name): a run under a cap computes on other kernels
+# than the CPU's flags say, so its probe is another machine's and must not be cached as this one's.
+ISA_CAP_ENVS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
 def peak_cache_key(dtype: str, threads: int | None = None) -> str:
     import torch
 
-    return f"{cpu_model()}|torch {torch.__version__}|{dtype}|threads {threads or torch.get_num_threads()}"
+    key = f"{cpu_model()}|torch {torch.__version__}|{dtype}|threads {threads or torch.get_num_threads()}"
+    cap = next((os.environ[e] for e in ISA_CAP_ENVS if os.environ.get(e)), None)
+    return f"{key}|isa {cap.lower()}" if cap else key
 
 
 def read_cache(path: Path) -> dict:
@@ -146,21 +153,28 @@ def update_cpu_peak(dtype: str, value: float) -> None:
 
 
 def cpu_peak_tflops(dtype: str = "bf16", n: int = 1024, seconds: float = 0.5) -> float:
-    """Measured matmul peak of this process on the CPU (its current torch thread count) in `dtype`: best of a probe."""
+    """Measured matmul peak of this process on the CPU (its current torch thread count) in `dtype`: the best rate of
+    square matmuls of side n and n/8, each probed for half of `seconds`.
+
+    Two sizes because torch sends a matmul to different kernels by size (oneDNN for large bf16 ones where the CPU
+    flags promise bf16, ATen's own gemm for small ones): where the large path is the slower (a oneDNN ISA cap, an
+    emulated bf16), a run of small matmuls would otherwise beat its "peak" and get no MFU at all."""
     import torch
 
     tdtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype] \
         if isinstance(dtype, str) else dtype
     g = torch.Generator().manual_seed(0)  # private stream: the probe must not shift the run's RNG (exact resume)
-    a = torch.randn(n, n, generator=g).to(tdtype)
-    b = torch.randn(n, n, generator=g).to(tdtype)
-    torch.mm(a, b)  # warm-up (allocations, kernels)
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * n**3 / dt / 1e12)
-        if time.perf_counter() >= t_end:
-            break
+    best = 0.0
+    for side in dict.fromkeys((n, max(n // 8, 16))):
+        a = torch.randn(side, side, generator=g).to(tdtype)
+        b = torch.randn(side, side, generator=g).to(tdtype)
+        torch.mm(a, b)  # warm-up (allocations, kernels)
+        t_end = time.perf_counter() + seconds / 2
+        while True:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            dt = time.perf_counter() - t0
+            best = max(best, 2 * side**3 / dt / 1e12)
+            if time.perf_counter() >= t_end:
+                break
     return best
