@@ -22,6 +22,21 @@ def test_auto_is_fp32_on_a_cpu_without_native_bf16_and_says_why():
     assert "no native bf16" in reason and "0.0008" in reason and "0.0540" in reason and "68x slower" in reason
 
 
+def test_auto_is_fp32_where_onednn_is_capped_below_its_bf16_instructions(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 on a CPU with AMX: oneDNN emulates bf16 as an AVX2-only CPU does, so auto is fp32."""
+    amx = {"avx2", "avx512_bf16", "amx_bf16"}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    dtype, reason = prec.resolve_precision("auto", "cpu", flags=amx, speed=lambda: (0.0008, 0.054))
+    assert dtype == "fp32" and "oneDNN is capped at AVX2" in reason and "68x slower" in reason
+    for cap in ("AVX512_CORE_BF16", "avx512_core_amx", "ALL"):  # caps at or above bf16 leave the CPU's own rule
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert prec.resolve_precision("auto", "cpu", flags=amx)[0] == "bf16"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "avx512_core_vnni")  # oneDNN's older name for the same cap
+    assert prec.resolve_precision("auto", "cpu", flags=amx, speed=lambda: (1.0, 1.0))[0] == "fp32"
+    assert prec.resolve_precision("auto", "cpu", flags=amx, cap=None)[0] == "bf16"
+
+
 def test_explicit_precision_wins_and_unknown_is_refused():
     assert prec.resolve_precision("bf16", "cpu", flags=set())[0] == "bf16"
     assert prec.resolve_precision("fp32", "cuda")[0] == "fp32"

@@ -17,6 +17,16 @@ from typing import Callable
 
 PRECISIONS = ("auto", "bf16", "fp32")
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs whose matmuls run bf16 in hardware
+# oneDNN's ISA cap (its documented variables, DNNL_ is the older name) and the caps below its first ISA with bf16
+# instructions (avx512_core_bf16, in oneDNN's order of ISAs): under one of them oneDNN computes bf16 emulated whatever
+# the CPU's flags say, as on a CPU without native bf16.
+ISA_CAP_ENVS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+ISA_CAPS_WITHOUT_BF16 = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni")
+
+
+def isa_cap() -> str | None:
+    """oneDNN's ISA cap set in the environment, lower case, else None."""
+    return next((os.environ[e].strip().lower() for e in ISA_CAP_ENVS if os.environ.get(e, "").strip()), None)
 
 
 def cpu_flags(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> set[str]:
@@ -41,12 +51,17 @@ def cpu_model(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str:
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 
+_FROM_ENV = object()
+
+
 def resolve_precision(requested: str, accelerator: str, *, flags: set[str] | None = None,
-                      speed: Callable[[], tuple[float, float]] | None = None) -> tuple[str, str]:
+                      speed: Callable[[], tuple[float, float]] | None = None,
+                      cap: str | None | object = _FROM_ENV) -> tuple[str, str]:
     """(dtype, reason): "bf16" or "fp32" for `requested` in PRECISIONS on accelerator "cpu" | "cuda" | "hpu" | ...
 
-    auto is bf16 on CUDA/HPU and on CPUs with native bf16 (NATIVE_BF16_FLAGS), else fp32. `speed` returns measured
-    (bf16, fp32) matmul TFLOPs for the reason line of a CPU without native bf16 (default: cached probes of this CPU).
+    auto is bf16 on CUDA/HPU and on CPUs with native bf16 (NATIVE_BF16_FLAGS) whose oneDNN is not capped below its
+    bf16 instructions (`cap`, default isa_cap()), else fp32. `speed` returns measured (bf16, fp32) matmul TFLOPs for
+    the reason line of a CPU without native bf16 (default: cached probes of this CPU).
     """
     if requested not in PRECISIONS:
         raise ValueError(f"precision {requested!r}: expected one of {', '.join(PRECISIONS)}")
@@ -56,11 +71,13 @@ def resolve_precision(requested: str, accelerator: str, *, flags: set[str] | Non
         return "bf16", f"auto: bf16 on {accelerator}"
     flags = cpu_flags() if flags is None else flags
     native = sorted(set(NATIVE_BF16_FLAGS) & flags)
-    if native:
+    cap = isa_cap() if cap is _FROM_ENV else cap
+    if native and cap not in ISA_CAPS_WITHOUT_BF16:
         return "bf16", f"auto: bf16 (this CPU has {', '.join(native)})"
+    why = (f"oneDNN is capped at {cap.upper()} ({'/'.join(ISA_CAP_ENVS)}), below its bf16 instructions" if native else
+           f"this CPU has no native bf16 ({' or '.join(NATIVE_BF16_FLAGS)} missing from /proc/cpuinfo)")
     bf, fp = (speed or _measured_speed)()
-    return "fp32", (f"auto: fp32, this CPU has no native bf16 ({' or '.join(NATIVE_BF16_FLAGS)} missing from "
-                    f"/proc/cpuinfo): bf16 matmul measured {bf:.4f} TFLOPs vs fp32 {fp:.4f} TFLOPs "
+    return "fp32", (f"auto: fp32, {why}: bf16 matmul measured {bf:.4f} TFLOPs vs fp32 {fp:.4f} TFLOPs "
                     f"({fp / bf if bf else float('inf'):.0f}x slower); pass --precision bf16 to train in bf16 anyway")
 
 
@@ -100,17 +117,14 @@ def cache_path() -> Path:
     return Path(base) / "peak_tflops.json"
 
 
-# oneDNN's ISA cap (its documented variables, DNNL_ is the older name): a run under a cap computes on other kernels
-# than the CPU's flags say, so its probe is another machine's and must not be cached as this one's.
-ISA_CAP_ENVS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
-
-
 def peak_cache_key(dtype: str, threads: int | None = None) -> str:
+    """The cache entry of this CPU, torch, dtype and thread count; a oneDNN ISA cap computes on other kernels than the
+    CPU's flags say, so a capped run's probe is another machine's and has an entry of its own."""
     import torch
 
     key = f"{cpu_model()}|torch {torch.__version__}|{dtype}|threads {threads or torch.get_num_threads()}"
-    cap = next((os.environ[e] for e in ISA_CAP_ENVS if os.environ.get(e)), None)
-    return f"{key}|isa {cap.lower()}" if cap else key
+    cap = isa_cap()
+    return f"{key}|isa {cap}" if cap else key
 
 
 def read_cache(path: Path) -> dict:
