@@ -348,8 +348,10 @@ def test_launch_run_mpich_rendezvous_and_a_frozen_rank(tmp_path, private_sshd):
     _check_rdv(recs, "127.0.0.1", None, "mpich-42")
     assert all(Path(r["MPI4PY_LIBMPI"]).parent.parent == Path(mpich).parent for r in recs), recs
     code, log = _freeze_and_wait(proc, tmp_path, recs[1])
+    # non-zero only through the guard's MPI_Abort: launcher_helper exits 0 whatever its rank did. The abort's own
+    # lines ("MPI_Abort so mpirun stops every rank") are usually in the log, but Hydra tears the job down on the abort
+    # and may not forward a rank's last output first: seen once in a few hundred runs, so they are not asserted.
     assert code != 0, log[-5000:]
-    assert "MPI_Abort" in log, log[-5000:]
 
 
 def test_launch_run_mpirun_openmpi_rendezvous_and_a_frozen_rank(tmp_path, private_sshd):
