@@ -59,9 +59,8 @@ def dl1_stack() -> str | None:
 def test_a_shortened_dl1_recipe_run_trains(tmp_path):
     """The recipe's every setting (LANS under ZeRO-1, Habana's poly schedule, its JSON and global batch of 12288) on 2
     ranks, shortened: the 1.5B model's Pre-LN code at the debug size, two optimizer steps; in the precision `auto`
-    gives the machine (bf16 where the CPU has it natively). Its 2 x 12288 samples cost minutes on a CPU without
-    native bf16, so it runs on the stack DL1 runs (gaudi-1.21's lane); the recipe's settings resolve on every stack
-    (above)."""
+    gives the machine (bf16 where the CPU has it natively, else fp32). Its 2 x 12288 samples cost a minute on 2 cores,
+    so it runs on the stack DL1 runs (gaudi-1.21's lane); the recipe's settings resolve on every stack (above)."""
     why = dl1_stack()
     if why:
         pytest.skip(f"the shortened DL1 run belongs to Gaudi software 1.21's stack; this is {why}")
