@@ -51,16 +51,12 @@ def cpu_model(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str:
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 
-_FROM_ENV = object()
-
-
 def resolve_precision(requested: str, accelerator: str, *, flags: set[str] | None = None,
-                      speed: Callable[[], tuple[float, float]] | None = None,
-                      cap: str | None | object = _FROM_ENV) -> tuple[str, str]:
+                      speed: Callable[[], tuple[float, float]] | None = None) -> tuple[str, str]:
     """(dtype, reason): "bf16" or "fp32" for `requested` in PRECISIONS on accelerator "cpu" | "cuda" | "hpu" | ...
 
     auto is bf16 on CUDA/HPU and on CPUs with native bf16 (NATIVE_BF16_FLAGS) whose oneDNN is not capped below its
-    bf16 instructions (`cap`, default isa_cap()), else fp32. `speed` returns measured (bf16, fp32) matmul TFLOPs for
+    bf16 instructions (isa_cap()), else fp32. `speed` returns measured (bf16, fp32) matmul TFLOPs for
     the reason line of a CPU without native bf16 (default: cached probes of this CPU).
     """
     if requested not in PRECISIONS:
@@ -71,7 +67,7 @@ def resolve_precision(requested: str, accelerator: str, *, flags: set[str] | Non
         return "bf16", f"auto: bf16 on {accelerator}"
     flags = cpu_flags() if flags is None else flags
     native = sorted(set(NATIVE_BF16_FLAGS) & flags)
-    cap = isa_cap() if cap is _FROM_ENV else cap
+    cap = isa_cap()
     if native and cap not in ISA_CAPS_WITHOUT_BF16:
         return "bf16", f"auto: bf16 (this CPU has {', '.join(native)})"
     why = (f"oneDNN is capped at {cap.upper()} ({'/'.join(ISA_CAP_ENVS)}), below its bf16 instructions" if native else
