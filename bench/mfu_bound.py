@@ -24,6 +24,7 @@ def bound_part(a: argparse.Namespace, preset, peak: float, dtype: str) -> dict:
 
     from bert_ref.model import flops_per_sequence, hf_config
     from bert_ref.optim import build_optimizer, param_groups
+    from ds_core.compat.torch_releases import meta_device
     from ds_core.config.optim import OptimArgs
 
     h, inter, B = preset.hidden_size, preset.intermediate_size, a.micro_batch
@@ -54,7 +55,7 @@ def bound_part(a: argparse.Namespace, preset, peak: float, dtype: str) -> dict:
     # the slice's parameters as DeepSpeed's bf16 optimizer holds them: one flat fp32 tensor per weight-decay group
     from transformers import BertForPreTraining
 
-    with torch.device("meta"):
+    with meta_device():
         groups = param_groups(BertForPreTraining(hf_config(preset)), 0.01)
     sizes = [sum(prm.numel() for prm in grp["params"]) for grp in groups]
     model = torch.nn.Module()

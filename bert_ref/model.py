@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ds_core.compat.hf import call_arguments
+from ds_core.compat.torch_releases import meta_device
 from ds_core.errors import ConfigError
 
 from .configs import BertPreset
@@ -279,7 +280,7 @@ def param_counts(preset: BertPreset) -> dict[str, int]:
     total counts the decoder weight once (it is tied to the word embeddings); embeddings = word + position + token
     type embeddings (+ their LayerNorm, Post-LN only); encoder = the transformer layers (+ the final LayerNorm,
     Pre-LN); heads = pooler, MLM transform, MLM bias, NSP classifier."""
-    with torch.device("meta"):
+    with meta_device():
         model = model_class(preset)(hf_config(preset))
     total = sum(p.numel() for p in model.parameters())
     emb = sum(p.numel() for p in model.bert.embeddings.parameters())

@@ -147,6 +147,7 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from ds_core.compat.hf import set_config_dtype
+    from ds_core.compat.torch_releases import meta_device
 
     root = _root(run_dir)
     tag = _tag(root, tag)
@@ -170,7 +171,7 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
         if "is not a zero checkpoint" not in str(e) or not list((root / tag).glob("bf16_zero_pp_rank_*")):
             raise
         state = _fp32_from_universal(root, tag)
-    with torch.device("meta"):
+    with meta_device():
         expected = {k: v.shape for k, v in cls(config).state_dict().items()}
     missing = [k for k in expected if k not in state]
     if missing:

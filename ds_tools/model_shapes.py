@@ -60,12 +60,13 @@ def _hf_config(spec: dict):
 
 def _count_on_meta(spec: dict) -> tuple:
     """(params, largest single-module params) of the real transformers class, built on the meta device."""
-    import torch
     import transformers
+
+    from ds_core.compat.torch_releases import meta_device
 
     cfg = _hf_config(spec)
     arch = (spec.get("architectures") or [None])[0]
-    with torch.device("meta"):
+    with meta_device():
         if arch and hasattr(transformers, arch):
             model = getattr(transformers, arch)(cfg)
         else:

@@ -16,6 +16,7 @@ import torch
 from bert_ref.configs import BertArgs, bert_1p5b, bert_1p5b_habana, debug_habana, debug_pre_ln
 from bert_ref.habana_ckpt import habana_to_ours, load_habana_state_dict, read_habana_checkpoint
 from bert_ref.model import build_model
+from ds_core.compat.torch_releases import meta_device
 from ds_core.errors import ConfigError
 
 DATA = Path(__file__).parent / "data" / "habana_bert"
@@ -105,7 +106,7 @@ def test_megatron_form_is_another_function():
 def test_pre_ln_presets_run_sdpa_equal_to_eager():
     """bert_1p5b (both forms) builds with the SDPA self-attention, and it computes what the eager one does
     (padding mask included), forward and gradients, fp32."""
-    with torch.device("meta"):
+    with meta_device():
         for preset in (bert_1p5b(), bert_1p5b_habana()):
             names = {type(layer.attention.self).__name__ for layer in build_model(preset).bert.encoder.layer}
             assert names == {"MegatronBertSdpaSelfAttention"}, (preset.name, names)

@@ -22,6 +22,7 @@ from bert_ref.configs import (
 from bert_ref.data import IGNORE_INDEX
 from bert_ref.model import build_model, flops_per_sequence, param_counts
 from bert_ref.step import pretraining_losses
+from ds_core.compat.torch_releases import meta_device
 from ds_core.errors import ConfigError
 
 
@@ -66,7 +67,7 @@ def test_pre_ln_structure_on_meta_device():
 
     assert bert_1p5b().pre_ln and debug_pre_ln().pre_ln and not bert_large().pre_ln and not debug().pre_ln
     assert model_class(bert_large()) is BertForPreTraining and model_class(bert_1p5b()) is MegatronBertForPreTraining
-    with torch.device("meta"):
+    with meta_device():
         big = model_class(bert_1p5b())(hf_config(bert_1p5b()))
     names = {n for n, _ in big.named_parameters()}
     assert not any("embeddings.LayerNorm" in n for n in names)

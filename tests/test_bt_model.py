@@ -16,6 +16,7 @@ from bridgetower_ds.model import (
     load_config,
 )
 from bridgetower_ds.tokenizer import debug_tokenizer, load_tokenizer
+from ds_core.compat.torch_releases import meta_device
 from ds_core.errors import ConfigError
 
 
@@ -49,7 +50,7 @@ def test_presets_match_published_architecture():
 
 def test_large_parameter_count_is_the_published_checkpoints():
     # ~0.9B parameters ("almost 900M" for the Large ITM/MLM/ITC checkpoint); built on the meta device.
-    with torch.device("meta"):
+    with meta_device():
         model = BridgeTowerForContrastiveLearning(configs.bridgetower_large())
     n = sum(p.numel() for p in model.parameters())
     assert 0.85e9 < n < 0.95e9, n
@@ -242,7 +243,7 @@ def test_published_large_config_json_matches_the_preset(tmp_path):
                     "patch_size", "image_size", "max_position_embeddings", "share_layernorm"):
             assert a.get(key) == b.get(key), (sub, key)
     # same parameter shapes: a checkpoint of this architecture loads into the preset's model
-    with torch.device("meta"):
+    with meta_device():
         shapes_loaded = {k: v.shape for k, v in BridgeTowerForContrastiveLearning(loaded).state_dict().items()}
         shapes_ours = {k: v.shape for k, v in BridgeTowerForContrastiveLearning(ours).state_dict().items()}
     assert shapes_loaded == shapes_ours

@@ -15,6 +15,7 @@ import pytest
 
 from bench import gpu_check
 from conftest import REPO, dist_env
+from ds_core.compat.torch_releases import meta_device
 
 
 def test_plan_keeps_the_order_and_drops_what_does_not_fit():
@@ -102,13 +103,12 @@ def assert_bench_sides_do_the_same_work(log, samples_per_step: int) -> None:
     """bench.bert_step's last JSON line (in the smoke's log of that cell): our loop and transformers' Trainer, each in
     its own process, both step our NVLAMB with per-tensor trust ratios (transformers' deepspeed_init drops
     optimizers=(opt, None) and builds AdamW: the bench once compared against that), on as many samples per step."""
-    import torch
 
     from bert_ref.configs import debug
     from bert_ref.model import hf_config, model_class
 
     res = json.loads(next(x for x in reversed(log.read_text().splitlines()) if x.startswith("{")))
-    with torch.device("meta"):
+    with meta_device():
         n_tensors = len(list(model_class(debug(1))(hf_config(debug(1))).parameters()))  # tied weights once
     assert res["both_optimizer"] == "NVLAMB"
     assert res["cpu_step_ratio"] > 0

@@ -129,14 +129,17 @@ def test_timeout_kills_every_rank(tmp_path):
 
 def test_kill_reaches_processes_that_left_the_process_group(tmp_path):
     """As ninja does with each compiler: a child in a process group of its own, same session. A timeout must end it
-    too (a JIT build left running keeps its lock file and blocks every later run)."""
+    too (a JIT build left running keeps its lock file and blocks every later run). preexec_fn, not Popen's
+    process_group (Python 3.11+): the suite runs on 3.10 too."""
     pidfile = tmp_path / "child.pid"
     script = ("import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-              f"time.sleep(600)'], process_group=0); open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+              f"time.sleep(600)'], preexec_fn=os.setpgrp); open({str(pidfile)!r} + '.tmp', 'w').write(str(p.pid)); "
+              f"os.replace({str(pidfile)!r} + '.tmp', {str(pidfile)!r}); time.sleep(600)")  # whole or absent
     group = local_ranks.LauncherGroup([[sys.executable, "-c", script]], env=dist_env(), cwd=tmp_path)
     deadline = time.monotonic() + 120
-    while not pidfile.exists() and time.monotonic() < deadline:
+    while not pidfile.exists() and group.procs[0].poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert pidfile.exists(), f"the script ended (exit {group.procs[0].poll()}) before it started its child"
     child = int(pidfile.read_text())
     assert os.getpgid(child) != group.procs[0].pid  # really outside the launcher's group
     res = group.wait(timeout_s=0, poll_s=0.1)

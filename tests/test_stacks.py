@@ -48,6 +48,11 @@ def test_every_floor_is_the_oldest_tested_version():
         floors = [Version(s.version) for s in req.specifier if s.operator == ">="]
         if floors != [min(tested)]:
             problems.append(f"{req}: floor should be >= {min(tested)} (the oldest tested)")
+    # Python's floor too: the oldest a stack file names (its `# python:` line); nothing older has ever run the suite
+    pythons = [Version(stacks.stack_meta(name)["python"]) for name in pins if "python" in stacks.stack_meta(name)]
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    if requires != f">={min(pythons)}":
+        problems.append(f"requires-python {requires!r}: should be '>={min(pythons)}' (the oldest tested)")
     assert not problems, "; ".join(problems)
 
 

@@ -4,8 +4,8 @@ took before (bert-large, bert-1.5b, bridgetower-large) still resolve to them."""
 import json
 
 import pytest
-import torch
 
+from ds_core.compat.torch_releases import meta_device
 from ds_tools import tuning
 
 pytestmark = pytest.mark.stack
@@ -61,7 +61,7 @@ def test_bridgetower_parameters_are_those_bridgetower_ds_builds(preset, tmp_path
     spec = written_by_preset("bridgetower", preset, tmp_path, seq_len=40)
     shape = tuning.model_shape(str(tmp_path / f"{preset}.json"))
     cfg = bt_preset(preset)
-    with torch.device("meta"):
+    with meta_device():
         model = BridgeTowerContrastive(cfg)
     assert shape.exact and shape.params == sum(p.numel() for p in model.parameters())
     text, vision = shape.towers[0], shape.towers[1]

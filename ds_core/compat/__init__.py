@@ -10,6 +10,7 @@
   change is on only over a body it was verified against. marks.py: the one marker of a replacement (__wrapped__).
 - The changes: flat_norm.py, grad_hook.py, lazy_compile.py, zero_buckets.py, zero3_gather.py, universal_load.py,
   op_baton.py, cpu_info.py, comm_timing.py, mpi_exports.py, and the two reads (reads.py, zero_layout.py).
-- hf.py: the differences between the transformers releases of the support matrix (stacks/), decided by feature.
+- hf.py: the differences between the transformers releases of the support matrix (stacks/), decided by feature;
+  torch_releases.py: the same for its PyTorch releases.
 The support matrix and why it has several stacks: docs/gaudi.md.
 """

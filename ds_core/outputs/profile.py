@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+
+from ds_core.compat.torch_releases import profiler_activities
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item")
 
@@ -45,16 +46,6 @@ class StepProfile:
             self.prof.stop()
             self.summary = summarize(self.prof.events(), self.steps, self.wall)
             self.prof = None
-
-
-def profiler_activities(cuda: bool, hpu: bool, activity: Any) -> list:
-    """The profiler's activities: the host's, and the device's where there is one: CUDA, or an HPU where torch's
-    profiler knows it (ProfilerActivity.HPU; Habana's "Profiling with PyTorch" page profiles Gaudi with
-    torch.profiler as a GPU is profiled)."""
-    acts = [activity.CPU] + ([activity.CUDA] if cuda else [])
-    if hpu and hasattr(activity, "HPU"):
-        acts.append(activity.HPU)
-    return acts
 
 
 def _on_hpu() -> bool:
