@@ -394,7 +394,8 @@ def _report(a: argparse.Namespace, out) -> int:
             "peak_phase": best.estimate.peak_phase,
             "peak_phase_gib": {k: v / GIB for k, v in best.estimate.phases[best.estimate.peak_phase].items()},
             "ds_config": cfg if a.out == "-" else a.out}
-        print(json.dumps({"model": shape.name, "params": shape.params, "ranks": n, "capacity_gib": cap / GIB,
+        print(json.dumps({"model": shape.name, "params": shape.params,
+                          "params_by": "count" if shape.exact else "formula", "ranks": n, "capacity_gib": cap / GIB,
                           "usable_gib": cap * USABLE_FRACTION / GIB, "headroom_rule": HEADROOM_RULE,
                           "step_time": times.describe(shape), "rows": [_row_json(o, why) for o, why in shown],
                           "feasible": [_row_json(o, why) for o, why in shown if o.fits],
