@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, bench_env
+from ds_core.compat.torch_releases import release_process_groups
 from ds_core.rank.process_end import run_main
 from ds_core.rank.rendezvous import free_port
 from launch.local_ranks import deepspeed_launcher
@@ -121,7 +122,7 @@ def plain_worker(out: str) -> None:
     t = time.time()
     if tdist.get_rank() == 0:
         Path(out).write_text(json.dumps({"time": t}))
-    tdist.destroy_process_group()
+    release_process_groups()  # destroy_process_group without torch 2.6's deadlock
 
 
 def main(argv: list[str] | None = None) -> dict:

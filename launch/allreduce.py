@@ -29,6 +29,8 @@ def member(rank: int, world: int, addr: str, port: int, nbytes: int, iters: int,
     import torch
     import torch.distributed as dist
 
+    from ds_core.compat.torch_releases import release_process_groups
+
     backend, device = BACKENDS.get(accelerator, BACKENDS["cpu"])
     if accelerator == "hpu":
         import habana_frameworks.torch.distributed.hccl  # noqa: F401  # pragma: no cover - registers "hccl"
@@ -48,7 +50,7 @@ def member(rank: int, world: int, addr: str, port: int, nbytes: int, iters: int,
         if i:
             times.append(time.perf_counter() - t0)
         ok = ok and bool((x == world * (world + 1) / 2).all())  # small integers: exact in float32
-    dist.destroy_process_group()
+    release_process_groups()  # destroy_process_group without torch 2.6's deadlock
     return {"rank": rank, "ok": ok, "seconds": sorted(times)[len(times) // 2], "backend": backend,
             "bytes": x.numel() * 4}
 

@@ -8,6 +8,15 @@
   `torch._dynamo` on first access (through flex_attention), so building one on meta in a fresh process was that
   first import: ds-tune fell back to its formula and then could not import DeepSpeed. Importing `torch._dynamo`
   before entering the device is harmless on every torch (the model's import does it anyway).
+- release_process_groups: `torch.distributed.destroy_process_group()`, with the groups' objects kept until the
+  process ends. torch 2.6's `~ProcessGroupGloo` joins gloo's work threads while the thread that dropped the group's
+  last reference holds the GIL, and a work thread still freeing a finished collective's tensors (their Python
+  objects) waits for the GIL: both wait for good. A rank that leaves right after its last collective (a run's final
+  barrier, an all-gather of summary counts) hung so after a run that went well, its peer long gone: 2 of a full
+  suite's 2-rank runs on torch 2.6; 6 of 6 two-rank runs of 20 groups each released right after an all-gather,
+  and 0 of 4 on torch 2.9 and on 2.13 (tests/test_process_end.py). Kept, the group's threads
+  live on until the process ends, as they already do where DeepSpeed's engine holds the groups (ds_core.rank
+  .process_end.end_process leaves without finalisation); `is_initialized()` is False as after any destroy.
 - profiler_activities: torch 2.9's profiler names an HPU activity (`ProfilerActivity.HPU`), 2.6's does not; where
   the installed torch has none, a Gaudi's run is profiled with the host's events only.
 """
@@ -24,6 +33,23 @@ def meta_device() -> Iterator[None]:
 
     with torch.device("meta"):
         yield
+
+
+# the process groups release_process_groups took out of torch's registry: never freed before the process ends
+_RELEASED: list = []
+
+
+def release_process_groups() -> None:
+    """Destroy every process group as torch.distributed.destroy_process_group() does, but without freeing the group
+    objects (see the module's docstring); a no-op when none is initialised."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = getattr(c10d, "_world", None)  # torch's registry of live groups (the default group's and every new_group)
+    _RELEASED.extend(list(getattr(world, "pg_map", None) or {}) or [c10d._get_default_group()])
+    dist.destroy_process_group()
 
 
 def profiler_activities(cuda: bool, hpu: bool, activity: Any) -> list:

@@ -18,6 +18,7 @@ import torch
 
 from ds_core import log
 from ds_core.compat import changes
+from ds_core.compat.torch_releases import release_process_groups
 from ds_core.rank.parent_watch import watch_parent
 from ds_core.rank.rendezvous import free_port, rank_variables
 from ds_core.rank.shm import release_cpu_shm_buffer, warn_stale_build_locks
@@ -50,16 +51,17 @@ def shutdown_distributed() -> None:
 
     Every entry point calls this before it returns (NCCL asks for it: torch warns at exit without it). It is not
     called on the error path, where a dead peer could make a collective-style shutdown wait. For gloo it does NOT
-    stop the group's threads while anything still holds the group (DeepSpeed's engine does, until the process
-    ends): ProcessGroupGloo.shutdown() is a no-op, its work and transport threads live until the C++ object dies.
-    That is why a rank ends through ds_core.rank.process_end.run_main, not through interpreter finalisation.
+    stop the group's threads: ProcessGroupGloo.shutdown() is a no-op, its work and transport threads live until the
+    C++ object dies, which is never before the process ends (DeepSpeed's engine holds the groups, and
+    ds_core.compat.torch_releases.release_process_groups keeps them: freeing one deadlocks on torch 2.6). That is
+    why a rank ends through ds_core.rank.process_end.run_main, not through interpreter finalisation.
 
     A barrier comes first: the ranks of a run that went well leave together, after rank 0's last writes, so a
     launcher can take a rank still running well after a peer ended for one waiting on a peer that is gone
     (launch.local_ranks.PEER_EXIT_S)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        release_process_groups()  # destroy_process_group without torch 2.6's deadlock (its docstring)
 
 
 def init_distributed(timeout_s: int = 1800) -> DistInfo:

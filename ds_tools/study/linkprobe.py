@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main
+from ds_core.compat.torch_releases import release_process_groups
 
 WARMUP = 10
 
@@ -70,7 +71,7 @@ def probe(rank: int, world_size: int, master_addr: str, master_port: int, calls:
         res["busbw_Bps"] = moved / max(big_s - res["alpha_all_reduce_s"], 1e-9)
         return res
     finally:
-        dist.destroy_process_group()
+        release_process_groups()  # destroy_process_group without torch 2.6's deadlock
 
 
 def main(argv: Sequence[str] | None = None) -> int:
