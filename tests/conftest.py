@@ -6,6 +6,7 @@ the output, on a timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -56,6 +57,24 @@ def run_group(cmd: list[str], timeout: float, cwd: Path | None = None,
     if res.timed_out:
         pytest.fail(f"timed out after {timeout:.0f} s, process group killed: {' '.join(cmd)}\n{out[-8000:]}")
     return subprocess.CompletedProcess(cmd, res.codes[0], out, None)
+
+
+@contextlib.contextmanager
+def spawned(ctx, target, rank_args: list[tuple]):
+    """One multiprocessing process per rank (target(*args)), started; on the way out, however the test ends, each is
+    joined for up to 60 s and killed if still alive. A rank left running would otherwise keep pytest from ever
+    exiting: multiprocessing joins its children at interpreter exit."""
+    procs = [ctx.Process(target=target, args=args) for args in rank_args]
+    for p in procs:
+        p.start()
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
 
 
 def run_deepspeed(args: list[str], num_ranks: int = 2, timeout: float = 600, env: dict | None = None,

@@ -101,17 +101,13 @@ def _global_negatives_worker(rank: int, world: int, port: int, q) -> None:
 def test_global_negatives_across_ranks_with_unequal_batches():
     import torch.multiprocessing as mp
 
-    from conftest import free_port
+    from conftest import free_port, spawned
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_global_negatives_worker, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict((r, (loss, grad)) for r, loss, grad in (q.get(timeout=120) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
+    with spawned(ctx, _global_negatives_worker, [(r, 2, port, q) for r in range(2)]) as procs:
+        got = dict((r, (loss, grad)) for r, loss, grad in (q.get(timeout=120) for _ in procs))
     g = torch.Generator().manual_seed(0)
     t, i, c = (F.normalize(torch.randn(7, 8, generator=g), dim=-1) for _ in range(3))
     scale = torch.tensor(2.6592).exp()
@@ -160,7 +156,7 @@ def test_eval_loss_and_recall_do_not_depend_on_the_world_size(tmp_path):
     (the plan's unit tests check 1, 2 and 3 ranks; here 1 and 2 end to end, with a bad image in the split)."""
     import torch.multiprocessing as mp
 
-    from conftest import free_port
+    from conftest import free_port, spawned
     from test_bt_data import make_manifest
 
     make_manifest(tmp_path, n=10, bad=["missing.jpg"])
@@ -170,12 +166,8 @@ def test_eval_loss_and_recall_do_not_depend_on_the_world_size(tmp_path):
     for world in (2,):
         q = ctx.Queue()
         port = free_port()
-        procs = [ctx.Process(target=_world_worker, args=(r, world, port, tmp_path, q)) for r in range(world)]
-        for p in procs:
-            p.start()
-        got = dict(q.get(timeout=300) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
+        with spawned(ctx, _world_worker, [(r, world, port, tmp_path, q) for r in range(world)]) as procs:
+            got = dict(q.get(timeout=300) for _ in procs)
         for rank in range(world):
             assert got[rank]["eval_samples"] == 10
             assert got[rank]["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5), (world, rank)

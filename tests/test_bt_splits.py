@@ -171,7 +171,7 @@ def _two_rank_counts(rank: int, world: int, port: int, path, q) -> None:
 def test_bad_image_counts_are_distinct_over_ranks_and_epochs(tmp_path):
     import torch.multiprocessing as mp
 
-    from conftest import free_port
+    from conftest import free_port, spawned
 
     path = make_manifest(tmp_path, n=10, bad=["missing1.jpg", "missing2.jpg"])
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -179,12 +179,8 @@ def test_bad_image_counts_are_distinct_over_ranks_and_epochs(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ctx, port = mp.get_context("spawn"), free_port()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_two_rank_counts, args=(r, 2, port, path, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
+    with spawned(ctx, _two_rank_counts, [(r, 2, port, path, q) for r in range(2)]) as procs:
+        got = sorted(q.get(timeout=300) for _ in procs)
     per_rank = [set(g[4]) for g in got]
     assert per_rank[0] & per_rank[1], "the test needs an image met by both ranks"
     for _, bad_images, bad_captions, counts, _ in got:

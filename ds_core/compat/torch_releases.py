@@ -12,11 +12,11 @@
   process ends. torch 2.6's `~ProcessGroupGloo` joins gloo's work threads while the thread that dropped the group's
   last reference holds the GIL, and a work thread still freeing a finished collective's tensors (their Python
   objects) waits for the GIL: both wait for good. A rank that leaves right after its last collective (a run's final
-  barrier, an all-gather of summary counts) hung so after a run that went well, its peer long gone: 2 of a full
-  suite's 2-rank runs on torch 2.6; 6 of 6 two-rank runs of 20 groups each released right after an all-gather,
-  and 0 of 4 on torch 2.9 and on 2.13 (tests/test_process_end.py). Kept, the group's threads
-  live on until the process ends, as they already do where DeepSpeed's engine holds the groups (ds_core.rank
-  .process_end.end_process leaves without finalisation); `is_initialized()` is False as after any destroy.
+  barrier, an all-gather of summary counts) hung so after a run that went well, its peer long gone (2 of a full
+  suite's 2-rank runs on torch 2.6). Twenty groups released right after an all-gather on 2 ranks: 6 of 6 runs hung
+  on torch 2.6, 0 of 4 on 2.9 and on 2.13 (tests/test_process_end.py releases 40). Kept, a group's threads live on
+  until the process ends, as they already do where DeepSpeed's engine holds the groups (end_process in
+  ds_core.rank.process_end leaves without finalisation); `is_initialized()` is False as after any destroy.
 - profiler_activities: torch 2.9's profiler names an HPU activity (`ProfilerActivity.HPU`), 2.6's does not; where
   the installed torch has none, a Gaudi's run is profiled with the host's events only.
 """
