@@ -41,7 +41,7 @@ WHEELS   ?= wheelhouse
 # needs every other requirement), so no fixed cap fits every target
 WHEELHOUSE_MAX_MB ?= 0
 
-.PHONY: setup demo test test-fast test-stack test-gaudi test-ds-unit lint bench clean wheelhouse gpu-check
+.PHONY: setup demo test test-fast test-stack gaudi-image gaudi-setup test-gaudi test-ds-unit lint bench clean wheelhouse gpu-check
 
 setup: $(STAMP)
 
@@ -101,12 +101,18 @@ HABANA_DS   ?=
 GAUDI       ?= 1.23
 GAUDI_IMAGE ?= .gaudi-image-$(GAUDI)
 GAUDI_VENV  ?= .venv-gaudi-$(GAUDI)
-test-gaudi:
-	@test -n "$(HABANA_DS)" || { echo "make test-gaudi: set HABANA_DS to Habana's DeepSpeed fork (its source tree or release archive, e.g. habana-deepspeed-1.21.0.tar.gz)" >&2; exit 2; }
-	@test -f stacks/gaudi-$(GAUDI).txt || { echo "make test-gaudi: GAUDI=$(GAUDI): no stacks/gaudi-$(GAUDI).txt (tested releases: $$(ls stacks | sed -n 's/^gaudi-\(.*\)\.txt$$/\1/p' | tr '\n' ' '))" >&2; exit 2; }
+# the image venv alone (reused while the stack's image pins and the fork are unchanged)
+gaudi-image:
+	@test -n "$(HABANA_DS)" || { echo "make $@: set HABANA_DS to Habana's DeepSpeed fork (its source tree or release archive, e.g. habana-deepspeed-1.21.0.tar.gz)" >&2; exit 2; }
+	@test -f stacks/gaudi-$(GAUDI).txt || { echo "make $@: GAUDI=$(GAUDI): no stacks/gaudi-$(GAUDI).txt (tested releases: $$(ls stacks | sed -n 's/^gaudi-\(.*\)\.txt$$/\1/p' | tr '\n' ' '))" >&2; exit 2; }
 	$(PYTHON) tools/stacks.py image --stack gaudi-$(GAUDI) --fork "$(HABANA_DS)" --venv $(GAUDI_IMAGE)
-	$(MAKE) test-stack PYTHON=$(abspath $(GAUDI_IMAGE))/bin/python VENV=$(GAUDI_VENV) STACK=gaudi-$(GAUDI) \
-	  EXTRAS=$(EXTRAS) TORCH_EXTENSIONS_DIR=$(abspath $(GAUDI_VENV))/torch_extensions
+GAUDI_ARGS   = PYTHON=$(abspath $(GAUDI_IMAGE))/bin/python VENV=$(GAUDI_VENV) STACK=gaudi-$(GAUDI) EXTRAS=$(EXTRAS) \
+	       TORCH_EXTENSIONS_DIR=$(abspath $(GAUDI_VENV))/torch_extensions
+# the lane's set-up alone: the image venv, then the README's set-up from it
+gaudi-setup: gaudi-image
+	$(MAKE) setup $(GAUDI_ARGS)
+test-gaudi: gaudi-setup
+	$(MAKE) test-stack $(GAUDI_ARGS)
 
 # DeepSpeed's own unit tests, a subset reaching every change the toolkit makes inside DeepSpeed, run with the changes
 # on and off, every outcome compared test by test (tools/ds_unit_tests.py, docs/development.md); the tests archive of
