@@ -383,7 +383,11 @@ def _run(args: argparse.Namespace) -> int:
         addr, _, port = where.rpartition(":")
         print(json.dumps(allreduce.member(int(rank), int(world), addr, int(port), args.allreduce_bytes,
                                           args.allreduce_iters, args.allreduce_timeout, _accelerator())))
-        return 0
+        # its process group is released, not freed (ds_core.compat.torch_releases): the process ends as a rank does,
+        # without the interpreter's finalisation that gloo's live threads do not survive (ds_core.rank.process_end)
+        from ds_core.rank.process_end import end_process
+
+        end_process(0)
     rows = run_checks(args)
     print(format_table(rows))
     failed = [r for r in rows if r[2] == FAIL]

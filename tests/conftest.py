@@ -11,7 +11,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -57,6 +59,20 @@ def run_group(cmd: list[str], timeout: float, cwd: Path | None = None,
     if res.timed_out:
         pytest.fail(f"timed out after {timeout:.0f} s, process group killed: {' '.join(cmd)}\n{out[-8000:]}")
     return subprocess.CompletedProcess(cmd, res.codes[0], out, None)
+
+
+def end_rank() -> NoReturn:
+    """The end of a rank spawned through multiprocessing, in its `finally:`: the process group released (not freed:
+    ds_core.compat.torch_releases), then the process ended as a rank is (ds_core.rank.process_end: no interpreter
+    finalisation, which gloo's live threads do not survive), status 1 with the traceback when the rank failed."""
+    from ds_core.compat.torch_releases import release_process_groups
+    from ds_core.rank.process_end import end_process
+
+    failed = sys.exc_info()[1] is not None
+    if failed:
+        traceback.print_exc()
+    release_process_groups()
+    end_process(1 if failed else 0, failed=failed)
 
 
 @contextlib.contextmanager

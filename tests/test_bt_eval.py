@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from bridgetower_ds.eval import evaluate, recall_at_k
 from bridgetower_ds.model import contrastive_loss
-from ds_core.compat.torch_releases import release_process_groups
+from conftest import end_rank
 
 
 def test_recall_identity_is_perfect():
@@ -95,7 +95,7 @@ def _global_negatives_worker(rank: int, world: int, port: int, q) -> None:
         loss.backward()
         q.put((rank, loss.item(), image.grad.abs().sum().item()))
     finally:
-        release_process_groups()  # destroy_process_group without torch 2.6's deadlock
+        end_rank()  # the group released, the process ended as a rank is (conftest)
 
 
 def test_global_negatives_across_ranks_with_unequal_batches():
@@ -144,7 +144,7 @@ def _world_worker(rank: int, world: int, port: int, root, q) -> None:
     try:
         q.put((rank, _eval_split(root, rank, world)))
     finally:
-        release_process_groups()  # destroy_process_group without torch 2.6's deadlock
+        end_rank()  # the group released, the process ended as a rank is (conftest)
 
 
 @pytest.mark.slow  # 3 processes building the model (minutes on a loaded 2-core machine)

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from bridgetower_ds import data as D, fetch
-from conftest import REPO
-from ds_core.compat.torch_releases import release_process_groups
+from conftest import REPO, end_rank
 from test_bt_data import S, args_for, collect, make_manifest, tiny_tokenizer, write_jpeg
 
 
@@ -164,7 +163,7 @@ def _two_rank_counts(rank: int, world: int, port: int, path, q) -> None:
         stats = reduce_summary_stats(data.summary_stats(), world, frozenset(data.shared_summary_stats))  # the loop's
         q.put((rank, stats["bad_images"], stats["bad_captions"], data.result_counts("train"), sorted(data.bad.seen)))
     finally:
-        release_process_groups()  # destroy_process_group without torch 2.6's deadlock
+        end_rank()  # the group released, the process ended as a rank is (conftest)
 
 
 @pytest.mark.slow  # two gloo processes (tens of seconds on a loaded 2-core machine)

@@ -15,8 +15,11 @@
   barrier, an all-gather of summary counts) hung so after a run that went well, its peer long gone (2 of a full
   suite's 2-rank runs on torch 2.6). Twenty groups released right after an all-gather on 2 ranks: 6 of 6 runs hung
   on torch 2.6, 0 of 4 on 2.9 and on 2.13 (tests/test_process_end.py releases 40). Kept, a group's threads live on
-  until the process ends, as they already do where DeepSpeed's engine holds the groups (end_process in
-  ds_core.rank.process_end leaves without finalisation); `is_initialized()` is False as after any destroy.
+  until the process ends, as they already do where DeepSpeed's engine holds the groups; `is_initialized()` is False
+  as after any destroy. So a process that calls it must end through ds_core.rank.process_end (end_process, run_main:
+  no interpreter finalisation), as every caller does: gloo's live threads do not survive finalisation (a SIGABRT,
+  "terminate called without an active exception", seen once in a full suite from the preflight's all-reduce member
+  while it still ended through Python's own exit).
 - profiler_activities: torch 2.9's profiler names an HPU activity (`ProfilerActivity.HPU`), 2.6's does not; where
   the installed torch has none, a Gaudi's run is profiled with the host's events only.
 """

@@ -28,6 +28,7 @@ from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main
 from ds_core.compat.torch_releases import release_process_groups
+from ds_core.rank.process_end import run_main
 
 WARMUP = 10
 
@@ -102,4 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ends as a rank does, without the interpreter's finalisation: probe()'s group is released, not freed, and gloo's
+    # live threads do not survive finalisation (ds_core.rank.process_end)
+    run_main(lambda: sys.exit(main()))
