@@ -10,7 +10,12 @@ Habana's names -> ours (MegatronBertForPreTraining), L layers:
   *.dense_act.* (fused linear + activation)   -> *.dense.*  (intermediate, pooler, MLM transform)
   *.gamma / *.beta (TF-era names, renamed by Habana's from_pretrained too) -> *.weight / *.bias
 and every other name is the same. A checkpoint is a state dict, a dict with one under 'module' (DeepSpeed's
-mp_rank_00_model_states.pt, what Habana's run_pretraining.py saves) or 'model', or a DeepSpeed checkpoint directory.
+mp_rank_00_model_states.pt, what Habana's run_pretraining.py saves) or 'model', a `.safetensors` file of the state
+dict, or a DeepSpeed checkpoint directory.
+
+Such a file always comes from elsewhere, so it is read as data: torch.load(weights_only=True) with DeepSpeed's plain
+records allowed (ds_core.checkpoint.safe_load), never unpickled. A file that needs more (a pickled object among its
+entries) is refused in one line that names it and says how to turn it into a state dict where it is trusted.
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ def is_habana_checkpoint(path: str | Path) -> bool:
     not a Hugging Face directory (config.json)."""
     path = Path(path)
     if path.is_file():
-        return path.suffix == ".pt"
+        return path.suffix in (".pt", ".safetensors")
     return path.is_dir() and not (path / "config.json").exists() and (
         (path / _MODEL_FILE).is_file() or (path / "latest").is_file() or any(path.glob(f"*/{_MODEL_FILE}")))
 
@@ -76,10 +81,22 @@ def read_habana_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
             path = files[0]
     import torch
 
+    from ds_core.checkpoint.safe_load import NotPlainData, load
+
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's files hold Python objects
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            obj = load_file(str(path))
+        else:
+            obj = load(path, deepspeed=True)
+    except NotPlainData as e:
+        raise ConfigError(f"Habana checkpoint {e}. Where you trust the file, save its state dict as tensors only "
+                          f"and pass that: python -c \"import torch; from safetensors.torch import save_file; "
+                          f"save_file(torch.load('{path}', weights_only=False)['module'], 'habana.safetensors')\"") \
+            from None
     except Exception as e:  # noqa: BLE001 - any unreadable file is reported with its path
-        raise ConfigError(f"Habana checkpoint {path}: cannot read it with torch.load: {e}") from e
+        raise ConfigError(f"Habana checkpoint {path}: cannot read it: {type(e).__name__}: {e}") from e
     for key in ("module", "model", "state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

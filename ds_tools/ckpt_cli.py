@@ -52,9 +52,8 @@ def _bytes(path: Path) -> int:
 
 
 def info(run_dir: str) -> dict:
-    """What `ds-ckpt info` prints, as a dict (tags newest first)."""
-    import torch
-
+    """What `ds-ckpt info` prints, as a dict (tags newest first). Reads markers as JSON and client files as data
+    (weights-only: ds_core.checkpoint.safe_load); a file that is neither is shown as such, never unpickled."""
     root = _root(run_dir)
     named = (root / ckpt.LATEST).read_text().strip() if (root / ckpt.LATEST).is_file() else None
     out: dict[str, Any] = {"checkpoints": str(root), "latest": ckpt.latest_tag(root), "latest_file": named, "tags": []}
@@ -62,25 +61,35 @@ def info(run_dir: str) -> dict:
         path = root / tag
         entry: dict[str, Any] = {"tag": tag, "complete": ckpt.is_complete(root, tag), "bytes": _bytes(path)}
         if entry["complete"]:
-            meta = json.loads((path / ckpt.COMPLETE).read_text())
+            try:
+                meta = ckpt.read_marker(root, tag)
+            except ConfigError as e:  # shown, not fatal: info is for looking at broken checkpoints too
+                entry.update(complete=False, marker_error=str(e))
+                out["tags"].append(entry)
+                continue
             fp = meta.get("fingerprint", {})
             entry.update(step=meta.get("step"), zero_stage=fp.get("zero_stage"),
                          world_size=ckpt.saved_world_size(root, tag), batch=meta.get("batch"),
                          optimizer=fp.get("optimizer_class", fp.get("optimizer")))
-            data = []
-            for f in sorted(path.glob("client_rank*.pt"), key=lambda p: int(p.stem[len("client_rank"):])):
-                try:
-                    st = torch.load(f, map_location="cpu", weights_only=False)
-                    data.append({"rank": int(f.stem[len("client_rank"):]), "epoch": st.get("epoch"),
-                                 "data": st.get("data")})
-                except Exception as e:  # noqa: BLE001 - shown, not fatal: info is for looking at broken checkpoints too
-                    data.append({"rank": f.stem, "error": f"{type(e).__name__}: {e}"})
-            entry["data_position"] = data
+            entry["data_position"] = [_data_position(f) for f in sorted(
+                path.glob("client_rank*.pt"), key=lambda p: int(p.stem[len("client_rank"):]))]
         uni = ckpt_universal(root, tag)
         if uni is not None:
             entry["universal"] = uni
         out["tags"].append(entry)
+    if out["latest"] and any(t["tag"] == out["latest"] and "marker_error" in t for t in out["tags"]):
+        out["latest"] = next((t["tag"] for t in out["tags"] if t["complete"]), None)  # what a resume would take
     return out
+
+
+def _data_position(f: Path) -> dict:
+    from ds_core.checkpoint.client_state import read_client_state
+
+    try:
+        st = read_client_state(f)
+        return {"rank": int(f.stem[len("client_rank"):]), "epoch": st.get("epoch"), "data": st.get("data")}
+    except Exception as e:  # noqa: BLE001 - shown, not fatal: info is for looking at broken checkpoints too
+        return {"rank": f.stem, "error": f"{type(e).__name__}: {e}"}
 
 
 def ckpt_universal(root: Path, tag: str) -> dict | None:
@@ -101,6 +110,9 @@ def print_info(d: dict) -> None:
     print(f"{d['checkpoints']}: latest complete {d['latest'] or 'none'}"
           + (f" (`latest` names {d['latest_file']})" if d['latest_file'] != d['latest'] else ""))
     for t in d["tags"]:
+        if "marker_error" in t:
+            print(f"  {t['tag']}: INCOMPLETE (unreadable {ckpt.COMPLETE}; never loaded): {t['marker_error']}")
+            continue
         if not t["complete"]:
             print(f"  {t['tag']}: INCOMPLETE (no {ckpt.COMPLETE}; never loaded), {t['bytes']:,} bytes")
             continue
@@ -117,22 +129,27 @@ def print_info(d: dict) -> None:
 
 
 def universal(run_dir: str, tag: str | None = None) -> Path:
+    """DeepSpeed's ds_to_universal of a checkpoint, its files read as data (safe_load.data_only_loads)."""
     from ds_core.checkpoint.resize import convert_to_universal
+    from ds_core.checkpoint.safe_load import data_only_loads
 
     root = _root(run_dir)
-    return convert_to_universal(root, _tag(root, tag))
+    tag = _tag(root, tag)
+    with data_only_loads():
+        return convert_to_universal(root, tag)
 
 
-def _fp32_from_universal(root: Path, tag: str) -> dict:
+def fp32_from_universal(root: Path, tag: str) -> dict:
     """{parameter name: fp32 tensor} from the universal conversion of `tag`
     (ds_core.checkpoint.resize.convert_to_universal: <tag>_universal/zero/<name>/fp32.pt, each {"param": tensor})."""
-    import torch
     from deepspeed.checkpoint.constants import PARAM
 
     from ds_core.checkpoint.resize import convert_to_universal
+    from ds_core.checkpoint.safe_load import data_only_loads, load
 
-    zero = convert_to_universal(root, tag) / "zero"
-    return {d.name: torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)[PARAM].float()
+    with data_only_loads():
+        zero = convert_to_universal(root, tag) / "zero"
+    return {d.name: load(d / "fp32.pt", deepspeed=True)[PARAM].float()
             for d in sorted(zero.iterdir()) if (d / "fp32.pt").is_file()}
 
 
@@ -146,6 +163,7 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
     import transformers
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from ds_core.checkpoint.safe_load import NotPlainData, data_only_loads, load
     from ds_core.compat.hf import set_config_dtype
     from ds_core.compat.torch_releases import meta_device
 
@@ -155,22 +173,31 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
     if not meta_file.is_file():
         raise ConfigError(f"{meta_file}: missing: the checkpoint does not record its transformers class and config "
                           f"(saved before export-hf existed, or the model is not a transformers model)")
-    meta = json.loads(meta_file.read_text())
-    cls = getattr(transformers, meta["class"], None)
-    if cls is None:
-        raise ConfigError(f"{meta_file}: class {meta['class']!r} is not in transformers {transformers.__version__}")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{meta_file}: not JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise ConfigError(f"{meta_file}: expected a JSON object with \"class\" and a \"config\" object")
+    cls = getattr(transformers, str(meta.get("class")), None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ConfigError(f"{meta_file}: class {meta.get('class')!r} is not a model class of transformers "
+                          f"{transformers.__version__}")
     config = cls.config_class.from_dict(meta["config"])
     config.architectures = [meta["class"]]
     set_config_dtype(config, "float32")  # the file holds fp32 master weights, whatever the run trained in
     try:
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        with data_only_loads():  # DeepSpeed's reader, its torch.loads made weights-only (files are data)
+            state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    except NotPlainData as e:
+        raise ConfigError(str(e)) from None
     except ValueError as e:
         # zero_to_fp32 reads ZeRO optimizer files only; bf16 with fp32 gradient accumulation (the shipped configs on
         # a bf16 machine) saves BF16_Optimizer's bf16_zero_pp_rank_* files, which DeepSpeed's ds_to_universal does
         # convert: read the fp32 master weights from that conversion (made once, kept beside the checkpoint)
         if "is not a zero checkpoint" not in str(e) or not list((root / tag).glob("bf16_zero_pp_rank_*")):
             raise
-        state = _fp32_from_universal(root, tag)
+        state = fp32_from_universal(root, tag)
     with meta_device():
         expected = {k: v.shape for k, v in cls(config).state_dict().items()}
     missing = [k for k in expected if k not in state]
@@ -180,7 +207,7 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
         # module state of mp_rank_00 alone, in the dtype the run trained in (bf16-rounded under bf16)
         module_file = root / tag / "mp_rank_00_model_states.pt"
         if module_file.is_file():
-            module = torch.load(module_file, map_location="cpu", weights_only=False).get("module") or {}
+            module = load(module_file, deepspeed=True).get("module") or {}
             for k in missing:
                 if k in module and module[k].numel() == expected[k].numel():
                     state[k] = module[k].float()
@@ -237,7 +264,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli_main(argv, build_parser, _run, (ConfigError, OSError), subcommand="cmd")
+    from ds_core.checkpoint.safe_load import NotPlainData
+
+    return cli_main(argv, build_parser, _run, (ConfigError, OSError, NotPlainData), subcommand="cmd")
 
 
 if __name__ == "__main__":

@@ -21,47 +21,22 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ds_core import log
 from ds_core.checkpoint import manifest as ckpt_manifest
+from ds_core.checkpoint.client_state import CheckpointError, plain_data, read_client_states, rng_state, set_rng_state
 from ds_core.checkpoint.collective import any_rank, barrier, rank, world_size
 from ds_core.checkpoint.resize import ensure_universal
-from ds_core.checkpoint.tags import COMPLETE, LATEST, is_complete, latest_tag, step_tags, tag_for
+from ds_core.checkpoint.tags import COMPLETE, LATEST, is_complete, latest_tag, read_marker, step_tags, tag_for
 from ds_core.errors import ConfigError
 from ds_core.files import atomic_write_text
 
 HF_MODEL = "hf_model.json"
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def rng_state() -> dict:
-    from deepspeed.accelerator import get_accelerator
-
-    accel = get_accelerator()
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if accel.device_name() != "cpu":
-        state["accelerator"] = accel.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    from deepspeed.accelerator import get_accelerator
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "accelerator" in state:
-        get_accelerator().set_rng_state(state["accelerator"])
 
 
 def _base_optimizer(engine):
@@ -220,12 +195,13 @@ def save(engine, ckpt_root: str | os.PathLike, step: int, client_state: dict, fi
         raise CheckpointError(_write_failed(path, previous, f"rank {rank()}: {type(e).__name__}: {e}")) from e
     error = None
     try:
-        state = dict(client_state, step=step, rng=rng_state(), fingerprint=fingerprint)
+        # plain data only (tensors, numbers, lists, dicts): the file loads with weights_only=True
+        state = plain_data(dict(client_state, step=step, rng=rng_state(), fingerprint=fingerprint))
         tmp = path / f".client_rank{rank()}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, path / f"client_rank{rank()}.pt")
         ckpt_manifest.write_part(path, rank())  # this rank's files, hashed in parallel with the other ranks'
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, TypeError) as e:  # TypeError: plain_data named a value that is not data
         error = e
     # Every rank has finished writing its part, and the verdict is the same on all ranks. Saves are rare, so this
     # collective costs nothing per step.
@@ -308,23 +284,8 @@ def trim_metrics(path: str | os.PathLike, step: int) -> int:
 
 def saved_world_size(ckpt_root: str | os.PathLike, tag: str) -> int:
     """The data-parallel size the checkpoint was saved with (its COMPLETE marker)."""
-    meta = json.loads((Path(ckpt_root) / tag / COMPLETE).read_text())
+    meta = read_marker(ckpt_root, tag)
     return int(meta.get("batch", {}).get("dp_world_size") or meta["fingerprint"]["dp_world_size"])
-
-
-def read_client_states(ckpt_root: str | os.PathLike, tag: str, world: int) -> list[dict]:
-    """client_rank{r}.pt of every saved rank, in rank order; a missing or unreadable one is named."""
-    states = []
-    for r in range(world):
-        f = Path(ckpt_root) / tag / f"client_rank{r}.pt"
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {f.parent}: {f.name} is missing (saved by {world} ranks, each writes "
-                                  f"one); this checkpoint cannot be resumed")
-        try:
-            states.append(torch.load(f, map_location="cpu", weights_only=False))
-        except Exception as e:  # a truncated zip: torch raises RuntimeError / EOFError / pickle errors
-            raise CheckpointError(f"checkpoint {f.parent}: {f.name} is unreadable ({type(e).__name__}: {e})") from e
-    return states
 
 
 def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0, tag: str | None = None) -> dict | None:
@@ -344,7 +305,7 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
     tag = tag or latest_tag(root)
     if tag is None:
         return None
-    saved = json.loads((root / tag / COMPLETE).read_text())["fingerprint"]
+    saved = read_marker(root, tag)["fingerprint"]
     saved_world, world = saved_world_size(root, tag), engine.dp_world_size
     resize = saved_world != world and engine.zero_optimization_stage() > 0  # loaded from the universal format
     diffs = describe_mismatch(saved, fingerprint, universal=resize)
@@ -423,7 +384,7 @@ def init_from(engine, ckpt_root: str | os.PathLike, fingerprint: dict, reset_opt
     if tag is None:
         raise CheckpointError(f"{root}: no complete checkpoint to start from (a COMPLETE marker under "
                               f"{root}/global_step*)")
-    saved = json.loads((root / tag / COMPLETE).read_text())
+    saved = read_marker(root, tag)
     diffs = describe_mismatch(saved["fingerprint"], fingerprint)
     if saved_world_size(root, tag) != engine.dp_world_size:  # a new phase is not a resume: no universal conversion
         diffs.append(f"dp_world_size: checkpoint {saved_world_size(root, tag)}, this run {engine.dp_world_size}")

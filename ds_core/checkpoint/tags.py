@@ -5,9 +5,12 @@ conversion) read them; neither imports the other's module for them, so the packa
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
+
+from ds_core.errors import ConfigError
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -20,6 +23,35 @@ def tag_for(step: int) -> str:
 
 def is_complete(ckpt_root: Path, tag: str) -> bool:
     return (Path(ckpt_root) / tag / COMPLETE).is_file()
+
+
+def read_marker(ckpt_root: str | os.PathLike, tag: str) -> dict:
+    """The COMPLETE marker of `tag`: a JSON object with the step (an integer) and the fingerprint (an object), and the
+    batch numbers where written (an object). Anything else (an empty file, other JSON) raises ConfigError naming the
+    file: a marker that does not say what was saved is not taken as one."""
+    path = Path(ckpt_root) / tag / COMPLETE
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the marker ({e.strerror})") from None
+    try:
+        meta = json.loads(data)
+    except ValueError as e:  # json's decode error and UnicodeDecodeError
+        what = "empty" if not data.strip() else f"not JSON ({e})"
+        raise ConfigError(f"{path}: {what}; a COMPLETE marker is the JSON object the save wrote (step, fingerprint, "
+                          f"batch), so this checkpoint is not taken as complete") from None
+    problems = [] if isinstance(meta, dict) else [f"a JSON {type(meta).__name__}, not an object"]
+    if not problems:
+        if not isinstance(meta.get("step"), int) or isinstance(meta.get("step"), bool):
+            problems.append(f"step {meta.get('step')!r} is not an integer")
+        if not isinstance(meta.get("fingerprint"), dict):
+            problems.append("no fingerprint object")
+        if not isinstance(meta.get("batch", {}), dict):
+            problems.append("batch is not an object")
+    if problems:
+        raise ConfigError(f"{path}: {'; '.join(problems)}; a COMPLETE marker is the JSON object the save wrote "
+                          f"(step, fingerprint, batch), so this checkpoint is not taken as complete")
+    return meta
 
 
 def step_tags(ckpt_root: str | os.PathLike) -> list[str]:
