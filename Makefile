@@ -21,13 +21,18 @@ export TORCH_EXTENSIONS_DIR ?= $(or $(realpath $(VENV)),$(abspath $(VENV)))/torc
 # collectives and FusedAdam, ~3 min on 2 cores; on CUDA FusedAdam): a first run loads them instead of compiling inside
 # its start. BUILD_OPS=0 leaves them to the first run; an op that cannot be built is said and is no set-up failure.
 BUILD_OPS ?= 1
-# Offline install (docs/cluster.md "Installing on an air-gapped cluster"): `make setup WHEELHOUSE=dir` installs with
-# pip --no-index from dir (built by `make wheelhouse`); pip is then not upgraded and torch must already be there.
+# Offline install (docs/cluster.md "Installing on an air-gapped cluster"): `make setup WHEELHOUSE=dir` installs every
+# wheel of dir (built by `make wheelhouse`) from its requirements.txt with pip --no-index --require-hashes (each wheel
+# checked against the sha256 recorded when the wheelhouse was built), then the toolkit itself, editable, with
+# --no-deps (its requirements are what that install put there); pip is then not upgraded and torch must already be
+# there.
 WHEELHOUSE ?=
-PIP_SRC := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)),)
-# Offline, the editable install is built without pip's isolated build environment when the venv already has the
-# build backend (setuptools>=68 with PEP 660 editables, and wheel): nothing to take from the wheelhouse then, which
-# still carries setuptools, wheel and their requirements for a target without them.
+WHEELS_DIR := $(if $(WHEELHOUSE),$(abspath $(WHEELHOUSE)),)
+HASHED := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELS_DIR) --require-hashes -r $(WHEELS_DIR)/requirements.txt,)
+PIP_SRC := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELS_DIR) --no-deps,)
+# Offline, the editable install is built without pip's isolated build environment when the venv has the build
+# backend (setuptools>=68 with PEP 660 editables, and wheel), which the hashed install puts there from the wheelhouse:
+# an isolated build would take them from the wheelhouse again, unchecked.
 BUILD_OK := import setuptools, wheel; assert int(setuptools.__version__.split('.')[0]) >= 68
 NO_ISOLATION := $(if $(WHEELHOUSE),$$($(PY) -c "$(BUILD_OK)" >/dev/null 2>&1 && echo --no-build-isolation),)
 # A venv $(PYTHON) with pip: .venv takes pip, setuptools and wheel from it (through tools/parent_site.py) rather than
@@ -64,6 +69,7 @@ $(STAMP): pyproject.toml $(wildcard stacks/*.txt)
 	else \
 	  echo "[setup] keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	fi
+	@if [ -n "$(WHEELHOUSE)" ]; then $(PIP) install -q $(HASHED); fi
 	$(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then \
 	  $(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -c $(CONSTRAINTS) -e ".[hpu]"; fi

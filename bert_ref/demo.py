@@ -10,12 +10,12 @@ import argparse
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ds_core.files import claim_output_dir
 from ds_core.rank.rendezvous import rank_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,13 +67,20 @@ def _run(cmd: list[str], env: dict | None = None, log: Path | None = None) -> No
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--out", default="demo_out", help="output directory (replaced)")
+    ap.add_argument("--out", default="demo_out",
+                    help="output directory: made, or replaced where an earlier run of this demo made it; any "
+                         "other non-empty directory is refused")
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps")
     ap.add_argument("--ranks", type=int, default=2, help="local ranks (python -m launch.local_ranks -n)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(args.out).resolve()
-    shutil.rmtree(out, ignore_errors=True)
+    try:  # a directory of the user's is never replaced: only what an earlier run of this demo made
+        said = claim_output_dir(out, "bert_ref.demo")
+    except FileExistsError as e:
+        raise SystemExit(f"demo: {e}") from None
+    if said:
+        print(said, flush=True)
     py = sys.executable
     prep = [py, "-m", "bert_ref.prep"]
 

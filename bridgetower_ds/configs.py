@@ -216,7 +216,8 @@ class DataArgs:
         "help": "Images with more pixels (from the header) are bad images: decompression-bomb guard."})
     image_cache_dir: str = field(default="", metadata={
         "help": "HPU media pipe only: where images stored as bytes in the dataset are written as files (it reads "
-                "files); empty -> a folder under the system temp dir named after the dataset."})
+                "files), named by their content; empty -> this user's bt_images-<uid> under the system temp dir. "
+                "Must be this user's own directory, not writable by others."})
     dataloader_timeout_s: int = field(default=600, metadata={
         "help": "Seconds to wait for one batch from a worker before failing (instead of hanging)."})
 

@@ -17,7 +17,6 @@ import argparse
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds_core.files import claim_output_dir
 from ds_core.rank.rendezvous import rank_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,14 +162,20 @@ def loader_table(out: Path, n_images: int = 64, size: int = 294, micro: int = 16
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--out", default="demo_out/bridgetower", help="output directory (replaced)")
+    ap.add_argument("--out", default="demo_out/bridgetower",
+                    help="output directory: made, or replaced where an earlier run of this demo made it; any "
+                         "other non-empty directory is refused")
     ap.add_argument("--steps", type=int, default=24, help="optimizer steps of the fine-tune")
     ap.add_argument("--ranks", type=int, default=2, help="local ranks (python -m launch.local_ranks -n)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = Path(args.out).resolve()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    try:  # a directory of the user's is never replaced: only what an earlier run of this demo made
+        said = claim_output_dir(out, "bridgetower_ds.demo")
+    except FileExistsError as e:
+        raise SystemExit(f"demo: {e}") from None
+    if said:
+        print(said, flush=True)
     dataset = make_newyorker_set(out, {"train": 96, "validation": 24, "test": 24})
     t_data = time.perf_counter() - t0
     res = fine_tune(out, dataset, args.steps, args.ranks)

@@ -23,7 +23,9 @@ This module is imported only when `--image_pipeline device|auto` resolves to an 
 from __future__ import annotations
 
 import os
+import stat
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -80,30 +82,55 @@ def jpeg_file_problem(path: str, max_pixels: int) -> str | None:
     return None
 
 
+def cache_dir_of(cache_dir: str) -> str:
+    """Where embedded images are written: --image_cache_dir, else this user's own directory under the system temp
+    dir (bt_images-<uid>). Either must be a real directory that this user owns and no one else can write to
+    (ds_core.files.check_private_dir): a directory another account made, or can write into, could hand the decoder
+    files of its choosing. Made with mode 0700 when missing."""
+    from ds_core.files import check_private_dir, private_dir
+
+    if not cache_dir:
+        return str(private_dir("bt_images"))
+    path = Path(cache_dir).expanduser()
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return str(check_private_dir(path))
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """data into `path` through a temporary file made anew (O_EXCL, no symlink followed), renamed into place."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def materialize(table, cache_dir: str, rank: int) -> list[str]:
     """Write images stored as bytes (e.g. a save_to_disk of a parquet dataset such as the New Yorker caption
-    contest) to files once, since the media pipe's decoder reads files. Atomic per file (temp name + rename), so
-    ranks sharing the directory can race safely; existing files are reused. Returns one path per row."""
+    contest) to files, since the media pipe's decoder reads files. Each file is named by the SHA-256 of its bytes, so
+    a changed dataset gets new files and never an old image, and rows with the same image share one; an existing file
+    of that name and size is reused. Atomic per file (temp name + rename), so ranks sharing the directory can race
+    safely. Returns one path per row."""
     import hashlib
-    import tempfile
 
-    root = cache_dir or os.path.join(tempfile.gettempdir(),
-                                     "bt_images_" + hashlib.sha1(table.source.encode()).hexdigest()[:12])
-    os.makedirs(root, exist_ok=True)
+    root = cache_dir_of(cache_dir)
     if rank == 0:
-        print(f"[bridgetower_ds] HPU media pipe: writing {len(table)} embedded images of {table.source} to {root} "
-              "(once; reused afterwards)", flush=True)
+        print(f"[bridgetower_ds] HPU media pipe: embedded images of {table.source} are files in {root} (named by "
+              "their content; written once)", flush=True)
     paths = []
     for i in range(len(table)):
         p = table.path(i)
         if p is None:
-            p = os.path.join(root, f"row{i:09d}.jpg")
-            if not os.path.exists(p):
-                data, _ = table.load(i)
-                tmp = f"{p}.tmp{os.getpid()}"
-                with open(tmp, "wb") as f:
-                    f.write(data if isinstance(data, bytes) else b"")  # a bad row stays bad (0 bytes)
-                os.replace(tmp, p)
+            data, _ = table.load(i)
+            data = data if isinstance(data, bytes) else b""  # a bad row stays bad (0 bytes)
+            p = os.path.join(root, hashlib.sha256(data).hexdigest() + ".jpg")
+            try:
+                st = os.lstat(p)
+                fresh = not (stat.S_ISREG(st.st_mode) and st.st_size == len(data))
+            except FileNotFoundError:
+                fresh = True
+            if fresh:
+                _write_new(p, data)
         paths.append(p)
     return paths
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from ds_core.cli import ArgumentParser, cli_main, flag
+from ds_core.files import atomic_write_text
 
 # A host name is also used in pdsh's comma-separated -w list, in DeepSpeed's --include syntax (NAME:SLOTS) and as a
 # key of the base64 world info, so a colon, comma, '@', whitespace or shell metacharacter in it would be misread.
@@ -123,9 +124,7 @@ def write_hostfile(hosts: Sequence[Host], path: str | os.PathLike) -> Path:
     text = format_hostfile(hosts)
     parse_hostfile(text, str(path))  # re-parse what we are about to write: duplicates, zero slots, bad names
     p = Path(path)
-    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, p)
+    atomic_write_text(p, text)  # a temporary file made anew, renamed into place
     return p
 
 

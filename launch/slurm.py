@@ -32,12 +32,28 @@ def resolve(settings: LaunchSettings, env: Mapping[str, str], hostfile_given: bo
         raise LaunchError("launch.slurm: SLURM_NODEID is not set; start it with "
                           "`srun --ntasks-per-node=1 python -m launch.slurm ...` inside an allocation")
     hosts = hf.hosts_from_slurm(env, slots_from_env(env, settings.slots))
-    # default: a node-local file, so nodes sharing a working directory never write the same path
-    path = Path(settings.hostfile) if hostfile_given else \
-        Path(tempfile.gettempdir()) / f"ds_hostfile_{env.get('SLURM_JOB_ID', 'nojob')}_{socket.gethostname()}"
-    hf.write_hostfile(hosts, path)  # every node writes identical contents
+    if hostfile_given:
+        path = hf.write_hostfile(hosts, settings.hostfile)  # every node writes identical contents
+    else:
+        path = node_hostfile(hosts, env)
     return settings.replace(hostfile=str(path), node_rank=int(node_id),
                             master_addr=settings.master_addr or hosts[0].name, launcher="no_ssh")
+
+
+def node_hostfile(hosts: list, env: Mapping[str, str]) -> Path:
+    """The default hostfile: node-local (nodes sharing a working directory never write the same path), in this
+    user's private directory under the system temp dir (ds_core.files.private_dir: 0700, owner checked), created
+    anew with O_EXCL under a unique name: no file another account placed there, or a requeued job's earlier file,
+    is ever written through or taken."""
+    from ds_core.files import private_dir
+
+    text = hf.format_hostfile(hosts)
+    hf.parse_hostfile(text, "hostfile from SLURM_JOB_NODELIST")  # what is about to be written: names, slots
+    fd, name = tempfile.mkstemp(prefix=f"hostfile_{env.get('SLURM_JOB_ID', 'nojob')}_{socket.gethostname()}_",
+                                dir=private_dir("ds_launch"))
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return Path(name)
 
 
 def build_parser() -> argparse.ArgumentParser:

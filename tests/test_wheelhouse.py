@@ -85,3 +85,43 @@ def test_make_wheelhouse_has_no_size_cap_unless_the_user_sets_one():
     assert "--constraints stacks/latest.txt" in command()
     assert "--constraints stacks/gaudi-1.21.txt" in command("STACK=gaudi-1.21")
     assert "--max_mb 200" in command("WHEELHOUSE_MAX_MB=200")
+
+
+def test_wheelhouse_records_sha256_and_the_offline_install_checks_them(tmp_path):
+    """MANIFEST.json holds each wheel's sha256 and requirements.txt pins every wheel but the toolkit's with it; the
+    offline set-up installs through `pip --require-hashes` from that file, which refuses a wheel changed on the way."""
+    import hashlib
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import wheelhouse
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    fake_wheel(wh, "fakedep", "1.0")
+    fake_wheel(wh, "ds-scale-toolkit", "0.1.0")
+    m = wheelhouse.write_manifest(wh, "3.12", "manylinux_2_28_x86_64", [], {"fakedep": "pysbd"}, {})
+    digests = {f["wheel"]: f["sha256"] for f in m["files"]}
+    for name, digest in digests.items():
+        assert digest == hashlib.sha256((wh / name).read_bytes()).hexdigest(), name
+    reqs = (wh / "requirements.txt").read_text()
+    assert reqs == f"fakedep==1.0 --hash=sha256:{digests['fakedep-1.0-py3-none-any.whl']}\n", reqs
+
+    def install(target: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "--no-index",
+                               "--find-links", str(wh), "--require-hashes", "-r", str(wh / "requirements.txt"),
+                               "--target", str(target)], capture_output=True, text=True, timeout=300)
+
+    ok = install(tmp_path / "t1")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    with open(wh / "fakedep-1.0-py3-none-any.whl", "ab") as f:
+        f.write(b"\0")  # a wheel changed after the wheelhouse was built (a zip still reads with trailing bytes)
+    bad = install(tmp_path / "t2")
+    assert bad.returncode != 0 and "DO NOT MATCH THE HASHES" in bad.stderr, bad.stderr[-2000:]
+    # and the Makefile's offline set-up is that install, then the toolkit editable without dependencies
+    out = subprocess.run(["make", "-n", "setup", "WHEELHOUSE=wh", "PY=python"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60).stdout
+    assert f"--require-hashes -r {REPO / 'wh'}/requirements.txt" in out, out
+    editable = [x for x in out.splitlines() if '-e ".[' in x and "--no-index" in x]
+    assert editable and all("--no-deps" in x for x in editable), editable

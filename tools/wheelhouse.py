@@ -4,7 +4,9 @@
         --base tools/base/cuda_image.txt [--extras mpi,test]
     (make wheelhouse PY=3.12 PLATFORM=manylinux_2_28_x86_64 BASE=tools/base/cuda_image.txt)
 
-then on the target, with no network: `make setup WHEELHOUSE=wheelhouse` (pip install --no-index --find-links).
+then on the target, with no network: `make setup WHEELHOUSE=wheelhouse`: every wheel installed from requirements.txt
+with `pip install --no-index --require-hashes` (each checked against the sha256 recorded here), then the toolkit
+itself, editable, from the checkout.
 
 Why a script and not one `pip download -r`: pip has no "these packages are already installed on the target" switch,
 so a plain download also fetches torch and its CUDA libraries (gigabytes) that a GPU image ships. This walks the
@@ -15,14 +17,16 @@ and pip upgrades it there). DeepSpeed ships only an sdist: it is built here into
 are built just in time on the target, or ds_core.device.ops_check falls back to torch's AdamW where no compiler is
 there).
 The toolkit's own build requirements (setuptools, wheel) and everything they require (wheel needs packaging) go in
-even when the base has them: pip builds the editable install in an isolated environment that sees only the
-wheelhouse, not the target's packages. MANIFEST.json lists every file, its size, why it is there, and the base names
-that were left out.
+even when the base has them: the hashed install puts them into the venv, and the editable install is built with
+those (no isolated build environment, which would take them from the wheelhouse unchecked). MANIFEST.json lists
+every file, its size, its sha256, why it is there, and the base names that were left out; requirements.txt pins every
+wheel but the toolkit's with its hash.
 """
 from __future__ import annotations
 
 import argparse
 import email.parser
+import hashlib
 import json
 import os
 import re
@@ -44,6 +48,8 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 SDIST_ONLY = {"deepspeed"}  # published without wheels: built here
+TOOLKIT = "ds-scale-toolkit"
+REQUIREMENTS = "requirements.txt"  # every wheel pinned with its sha256, for `pip install --require-hashes`
 
 
 def read_base(path: str | None) -> dict[str, Version | None]:
@@ -189,14 +195,35 @@ def build(out: Path, python: str, platform: str, base: dict[str, Version | None]
                     label = f"{req.name}{f'[{extra}]' if extra else ''}"
                     todo.append((r, f"build-system.requires ({label})" if for_build else label))
     pip("wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(out), str(REPO))  # the toolkit itself
+    return write_manifest(out, python, platform, extras, why, skipped)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(out: Path, python: str, platform: str, extras: list[str], why: dict, skipped: dict) -> dict:
+    """MANIFEST.json (each wheel: size, sha256, which requirement pulled it in; the base names left out) and
+    requirements.txt: `name==version --hash=sha256:...` for every wheel but the toolkit's own, what the offline
+    set-up installs with `pip --require-hashes` (a wheel changed on the way is refused by name)."""
     files = sorted(out.glob("*.whl"))
+    entries, lines = [], []
+    for f in files:
+        name, version = parse_wheel_filename(f.name)[:2]
+        digest = sha256_of(f)
+        entries.append({"wheel": f.name, "mb": round(f.stat().st_size / 1e6, 3), "sha256": digest,
+                        "for": why.get(canonicalize_name(name), "the toolkit")})
+        if canonicalize_name(name) != canonicalize_name(TOOLKIT):  # installed editable from the checkout
+            lines.append(f"{name}=={version} --hash=sha256:{digest}")
     manifest = {"python": python, "platform": platform, "extras": extras,
-                "total_mb": round(sum(f.stat().st_size for f in files) / 1e6, 2),
-                "files": [{"wheel": f.name, "mb": round(f.stat().st_size / 1e6, 3),
-                           "for": why.get(canonicalize_name(parse_wheel_filename(f.name)[0]), "the toolkit")}
-                          for f in files],
+                "total_mb": round(sum(f.stat().st_size for f in files) / 1e6, 2), "files": entries,
                 "from_base": skipped}
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+    (out / REQUIREMENTS).write_text("".join(line + "\n" for line in lines))
     return manifest
 
 
