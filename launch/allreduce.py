@@ -20,6 +20,8 @@ import time
 from datetime import timedelta
 from typing import Mapping, Sequence
 
+from ds_core.redact import is_secret
+
 BACKENDS = {"hpu": ("hccl", "hpu"), "cuda": ("nccl", "cuda:0"), "cpu": ("gloo", "cpu")}
 
 
@@ -70,8 +72,10 @@ def member_command(rank: int, world: int, addr: str, port: int, nbytes: int, ite
 def remote_command(host: str, inner: list[str], env: Mapping[str, str], ssh_port: int, ssh_timeout: float) -> list:
     """ssh HOST 'cd CWD && env NAME=VALUE ... INNER': the same working directory and interpreter path as here, and
     the variables DeepSpeed's launch exports to every node (PYTHONPATH and .deepspeed_env), each argument quoted for
-    the remote shell."""
-    env = {**({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}), **env}
+    the remote shell. Secret-looking ones (ds_core.redact) are left out: an all-reduce needs none, and an ssh command
+    line is visible to `ps` on both hosts."""
+    env = {**({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
+           **{k: v for k, v in env.items() if not is_secret(k)}}
     assigned = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
     remote = f"cd {shlex.quote(os.getcwd())} && env {assigned} {shlex.join(inner)}"
     cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(ssh_timeout)}"]

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from ds_core.cli import cli_main
+from ds_core.files import atomic_write_text
+from ds_core.redact import secret_names
 
 PROFILE_DIR = Path(__file__).resolve().parent / "env"
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -175,11 +177,9 @@ def format_env(entries: Mapping[str, str]) -> str:
 
 
 def write_env_file(path: str | os.PathLike, entries: Mapping[str, str]) -> Path:
+    """Written atomically with mode 0600 whatever the umask: the file may hold a forwarded secret."""
     p = Path(path)
-    text = format_env(entries)
-    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, p)
+    atomic_write_text(p, format_env(entries), secret=True)
     return p
 
 
@@ -330,15 +330,24 @@ def _main(args: argparse.Namespace) -> int:
             msg = plain_warning(name, value)
             if msg:
                 print(f"warning: {msg}", file=sys.stderr)
-        print(f"wrote {path}: {len(entries)} entries from "
+        print(f"wrote {path} (mode 600): {len(entries)} entries from "
               f"{'profile ' + args.profile if args.profile else 'arguments'}; changed: {', '.join(changed) or 'none'}")
+        secrets = secret_names(entries)
+        if secrets:
+            print(f"forwarded secret-looking variables: {', '.join(secrets)} (values not shown). DeepSpeed's pdsh "
+                  f"launch puts every entry on each node's command line, where `ps` shows it: docs/cluster.md "
+                  f"\"Security\" says how to keep a secret off it", file=sys.stderr)
     else:
         files = [Path(f) for f in args.files] or deepspeed_env_files()
         if not files:
             print("no .deepspeed_env file here or in $HOME")
         for f in files:
-            n = len(read_env_file(f))
-            print(f"{f}: ok, {n} entries")
+            entries = read_env_file(f)
+            readable = Path(f).stat().st_mode & 0o077
+            secrets = secret_names(entries)
+            note = f"; holds {', '.join(secrets)} and is readable by others: chmod 600 {f}" if secrets and readable \
+                else ""
+            print(f"{f}: ok, {len(entries)} entries{note}")
     return 0
 
 

@@ -22,6 +22,7 @@ from ds_core import log
 from ds_core.config.accumulation import settle_grad_accum_dtype  # noqa: F401 - part of ds_core.config's API
 from ds_core.errors import ConfigError
 from ds_core.files import atomic_write_text
+from ds_core.redact import dropped_placeholders, redact_mapping
 
 T = TypeVar("T")
 
@@ -245,7 +246,8 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
             raise ConfigError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object of settings, got {type(data).__name__}")
-        parser.set_defaults(**_flatten_json(data, types, str(path)))
+        # a setting redacted when run_config.json was written keeps its default, not the placeholder
+        parser.set_defaults(**dropped_placeholders(_flatten_json(data, types, str(path))))
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         known = [a for act in parser._actions for a in act.option_strings if "-" not in a.lstrip("-")]
@@ -328,7 +330,8 @@ def save_run_config(run_dir: str | os.PathLike, *instances: Any, rank: int = 0) 
     path = Path(run_dir) / RUN_CONFIG
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {type(i).__name__: dataclasses.asdict(i) for i in instances}
+        # a secret-looking setting (--token) is written as ds_core.redact.REDACTED: never on disk
+        data = redact_mapping({type(i).__name__: dataclasses.asdict(i) for i in instances})
         atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
 

