@@ -21,8 +21,17 @@ Launchers:
 
 Every rank runs under launch.guard (see there): a frozen rank is killed after the collective timeout plus
 --stall_grace_s, so every node's launcher ends; under MPI the rendezvous comes from mpi4py, not DeepSpeed's
-mpi_discovery. Arguments after `--` go to the training module unchanged. Every process gets its arguments as an
-argument list; nothing is pasted into a shell command line.
+mpi_discovery. Arguments after `--` go to the training module unchanged. This wrapper starts every process with an
+argument list, never through a shell. One launch does go through a shell: under pdsh, DeepSpeed's runner joins the
+exported variables, `cd` into this directory, the interpreter, the master address and the module's arguments into
+ONE command string that each node's login shell runs. There every word is quoted by the change pdsh_remote_quoted
+(ds_core.compat.pdsh_quoting); where that change is off, any value that shell would act on is refused before launch,
+naming it (launch.remote_shell).
+
+Secrets (secret-looking names, ds_core.redact): --dry_run shows their values as <redacted>; mpirun gets them by name
+(`-x NAME`, `-genvlist NAME`) with the values in its environment, and DeepSpeed's openmpi/mpich runners the same way
+(their .deepspeed_env is handed over without them, through DS_ENV_FILE); pdsh has no channel but the remote command
+line, so a launch that would export one says so in one line (docs/cluster.md "Security").
 
 How: the flags (launch.settings.add_run_arguments) become one launch.settings.LaunchSettings, resolved once
 (launch.slurm and launch.aws_batch fill in hostfile, node rank and master from their cluster's variables); its
@@ -44,12 +53,14 @@ from typing import Callable, Mapping, Sequence
 import ds_configs
 from ds_core.cli import cli_main
 from ds_core.rank.venv import torch_extensions_env
-from launch import env as envmod, hostfile as hf, preflight
+from ds_core.redact import is_secret, redact_argv, redact_mapping
+from launch import env as envmod, hostfile as hf, preflight, remote_shell
 from launch.local_ranks import deepspeed_launcher
 from launch.settings import DEFAULT_DIST_TIMEOUT_S, LaunchError, LaunchSettings, add_run_arguments
 
 # what a launch can fail on with a message for the user (exit status 2, ds_core.cli)
-LAUNCH_ERRORS: tuple[type[BaseException], ...] = (LaunchError, hf.HostfileError, envmod.EnvFileError)
+LAUNCH_ERRORS: tuple[type[BaseException], ...] = (LaunchError, hf.HostfileError, envmod.EnvFileError,
+                                                  remote_shell.RemoteShellError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,12 +263,21 @@ def _addr_flag(s: LaunchSettings) -> list[str]:
 
 
 def build_pdsh(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
-    """`deepspeed --hostfile H` on the first node; DeepSpeed reaches the others over pdsh with .deepspeed_env."""
+    """`deepspeed --hostfile H` on the first node; DeepSpeed reaches the others over pdsh with .deepspeed_env. What
+    reaches the nodes' shell is checked first (launch.remote_shell)."""
     envmod.require_profile_in_deepspeed_env(s.profile, cwd)
+    user = _guarded(s)
+    if len(s.used_hosts) > 1:  # one host: DeepSpeed's local launch, an argument list
+        secrets = remote_shell.check_launch([("argument", a) for a in user[1:]], s.master_addr, cwd, environ,
+                                            envmod.load_deepspeed_env(cwd, environ))
+        if secrets:
+            print(f"launch.run: pdsh will put {', '.join(secrets)} on every node's command line (DeepSpeed's pdsh "
+                  f"launch has no other channel; `ps` shows it there): docs/cluster.md \"Security\"",
+                  file=sys.stderr)
     if not s.dry_run:
         check_master_port(s.master_addr or s.used_hosts[0].name, s.port)
     return deepspeed_launcher() + ["--hostfile", s.hostfile, "--master_port", str(s.port), *_addr_flag(s),
-                              *_nodes_flag(s), *_guarded(s)], {}
+                                   *_nodes_flag(s), *user], {}
 
 
 def build_no_ssh(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
@@ -288,7 +308,9 @@ def build_deepspeed_mpi(s: LaunchSettings, environ: Mapping[str, str], cwd: str 
     # DeepSpeed shlex-splits --launcher_args; shlex.join is its exact inverse, so each ARG stays one argument.
     # One `--launcher_args=VALUE` token: as two tokens, a VALUE starting with '-' (--allow-run-as-root) is taken
     # by DeepSpeed's argparse for an option ("argument --launcher_args: expected one argument").
-    largs = [f"--launcher_args={shlex.join(s.launcher_arg)}"] if s.launcher_arg else []
+    by_name, added = _secrets_by_name(s, cwd, environ)
+    launcher_args = [*s.launcher_arg, *by_name]
+    largs = [f"--launcher_args={shlex.join(launcher_args)}"] if launcher_args else []
     # DeepSpeed's MPI runners use --master_addr only for their own variables (launch.guard replaces them);
     # naming the first host spares runner.main its `ssh HOST hostname -I`, which an MPI cluster need not allow
     ds_addr = ["--master_addr", s.master_addr or s.used_hosts[0].name]
@@ -300,7 +322,27 @@ def build_deepspeed_mpi(s: LaunchSettings, environ: Mapping[str, str], cwd: str 
     else:
         user = ["--module", "launch.guard", *rank]
     return deepspeed_launcher() + ["--hostfile", s.hostfile, "--launcher", s.launcher, *largs,
-                              "--master_port", str(s.port), *ds_addr, *user], {}
+                                   "--master_port", str(s.port), *ds_addr, *user], added
+
+
+def _secrets_by_name(s: LaunchSettings, cwd: str | None, environ: Mapping[str, str]) -> tuple[list[str], dict]:
+    """DeepSpeed's MPI runners put every .deepspeed_env entry on mpirun's command line (`-x K=V`, `-genv K V`).
+    Where entries are secret-looking: DeepSpeed gets a copy of the merged file without them (0600, this user's
+    private directory, named by DS_ENV_FILE, which DeepSpeed joins with ~ and . and an absolute path survives), and
+    mpirun forwards them by name from its environment (Open MPI `-x NAME`, Hydra `-genvlist A,B`). Returns
+    (launcher arguments, variables for the launcher's environment)."""
+    from ds_core.files import atomic_write_text, private_dir
+    from ds_core.redact import secret_names
+
+    entries = envmod.load_deepspeed_env(cwd, environ)
+    secrets = secret_names(entries)
+    if not secrets:
+        return [], {}
+    kept = {k: v for k, v in entries.items() if k not in secrets}
+    path = private_dir("ds_launch") / f"deepspeed_env.{os.getpid()}"
+    atomic_write_text(path, envmod.format_env(kept), secret=True)
+    flags = [a for n in secrets for a in ("-x", n)] if s.launcher == "openmpi" else ["-genvlist", ",".join(secrets)]
+    return flags, {"DS_ENV_FILE": str(path), **{n: entries[n] for n in secrets}}
 
 
 def build_mpirun(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
@@ -313,17 +355,22 @@ def build_mpirun(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None)
     total, per_node = sum(h.slots for h in used), used[0].slots
     py = [sys.executable, "-u", "-m", "launch.guard", *guard_args(s, s.module_args, mpi),
           *train_args(s, s.module_args)]
+    # secret-looking variables go by name, their values in mpirun's environment: never on its command line
+    secrets = {k: v for k, v in ranks_env.items() if is_secret(k)}
     if mpi["flavor"] == "openmpi":
         cmd = [mpi["mpirun"] or "mpirun", "-n", str(total), "-H", ",".join(f"{h.name}:{h.slots}" for h in used),
                "--map-by", f"ppr:{per_node}:node", *s.launcher_arg]
         for k, v in ranks_env.items():
-            cmd += ["-x", f"{k}={v}"]
+            cmd += ["-x", k if k in secrets else f"{k}={v}"]
     else:
         cmd = [mpi["mpirun"] or "mpirun", "-n", str(total), "-ppn", str(per_node), "-hosts",
                ",".join(h.name for h in used), *s.launcher_arg]
         for k, v in ranks_env.items():
-            cmd += ["-genv", k, v]
-    return cmd + py, {}
+            if k not in secrets:
+                cmd += ["-genv", k, v]
+        if secrets:
+            cmd += ["-genvlist", ",".join(secrets)]
+    return cmd + py, secrets
 
 
 def build_srun(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -> Built:
@@ -392,7 +439,7 @@ def launch(s: LaunchSettings) -> int:
     added = {**torch_extensions_env({**os.environ, **added}), **added}  # one JIT op cache per venv
     if s.dry_run:
         path, why = ds_config_of(s)
-        print(json.dumps({"argv": cmd, "env_added": added,
+        print(json.dumps({"argv": redact_argv(cmd), "env_added": redact_mapping(added),
                           "deepspeed_config": {"file": shown_path(path) or None, "chosen_by": why}}, indent=1))
         return 0
     check_ds_json_before_spawn(s)

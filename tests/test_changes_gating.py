@@ -14,9 +14,11 @@ from ds_core.compat import changes, fingerprint, verified
 pytestmark = pytest.mark.stack
 
 # bodies each tested release needs verified: the speed-ups on both, the fixes of 0.16's faults on the fork only
-NEEDED = {(0, 19): {"flat_grad_norm_bf16", "flat_grad_norm_zero", "device_clip", "one_op_grad_hook"},
+NEEDED = {(0, 19): {"flat_grad_norm_bf16", "flat_grad_norm_zero", "device_clip", "one_op_grad_hook",
+                    "pdsh_remote_quoted"},
           (0, 16): {"flat_grad_norm_bf16", "flat_grad_norm_zero", "device_clip", "one_op_grad_hook",
-                    "nonfinite_group_norm", "cpu_gradient_buckets", "zero3_gather_waits", "mpi_exports_as_given"}}
+                    "nonfinite_group_norm", "cpu_gradient_buckets", "zero3_gather_waits", "mpi_exports_as_given",
+                    "pdsh_remote_quoted"}}
 
 
 def test_the_installed_bodies_are_the_verified_ones():

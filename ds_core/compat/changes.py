@@ -146,6 +146,15 @@ CHANGES: tuple[Change, ...] = (
            "tests/test_ds_runner.py", "launcher", "ds_core.compat.mpi_exports:apply", checks.exports,
            not_needed=checks.exports_fixed,
            bodies=("deepspeed.launcher.multinode_runner:MultiNodeRunner.add_export",)),
+    Change("pdsh_remote_quoted", "every word of the remote command pdsh hands each node's shell quoted with "
+           "shlex.quote (module arguments, working directory, interpreter, master address, exported values; % "
+           "doubled for pdsh), and the command ends where `cd` into the working directory fails",
+           "deepspeed.launcher.multinode_runner.PDSHRunner.get_cmd's remote command (DeepSpeed: `cd DIR;` unquoted, "
+           "arguments with a space and exported values in double quotes, inside which `$(...)` runs)",
+           "ds_core.compat.pdsh_quoting", "tests/test_launch_remote_shell.py", "launcher",
+           "ds_core.compat.pdsh_quoting:apply", checks.pdsh,
+           bodies=("deepspeed.launcher.multinode_runner:PDSHRunner.get_cmd",
+                   "deepspeed.launcher.multinode_runner:PDSHRunner.parse_user_args")),
 )
 BY_NAME = {c.name: c for c in CHANGES}
 _APPLIED: dict[str, str] = {}  # name -> state, as this process's last apply of its stage left it

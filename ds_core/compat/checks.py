@@ -150,6 +150,13 @@ def exports() -> str | None:
     return signature_differs("deepspeed.launcher.multinode_runner:MultiNodeRunner", "add_export", ["key", "var"])
 
 
+def pdsh() -> str | None:
+    owner = "deepspeed.launcher.multinode_runner:PDSHRunner"
+    return (signature_differs(owner, "get_cmd", ["environment", "active_resources"])
+            or signature_differs(owner, "parse_user_args", [])
+            or signature_differs("deepspeed.launcher.multinode_runner:MultiNodeRunner", "add_export", ["key", "var"]))
+
+
 def exports_fixed() -> str | None:
     from ds_core.compat.deepspeed_behaviour import quotes_plain_exports
 

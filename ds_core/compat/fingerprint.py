@@ -71,14 +71,22 @@ def of_function(fn: Any) -> str | None:
 
 
 def of_source_file(path: str | Path, qualname: str) -> str | None:
-    """The fingerprint of `qualname` ("Class.method" or "function") as defined in the Python file `path`."""
-    node: Any = ast.parse(Path(path).read_text())
+    """The fingerprint of `qualname` ("Class.method" or "function") as defined in the Python file `path`.
+
+    Read as of_function reads a live one: the definition's lines (decorators first), dedented, then parsed. Parsing
+    the whole file instead gives another tree where a string literal continues over a line break (`"... \\` then
+    an indented line): dedenting moves the continued line, and the string's value with it."""
+    text = Path(path).read_text()
+    node: Any = ast.parse(text)
     for part in qualname.split("."):
         node = next((n for n in getattr(node, "body", []) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                                ast.ClassDef)) and n.name == part), None)
         if node is None:
             return None
-    return of_node(node)
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    source = textwrap.dedent("".join(text.splitlines(keepends=True)[first - 1:node.end_lineno]))
+    tree = ast.parse(source)
+    return of_node(tree.body[0]) if tree.body else None
 
 
 def split_target(target: str) -> tuple[str, str]:

@@ -31,4 +31,9 @@ VERIFIED: dict[str, dict[str, str]] = {
     "deepspeed.runtime.zero.partition_parameters:Init._allgather_params_coalesced": {"2917618e63112cc4": FORK},
     # mpi_exports_as_given: every value in double quotes (0.19 quotes what a shell would split)
     "deepspeed.launcher.multinode_runner:MultiNodeRunner.add_export": {"c0b68fbf6253861b": FORK},
+    # pdsh_remote_quoted: [source VENV;] exports, `cd CWD;`, interpreter ... --node_rank=%n ..., script, user args
+    # (0.19 adds venv_script and enable_each_rank_log, the fork elastic training's flags: all between cd and script)
+    "deepspeed.launcher.multinode_runner:PDSHRunner.get_cmd": {"bec8e37f1d1eaefa": LATEST, "bb429882ad5f7f5a": FORK},
+    # pdsh_remote_quoted: an argument with a space wrapped in double quotes, `"` escaped (the same body in both)
+    "deepspeed.launcher.multinode_runner:PDSHRunner.parse_user_args": {"966b79ccc91a3b8e": f"{LATEST}, {FORK}"},
 }

@@ -7,6 +7,7 @@ Building a plan writes nothing and starts nothing (a `hostfile` study's hostfile
 from __future__ import annotations
 
 import json
+import os
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import TextIO
 
 from ds_tools.study import netns
 from ds_tools.study.spec import Cell, Study, StudyError, dump_json
-from launch import local_ranks
+from launch import env as envmod, local_ranks, remote_shell
 
 # Master ports are taken from here, two per cell (the training's and the link probe's), below Linux's ephemeral
 # range (32768-60999: a port the kernel hands out to outgoing connections could be taken at any moment).
@@ -107,11 +108,35 @@ def build(study: Study, cell: Cell, out: Path, port: int | None = None) -> CellP
         p.files[hostfile] = _hostfile_slice(study, nodes)
         p.port_checked_here = False
         module_args = target[2:]
+        _check_remote_words(study, nodes, [*CELL_TARGET[1:], *module_args])
         i = module_args.index("--deepspeed_config")
         p.commands = [[sys.executable, "-m", "launch.run", "--hostfile", str(hostfile), *CELL_TARGET,
                        "--deepspeed_config", str(ds_json), "--master_port", str(p.port), *study.launch_args, "--",
                        *module_args[:i], *module_args[i + 2:]]]
     return p
+
+
+def _flag_of(args: list, flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return str(args[i + 1])
+        if str(a).startswith(flag + "="):
+            return str(a).partition("=")[2]
+    return None
+
+
+def _check_remote_words(study: Study, nodes: int, words: list) -> None:
+    """launch.run's check of what reaches the nodes' shell under pdsh (launch.remote_shell), when the cell is planned:
+    a study file's values are data, refused here (naming the study file) before any cell starts."""
+    launcher = _flag_of(study.launch_args, "--launcher") or os.environ.get("LAUNCH_LAUNCHER") or "pdsh"
+    if nodes < 2 or launcher != "pdsh":
+        return
+    addr = _flag_of(study.launch_args, "--master_addr") or os.environ.get("MASTER_ADDR", "")
+    try:
+        remote_shell.check_launch([("argument", str(w)) for w in words], addr, None, {**os.environ, **study.env},
+                                  envmod.load_deepspeed_env())
+    except (remote_shell.RemoteShellError, envmod.EnvFileError) as e:
+        raise StudyError(f"{study.path}: {e}") from None
 
 
 def _emulated(study: Study, cell: Cell, out: Path, p: CellPlan, target: list) -> None:
