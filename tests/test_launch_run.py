@@ -159,8 +159,10 @@ def test_slurm_entry_builds_hostfile_and_node_rank(tmp_path):
 
 
 def _batch_env(index: int, num: int, main_addr: str = "", **extra) -> dict:
+    # AWS_BATCH_JOB_ID (child nodes see `ID#INDEX`): the job's identity, which keys its registration
     env = dist_env(AWS_BATCH_JOB_NUM_NODES=str(num), AWS_BATCH_JOB_NODE_INDEX=str(index),
-                   AWS_BATCH_JOB_MAIN_NODE_INDEX="0", **extra)
+                   AWS_BATCH_JOB_MAIN_NODE_INDEX="0", AWS_BATCH_JOB_ID=f"0a1b2c3d#{index}", AWS_BATCH_JOB_ATTEMPT="1",
+                   **extra)
     env.pop("AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS", None)
     if main_addr:
         env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = main_addr
