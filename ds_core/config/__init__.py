@@ -549,6 +549,20 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _check_optimizer_params(params: dict, source: str) -> None:
+    """eps > 0, weight_decay >= 0 and betas two numbers in [0, 1), all finite (NaN and inf included: JSON has
+    neither, but Python's json module reads NaN and Infinity); "auto" is left to the Trainer-style filling."""
+    for key, low, closed in (("eps", 0, False), ("weight_decay", 0, True)):
+        v = params.get(key, "auto")
+        if v != "auto" and not (_is_number(v) and (v >= low if closed else v > low)):
+            raise ConfigError(f"{source}: optimizer.params.{key} = {v!r}: expected a number {'>=' if closed else '>'} "
+                              f"{low}")
+    betas = params.get("betas", "auto")
+    if betas != "auto" and not (isinstance(betas, list) and len(betas) == 2
+                                and all(b == "auto" or (_is_number(b) and 0 <= b < 1) for b in betas)):
+        raise ConfigError(f"{source}: optimizer.params.betas = {betas!r}: expected two numbers in [0, 1)")
+
+
 def check_ds_values(cfg: dict, source: str = "DeepSpeed config") -> None:
     """Refuse values DeepSpeed would train with silently (a negative lr or clipping) or reject only after distributed
     init (bucket sizes), naming the key."""
@@ -559,6 +573,7 @@ def check_ds_values(cfg: dict, source: str = "DeepSpeed config") -> None:
             raise ConfigError(f"{source}: optimizer must be an object with a \"params\" object, got {opt!r}")
         if "lr" in params and not (_is_number(params["lr"]) and params["lr"] > 0):
             raise ConfigError(f"{source}: optimizer.params.lr = {params['lr']!r}: expected a number > 0")
+        _check_optimizer_params(params, source)
     if "gradient_clipping" in cfg and not (_is_number(cfg["gradient_clipping"]) and cfg["gradient_clipping"] >= 0):
         raise ConfigError(f"{source}: gradient_clipping = {cfg['gradient_clipping']!r}: expected a number >= 0 "
                           f"(0 turns clipping off)")

@@ -11,6 +11,7 @@ share of all steps) or --warmup_ratio (a share; BERT's --warmup_proportion is th
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -76,14 +77,21 @@ class OptimArgs:
         if self.lr_scheduler_type not in KINDS + ("",):
             raise ConfigError(f"--lr_scheduler_type {self.lr_scheduler_type!r}: expected one of {', '.join(KINDS)}")
         ratio = self.warmup_ratio or 0.0
-        checks = [("learning_rate", self.learning_rate is None or self.learning_rate > 0, "> 0"),
-                  ("weight_decay", self.weight_decay is None or self.weight_decay >= 0, ">= 0"),
-                  ("eps", self.eps is None or self.eps > 0, "> 0"),
-                  ("max_grad_norm", self.max_grad_norm is None or self.max_grad_norm >= 0, ">= 0"),
-                  ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
-                  ("warmup_ratio", 0 <= ratio <= 1, "in [0, 1]"),
-                  ("constant_proportion", 0 <= self.constant_proportion <= 1, "in [0, 1]"),
-                  ("poly_degree", self.poly_degree > 0, "> 0"),
+        # each number finite as well as in range: `--learning_rate inf` passes `> 0` and trained, and `--beta1 nan`
+        # or `--beta2 7` failed only inside the optimizer, after distributed init and the model build
+        checks = [("learning_rate", self.learning_rate is None or _finite(self.learning_rate, 0, None), "> 0, finite"),
+                  ("weight_decay", self.weight_decay is None or _finite(self.weight_decay, 0, None, closed=True),
+                   ">= 0, finite"),
+                  ("beta1", _finite(self.beta1, 0, 1, closed=True), "in [0, 1)"),
+                  ("beta2", _finite(self.beta2, 0, 1, closed=True), "in [0, 1)"),
+                  ("eps", self.eps is None or _finite(self.eps, 0, None), "> 0, finite"),
+                  ("max_grad_norm", self.max_grad_norm is None or _finite(self.max_grad_norm, 0, None, closed=True),
+                   ">= 0, finite"),
+                  ("warmup_steps", _finite(self.warmup_steps, 0, None, closed=True), ">= 0, finite"),
+                  ("warmup_ratio", _finite(ratio, 0, None, closed=True) and ratio <= 1, "in [0, 1]"),
+                  ("constant_proportion", _finite(self.constant_proportion, 0, None, closed=True)
+                   and self.constant_proportion <= 1, "in [0, 1]"),
+                  ("poly_degree", _finite(self.poly_degree, 0, None), "> 0, finite"),
                   ("base_global_batch", self.base_global_batch >= 0, ">= 0")]
         for name, ok, expected in checks:
             if not ok:
@@ -92,6 +100,12 @@ class OptimArgs:
             raise ConfigError(f"--warmup_steps {self.warmup_steps} / --warmup_ratio {ratio}: expected one of them")
         if ratio + self.constant_proportion > 1:
             raise ConfigError(f"warmup_ratio {ratio} + constant_proportion {self.constant_proportion} > 1")
+
+
+def _finite(v: float, low: float, high: float | None, closed: bool = False) -> bool:
+    """v is a finite number above `low` (at `low` too where closed) and below `high` (None: no bound)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and (v >= low if closed else v > low) and (high is None or v < high))
 
 
 def warmup_for(args: OptimArgs, total_steps: int) -> int:

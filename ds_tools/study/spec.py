@@ -50,6 +50,7 @@ import copy
 import difflib
 import itertools
 import json
+import re
 import sys
 
 if sys.version_info >= (3, 11):
@@ -79,6 +80,11 @@ SINGLE_ZERO = {"contiguous_gradients": False, "overlap_comm": False, "reduce_sca
 DEFAULT_SINGLE_BUCKET = 2_000_000_000
 DEFAULT_MAX_REPEATS = 8
 
+# A cell's run directory is cells/<axis>-<value>__...; the study's is runs/studies/<name>: names and values that are
+# not one plain path component (`../x`, `a/b`, a space, a shell character) would put a run elsewhere or reach a
+# shell under launcher = "hostfile", so they are refused when the file is read.
+SAFE_COMPONENT = re.compile(r"[A-Za-z0-9_.+,=@-]+")
+SAFE_AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _STUDY_KEYS = {"name", "module", "preset", "deepspeed_config", "steps", "warmup_steps", "args", "launcher",
                "ranks_per_node", "hostfile", "launch_args", "timeout_s", "repeats", "baseline", "comms_logger",
                "single_bucket_elements", "prepare", "prepare_creates", "precision", "max_repeats", "budget_s",
@@ -292,10 +298,22 @@ def load_study(path: str | Path) -> Study:
     st.args = [str(a) for a in st.args]
     st.launch_args = [str(a) for a in st.launch_args]
 
+    if not st.name or "/" in st.name or st.name in (".", "..") or not st.name.isprintable():
+        raise StudyError(f"{path}: [study] name = {st.name!r}: expected one path component (no /, not . or ..): "
+                         f"it names the study directory runs/studies/<name>")
     axes = data.get("axes", {})
     for name, values in axes.items():
+        if not SAFE_AXIS_NAME.fullmatch(name):
+            raise StudyError(f"{path}: [axes] {name!r}: expected a name of letters, digits and _ (it names the "
+                             f"cell directories and the module's flag --{name})")
         if not isinstance(values, list) or not values:
             raise StudyError(f"{path}: [axes] {name} = {values!r}: expected a non-empty list of values")
+        for v in values:
+            text = _flag_value(v) if isinstance(v, bool) else str(v)
+            if not SAFE_COMPONENT.fullmatch(text):
+                raise StudyError(f"{path}: [axes] {name} value {v!r}: expected letters, digits and _ . + , = @ - "
+                                 f"only: a value is part of its cell's directory name (cells/{name}-VALUE__...) and "
+                                 f"a flag value of the module")
         if len(set(map(str, values))) != len(values):
             raise StudyError(f"{path}: [axes] {name} = {values!r}: values repeat")
         if name == "repeats":
