@@ -390,3 +390,37 @@ def test_launch_run_pdsh_a_frozen_rank_ends_every_node(tmp_path, private_sshd):
     code, log = _freeze_and_wait(proc, tmp_path, recs[1])
     assert code != 0, log[-5000:]
     assert f"no heartbeat from the training process for {HOLD_TIMEOUT_S + GRACE_S} s" in log, log[-5000:]
+
+
+ARGV_PROBE = '''"""Record this rank's arguments and working directory."""
+import json, os, sys
+with open(os.path.join(sys.argv[sys.argv.index("--out") + 1], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump({"argv": sys.argv[1:], "cwd": os.getcwd()}, f)
+'''
+
+
+def test_launch_run_pdsh_quotes_arguments_and_the_working_directory(tmp_path, private_sshd):
+    """launch.run over real pdsh + ssh from a working directory with a space, with module arguments a shell would
+    act on: nothing runs on the nodes, every rank starts in that directory and gets the arguments as given
+    (ds_core.compat.pdsh_quoting)."""
+    import shutil
+
+    _need_pdsh()
+    bindir, _ = private_sshd
+    env = _setup(tmp_path, bindir, marker="quoted")
+    work = tmp_path / "my runs"
+    work.mkdir()
+    for f in ("hostfile", ".deepspeed_env"):
+        shutil.copy(tmp_path / f, work / f)
+    (work / "argv_probe.py").write_text(ARGV_PROBE)
+    marker = tmp_path / "RAN"
+    hostile = [f"/data/$(touch {marker})", f"a b`touch {marker}`;touch {marker}", "100%n", "'q' \"dq\" $HOME"]
+    cmd = [sys.executable, "-m", "launch.run", "--launcher", "pdsh", "--hostfile", "hostfile", "--module",
+           "argv_probe", "--deepspeed_config", "", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           "--", "--out", str(tmp_path), "--x", *hostile]
+    code, log = _run(cmd, work, env)
+    assert code == 0, log[-5000:]
+    assert not marker.exists(), log[-5000:]
+    for r in (0, 1):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["cwd"] == str(work) and rec["argv"][-len(hostile):] == hostile, rec
