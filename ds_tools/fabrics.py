@@ -15,9 +15,11 @@ parallel, each carrying 1/a of the buffer):
                          path, scheduling); 0 for the published fabrics (their factor absorbs it), MEASURED for an
                          emulated one (ds_tools.study.linkprobe), never fitted to the run it predicts
 
-B_intra is one accelerator's link bandwidth to its node peers, B_inter one node's aggregate scale-out bandwidth; both
-are line rates multiplied by the fabric's ONE efficiency factor (`efficiency`): calibrated on a published table
-where one exists (docs/studies.md), 1.0 (uncalibrated, said so in the output) otherwise.
+B_intra is one accelerator's link bandwidth to its node peers, B_inter one node's aggregate scale-out bandwidth: each
+its line rate times a factor of its own (`intra_efficiency`, `inter_efficiency`; both `efficiency` where not set).
+The fabrics here carry line rates only (factor 1.0): what a published table identifies of the two factors is fitted
+by ds_tools.calibration, which says which terms it fitted and on what; a fabric given on the command line keeps the
+factor it is given (uncalibrated: no range, said so in the output).
 """
 from __future__ import annotations
 
@@ -32,26 +34,40 @@ class Fabric:
     inter_gbps: float          # per node, aggregate scale-out, one direction, line rate (Gbit/s)
     latency_us: float          # per inter-node ring step
     intra_latency_us: float    # per intra-node ring step
-    efficiency: float          # the one calibrated factor: achieved bus bandwidth / line rate
-    calibrated_on: str         # where `efficiency` comes from ("" = not calibrated)
+    efficiency: float          # achieved bus bandwidth / line rate, both terms unless set apart below
+    calibrated_on: str         # where the factors come from ("" = not calibrated)
     source: str                # where the line rates come from
     call_us: float = 0.0       # per collective call, besides the ring steps' latency (measured; 0 = not modelled)
     accelerators: tuple[str, ...] = ()  # ds_core.device.accelerators rows this system is built from
+    intra_efficiency: float | None = None   # the intra-node term's own factor (None: `efficiency`)
+    inter_efficiency: float | None = None   # the inter-node term's own factor (None: `efficiency`)
+
+    @property
+    def eta_intra(self) -> float:
+        return self.efficiency if self.intra_efficiency is None else self.intra_efficiency
+
+    @property
+    def eta_inter(self) -> float:
+        return self.efficiency if self.inter_efficiency is None else self.inter_efficiency
 
     @property
     def b_intra(self) -> float:
         """Effective intra-node bus bandwidth, bytes/s."""
-        return self.intra_gbps * 1e9 / 8 * self.efficiency
+        return self.intra_gbps * 1e9 / 8 * self.eta_intra
 
     @property
     def b_inter(self) -> float:
-        return self.inter_gbps * 1e9 / 8 * self.efficiency
+        return self.inter_gbps * 1e9 / 8 * self.eta_inter
+
+    def with_factors(self, intra: float, inter: float, calibrated_on: str) -> "Fabric":
+        return Fabric(**{**self.__dict__, "intra_efficiency": intra, "inter_efficiency": inter,
+                         "calibrated_on": calibrated_on})
 
 
-# Line rates with their sources; `efficiency` of dl1 and dgx-a100 is fitted by ds_tools.predict.calibrate on the
-# published tables in PUBLISHED (tests/test_predict.py re-fits and checks these values).
+# Line rates with their sources (factor 1.0: line rate). What the published tables (ds_tools.published) identify of
+# each system's two factors is fitted by ds_tools.calibration, never written here.
 FABRICS = {
-    "dl1": Fabric("dl1", 700, 400, 20.0, 5.0, 0.056, "DL1 BERT-Large 1/2/4/8 nodes (docs/studies.md)",
+    "dl1": Fabric("dl1", 700, 400, 20.0, 5.0, 1.0, "",
                   "AWS dl1.24xlarge: 8 Gaudi (HL-205), each with 7 of its 10x100 GbE RoCE ports to its 7 peers "
                   "(all-to-all), 4x100 Gb/s EFA per instance (aws.amazon.com/ec2/instance-types/dl1)",
                   accelerators=("gaudi",)),
@@ -59,8 +75,7 @@ FABRICS = {
                          "Intel Gaudi2 HLS-Gaudi2: 24x100 GbE RoCE per card, 21 to its 7 peers (3 each), 3 for "
                          "scale-out (8 cards: 24x100 Gb/s per node) (Gaudi2 white paper / HLS-Gaudi2 spec)",
                          accelerators=("gaudi2",)),
-    "dgx-a100": Fabric("dgx-a100", 2400, 1600, 5.0, 2.0, 0.403,
-                       "NVIDIA DLE BERT-Large phase 1, DGX A100 80GB, 1-32 nodes (docs/studies.md)",
+    "dgx-a100": Fabric("dgx-a100", 2400, 1600, 5.0, 2.0, 1.0, "",
                        "DGX A100: NVLink3 600 GB/s per GPU both directions (300 GB/s = 2400 Gb/s one way), "
                        "8x 200 Gb/s HDR InfiniBand compute NICs (DGX A100 user guide)",
                        accelerators=("a100-40g", "a100-80g")),

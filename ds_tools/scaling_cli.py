@@ -16,7 +16,7 @@ def _help() -> int:
     p = scaling.build_parser()
     usage = p.format_usage().strip()
     p.usage = usage[len("usage: "):] + "\n       " + PREDICT_USAGE
-    p.epilog = ("predict: throughput and scaling efficiency at N nodes, with 95 % intervals, from one measured run "
+    p.epilog = ("predict: throughput and scaling efficiency at N nodes, each with its range, from one measured run "
                 "(its metrics.jsonl, or --measured) and a fabric profile; `ds-scaling-report predict --help` lists "
                 "its flags (ds_tools/predict.py, docs/studies.md).")
     p.print_help()

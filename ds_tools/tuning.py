@@ -7,14 +7,24 @@ against the accelerator's capacity in GiB (ds_core.device.accelerators: the vend
 the node's RAM over its ranks) less 8 % for allocator fragmentation and runtime context. Headroom rule (printed):
 recommended rows keep 10 % of their own predicted peak free, the memory model's accuracy target.
 
-Step time per row (ds_tools.tuning_time): compute plus the communication `ds-scaling-report predict` models for the
-fabric (ZeRO-3's parameter gathers every micro step included); the recommendation is the fastest row that keeps the
-headroom rule, and every other row says why it is not the one.
+Step time per row (ds_tools.tuning_time): compute per sequence from a measured run (--measured with its layout, or
+--from RUN_DIR) or, without one, the accelerator's peak at an assumed MFU (stated with the range the published 1-node
+figures imply), plus per-micro-step fixed costs (measured or stated) and the communication `ds-scaling-report
+predict` models for the fabric (ZeRO-3's parameter gathers every micro step included), each with its range. Rows
+within the model's error of the fastest are equally fast; among them the recommendation keeps the fp32 gradient
+accumulation where it can (numerics) and then the most headroom; every other row says why it is not the one.
+
+Gradient paths, both listed at ZeRO >= 1 with bf16: `data_types.grad_accum_dtype: fp32` (DeepSpeed 0.19 builds
+BF16_Optimizer for ZeRO-1: an unpartitioned fp32 gradient buffer, 4 B/param on every rank) and bf16 gradients
+(DeepSpeedZeroOptimizer, stage_1_and_2); which wrapper each gets is asked of the installed DeepSpeed
+(ds_tools.zero_memory_model.deepspeed_optimizer), never assumed.
 
 Models: the presets' descriptions in ds_configs/models/ (written by the model packages, see MODEL_DIR) or any HF
 config.json.
 
     ds-tune --model bert-1.5b --accelerator dl1 --accelerators_per_node 8 --nodes 8 --global_batch 12288
+    ds-tune --model bert-1.5b --accelerator dl1 --nodes 8 --global_batch 24576 --measured 1379.76 \\
+        --measured_nodes 1 --measured_model bert-large --measured_micro_batch 32 --measured_global_batch 65536
 """
 from __future__ import annotations
 
@@ -27,16 +37,18 @@ from typing import Sequence
 
 from ds_core.cli import ArgumentParser, cli_main, error as cli_error, flag, json_stdout
 from ds_core.device import accelerators
+from ds_tools import tuning_measured
 
 # MODEL_DIR and load_spec are re-exported: ds-tune's model names and files are read through this module too
 from ds_tools.model_shapes import MODEL_ALIASES, MODEL_DIR, load_spec, model_shape, shipped_models  # noqa: F401
-from ds_tools.tuning_time import SAME_SPEED, StepTime, TimeModel, step_time, time_model
+from ds_tools.tuning_time import SATURATING_TOKENS, StepTime, TimeModel, step_time, time_model  # noqa: F401
 from ds_tools.zero_memory_model import (
     DEFAULT_BUCKETS,
     STAGES,
     Estimate,
     ModelShape,
     TuningError,
+    deepspeed_optimizer,
     estimate,
     grad_accum_dtype_for,
 )
@@ -46,15 +58,13 @@ GIB = 2 ** 30   # memory is weighed in GiB, the unit HBM capacity comes in (ds_c
 # ranks.
 CPU = "cpu"
 USABLE_FRACTION = 0.92
-# Tokens per micro batch beyond which a bigger micro batch buys little more accelerator efficiency; used only to
-# rank configurations (see recommend()).
-SATURATING_TOKENS = 4096
 # Headroom a recommendation keeps, as a fraction of its own predicted peak, when any option allows it: the memory
 # model's accuracy target (bench/zero_memory.py, docs/benchmarks.md: every case within 10 %; worst 7.9 %), so a
 # measured peak up to 10 % above the prediction still fits. Relative to the prediction because its error is.
 SAFETY_MARGIN = 0.10
-# Model FLOPs utilisation assumed for the compute part of a step time (--mfu); see ds_tools.tuning_time.
-DEFAULT_MFU = 0.4
+# Model FLOPs utilisation assumed for the compute part of a step time without a measurement (--mfu); None: the middle
+# of the range the published 1-node figures imply (ds_tools.tuning_time.mfu_range)
+DEFAULT_MFU = None
 # The ZeRO stages considered unless --stages says otherwise: those the model packages ship JSONs for and their docs
 # describe (docs/bert_pretraining.md, docs/bridgetower.md: ZeRO-1 or ZeRO-3). ZeRO-0 never fits where ZeRO-1 does
 # not; ZeRO-2 runs (--zero_stage 2) but nothing here ships or documents it, so it is listed only when asked for.
@@ -100,6 +110,7 @@ class Option:
     usable: float
     precision: str = "bf16"
     step: StepTime | None = None     # None: no fabric, no step time
+    grad_path: str | None = None     # data_types.grad_accum_dtype: "fp32", "bf16", None (the model's dtype, fp32 runs)
 
     @property
     def headroom(self) -> float:
@@ -118,16 +129,36 @@ class Option:
     def safe(self) -> bool:
         return self.fits and self.headroom >= self.margin
 
+    @property
+    def path_text(self) -> str:
+        acc = {"fp32": "fp32 accumulation", "bf16": "bf16 gradients", None: self.precision}[self.grad_path]
+        return f"{acc} ({self.estimate.optimizer})"
+
 
 def micro_batches(per_rank_batch: int, limit: int = 1024) -> list:
     return [m for m in range(1, min(per_rank_batch, limit) + 1) if per_rank_batch % m == 0]
 
 
+def grad_paths(stage: int, precision: str) -> list:
+    """The gradient accumulation dtypes a bf16 run of this stage can take on the installed DeepSpeed: fp32 (the
+    shipped configs) and bf16, each where DeepSpeed accepts it; fp32 runs: the model's own."""
+    if precision != "bf16":
+        return [None]
+    out = []
+    for acc in ("fp32", "bf16"):
+        try:
+            deepspeed_optimizer(stage, precision, acc, True)
+        except TuningError:
+            continue
+        out.append(acc)
+    return out
+
+
 def search(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int, global_batch: int,
            checkpointing: str = "auto", stages: Sequence[int] = STAGES, precision: str = "bf16",
            times: TimeModel | None = None) -> list:
-    """Every (stage, micro batch, grad accumulation, checkpointing) with its estimate and, given a time model, its
-    step time; feasible or not."""
+    """Every (stage, gradient path, micro batch, grad accumulation, checkpointing) with its estimate and, given a
+    time model, its step time; feasible or not."""
     n = ranks_per_node * nodes
     if global_batch <= 0 or global_batch % n:
         raise TuningError(f"--global_batch {global_batch} is not a positive multiple of {n} ranks "
@@ -140,47 +171,52 @@ def search(shape: ModelShape, accelerator: str, ranks_per_node: int, nodes: int,
     per_rank = global_batch // n
     return [Option(st, m, per_rank // m, ck,
                    estimate(shape, st, m, ranks_per_node, nodes, checkpointing=ck, fused_adam=fused,
-                            precision=precision, grad_accum=per_rank // m,
-                            grad_accum_dtype=grad_accum_dtype_for(st, precision)), usable, precision,
-                   step_time(times, shape, st, m, per_rank // m, ck, precision) if times else None)
-            for ck in ckpts for st in stages for m in micro_batches(per_rank)]
+                            precision=precision, grad_accum=per_rank // m, grad_accum_dtype=path), usable, precision,
+                   step_time(times, shape, st, m, per_rank // m, ck, precision) if times else None, path)
+            for ck in ckpts for st in stages for path in grad_paths(st, precision) for m in micro_batches(per_rank)]
 
 
 _STAGE_PREFERENCE = {1: 0, 2: 1, 0: 2, 3: 3}
 
 
-def rank_key(o: Option, seq: int, fastest: float | None = None) -> tuple:
-    """Best first. With step times (fastest: the smallest step time among the rows compared): (1) the step time,
-    rows within SAME_SPEED of the fastest counted as equally fast; without a compute figure, no activation
-    checkpointing first (recomputing costs about a third more compute). Then (2) a micro batch large enough to keep
-    the accelerator busy (tokens capped at SATURATING_TOKENS), (3) the stage that communicates least (ZeRO-1 moves
-    ZeRO-0's bytes with less memory; ZeRO-2 reduces every micro step; ZeRO-3 gathers parameters twice per micro
-    step), (4) the larger micro batch."""
-    busy = (-min(o.micro_batch * seq, SATURATING_TOKENS), _STAGE_PREFERENCE[o.stage], -o.micro_batch)
-    if o.step is None or fastest is None:
-        return (o.checkpointing, 0.0, *busy)
-    t = o.step.total_s
-    speed = fastest if t <= fastest * (1 + SAME_SPEED) else t
-    return (o.checkpointing and o.step.compute_s is None, speed, *busy)
+def _faster(o: Option, than: Option, tol: float) -> bool:
+    """o's modelled step is shorter than than's by more than the model's error (tol, relative)."""
+    return o.step.total_s * (1 + tol) < than.step.total_s
 
 
-def ranked(options: Sequence[Option], seq: int) -> list[tuple[Option, str | None]]:
+def rank_key(o: Option, seq: int, fastest: Option | None = None, tol: float = 0.0) -> tuple:
+    """Best first. With a compute figure: rows whose compute figure holds at their micro-step (`StepTime.known`)
+    first; then those as fast as the fastest (within tol, the model's error) before the slower by step time; among
+    the equally fast, fp32 gradient accumulation before bf16 (numerics: the micro-steps' gradients summed in fp32,
+    the shipped recipes'), then the most headroom. Without one (no compute figure, or no fabric): no activation
+    checkpointing first, then the stage that communicates least, then the larger micro batch."""
+    path = 0 if o.grad_path in ("fp32", None) else 1
+    if o.step is None or fastest is None or o.step.compute_s is None:
+        comm = o.step.total_s if o.step is not None else 0.0
+        return (o.checkpointing, comm, path, _STAGE_PREFERENCE[o.stage], -o.micro_batch)
+    equal = not _faster(fastest, o, tol)
+    return (not o.step.known, 0.0 if equal else o.step.total_s, path, -o.headroom, _STAGE_PREFERENCE[o.stage])
+
+
+def ranked(options: Sequence[Option], seq: int, tol: float = 0.0) -> list[tuple[Option, str | None]]:
     """Every option best first, each with the reason it is not the recommendation (None: the recommended one).
-    The recommendation is the fastest of the rows that keep the headroom rule's margin (or, when none does, of the
-    rows that fit); ties of speed go to the larger micro batch, then the cheaper stage."""
+    The recommendation is taken from the rows that keep the headroom rule's margin (or, when none does, from the
+    rows that fit): rank_key's order."""
     fits = [o for o in options if o.fits]
     pool = [o for o in fits if o.safe] or fits
-    fastest = min((o.step.total_s for o in pool if o.step), default=None)
-    pool = sorted(pool, key=lambda o: rank_key(o, seq, fastest))
+    timed = [o for o in pool if o.step is not None and o.step.compute_s is not None]
+    known = [o for o in timed if o.step.known] or timed
+    fastest = min(known, key=lambda o: o.step.total_s, default=None)
+    pool = sorted(pool, key=lambda o: rank_key(o, seq, fastest, tol))
     ids = {id(o) for o in pool}
-    rest = sorted((o for o in options if id(o) not in ids), key=lambda o: (not o.fits, rank_key(o, seq, fastest)))
+    rest = sorted((o for o in options if id(o) not in ids), key=lambda o: (not o.fits, rank_key(o, seq, fastest, tol)))
     if not pool:
-        return [(o, _reason(o, None, seq)) for o in rest]
+        return [(o, _reason(o, None, seq, tol)) for o in rest]
     best = pool[0]
-    return [(best, None)] + [(o, _reason(o, best, seq)) for o in pool[1:] + rest]
+    return [(best, None)] + [(o, _reason(o, best, seq, tol)) for o in pool[1:] + rest]
 
 
-def _reason(o: Option, best: Option | None, seq: int) -> str:
+def _reason(o: Option, best: Option | None, seq: int, tol: float = 0.0) -> str:
     gib = o.estimate.total / GIB
     if not o.fits:
         return f"does not fit: {gib:.2f} GiB predicted, {o.usable / GIB:.2f} GiB usable"
@@ -193,29 +229,36 @@ def _reason(o: Option, best: Option | None, seq: int) -> str:
     timed = o.step is not None and best.step is not None
     full = timed and o.step.compute_s is not None and best.step.compute_s is not None   # compute in the step too
     unit = "s per step" if full else "s of communication per step"
+    if full and not o.step.known and best.step.known:
+        return (f"its micro-step ({o.micro_batch * seq} tokens) is below the work the compute figure was measured "
+                f"or assumed at: its compute per sequence is not known to be as fast{step}")
     if timed:
         t, tb = o.step.total_s, best.step.total_s
-        if t > tb * (1 + SAME_SPEED):
-            why = f"slower: {t:.2f} {unit} against {tb:.2f} s (+{100 * (t / tb - 1):.0f} %)"
+        if (full and _faster(best, o, tol)) or (not full and t > tb * (1 + tol)):
+            why = f"slower: {t:.2f} {unit} against {tb:.2f} s (+{100 * (t / tb - 1):.1f} %, beyond the model's " \
+                  f"{100 * tol:.1f} %)"
             if full and o.step.comm_s > tb:
                 why += (f"; its communication alone ({o.step.comm_s:.2f} s) exceeds that step, so no overlap with "
                         f"compute makes it faster")
             return why
     if o.checkpointing and not best.checkpointing and not full:
         return "ranked below: recomputes the forward (activation checkpointing)"
-    same = f"as fast ({o.step.total_s:.2f} {unit})" if timed else "ranked below"
-    if min(o.micro_batch * seq, SATURATING_TOKENS) < min(best.micro_batch * seq, SATURATING_TOKENS):
-        return (f"{same}, with a smaller micro batch: {o.micro_batch * seq} tokens against "
-                f"{best.micro_batch * seq} keep the accelerator less busy")
+    same = f"as fast ({o.step.total_s:.2f} {unit}, within the model's {100 * tol:.1f} %)" if timed else \
+        "ranked below"
+    if o.grad_path == "bf16" and best.grad_path == "fp32":
+        return (f"{same}; bf16 gradients: the micro-steps' gradients summed in bf16; the recommended row "
+                "accumulates in fp32 and keeps the headroom rule")
+    if full:
+        return f"{same}, with less headroom ({o.headroom / GIB:.2f} GiB against {best.headroom / GIB:.2f})"
     if _STAGE_PREFERENCE[o.stage] > _STAGE_PREFERENCE[best.stage]:
         return f"{same}; ZeRO-{best.stage} communicates less"
     return f"{same}; the recommended row has the larger micro batch"
 
 
-def recommend(options: Sequence[Option], seq: int) -> Option | None:
+def recommend(options: Sequence[Option], seq: int, tol: float = 0.0) -> Option | None:
     """The first of ranked(): the fastest feasible option that keeps the headroom rule's margin (HEADROOM_RULE;
     the memory model is within a few per cent of measured memory, not exact)."""
-    order = ranked(options, seq)
+    order = ranked(options, seq, tol)
     return order[0][0] if order and order[0][1] is None else None
 
 
@@ -263,9 +306,8 @@ def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4, optimizer: str 
            "gradient_clipping": 1.0 if optimizer == "adamw" else CODE_OPTIMIZER_CLIPPING[o.stage],
            "bf16": {"enabled": o.precision == "bf16"}, "zero_optimization": zero, "steps_per_print": 1_000_000,
            "wall_clock_breakdown": False}
-    acc = grad_accum_dtype_for(o.stage, o.precision)
-    if acc:
-        cfg["data_types"] = {"grad_accum_dtype": acc}
+    if o.grad_path:
+        cfg["data_types"] = {"grad_accum_dtype": o.grad_path}
     if optimizer == "adamw":
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                         "weight_decay": 0.01}}
@@ -280,26 +322,37 @@ def ds_config(o: Option, global_batch: int, *, lr: float = 1e-4, optimizer: str 
 
 # ------------------------------------------------------------------------------------------------------- CLI
 
+def _secs(s: StepTime | None, full: bool) -> str:
+    if s is None or (full and s.compute_s is None):
+        return "-"
+    t = s.total_s if full else s.comm_s
+    return f"{t:.2f}" + (f" ({s.low_s:.2f}-{s.high_s:.2f})" if full and s.low_s is not None else "")
+
+
 def _table(rows: Sequence[tuple[Option, str | None]]) -> str:
-    lines = ["| ZeRO | micro batch | grad accum | act. ckpt | model states GiB | activations GiB | total GiB "
-             "| headroom GiB | comm s/step | step s | |", "|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|:---|"]
+    lines = ["| ZeRO | gradients | micro batch | grad accum | act. ckpt | model states GiB | activations GiB | "
+             "total GiB | headroom GiB | comm s/step | step s (range) | |",
+             "|---:|:---|---:|---:|:---:|---:|---:|---:|---:|---:|---:|:---|"]
     for o, why in rows:
-        e, s = o.estimate, o.step
-        comm = f"{s.comm_s:.2f}" if s else "-"
-        step = f"{s.total_s:.2f}" if s and s.compute_s is not None else "-"
-        lines.append(f"| {o.stage} | {o.micro_batch} | {o.grad_accum} | {'on' if o.checkpointing else 'off'} | "
-                     f"{e.model_states / GIB:.2f} | {e.activations / GIB:.2f} | {e.total / GIB:.2f} | "
-                     f"{o.headroom / GIB:.2f} | {comm} | {step} | {why or '**recommended**'} |")
+        e = o.estimate
+        lines.append(f"| {o.stage} | {o.path_text} | {o.micro_batch} | {o.grad_accum} | "
+                     f"{'on' if o.checkpointing else 'off'} | {e.model_states / GIB:.2f} | {e.activations / GIB:.2f} | "
+                     f"{e.total / GIB:.2f} | {o.headroom / GIB:.2f} | {_secs(o.step, False)} | {_secs(o.step, True)} | "
+                     f"{why or '**recommended**'} |")
     return "\n".join(lines)
 
 
 def _row_json(o: Option, why: str | None) -> dict:
-    return {"stage": o.stage, "micro_batch": o.micro_batch, "grad_accum": o.grad_accum,
+    s = o.step
+    full = s is not None and s.compute_s is not None
+    return {"stage": o.stage, "grad_accum_dtype": o.grad_path, "optimizer": o.estimate.optimizer,
+            "micro_batch": o.micro_batch, "grad_accum": o.grad_accum,
             "checkpointing": o.checkpointing, "predicted_gib": o.estimate.total / GIB,
             "headroom_gib": o.headroom / GIB, "fits": o.fits, "keeps_margin": o.safe,
-            "comm_s": o.step.comm_s if o.step else None,
-            "compute_s": o.step.compute_s if o.step else None,
-            "step_s": o.step.total_s if o.step and o.step.compute_s is not None else None,
+            "comm_s": s.comm_s if s else None, "compute_s": s.compute_s if s else None,
+            "fixed_s": s.fixed_s if s else None,
+            "step_s": s.total_s if full else None, "step_low_s": s.low_s if full else None,
+            "step_high_s": s.high_s if full else None, "compute_known": s.known if s else None,
             "recommended": why is None, "reason": why}
 
 
@@ -324,16 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stages to consider, comma separated (default: %(default)s, the stages the shipped "
                         "configs and the docs cover; add 0 or 2 to list them too)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16: mixed precision, gradients accumulated in fp32 at ZeRO >= 1 (data_types."
-                        "grad_accum_dtype, as the shipped configs); fp32: everything fp32")
+                   help="bf16: mixed precision; at ZeRO >= 1 both gradient paths are listed (data_types."
+                        "grad_accum_dtype fp32, as the shipped configs, and bf16); fp32: everything fp32")
     p.add_argument("--fabric", metavar="NAME",
                    help="the fabric whose communication the step times use, by `ds-scaling-report predict "
                         "--fabric`'s names (default: the system the accelerator is, e.g. dl1 for gaudi; none for an "
                         "accelerator no modelled system is built from: no step times then)")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                   help="model FLOPs utilisation assumed for the compute part of the step time (default "
-                        "%(default)s); the same for every row, so it decides only how activation checkpointing's "
-                        "recompute weighs against communication")
+                   help="model FLOPs utilisation assumed for the compute part of the step time without a measurement "
+                        "(default: the middle of the range the published 1-node figures imply, printed)")
     p.add_argument("--out", default="ds_config_tuned.json",
                    help="where the recommended DeepSpeed JSON goes (default: %(default)s in the current directory); "
                         "'-': stdout, which then holds that JSON only (the report goes to stderr)")
@@ -345,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "LANS, which clip themselves: gradient_clipping 0 at ZeRO 0-2, 1.0 at ZeRO-3, as the shipped "
                         "BERT configs)")
     p.add_argument("--top", type=int, default=0, help="list only the N best-ranked rows (default: all)")
+    tuning_measured.add_flags(p)
     return p
 
 
@@ -355,7 +408,8 @@ def _resolve(a: argparse.Namespace) -> tuple[ModelShape, TimeModel, list[Option]
         raise TuningError(f"--top {a.top}: expected a number of rows >= 0 (0: all)")
     stages = tuple(int(s) for s in a.stages.split(","))
     shape = model_shape(a.model, a.seq_len)
-    times = time_model(a.accelerator, a.accelerators_per_node, a.nodes, a.precision, a.fabric, a.mfu)
+    times = time_model(a.accelerator, a.accelerators_per_node, a.nodes, a.precision, a.fabric, a.mfu, a.micro_step_ms)
+    times = tuning_measured.apply(a, shape, times)
     return shape, times, search(shape, a.accelerator, a.accelerators_per_node, a.nodes, a.global_batch,
                                 a.activation_checkpointing, stages, a.precision, times)
 
@@ -377,7 +431,7 @@ def _report(a: argparse.Namespace, out) -> int:
     except (TuningError, ValueError) as e:  # ValueError: --stages not numbers, a model config.json that is not one
         return cli_error("ds-tune", e)  # only here: a ValueError further down is a bug and keeps its traceback
     seq = shape.towers[0].seq
-    order = ranked(options, seq)
+    order = ranked(options, seq, times.tolerance)
     best = order[0][0] if order and order[0][1] is None else None
     shown = [(o, why) for o, why in order if a.all or o.fits][:a.top or None]
     n = a.accelerators_per_node * a.nodes
@@ -407,6 +461,21 @@ def _report(a: argparse.Namespace, out) -> int:
     return 0 if best else 1
 
 
+def _why(best: Option, shown: list, tol: float) -> str:
+    """Why the recommended row: its step against the fastest, its gradient path, its headroom among the equals."""
+    if best.step is None or best.step.compute_s is None:
+        return "no compute figure: the row with the least communication, no recomputation, the larger micro batch"
+    equal = [o for o, why in shown if o.fits and o.step and o.step.compute_s is not None
+             and "as fast" in (why or "as fast")]
+    other = [o for o in equal if o.grad_path != best.grad_path and o.stage == best.stage]
+    path = ("fp32 gradient accumulation (the micro-steps' gradients summed in fp32, as the shipped configs do)"
+            if best.grad_path == "fp32" else f"{best.path_text}")
+    alt = (f"; the bf16-gradient path of the same layout holds {min(o.estimate.total for o in other) / GIB:.2f} "
+           "GiB at best, listed with its step time" if other and best.grad_path == "fp32" else "")
+    return (f"the fastest modelled step, or within the model's {100 * tol:.1f} % of it ({len(equal)} row(s) as fast); "
+            f"among those, {path}, then the most headroom{alt}.")
+
+
 def _print_report(a: argparse.Namespace, shape: ModelShape, times: TimeModel, shown: list, best: Option | None,
                   cap: float, tips: list) -> None:
     n = a.accelerators_per_node * a.nodes
@@ -416,9 +485,10 @@ def _print_report(a: argparse.Namespace, shape: ModelShape, times: TimeModel, sh
     print(f"Memory per rank: {cap / GIB:.2f} GiB ({'RAM over the node' if a.accelerator == CPU else 'HBM'}, "
           f"ds_core.device.accelerators), usable {cap * USABLE_FRACTION / GIB:.2f} GiB. Headroom rule: "
           f"{HEADROOM_RULE}.")
-    print(f"Memory: every buffer DeepSpeed 0.19 allocates for the configuration ({a.precision}"
-          f"{', fp32 gradient accumulation at ZeRO >= 1' if a.precision == 'bf16' else ''}; ds_tools.tuning.estimate), "
-          f"peak = held between steps + the largest phase; activations by formula.")
+    paths = ("; at ZeRO >= 1 both gradient paths, fp32 accumulation and bf16, each with the wrapper the installed "
+             "DeepSpeed builds for it") if a.precision == "bf16" else ""
+    print(f"Memory: every buffer DeepSpeed allocates for the configuration ({a.precision}{paths}; "
+          "ds_tools.tuning.estimate), peak = held between steps + the largest phase; activations by formula.")
     print(times.describe(shape) + "\n")
     print(_table(shown) if shown else "Nothing fits.")
     if not best:
@@ -427,11 +497,12 @@ def _print_report(a: argparse.Namespace, shape: ModelShape, times: TimeModel, sh
             print(f"  - {t}")
         return
     e = best.estimate
-    speed = (f", step {best.step.total_s:.2f} s ({best.step.comm_s:.2f} s of it communication)"
-             if best.step and best.step.compute_s is not None else "")
-    print(f"\nRecommended: ZeRO-{best.stage}, micro batch {best.micro_batch}, gradient accumulation "
-          f"{best.grad_accum}, activation checkpointing {'on' if best.checkpointing else 'off'}: "
+    speed = (f", step {best.step.total_s:.2f} s (range {best.step.low_s:.2f}-{best.step.high_s:.2f}; "
+             f"{best.step.comm_s:.2f} s of it communication)" if best.step and best.step.compute_s is not None else "")
+    print(f"\nRecommended: ZeRO-{best.stage}, {best.path_text}, micro batch {best.micro_batch}, gradient "
+          f"accumulation {best.grad_accum}, activation checkpointing {'on' if best.checkpointing else 'off'}: "
           f"{e.total / GIB:.2f} GiB predicted, {best.headroom / GIB:.2f} GiB headroom{speed}.")
+    print("Why: " + _why(best, shown, times.tolerance))
     if not best.safe:
         print(f"Warning: headroom below the rule's {best.margin / GIB:.2f} GiB; no row that fits keeps it.")
     print(f"  DeepSpeed optimizer: {e.optimizer}; held between steps {e.resident / GIB:.2f} GiB:")
