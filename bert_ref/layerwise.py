@@ -326,8 +326,9 @@ def attach_zero_layout(engine: Any, optimizer: torch.optim.Optimizer) -> None:
         return
     name = type(optimizer).__name__
     # ds_core.compat.changes: zero_partition_layout, the read of the wrapper's layout, decided per wrapper instance
-    state = changes.state("zero_partition_layout")
-    why = missing_attributes(engine.optimizer) or (state if state.startswith("off") else None)
+    read = changes.outcome("zero_partition_layout")
+    off = read.state in (changes.State.REFUSED, changes.State.SWITCHED_OFF)
+    why = missing_attributes(engine.optimizer) or (str(read) if off else None)
     if why:
         raise ConfigError(f"{name} computes its trust ratios per parameter tensor from DeepSpeed's partition layout, "
                           f"and {why}: run {name} with another ZeRO stage, or --optimizer adamw")

@@ -40,9 +40,9 @@ class RemoteShellError(ValueError):
 def quoting_state() -> str:
     """The change's state as DeepSpeed's launcher process will apply it ("on" or "off: why"): the same switch
     (DS_TOOLKIT_CHANGES) and the same installed DeepSpeed."""
-    from ds_core.compat.changes import state
+    from ds_core.compat.changes import outcome
 
-    return state(CHANGE)
+    return str(outcome(CHANGE))
 
 
 def exported_environment(environ: Mapping[str, str]) -> dict[str, str]:

@@ -56,10 +56,10 @@ def test_deepspeeds_op_builder_reads_the_cached_answer(cache, monkeypatch):
 
     calls = []
     monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: calls.append(1) or dict(ANSWER))
-    from ds_core.compat.changes import applied, apply_change
+    from ds_core.compat.changes import State, applied, apply_change
 
-    assert apply_change("cached_cpu_info", device_type="cpu") == "on"
-    assert apply_change("cached_cpu_info", device_type="cpu") == "on"  # applying twice wraps once
+    assert apply_change("cached_cpu_info", device_type="cpu").state is State.APPLIED
+    assert apply_change("cached_cpu_info", device_type="cpu").state is State.APPLIED  # applying twice wraps once
     assert applied(cpuinfo.get_cpu_info) == "cached_cpu_info" and applied(cpuinfo.get_cpu_info.__wrapped__) is None
     builder = ShareMemCommBuilder()  # the CPU accelerator's builder, whichever accelerator this machine has
     assert builder.simd_width() == "-D__AVX256__" and builder.cpu_arch() == "-march=native"

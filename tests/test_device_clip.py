@@ -73,14 +73,15 @@ def test_installed_in_bf16_optimizer_once():
     before = bf16_optimizer.clip_tensors_by_global_norm
     engine = SimpleNamespace(optimizer=object.__new__(bf16_optimizer.BF16_Optimizer))  # the wrapper a run gets
     try:
-        assert changes.apply_change("device_clip", engine=engine, device_type="cpu") == "on"
+        assert changes.apply_change("device_clip", engine=engine, device_type="cpu").state is changes.State.APPLIED
         installed = bf16_optimizer.clip_tensors_by_global_norm
         changes.apply_change("device_clip", engine=engine, device_type="cpu")
         assert installed is bf16_optimizer.clip_tensors_by_global_norm
         assert changes.applied(installed) == "device_clip" and changes.original(installed) is before
         # switched off: DeepSpeed's own function back in its place
         os.environ[changes.ENV] = "off:device_clip"
-        assert changes.apply_change("device_clip", engine=engine, device_type="cpu").startswith("off: switched off")
+        off = changes.apply_change("device_clip", engine=engine, device_type="cpu")
+        assert off.state is changes.State.SWITCHED_OFF and str(off).startswith("off: switched off"), off
         assert bf16_optimizer.clip_tensors_by_global_norm is before
     finally:
         os.environ.pop(changes.ENV, None)

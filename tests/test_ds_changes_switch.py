@@ -51,7 +51,7 @@ def test_all_off_is_deepspeeds_path_with_the_same_losses(tmp_path):
     assert set(on_states) == set(off_states) == set(changes.BY_NAME)
     for name in ("flat_grad_norm_bf16", "device_clip", "engine_grad_norm"):  # on for BF16_Optimizer on every stack
         assert on_states[name] == "on", on_states
-    if changes.missing("one_op_grad_hook") is None:
+    if changes.BY_NAME["one_op_grad_hook"].gate().state is changes.State.APPLIED:
         assert on_states["one_op_grad_hook"] == "on", on_states
     assert all(s == "off: switched off (DS_TOOLKIT_CHANGES=off)" for s in off_states.values()), off_states
     # the one line at start names every change's state
@@ -74,7 +74,8 @@ def test_the_switch_names_what_it_knows(monkeypatch):
         changes.configure("off:device_clp")
     changes.configure("off:device_clip")
     assert changes.switched_off() == {"device_clip": "switched off (DS_TOOLKIT_CHANGES=off:device_clip)"}
-    assert changes.state("device_clip").startswith("off: switched off")
+    assert changes.outcome("device_clip").state is changes.State.SWITCHED_OFF
+    assert str(changes.outcome("device_clip")).startswith("off: switched off")
     with pytest.raises(ConfigError, match="DS_TOOLKIT_CHANGES: 'of' is not a switch value"):
         monkeypatch.setenv(changes.ENV, "of")
         changes.switched_off()

@@ -96,7 +96,7 @@ def test_a_killed_holders_op_build_lock_stops_no_later_load(tmp_path, monkeypatc
     from torch.utils.file_baton import FileBaton
 
     from conftest import REPO
-    from ds_core.compat.changes import applied, apply_change
+    from ds_core.compat.changes import State, applied, apply_change
     from ds_core.compat.op_baton import make_baton_class
 
     lock = tmp_path / "lock"
@@ -138,5 +138,5 @@ def test_a_killed_holders_op_build_lock_stops_no_later_load(tmp_path, monkeypatc
     mine = holder_baton(str(lock))  # held by this (live) process: a waiter keeps waiting
     assert mine.try_acquire() and sleeps_to_return(holder_baton(str(lock), wait_seconds=0.05)) is None
     mine.release()
-    assert apply_change("op_build_lock_holder") == "on"
+    assert apply_change("op_build_lock_holder").state is State.APPLIED
     assert applied(cpp.FileBaton) == "op_build_lock_holder"  # the name torch's JIT build takes

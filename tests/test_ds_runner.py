@@ -37,7 +37,7 @@ def test_the_runner_gets_it_where_the_installed_deepspeed_quotes_plain_values():
     it, exports a plain value as given on every release; DeepSpeed's own quoted it where QUOTES says so."""
     code = ("from ds_core.compat.deepspeed_behaviour import quotes_plain_exports as q; before = q(); "
             "from ds_core.compat.changes import apply_stage; "
-            "installed = apply_stage('launcher', say=print)['mpi_exports_as_given'] == 'on'; "
+            "installed = str(apply_stage('launcher', say=print)['mpi_exports_as_given']) == 'on'; "
             "from deepspeed.launcher.multinode_runner import MultiNodeRunner as M; "
             "r = type('R', (), {'exports': {}})(); M.add_export(r, 'K', 'cpu'); "
             "print(before, installed, r.exports['K'])")

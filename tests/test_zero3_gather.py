@@ -39,10 +39,10 @@ def test_each_parameter_is_gathered_by_a_call_of_its_own():
 def test_installed_on_the_cpu_accelerator_only_and_once(monkeypatch):
     from deepspeed.runtime.zero.partition_parameters import Init
 
-    from ds_core.compat.changes import apply_change, original
+    from ds_core.compat.changes import State, apply_change, original
 
     def use(device_type: str, say=None) -> bool:
-        return apply_change("zero3_gather_waits", device_type=device_type, say=say) == "on"
+        return apply_change("zero3_gather_waits", device_type=device_type, say=say).state is State.APPLIED
 
     own = original(Init._allgather_params_coalesced)
     monkeypatch.setattr(Init, "_allgather_params_coalesced", own)

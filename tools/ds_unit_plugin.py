@@ -39,12 +39,13 @@ def record(line: dict) -> None:
             f.write(json.dumps(line) + "\n")
 
 
-def recorded(own: Callable[..., dict[str, str]]) -> Callable[..., dict[str, str]]:
-    """ds_core.compat.changes.apply_stage, each result also recorded. The stage hooks call the module's apply_stage
-    by name, so this sees every stage they apply; the toolkit's own function, DeepSpeed untouched."""
-    def apply_stage(stage: str, **context: Any) -> dict[str, str]:
+def recorded(own: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """ds_core.compat.changes.apply_stage, each result also recorded (each outcome as a run records it: "on", "off:
+    why", "not needed: why"). The stage hooks call the module's apply_stage by name, so this sees every stage they
+    apply; the toolkit's own function, DeepSpeed untouched."""
+    def apply_stage(stage: str, **context: Any) -> dict[str, Any]:
         out = own(stage, **context)
-        record({"stage": stage, "states": out})
+        record({"stage": stage, "states": {name: str(outcome) for name, outcome in out.items()}})
         return out
 
     apply_stage.__wrapped__ = own

@@ -9,7 +9,7 @@ commits): the one for the installed DeepSpeed is extracted, and a subset that ex
 the bf16 optimizer with gradient clipping, universal checkpoints, coalesced collectives, the launcher's exports, op
 loads) runs twice on the CPU accelerator: with the changes applied as a run applies them (tools/ds_unit_plugin.py
 calls ds_core.compat.changes at each stage) and with DS_TOOLKIT_CHANGES=off (DeepSpeed's own path; a release's
-Suite may keep a CPU-only fix of its own fault on, named with the reason, where its tests hang without it). Each
+Suite may keep a fork-on-CPU-only fix on, named with the reason, where its tests hang without it). Each
 test's outcome (passed / failed / skipped / error) must be the same in both runs, and every change the installed
 DeepSpeed gets must have been applied in the first run: a comparison in which a change never ran would prove nothing.
 
@@ -48,8 +48,9 @@ HANG_S = 180
 class Suite:
     """DeepSpeed's tests of one release: its archive (a name pattern in the tests folder), the DeepSpeed release
     (major, minor) it tests, the tests that exercise the changes, as pytest node ids under its tests/ folder, and
-    the changes kept on in the run with the others off ({name: why}): fixes of a fault of that release's own path on
-    the CPU accelerator, where the comparison runs, without which its tests hang or crash at random."""
+    the changes kept on in the run with the others off ({name: why}): fork-on-CPU-only fixes (fork_cpu_only in
+    ds_core/compat/changes.py) of a fault of that release's own path on the CPU accelerator, where the comparison
+    runs, without which its tests hang or crash at random."""
     archive: str
     release: tuple[int, int]
     tests: tuple[str, ...]

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ds_core.compat.gates import APPLIED, Outcome, not_needed
+from ds_core.compat.marks import replace
+
 # deepspeed.comm backend methods that move data between ranks (comm/comm.py calls cdb.<name>)
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "inference_all_reduce", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "broadcast",
@@ -33,18 +36,16 @@ def timed(fn: Callable) -> Callable:
     return collective
 
 
-def apply(ctx: Any) -> str | None:
+def apply(ctx: Any) -> Outcome:
     import deepspeed.comm.comm as dcomm
-
-    from ds_core.compat.marks import NotNeeded, replace
 
     cdb = getattr(dcomm, "cdb", None)
     if cdb is None:
-        return NotNeeded("deepspeed.comm has no backend yet (init_distributed not called)")
+        return not_needed("deepspeed.comm has no backend yet (init_distributed not called)")
     for name in COLLECTIVES:
         if getattr(cdb, name, None) is not None:
             replace(cdb, name, timed, "comm_phase_timing")
-    return None
+    return APPLIED
 
 
 __all__ = ["COLLECTIVES", "listen", "timed", "apply"]

@@ -9,16 +9,18 @@ one of them.
 - comms_timer_cumulative: whether the comms logger's per-call record is the running total of the op (0.19: its
   timer's elapsed(reset=False) sums every call so far) or that call's own time (the fork clears the timer's records
   on each read): the study's comm latency is then the largest record or their sum.
-- universal_load_repoints_fp32, zero_buckets_drop_cpu: two faults of 0.16, probed on stand-ins, which the
-  changes ds_core.compat.universal_load and ds_core.compat.zero_buckets make right where the installed DeepSpeed has
-  them.
+- universal_load_repoints_fp32, zero_buckets_drop_cpu, zero3_gather_waits_last_only, zero_group_norm_hides_nonfinite,
+  quotes_plain_exports: faults of 0.16 that changes fix (ds_core.compat.universal_load, zero_buckets, zero3_gather,
+  group_norm, mpi_exports), each probed on stand-ins by calling DeepSpeed's own function: whether its universal load
+  re-points each parameter's fp32 fragment, whether ZeRO-1/2's buckets leave CPU tensors out, whether ZeRO-3's
+  coalesced all-gather waits for its last collective only (a race over gloo), whether ZeRO-1/2's global norm stays
+  finite over a non-finite group's, whether the launcher's add_export wraps a plain value in double quotes (mpirun's
+  `-x KEY="value"` then hands the quotes to every rank). Each change's gate is the fingerprint of that
+  function's body (ds_core.compat.verified: VERIFIED where it has the fault, FIXED where it has the fix); the probes
+  hold those entries to the behaviour they stand for (tests/test_changes_gating.py, on every stack).
 - bf16_grads_held: whether BF16_Optimizer's bf16 gradients stay allocated between steps (the fork's engine frees them
   only through the wrapper's zero_grad, which its BF16_Optimizer lacks: they go at the next backward); ds-tune's
   memory model counts them as held between steps there.
-- zero3_gather_waits_last_only: whether ZeRO-3's coalesced all-gather waits for its last collective only (0.16), a
-  race over gloo that ds_core.compat.zero3_gather closes on the CPU accelerator; probed on stand-in parameters.
-- quotes_plain_exports: whether the launcher's MultiNodeRunner.add_export wraps a plain value in double quotes
-  (0.16: mpirun's `-x KEY="value"` then hands the quotes to every rank; launch.ds_runner).
 - What a non-finite gradient norm does is decided per wrapper by DeepSpeed's step and read at run time
   (ds_core.run.loop): 0.19's BF16_Optimizer skips the update; the fork's asserts `all_groups_norm > 0`; ZeRO-1/2 with
   bf16 and no overflow check applies it with DeepSpeed's -1 for the norm. The loop turns each into the divergence
@@ -130,7 +132,7 @@ def universal_load_repoints_fp32() -> bool:
 def zero_buckets_drop_cpu() -> bool:
     """Whether the installed DeepSpeed's ZeRO-1/2 split_half_float_double (the grouping of buffered_reduce_fallback)
     leaves a CPU float tensor out of every bucket (0.16; ds_core.compat.zero_buckets). Asked of DeepSpeed's own
-    function also after ds_core.compat.zero_buckets replaced it (ds_core.compat.changes.original)."""
+    function also after ds_core.compat.zero_buckets replaced it (ds_core.compat.marks.original)."""
     import torch
     from deepspeed.runtime.zero import stage_1_and_2
 
@@ -191,6 +193,24 @@ def zero3_gather_waits_last_only() -> bool:
     return len(launched) == 2 and waited == launched[-1:]
 
 
+def zero_group_norm_hides_nonfinite() -> bool:
+    """Whether the installed DeepSpeed's DeepSpeedZeroOptimizer.scaled_global_norm combines its groups' norms into a
+    finite one where a group's norm is non-finite (masked as -1: 0.16's torch.norm of the stacked norms gives
+    sqrt(1 + 3**2); 0.19's combine_grad_norm_groups gives inf); ds_core.compat.group_norm. One call of DeepSpeed's own
+    method on a stand-in optimizer of two groups."""
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from ds_core.compat.marks import original
+
+    norms = iter([torch.tensor(-1.0), torch.tensor(3.0)])
+    stand_in = types.SimpleNamespace(bit16_groups=[[], []], averaged_gradients=[[], []], params_in_partition=[[], []],
+                                     cpu_offload=False, has_moe_layers=False, loss_scale=1.0,
+                                     get_grad_norm_direct=lambda gradients, params: next(norms),
+                                     _muon_update_lacks_loss_scale=lambda group: False)
+    return bool(torch.isfinite(original(DeepSpeedZeroOptimizer.scaled_global_norm)(stand_in)))
+
+
 def quotes_plain_exports() -> bool:
     """Whether the installed DeepSpeed's MultiNodeRunner.add_export quotes a plain value (0.16) or keeps it as given
     (0.19 quotes only what a shell would split); one call on a stand-in runner."""
@@ -205,4 +225,4 @@ def quotes_plain_exports() -> bool:
 
 __all__ = ["bf16_grads_held", "optimizer_wrapper", "WrapperRefused", "WRAPPER_NAMES", "comms_timer_cumulative",
            "deepspeed_version", "universal_load_repoints_fp32", "zero_buckets_drop_cpu", "zero3_gather_waits_last_only",
-           "quotes_plain_exports"]
+           "zero_group_norm_hides_nonfinite", "quotes_plain_exports"]

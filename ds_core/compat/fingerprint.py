@@ -2,8 +2,9 @@
 
 A change that swaps in its own body for one of DeepSpeed's is right only for the bodies it was checked against: a
 release that edits the method (a fix, a new branch) would keep our old copy silently. So each such change lists the
-fingerprints of the bodies it was verified against, per tested release (ds_core.compat.changes.VERIFIED), and stays
-off, with one line naming the change and the DeepSpeed version, wherever the installed body has another.
+fingerprints of the bodies it was verified against, per tested release (ds_core.compat.verified), and stays off,
+with one line naming the change and the DeepSpeed version, wherever the installed body has another (its gate:
+ds_core.compat.gates.Bodies).
 
 The fingerprint is a hash of the function's syntax tree with its docstring, comments, line numbers and formatting
 left out, so a reformatted or re-documented method keeps its fingerprint and any change to what it does changes it.
@@ -14,9 +15,9 @@ that is not installed:
 
     python -m ds_core.compat.fingerprint [DEEPSPEED_SOURCE_ROOT]
 
-prints, for every target in ds_core.compat.changes.VERIFIED, the fingerprint of the installed DeepSpeed's (no
-argument) or of the unpacked release at DEEPSPEED_SOURCE_ROOT (the folder holding deepspeed/): the line to record
-after checking a new release's body by hand.
+prints, for every target of ds_core.compat.verified (VERIFIED and FIXED), the fingerprint of the installed
+DeepSpeed's (no argument) or of the unpacked release at DEEPSPEED_SOURCE_ROOT (the folder holding deepspeed/): the
+line to record after checking a new release's body by hand.
 """
 from __future__ import annotations
 
@@ -118,11 +119,11 @@ def installed(target: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ds_core.compat.verified import VERIFIED
+    from ds_core.compat.verified import FIXED, VERIFIED
 
     argv = sys.argv[1:] if argv is None else argv
     root = Path(argv[0]) if argv else None
-    for target in VERIFIED:
+    for target in {**VERIFIED, **FIXED}:
         module, qualname = split_target(target)
         if root is None:
             got = installed(target)

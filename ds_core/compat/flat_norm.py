@@ -40,6 +40,9 @@ from typing import Any, Callable
 
 import torch
 
+from ds_core.compat.gates import APPLIED, Outcome, not_needed, refused
+from ds_core.compat.marks import replace
+
 CHUNK = 1 << 26  # elements per float64 temporary (512 MB): a few chunks for a BERT-Large partition
 
 
@@ -53,74 +56,39 @@ def _engine_wrapper(ctx: Any) -> tuple[Any, str | None]:
     return opt, None
 
 
-def apply_bf16(ctx: Any) -> str | None:
+def apply_bf16(ctx: Any) -> Outcome:
     """Change flat_grad_norm_bf16 on the engine's BF16_Optimizer (ds_core.compat.changes.apply_stage)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.constants import PIPE_REPLICATED
 
-    from ds_core.compat.marks import NotNeeded, replace
-
     opt, why = _engine_wrapper(ctx)
     if why or not isinstance(opt, BF16_Optimizer):
-        return NotNeeded(why or f"this run's optimizer wrapper is {type(opt).__name__}, not BF16_Optimizer")
+        return not_needed(why or f"this run's optimizer wrapper is {type(opt).__name__}, not BF16_Optimizer")
     if not hasattr(opt, "fp32_groups_gradients_flat"):
-        return "BF16_Optimizer has no fp32_groups_gradients_flat"
+        return refused("BF16_Optimizer has no fp32_groups_gradients_flat")
     if getattr(opt, "graph_harvesting", False):  # HPU graphs replay DeepSpeed's own norm ops as captured
-        return NotNeeded("HPU graph capture replays DeepSpeed's own norm")
+        return not_needed("HPU graph capture replays DeepSpeed's own norm")
     if any(getattr(p, PIPE_REPLICATED, False) for g in opt.bf16_groups for p in g):
-        return NotNeeded("pipeline-replicated parameters: DeepSpeed's own norm skips them")
+        return not_needed("pipeline-replicated parameters: DeepSpeed's own norm skips them")
     replace(opt, "get_grads_for_norm", lambda per_tensor: _bf16_norm(opt, per_tensor), "flat_grad_norm_bf16")
-    return None
+    return APPLIED
 
 
-def apply_zero(ctx: Any) -> str | None:
+def apply_zero(ctx: Any) -> Outcome:
     """Change flat_grad_norm_zero on the engine's DeepSpeedZeroOptimizer (ds_core.compat.changes.apply_stage)."""
     from deepspeed.runtime.constants import PIPE_REPLICATED
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from ds_core.compat.marks import NotNeeded, replace
-
     opt, why = _engine_wrapper(ctx)
     if why or not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload:
-        return NotNeeded(why or ("CPU offload: DeepSpeed's own norm" if isinstance(opt, DeepSpeedZeroOptimizer) else
-                                 f"this run's optimizer wrapper is {type(opt).__name__}, not DeepSpeedZeroOptimizer"))
+        return not_needed(why or ("CPU offload: DeepSpeed's own norm" if isinstance(opt, DeepSpeedZeroOptimizer) else
+                                  f"this run's optimizer wrapper is {type(opt).__name__}, not DeepSpeedZeroOptimizer"))
     # model parallelism (a group set from an mpu): DeepSpeed's norm, which skips replicated tensors
     if getattr(opt, "model_parallel_group", None) is not None or any(
             getattr(p, PIPE_REPLICATED, False) for g in opt.params_in_partition for p in g):
-        return NotNeeded("model or pipeline parallelism: DeepSpeed's own norm skips replicated tensors")
+        return not_needed("model or pipeline parallelism: DeepSpeed's own norm skips replicated tensors")
     replace(opt, "get_grad_norm_direct", lambda per_tensor: _zero_norm(opt, per_tensor), "flat_grad_norm_zero")
-    return None
-
-
-def apply_group_norm(ctx: Any) -> str | None:
-    """Change nonfinite_group_norm: where DeepSpeed's ZeRO-1/2 combines its groups' norms with a plain vector norm
-    (before 0.19's combine_grad_norm_groups), a group whose norm is non-finite (masked as -1) yields a finite global
-    norm (sqrt of the others' squares plus 1): the update is applied with NaN gradients and a norm that looks
-    healthy, and a checkpoint of NaN weights is saved. Here the combined norm is the float32 vector norm of the
-    groups' float32 norms, as DeepSpeed's, replaced by inf when any group's is non-finite or negative, as 0.19
-    returns it; the divergence guard then stops the run at that step (ds_core.run.divergence). CPU offload and MoE
-    keep DeepSpeed's own method."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from ds_core.compat.marks import NotNeeded, replace
-
-    opt = getattr(ctx.engine, "optimizer", None)
-    if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload or opt.has_moe_layers:
-        return NotNeeded(f"this run's optimizer wrapper is {type(opt).__name__} without the combined group norm "
-                         f"(DeepSpeedZeroOptimizer without CPU offload or MoE)")
-
-    def make(deepspeeds):
-        def scaled_global_norm(norm_type=2):
-            assert norm_type == 2, "only L2 norm supported"
-            norms = torch.stack([opt.get_grad_norm_direct(opt.averaged_gradients[i], opt.params_in_partition[i])
-                                 for i in range(len(opt.bit16_groups))])
-            combined = torch.linalg.vector_norm(norms, ord=norm_type)
-            invalid = (~torch.isfinite(norms) | (norms < 0)).any()
-            return torch.where(invalid, torch.full_like(combined, float("inf")), combined)
-        return scaled_global_norm
-
-    replace(opt, "scaled_global_norm", make, "nonfinite_group_norm")
-    return None
+    return APPLIED
 
 
 def _bf16_norm(opt: Any, per_tensor: Callable) -> Callable:
@@ -174,19 +142,20 @@ def device_clip(host_clip: Callable) -> Callable:
     return clip_tensors_by_global_norm
 
 
-def apply_device_clip(ctx: Any) -> str | None:
+def apply_device_clip(ctx: Any) -> Outcome:
     """Change device_clip: BF16_Optimizer.step's clip through device_clip (every BF16_Optimizer of the process: the
-    same result as DeepSpeed's, without the sync); applied where the engine's wrapper is a BF16_Optimizer."""
+    same result as DeepSpeed's, without the sync); applied where the engine's wrapper is a BF16_Optimizer. Its gate
+    reads the body of deepspeed.runtime.utils' function, the one bf16_optimizer imports under the name replaced."""
     from deepspeed.runtime import bf16_optimizer
-
-    from ds_core.compat.marks import NotNeeded, replace
 
     opt = getattr(ctx.engine, "optimizer", None)
     if not isinstance(opt, bf16_optimizer.BF16_Optimizer):
-        return NotNeeded(f"this run's optimizer wrapper is {type(opt).__name__}; the clip replaced is "
-                         f"BF16_Optimizer's")
+        return not_needed(f"this run's optimizer wrapper is {type(opt).__name__}; the clip replaced is "
+                          f"BF16_Optimizer's")
+    if not hasattr(bf16_optimizer, "clip_tensors_by_global_norm"):
+        return refused("this DeepSpeed's bf16_optimizer has no clip_tensors_by_global_norm of its own to replace")
     replace(bf16_optimizer, "clip_tensors_by_global_norm", device_clip, "device_clip")
-    return None
+    return APPLIED
 
 
 def norm_dtype() -> torch.dtype:
@@ -219,5 +188,5 @@ def global_norm(norms: torch.Tensor, group: Any, device: Any) -> torch.Tensor:
     return total.masked_fill_(total.isinf().logical_or(total.isnan()), -1.0)
 
 
-__all__ = ["apply_bf16", "apply_zero", "apply_group_norm", "apply_device_clip", "device_clip", "chunk_norms",
+__all__ = ["apply_bf16", "apply_zero", "apply_device_clip", "device_clip", "chunk_norms",
            "global_norm", "norm_dtype", "CHUNK"]

@@ -20,25 +20,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from ds_core.compat.gates import APPLIED, Outcome, not_needed, refused
+from ds_core.compat.marks import replace
+
 DEVICES = ("cuda", "cpu")
 
 
-def apply(ctx: Any) -> str | None:
+def apply(ctx: Any) -> Outcome:
     """Change one_op_grad_hook on the engine's BF16_Optimizer (ds_core.compat.changes.apply_stage)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    from ds_core.compat.marks import NotNeeded, replace
-
     opt = getattr(ctx.engine, "optimizer", None)
     if not isinstance(opt, BF16_Optimizer):
-        return NotNeeded(f"this run's optimizer wrapper is {type(opt).__name__}, not BF16_Optimizer")
+        return not_needed(f"this run's optimizer wrapper is {type(opt).__name__}, not BF16_Optimizer")
     if ctx.device_type not in DEVICES:
-        return NotNeeded(f"on {ctx.device_type} DeepSpeed's own hook runs (tested bit for bit on {', '.join(DEVICES)})")
+        return not_needed(f"on {ctx.device_type} DeepSpeed's own hook runs (tested bit for bit on "
+                          f"{', '.join(DEVICES)})")
     if getattr(opt, "autoep_folding_tp_group", None) is not None:
-        return NotNeeded("the AutoEP folding correction: DeepSpeed's own hook")
+        return not_needed("the AutoEP folding correction: DeepSpeed's own hook")
     lacks = [a for a in ("fp32_groups_gradients", "fp32_groups_has_gradients") if not hasattr(opt, a)]
     if lacks:
-        return f"BF16_Optimizer has no {', '.join(lacks)}"
+        return refused(f"BF16_Optimizer has no {', '.join(lacks)}")
 
     def make(deepspeeds: Any) -> Any:
         def _update_hp_grad(lp, group_idx, param_idx, clear_lp_grads):
@@ -53,7 +55,7 @@ def apply(ctx: Any) -> str | None:
         return _update_hp_grad
 
     replace(opt, "_update_hp_grad", make, "one_op_grad_hook")
-    return None
+    return APPLIED
 
 
 __all__ = ["apply", "DEVICES"]

@@ -17,9 +17,11 @@ import importlib
 import sys
 from typing import Any, Callable
 
-import torch
+from ds_core.compat.gates import APPLIED, Outcome
 
-from ds_core.compat.checks import MUON_MODULE
+# DeepSpeed's Muon optimizer module, imported by ZeRO's optimizer check in releases that have it (torch imported
+# only by apply: ds_core.compat.changes names this module without importing torch)
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def deferred_compile(real: Callable) -> Callable:
@@ -42,18 +44,20 @@ def deferred_compile(real: Callable) -> Callable:
     return compile_
 
 
-def apply(ctx: Any) -> str | None:
-    """Change lazy_muon_import: DeepSpeed's Muon module imported (where this DeepSpeed has one) with its
+def apply(ctx: Any) -> Outcome:
+    """Change lazy_muon_import: DeepSpeed's Muon module imported (its gate: this DeepSpeed has one) with its
     torch.compile decorations deferred; a module already imported stays as it is."""
+    import torch
+
     if MUON_MODULE in sys.modules:
-        return None
+        return APPLIED
     real = torch.compile
     torch.compile = deferred_compile(real)
     try:
         importlib.import_module(MUON_MODULE)
     finally:
         torch.compile = real
-    return None
+    return APPLIED
 
 
 __all__ = ["deferred_compile", "apply", "MUON_MODULE"]

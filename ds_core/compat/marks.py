@@ -3,8 +3,9 @@
 A replacement carries `__wrapped__` (the object it replaced, as functools.wraps leaves it: DeepSpeed's own stays
 reachable) and `ds_core_change` (the name of the change in ds_core.compat.changes.CHANGES). `replace` is the one way
 an attribute is replaced; a module's or class's attribute is remembered so that switching its change off puts the
-library's own back (`undo`). Apart from ds_core.compat.changes so that the changes' own modules and the behaviour
-probes (ds_core.compat.deepspeed_behaviour) use it without importing the list.
+library's own back (`undo`). Apart from ds_core.compat.changes so that the changes' own modules, the fingerprints
+(ds_core.compat.fingerprint) and the behaviour probes (ds_core.compat.deepspeed_behaviour) use it without importing
+the list.
 """
 from __future__ import annotations
 
@@ -12,11 +13,6 @@ import types
 from typing import Any, Callable
 
 _PATCHED: dict[str, list[tuple[Any, str, bool]]] = {}  # name -> (module or class, attribute, had its own) replaced
-
-
-class NotNeeded(str):
-    """What an apply function returns where the change has nothing to do in this run (the engine's optimizer wrapper
-    is another, the device is one DeepSpeed's own path serves): the state "not needed: <why>"."""
 
 
 def mark(new: Any, original_obj: Any, name: str) -> Any:
@@ -62,4 +58,4 @@ def undo(name: str) -> None:
             delattr(owner, attr)
 
 
-__all__ = ["NotNeeded", "mark", "applied", "original", "replace", "undo"]
+__all__ = ["mark", "applied", "original", "replace", "undo"]

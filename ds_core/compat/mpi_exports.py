@@ -5,13 +5,17 @@ MultiNodeRunner.add_export, and its MPI runners hand each to mpirun as `-x KEY=V
 reads. DeepSpeed 0.16 (Habana's fork) wraps every value in double quotes, which pdsh's shell strips but mpirun passes
 on: each rank would see `DS_ACCELERATOR="cpu"` or `HCCL_SOCKET_IFNAME="eth0"`, quotes included, and DeepSpeed refuses
 the first, HCCL finds no interface of the second's name. 0.19 quotes only a value a shell would split or expand.
-Where the installed add_export quotes a plain value (a probe: ds_core.compat.deepspeed_behaviour.
-quotes_plain_exports), it takes 0.19's rule in the launcher process (stage launcher, launch.ds_runner).
+Where the installed add_export is the fork's (its gate: the body's fingerprint; that it quotes a plain value is
+probed by ds_core.compat.deepspeed_behaviour.quotes_plain_exports), it takes 0.19's rule in the launcher process
+(stage launcher, launch.ds_runner).
 """
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from ds_core.compat.gates import APPLIED, Outcome
+from ds_core.compat.marks import replace
 
 SHELL_SAFE = re.compile(r"[^\w@%+=:,./-]")  # DeepSpeed 0.19's test for a value that needs quotes
 
@@ -24,10 +28,8 @@ def add_export(self: Any, key: str, var: str) -> None:
     self.exports[key.strip()] = var
 
 
-def apply(ctx: Any) -> str | None:
+def apply(ctx: Any) -> Outcome:
     from deepspeed.launcher import multinode_runner
-
-    from ds_core.compat.marks import replace
 
     def make(deepspeeds: Any) -> Any:
         def ours(self: Any, key: str, var: str) -> None:
@@ -35,7 +37,7 @@ def apply(ctx: Any) -> str | None:
         return ours
 
     replace(multinode_runner.MultiNodeRunner, "add_export", make, "mpi_exports_as_given")
-    return None
+    return APPLIED
 
 
 __all__ = ["add_export", "apply", "SHELL_SAFE"]

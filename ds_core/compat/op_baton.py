@@ -16,6 +16,9 @@ import socket
 import time
 from typing import Any
 
+from ds_core.compat.gates import APPLIED, Outcome
+from ds_core.compat.marks import replace
+
 HOST = socket.gethostname()
 
 
@@ -70,14 +73,12 @@ def _remove_if_unchanged(path: str, text: str) -> None:
         pass
 
 
-def apply(ctx: Any) -> str | None:
+def apply(ctx: Any) -> Outcome:
     """Change op_build_lock_holder: torch's JIT builds in this process take HolderBaton (ds_core.compat.changes)."""
     import torch.utils.cpp_extension as cpp
 
-    from ds_core.compat.marks import replace
-
     replace(cpp, "FileBaton", make_baton_class, "op_build_lock_holder")
-    return None
+    return APPLIED
 
 
 __all__ = ["holder_gone", "make_baton_class", "apply", "HOST"]

@@ -28,6 +28,9 @@ import re
 import shlex
 from typing import Any
 
+from ds_core.compat.gates import APPLIED, Outcome
+from ds_core.compat.marks import replace
+
 RAW = "ds_core_raw_exports"  # the value each add_export was given, beside DeepSpeed's quoted form
 NODE_RANK = "--node_rank=%n"  # DeepSpeed's word for pdsh to fill
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -79,10 +82,8 @@ def requote(runner: Any, cmd: list[str]) -> list[str]:
                    *(quote(a) for a in runner.args.user_args)]
 
 
-def apply(ctx: Any) -> str | None:
+def apply(ctx: Any) -> Outcome:
     from deepspeed.launcher import multinode_runner
-
-    from ds_core.compat.marks import replace
 
     def make_export(deepspeeds: Any) -> Any:
         def add_export(self: Any, key: str, var: str) -> None:
@@ -105,7 +106,7 @@ def apply(ctx: Any) -> str | None:
 
     replace(multinode_runner.PDSHRunner, "add_export", make_export, "pdsh_remote_quoted")
     replace(multinode_runner.PDSHRunner, "get_cmd", make_get_cmd, "pdsh_remote_quoted")
-    return None
+    return APPLIED
 
 
 __all__ = ["apply", "quote", "requote", "quoted_exports", "RemoteCommandShape", "RAW", "NODE_RANK"]

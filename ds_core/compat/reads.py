@@ -9,23 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def apply_engine_norm(ctx: Any) -> str | None:
-    from ds_core.compat.marks import NotNeeded
-
-    if ctx.engine is None:
-        return NotNeeded("no engine given")
-    return None
+from ds_core.compat.gates import APPLIED, Outcome, not_needed, refused
+from ds_core.compat.zero_layout import READS, missing_attributes
 
 
-def apply_zero_layout(ctx: Any) -> str | None:
-    from ds_core.compat.marks import NotNeeded
-    from ds_core.compat.zero_layout import READS, missing_attributes
+def apply_engine_norm(ctx: Any) -> Outcome:
+    return not_needed("no engine given") if ctx.engine is None else APPLIED
 
+
+def apply_zero_layout(ctx: Any) -> Outcome:
     opt = getattr(ctx.engine, "optimizer", None)
     if opt is None or not any(hasattr(opt, attrs[0]) for attrs in READS.values()):
-        return NotNeeded(f"this run's optimizer wrapper ({type(opt).__name__}) has no partition layout")
-    return missing_attributes(opt)
+        return not_needed(f"this run's optimizer wrapper ({type(opt).__name__}) has no partition layout")
+    why = missing_attributes(opt)
+    return refused(why) if why else APPLIED
 
 
 __all__ = ["apply_engine_norm", "apply_zero_layout"]

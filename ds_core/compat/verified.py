@@ -1,11 +1,14 @@
-"""The DeepSpeed method bodies each change inside DeepSpeed was verified against, by fingerprint
-(ds_core.compat.fingerprint), per tested release of the support matrix (stacks/).
+"""The DeepSpeed bodies each change inside DeepSpeed was read against, by fingerprint (ds_core.compat.fingerprint),
+per tested release of the support matrix (stacks/): what a change's Bodies gate (ds_core.compat.gates) decides by.
 
-{"module:qualname" of the body a change replaces: {fingerprint: the release it was read in}}. A change whose body
-has another fingerprint in the installed DeepSpeed stays off (ds_core.compat.changes.unverified). A fix of an older
-release's behaviour lists only the releases that need it (the others have the fix: a probe says so first).
+{"module:qualname" of the body a change replaces or mends: {fingerprint: the release it was read in}}.
+- VERIFIED: bodies the change is right for: it applies.
+- FIXED: bodies of a release that has the fix a change makes for an older one: it is not needed there.
+Any other fingerprint in the installed DeepSpeed refuses the change (its own path runs, one line says so). Each fix's
+entries are held to the behaviour they stand for by the probes of ds_core.compat.deepspeed_behaviour
+(tests/test_changes_gating.py: the fault is there exactly where the change applies).
 To add a release: read each body below in it against the change's code and docstring, then record what
-`python -m ds_core.compat.fingerprint DEEPSPEED_SOURCE_ROOT` prints.
+`python -m ds_core.compat.fingerprint DEEPSPEED_SOURCE_ROOT` prints, under VERIFIED or FIXED.
 """
 from __future__ import annotations
 
@@ -23,11 +26,11 @@ VERIFIED: dict[str, dict[str, str]] = {
     # one_op_grad_hook: copy to fp32, then add, then mark (0.19 adds the AutoEP folding branch, left to DeepSpeed)
     "deepspeed.runtime.bf16_optimizer:BF16_Optimizer._update_hp_grad": {
         "2f9a1dc221be62dc": LATEST, "f11b80d41f9a398f": FORK},
-    # nonfinite_group_norm: torch.norm of the stacked group norms (0.19 has combine_grad_norm_groups: not needed)
+    # nonfinite_group_norm: torch.norm of the stacked group norms (0.19's combines them keeping inf: FIXED)
     "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.scaled_global_norm": {"07b69f1f4b24ec19": FORK},
-    # cpu_gradient_buckets: buckets by legacy type string of the accelerator's device (0.19 groups by dtype)
+    # cpu_gradient_buckets: buckets by legacy type string of the accelerator's device (0.19's by dtype: FIXED)
     "deepspeed.runtime.zero.stage_1_and_2:split_half_float_double": {"cad711431c15a3e3": FORK},
-    # zero3_gather_waits: one async all-gather per parameter, the last handle waited for (0.19 waits for each)
+    # zero3_gather_waits: one async all-gather per parameter, the last handle waited for (0.19's each: FIXED)
     "deepspeed.runtime.zero.partition_parameters:Init._allgather_params_coalesced": {"2917618e63112cc4": FORK},
     # mpi_exports_as_given: every value in double quotes (0.19 quotes what a shell would split)
     "deepspeed.launcher.multinode_runner:MultiNodeRunner.add_export": {"c0b68fbf6253861b": FORK},
@@ -36,4 +39,19 @@ VERIFIED: dict[str, dict[str, str]] = {
     "deepspeed.launcher.multinode_runner:PDSHRunner.get_cmd": {"bec8e37f1d1eaefa": LATEST, "bb429882ad5f7f5a": FORK},
     # pdsh_remote_quoted: an argument with a space wrapped in double quotes, `"` escaped (the same body in both)
     "deepspeed.launcher.multinode_runner:PDSHRunner.parse_user_args": {"966b79ccc91a3b8e": f"{LATEST}, {FORK}"},
+    # universal_load_links: each parameter's hp_fragment pointed at the state buffer just filled (ends on exp_avg_sq)
+    "deepspeed.utils.tensor_fragment:map_to_flat_opt_states": {"4642a228d966abf2": FORK},
+}
+
+FIXED: dict[str, dict[str, str]] = {
+    # nonfinite_group_norm: combine_grad_norm_groups keeps a non-finite group's norm
+    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer.scaled_global_norm": {"643f81499427c821": LATEST},
+    # cpu_gradient_buckets: buckets by dtype (strided tensors), on any device
+    "deepspeed.runtime.zero.stage_1_and_2:split_half_float_double": {"f67623f88879da8b": LATEST},
+    # zero3_gather_waits: every launched handle waited for
+    "deepspeed.runtime.zero.partition_parameters:Init._allgather_params_coalesced": {"994c129077a8c540": LATEST},
+    # mpi_exports_as_given: quotes only a value matching [^\w@%+=:,./-]
+    "deepspeed.launcher.multinode_runner:MultiNodeRunner.add_export": {"8180a78bd0ac3850": LATEST},
+    # universal_load_links: the state fragments pointed at the buffers, hp_fragment left where it was
+    "deepspeed.utils.tensor_fragment:map_to_flat_opt_states": {"9fc7eadb241afc9f": LATEST},
 }
