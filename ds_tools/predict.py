@@ -119,6 +119,8 @@ def notes_of(res: dict, fab: fabrics.Fabric, model: str | None, kept_accum: bool
                      + "; the parameter range is every corner of what the fit leaves open (the tables' w, the "
                        "split of w between the terms); an in-sample 95 % interval only for a calibration table's "
                        "own model, stage, gradient bytes, schedule and node counts.")
+        if res.get("unpredictable"):
+            notes.append("No range: " + res["unpredictable"] + ".")
         beyond = [str(r["nodes"]) for r in res["rows"] if r.get("extrapolated")]
         if beyond:
             notes.append(f"Extrapolated: {', '.join(beyond)} node(s) lie outside the calibrated node counts; the "
@@ -261,7 +263,7 @@ def _predict(a: argparse.Namespace) -> dict:
             raise PredictError(f"{name}: not given and not in the measured run")
     if a.global_batch and not a.grad_accum and not a.from_run:
         m.grad_accum = accumulation(int(micro), m.per_node, m.nodes, 1, a.global_batch)
-    model = None
+    model, seq = None, None
     if a.params:
         params = a.params
     else:
@@ -272,14 +274,15 @@ def _predict(a: argparse.Namespace) -> dict:
         if not model:
             raise PredictError("--model or --params: needed to size the gradients")
         try:
-            params = model_shape(model, a.seq_len).params
+            shape = model_shape(model, a.seq_len)
         except TuningError as e:
             raise PredictError(str(e)) from None
+        params, seq = shape.params, shape.towers[0].seq
     fab = _fabric(a)
     from ds_tools.ranges import ranged
 
     res = ranged(m, fab, params=params, stage=int(stage), precision=str(precision), micro=int(micro), nodes=a.nodes,
-                 global_batch=a.global_batch, model=_model_key(model) if model else None,
+                 global_batch=a.global_batch, model=_model_key(model) if model else None, seq_len=seq,
                  param_groups=a.param_groups, small_calls=a.small_calls)
     res["notes"] = notes_of(res, fab, model, kept_accum=not a.global_batch)
     return res

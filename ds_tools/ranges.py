@@ -129,9 +129,26 @@ def _in_sample(cal: cal_.Calibration, *, model: str | None, stage: int, precisio
     return False
 
 
+def unpredictable(fab: fabrics.Fabric, *, model: str | None, precision: str, seq_len: int | None) -> str:
+    """Why a query is of the kind of a published table the model does not account for (ds_tools.published
+    `unexplained`: the same fabric, model, gradient bytes and sequence length), or "" where it is not."""
+    if model is None or fabrics.FABRICS.get(fab.name) != fab:
+        return ""
+    for t in pub.on_fabric(fab.name):
+        if (t.unexplained is not None and t.model == model and seq_len == t.seq_len
+                and BYTES.get(precision) in t.setting("grad_bytes").values):
+            why = next((x.text() for x in cal_.siblings(fab.name) if x.table == t.key), t.key)
+            return (f"a run like {t.key} ({t.model}, sequence length {t.seq_len}, {BYTES[precision]}-byte gradients "
+                    f"on {fab.name}) is not predictable from the published tables: {why}; "
+                    f"{t.unexplained.differs}")
+    return ""
+
+
 def ranged(m: Measured, fab: fabrics.Fabric, *, params: int, stage: int, precision: str, micro: int,
-           nodes: Sequence[int], global_batch: int | None = None, model: str | None = None, **calls) -> dict:
-    """predict() at the central terms, each row with its range (`range_kind`: in-sample, margin or none)."""
+           nodes: Sequence[int], global_batch: int | None = None, model: str | None = None,
+           seq_len: int | None = None, **calls) -> dict:
+    """predict() at the central terms, each row with its range (`range_kind`: in-sample, margin, none, or not
+    predictable: a query of the kind of a published table the model does not account for)."""
     from ds_tools.comm_model import collectives
 
     colls = collectives(stage, precision, params, m.grad_accum, **calls)
@@ -146,12 +163,16 @@ def ranged(m: Measured, fab: fabrics.Fabric, *, params: int, stage: int, precisi
     corner_rows = [predict(m, f, **kw)["rows"] for f in tm.corners]
     margin = validation.margin(fab.name) if tm.cal else None
     half_in = cal_.in_sample_half(tm.cal) if tm.cal else None
+    res["unpredictable"] = unpredictable(fab, model=model, precision=precision, seq_len=seq_len) if tm.cal else ""
     for i, r in enumerate(res["rows"]):
         effs = [r["efficiency"]] + [rows[i]["efficiency"] for rows in corner_rows]
         r["param_low"], r["param_high"] = min(effs), max(effs)
         r["doublings"] = tm.cal.doublings(r["nodes"]) if tm.cal else None
         if tm.cal is None or r["nodes"] == m.nodes:
             r["range_kind"], r["range_points"] = ("measured" if tm.cal else "none"), None
+            lo = hi = None
+        elif res["unpredictable"]:
+            r["range_kind"], r["range_points"] = "not predictable", None
             lo = hi = None
         elif _in_sample(tm.cal, model=model, stage=stage, precision=precision, global_batch=global_batch,
                         grad_accum=m.grad_accum, micro=micro, per_node=m.per_node, nodes=r["nodes"]):

@@ -63,7 +63,7 @@ USABLE_FRACTION = 0.92
 # measured peak up to 10 % above the prediction still fits. Relative to the prediction because its error is.
 SAFETY_MARGIN = 0.10
 # Model FLOPs utilisation assumed for the compute part of a step time without a measurement (--mfu); None: the middle
-# of the range the published 1-node figures imply (ds_tools.tuning_time.mfu_range)
+# of the range the published 1-node figures imply (ds_tools.compute_rate.mfu_range)
 DEFAULT_MFU = None
 # The ZeRO stages considered unless --stages says otherwise: those the model packages ship JSONs for and their docs
 # describe (docs/bert_pretraining.md, docs/bridgetower.md: ZeRO-1 or ZeRO-3). ZeRO-0 never fits where ZeRO-1 does

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_core.device import accelerators
-from ds_tools import fabrics, predict, published as pub
+from ds_tools import fabrics, predict
+from ds_tools.compute_rate import flops_per_seq, mfu_range  # noqa: F401  (ds-tune's names for them)
 from ds_tools.zero_memory_model import ModelShape, TuningError
 
 # 6 FLOPs per parameter and token for forward + backward (Kaplan et al. 2020, "Scaling Laws for Neural Language
@@ -35,27 +36,6 @@ SAME_SPEED = 0.005
 # Without a measurement: tokens per micro batch below which the peak x MFU figure is not taken to hold (a smaller
 # micro batch keeps the accelerator less busy, by how much is not modelled)
 SATURATING_TOKENS = 4096
-
-
-def flops_per_seq(shape: ModelShape) -> float | None:
-    """6 x parameters x tokens of one sequence; None for a model of several towers (no single token count)."""
-    return 6.0 * shape.params * shape.towers[0].seq if len(shape.towers) == 1 else None
-
-
-def mfu_range() -> tuple:
-    """(lowest, highest) MFU the published 1-node figures (ds_tools.published) imply on their accelerators at
-    6 x parameters x tokens, for the tables whose precision has a published dense peak, with the tables' keys."""
-    from ds_tools.calibration import params_of
-
-    peaks = {"dgx-a100": accelerators.get("a100-80g").bf16_tflops, "dl1": accelerators.get("gaudi").bf16_tflops}
-    got = []
-    for t in pub.PUBLISHED:
-        if t.setting("grad_bytes").values != (2,) or t.fabric not in peaks:
-            continue
-        per_acc = t.table[1] / t.per_node
-        got.append((6 * params_of(t.model, t.seq_len) * t.seq_len * per_acc / (peaks[t.fabric] * 1e12), t.key))
-    lo, hi = min(got), max(got)
-    return lo[0], hi[0], [k for _m, k in sorted(got)]
 
 
 @dataclass(frozen=True)

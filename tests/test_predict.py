@@ -240,3 +240,27 @@ def test_report_help_lists_predict(capsys):
     assert scaling_cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "ds-scaling-report predict" in out and "predict --help" in out
+
+
+def _dgx_argv(precision: str, seq_len: int, measured: float, micro: int):
+    return ["predict", "--measured", str(measured), "--measured_nodes", "1", "--model", "bert-large", "--seq_len",
+            str(seq_len), "--precision", precision, "--zero_stage", "0", "--micro_batch", str(micro),
+            "--global_batch", "32768", "--accelerators_per_node", "8", "--fabric", "dgx-a100", "--nodes", "1", "2",
+            "32", "--format", "json"]
+
+
+def test_a_run_of_the_kind_of_an_unexplained_table_carries_no_range(capsys):
+    """A query like NVIDIA's phase-2 TF32 table (BERT-Large, sequence length 512, fp32 gradients on dgx-a100), whose
+    loss is mostly not its collectives', prints no range and says why; phase-2 fp16 (modelled, a calibration table)
+    keeps its in-sample interval."""
+    assert scaling_cli.main(_dgx_argv("fp32", 512, 854, 16)) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["range_kind"] for r in res["rows"]] == ["measured", "not predictable", "not predictable"]
+    assert all(r["efficiency_low"] is None for r in res["rows"])
+    note = next(n for n in res["notes"] if n.startswith("No range: a run like dgx-a100/bert-large-p2-tf32"))
+    assert "8.2x what dgx-a100/bert-large-p1-tf32" in note and "bins of 64" in note
+    assert scaling_cli.main(_dgx_argv("fp16", 512, 1648, 32)) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["range_kind"] for r in res["rows"]][1:] == ["in-sample 95 % interval"] * 2
+    assert all(r["efficiency_low"] is not None for r in res["rows"][1:])
+    assert not any(n.startswith("No range") for n in res["notes"])
