@@ -41,6 +41,7 @@ ranks' environment gets (profile, .deepspeed_env) comes from launch.env.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -434,8 +435,11 @@ def check_ds_json_before_spawn(s: LaunchSettings) -> None:
 
 def launch(s: LaunchSettings) -> int:
     """Read the hosts, build the command, and print it (dry run) or exec it."""
-    s = s.with_hosts()
-    cmd, added = build_command(s)
+    # stdout carries the dry run's JSON alone: DeepSpeed's logger, made when DeepSpeed is first imported (here, for
+    # what its runner exports), writes to the stdout of that moment, and some releases log there on import
+    with contextlib.redirect_stdout(sys.stderr):
+        s = s.with_hosts()
+        cmd, added = build_command(s)
     added = {**torch_extensions_env({**os.environ, **added}), **added}  # one JIT op cache per venv
     if s.dry_run:
         path, why = ds_config_of(s)
