@@ -13,18 +13,20 @@ from bert_ref.configs import BertSettings, check_data_matches
 from bert_ref.data import build_data
 from bert_ref.eval import held_out_evaluation
 from bert_ref.layerwise import attach_zero_layout
-from bert_ref.model import build_model, flops_per_sequence
+from bert_ref.model import build_model, flops_per_sequence, hf_config
 from bert_ref.optim import build_optimizer, for_preset
 from bert_ref.recipes import check_recipe_batch, expand_recipe
 from bert_ref.step import make_step_fn
 from ds_core.checkpoint import export_hf
 from ds_core.config.optim import schedule_for
 from ds_core.errors import ConfigError
+from ds_core.outputs.model_card import card_text, hub_id_of, optimizer_name, write_model_card
 from ds_core.outputs.monitors import apply_report_to
 from ds_core.rank.compile import compile_model
 from ds_core.rank.dist import shutdown_distributed
 from ds_core.rank.engine import build_engine
 from ds_core.rank.process_end import run_main
+from ds_core.run.run_dir import resume_from_checkpoint
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
 
@@ -48,19 +50,26 @@ def default_ds_config(cfg: BertSettings) -> str:
 
 def resolve(cfg: BertSettings) -> tuple[BertSettings, list[str]]:
     """Before any rank starts: the optimizer settings left to the model become BERT's defaults and the preset's
-    published recipe."""
+    published recipe; --resume_from_checkpoint is --resume."""
     preset = cfg.model.model_preset()
-    return dataclasses.replace(cfg, optim=for_preset(cfg.optim, preset.name, preset.phase)), []
+    train = resume_from_checkpoint(cfg.train)  # transformers' --resume_from_checkpoint [PATH]: --resume
+    return dataclasses.replace(cfg, train=train, optim=for_preset(cfg.optim, preset.name, preset.phase)), []
 
 
 def adjust_ds_config(cfg: BertSettings, ds_config: dict) -> list[str]:
-    """The --report_to monitors, written into the resolved DeepSpeed config (as bridgetower_ds.train does)."""
+    """The --report_to monitors, written into the resolved DeepSpeed config (as bridgetower_ds.train does); a JSON
+    that does not say whether ZeRO may step an optimizer DeepSpeed has not tested may (LAMB / LANS, tested here under
+    every ZeRO stage), as accelerate allows a client optimizer under Trainer."""
+    ds_config.setdefault("zero_allow_untested_optimizer", True)
     return apply_report_to(cfg.model.report_to, ds_config, cfg.train.run_dir, job_name="bert")
 
 
 SPEC = RunSpec(settings=BertSettings, default_ds_config=default_ds_config, optimizer_in_code=True,
                description=__doc__, prog=f"python -m {MODULE}", resolve=resolve, adjust_ds_config=adjust_ds_config,
-               check_batch=lambda cfg, batch: check_recipe_batch(cfg.model.recipe, batch))  # a recipe's global batch
+               check_batch=lambda cfg, batch: check_recipe_batch(cfg.model.recipe, batch),  # a recipe's global batch
+               model_config=lambda cfg: hf_config(cfg.model.model_preset()),  # a Trainer-style JSON's ZeRO sizes
+               why_in_code="BERT trains with its recipe's LAMB / LANS and LR schedule (--optimizer, "
+                           "--lr_scheduler_type), with per-tensor trust ratios under ZeRO (bert_ref.layerwise)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -86,7 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     summary = Trainer(run, engine, make_step_fn(mlm_positions, compiled), model_info, evaluation=evaluation,
                       checkpoints=checkpoints).fit()
     if args.export_hf:  # the module's weights for transformers users; phase 2 starts from the run directory
-        export_hf(engine, Path(run.train.run_dir) / "hf_model")
+        export_hf(engine, Path(run.train.run_dir) / "hf_model", extras=lambda d: write_model_card(d, card_text(
+            run, optimizer=optimizer_name(engine, run.ds_config), model_name=Path(run.train.run_dir).name,
+            finetuned_from=hub_id_of(args.init_checkpoint) if args.init_checkpoint else None)))
     data.close()
     shutdown_distributed()
     return summary

@@ -41,6 +41,7 @@ def trainer_defaults(optim: OptimArgs) -> OptimArgs:
 def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
     """Refuse what cannot be honoured (push_to_hub, GaudiTrainer's fp8 and profiling steps); --torch_compile is
     --compile on (a --compile off given too is refused: two answers to one question)."""
+    monitors.report_to_names(compat.report_to)  # a backend not installed: one line, before any process group
     if compat.fp8:
         raise ConfigError("--fp8: refused; training here is bf16 or fp32 (--bf16, --precision)")
     if compat.profiling_steps or compat.profiling_warmup_steps:
@@ -96,14 +97,42 @@ def resolve_optimizer(optim: OptimArgs, ds_config: dict, source: str) -> tuple[f
     return lr, wd, notes
 
 
+def check_scheduler_section(given: OptimArgs, ds_json: dict, source: str) -> None:
+    """A DeepSpeed JSON with a "scheduler" section (WarmupLR, WarmupDecayLR, ...) sets the LR schedule, as under
+    Trainer: --lr_scheduler_type given too is a second schedule, refused. In a JSON of DeepSpeed's own form (no
+    "auto": nothing is filled from the flags) a warm-up flag or a --learning_rate other than the section's
+    warmup_max_lr would change nothing, and is refused naming both (a Trainer-style JSON takes them where it says
+    "auto" and refuses a contradiction: ds_core.config.trainer_json)."""
+    from ds_core.config.trainer_json import is_trainer_style
+
+    sched = ds_json.get("scheduler")
+    if not isinstance(sched, dict):
+        return
+    kind = sched.get("type")
+    if given.lr_scheduler_type:
+        raise ConfigError(f"--lr_scheduler_type {given.lr_scheduler_type} and the \"scheduler\" section ({kind}) of "
+                          f"{source}: the section is the LR schedule; remove one of them")
+    if is_trainer_style(ds_json):
+        return
+    params = sched.get("params") or {}
+    if given.warmup_steps or given.warmup_ratio is not None:
+        raise ConfigError(f"--warmup_steps / --warmup_ratio and {source} scheduler.params.warmup_num_steps = "
+                          f"{params.get('warmup_num_steps')!r} ({kind}): the section's value is the warm-up; give it "
+                          f"there (or \"auto\", which takes the flag)")
+    peak = params.get("warmup_max_lr")
+    if given.learning_rate is not None and peak is not None and float(peak) != given.learning_rate:
+        raise ConfigError(f"--learning_rate {given.learning_rate} and {source} scheduler.params.warmup_max_lr = "
+                          f"{peak} ({kind}): the scheduler sets the LR; give the same value (or \"auto\")")
+
+
 def engine_kwargs(model: torch.nn.Module, optim: OptimArgs, ds_config: dict, lr: float, wd: float,
                   total_steps: int) -> dict[str, Any]:
-    """build_engine's optimizer / model_parameters / lr_scheduler: Trainer's decay groups and the schedule."""
-    if "scheduler" in ds_config:
-        raise ConfigError("the DeepSpeed config has a \"scheduler\" section: remove it, the schedule is "
-                          "--lr_scheduler_type with --warmup_steps / --warmup_ratio")
+    """build_engine's optimizer / model_parameters / lr_scheduler: Trainer's decay groups and the schedule (the
+    DeepSpeed JSON's "scheduler" section where it has one: DeepSpeed builds it, as under Trainer)."""
     groups = param_groups(model, wd, lr)
-    kw: dict[str, Any] = dict(model_parameters=groups, lr_scheduler=schedule_for(trainer_defaults(optim), total_steps))
+    kw: dict[str, Any] = dict(model_parameters=groups)
+    if "scheduler" not in ds_config:
+        kw["lr_scheduler"] = schedule_for(trainer_defaults(optim), total_steps)
     if "optimizer" not in ds_config:  # Trainer's adamw_torch
         kw["optimizer"] = torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2),
                                             eps=trainer_defaults(optim).eps)

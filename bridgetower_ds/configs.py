@@ -286,17 +286,15 @@ class CompatArgs:
     refused with the reason (push_to_hub). See bridgetower_ds/compat.py."""
 
     report_to: str = field(default="none", metadata={
-        "help": "tensorboard | csv | wandb | comet | none (comma-separated for several): DeepSpeed's monitor, "
-                "writing under --output_dir/<name>/ (a monitor section in the DeepSpeed JSON wins)"})
+        "help": "tensorboard | csv | wandb | comet | all | none (comma-separated for several): DeepSpeed's monitor, "
+                "writing under --output_dir/<name>/ (a monitor section in the DeepSpeed JSON wins); all: every "
+                "installed one, as transformers' Trainer"})
     save_strategy: str = field(default="steps", metadata={
         "help": "steps: checkpoints every --save_steps (and at the end); epoch: at every epoch's end; no: none"})
     eval_strategy: str = field(default="no", metadata={
         "help": "no: evaluate once after training (--do_eval); steps: every --eval_steps optimizer steps (default "
                 "--logging_steps, as Trainer); epoch: at every epoch's end", "aliases": ["--evaluation_strategy"]})
     eval_steps: int = field(default=0, metadata={"help": "with --eval_strategy steps: evaluate every N steps"})
-    resume_from_checkpoint: str = field(default="", metadata={
-        "help": "resume: no value or 'latest' -> the newest complete checkpoint of --output_dir; or a path to it "
-                "(checkpoint-N, checkpoints/global_stepN, or the run directory)"})
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "refused: transformers' BridgeTower has no gradient checkpointing (use --zero_stage 3 or a smaller "
                 "--per_device_train_batch_size)"})

@@ -23,6 +23,7 @@ from bridgetower_ds.step import step_fn
 from bridgetower_ds.tokenizer import expected_padded_length, load_tokenizer
 from ds_core.config import read_ds_json, resolve_ds_path
 from ds_core.errors import ConfigError
+from ds_core.outputs.model_card import card_text, hub_id_of, optimizer_name, write_model_card
 from ds_core.outputs.results import keep_frozen_fp32, save_metrics, save_model
 from ds_core.rank.compile import compile_model
 from ds_core.rank.dist import shutdown_distributed
@@ -55,8 +56,9 @@ def resolve(cfg: BridgeTowerSettings) -> tuple[BridgeTowerSettings, list[str]]:
                                                           revision=compat_args.model_revision),
         tokenizer_name_or_path=resolve_pretrained(model_args.tokenizer_name_or_path, "--tokenizer_name_or_path"))
     check_model_dir(model_args.model_name_or_path)
-    lr, wd, notes = compat.resolve_optimizer(optim, read_ds_json(train_cfg.deepspeed_config),
-                                             f"DeepSpeed config {train_cfg.deepspeed_config}")
+    ds_json, source = read_ds_json(train_cfg.deepspeed_config), f"DeepSpeed config {train_cfg.deepspeed_config}"
+    compat.check_scheduler_section(optim, ds_json, source)
+    lr, wd, notes = compat.resolve_optimizer(optim, ds_json, source)
     optim = dataclasses.replace(compat.trainer_defaults(optim), learning_rate=lr, weight_decay=wd)
     notices = compat.flag_notices(compat_args) + flag_notes + notes
     return dataclasses.replace(cfg, train=train_cfg, model=model_args, data=data_args, optim=optim), notices
@@ -74,7 +76,8 @@ def adjust_ds_config(cfg: BridgeTowerSettings, ds_config: dict) -> list[str]:
 SPEC = RunSpec(settings=BridgeTowerSettings, default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=None,
                description="BridgeTower contrastive fine-tuning", prog=f"python -m {MODULE}", resolve=resolve,
                trains=lambda cfg: cfg.task.do_train,  # an eval-only run writes no run
-               adjust_ds_config=adjust_ds_config)
+               adjust_ds_config=adjust_ds_config,
+               model_config=lambda cfg: load_config(cfg.model))  # a Trainer-style JSON's ZeRO sizes
 
 
 def main(argv=None) -> dict:
@@ -186,9 +189,21 @@ def _announce(run: Run, model, image_size: int) -> None:
 def _export(run: Run, engine, frozen: dict, tokenizer, processor) -> None:
     """Trainer.save_model into --output_dir after training (unless --save_model false); --export_dir as well (also
     without training), each with what run_bridgetower.py saves beside the model (tokenizer, image-processor config)."""
+    cfg = run.cfg
+
     def extras(d: Path) -> None:
         tokenizer.save_pretrained(str(d))
         processor.save_pretrained(str(d))
+        # trainer.create_model_card(**kwargs), as run_bridgetower.py ends: its arguments, the run's settings and
+        # results (nothing looked up on the hub)
+        name, config_name = cfg.data.dataset_name or None, cfg.data.dataset_config_name or None
+        write_model_card(d, card_text(
+            run, optimizer=optimizer_name(engine, run.ds_config), model_name=Path(cfg.train.run_dir).name,
+            finetuned_from=hub_id_of(cfg.model.model_name_or_path), tasks="contrastive-image-text-modeling",
+            dataset=f"{name} {config_name}" if name and config_name else name, dataset_tags=name,
+            dataset_args=config_name if name else None, eval_batch_size=cfg.task.eval_micro_batch(run.batch.micro),
+            steps_per_epoch=trainer_flags.steps_per_epoch(len(run.data), run.batch.accumulation)
+            if run.data is not None else 1))
 
     export_dir, trained = run.cfg.task.export_dir, run.data is not None and run.cfg.task.save_model
     for out in ([run.train.run_dir] if trained else []) + ([export_dir] if export_dir else []):

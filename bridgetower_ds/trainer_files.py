@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_core.files import atomic_write_bytes
-from ds_core.outputs import hf_trainer
+from ds_core.outputs import hf_trainer, monitors
 from ds_core.outputs.results import save_metrics, train_metrics
 from ds_core.run.components import Callback
 from ds_core.run.setup import Run
@@ -161,8 +161,8 @@ def training_args(run: Run, *, eval_every: int, save_every: int):
         dataloader_drop_last=compat.dataloader_drop_last, remove_unused_columns=compat.remove_unused_columns,
         load_best_model_at_end=compat.load_best_model_at_end,
         metric_for_best_model=compat.metric_for_best_model or None, greater_is_better=compat.greater_is_better,
-        report_to=[n for n in compat.report_to.replace(" ", ",").split(",") if n] or "none",
-        resume_from_checkpoint=compat.resume_from_checkpoint or None, disable_tqdm=not cfg.progress_bar,
+        report_to=monitors.report_to_names(compat.report_to) or "none",
+        resume_from_checkpoint=cfg.resume_from_checkpoint or None, disable_tqdm=not cfg.progress_bar,
         ddp_timeout=cfg.dist_timeout_s)
     # accelerate's DeepSpeedPlugin refuses a JSON without a zero_optimization section, which DeepSpeed runs as ZeRO
     # stage 0: such a config is handed over with that default spelled out, and `deepspeed` then names the file

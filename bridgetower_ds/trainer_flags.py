@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from ds_core.config import TrainConfig
 from ds_core.errors import ConfigError, InputNotFound
+from ds_core.run.run_dir import resume_from_checkpoint
 
 from .configs import CompatArgs, ModelArgs
 
 STRATEGIES = ("no", "steps", "epoch")
-_LATEST = ("latest", "true", "True", "1")
-_CKPT_NAME = re.compile(r"(?:checkpoint-|global_step)(\d+)")
 
 # Accepted flags that change nothing here: flag -> (is it set?, why it changes nothing)
 _NOTICES = {
@@ -38,7 +36,7 @@ _NOTICES = {
 
 def expand_argv(argv: Sequence[str]) -> list[str]:
     """`--resume_from_checkpoint` without a value (Trainer: the newest checkpoint) -> `--resume_from_checkpoint
-    latest`, so the flag parses as the string setting it is."""
+    latest` (the setting parses that form itself too: TrainConfig.resume_from_checkpoint)."""
     out = list(argv)
     for i, a in enumerate(out):
         if a == "--resume_from_checkpoint" and (i + 1 == len(out) or out[i + 1].startswith("--")):
@@ -94,7 +92,8 @@ def map_flags(compat: CompatArgs, train_cfg: TrainConfig, model_args: ModelArgs,
             from ds_core.config import read_ds_json
 
             json_value = read_ds_json(train_cfg.deepspeed_config).get("gradient_clipping")
-            if json_value is not None and float(json_value) != max_grad_norm:
+            # "auto" (a Trainer-style JSON) takes the flag: ds_core.config.trainer_json fills it
+            if json_value not in (None, "auto") and float(json_value) != max_grad_norm:
                 raise ConfigError(f"--max_grad_norm {max_grad_norm} and gradient_clipping {json_value} in "
                                   f"the DeepSpeed config {train_cfg.deepspeed_config}: give one (or the same value)")
     if compat.cache_dir:
@@ -113,7 +112,7 @@ def map_flags(compat: CompatArgs, train_cfg: TrainConfig, model_args: ModelArgs,
             raise InputNotFound(f"{f}: no such file (--train_file / --validation_file / --test_file)")
         if Path(f).suffix.lower() not in (".csv", ".json", ".jsonl"):
             raise ConfigError(f"{f}: expected a .csv, .json or .jsonl file, as run_bridgetower.py reads them")
-    train_cfg = _resume(compat, train_cfg)
+    train_cfg = resume_from_checkpoint(train_cfg)  # --resume_from_checkpoint [PATH] (ds_core.run.run_dir)
     if compat.save_strategy == "no":
         if train_cfg.num_steps_per_checkpoint:
             raise ConfigError(f"--save_strategy no with --save_steps {train_cfg.num_steps_per_checkpoint}: pick one")
@@ -136,36 +135,6 @@ def use_cache_dir(cache_dir: str) -> None:
     for mod, attr in (("huggingface_hub.constants", "HF_HUB_CACHE"), ("datasets.config", "HF_DATASETS_CACHE")):
         if mod in sys.modules:
             setattr(sys.modules[mod], attr, root if attr == "HF_HUB_CACHE" else Path(root))
-
-
-def _resume(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
-    """--resume_from_checkpoint [PATH] -> --resume: PATH may be the run directory, its checkpoint-N link or
-    checkpoints/global_stepN, and must be the newest complete checkpoint (the one --resume continues from)."""
-    given = compat.resume_from_checkpoint
-    if given in ("", "false", "False", "0"):
-        return train_cfg
-    if given not in _LATEST:
-        from ds_core import checkpoint as ckpt
-
-        run_dir, path = Path(train_cfg.run_dir).resolve(), Path(given).expanduser()
-        if not path.exists():
-            raise InputNotFound(f"--resume_from_checkpoint {given}: no such checkpoint")
-        real = path.resolve()
-        if real != run_dir:
-            m = _CKPT_NAME.fullmatch(real.name)
-            if m is None or real.parent not in (run_dir, run_dir / "checkpoints"):
-                raise ConfigError(f"--resume_from_checkpoint {given}: not a checkpoint of --output_dir {run_dir} "
-                                  f"(expected {run_dir}/checkpoint-N or {run_dir}/checkpoints/global_stepN); a run "
-                                  "continues only its own checkpoints: pass that run's directory as --output_dir")
-            latest = ckpt.latest_tag(run_dir / "checkpoints")
-            if latest != f"global_step{m.group(1)}":
-                raise ConfigError(f"--resume_from_checkpoint {given}: step {m.group(1)} is not the newest complete "
-                                  f"checkpoint of {run_dir} ({latest}); resuming an older one would overwrite newer "
-                                  "ones: move them aside first")
-    if train_cfg.overwrite_run_dir:
-        raise ConfigError("--resume_from_checkpoint with --overwrite_output_dir: pick one (overwrite moves the run "
-                          "and its checkpoints aside)")
-    return dataclasses.replace(train_cfg, resume=True)
 
 
 def steps_per_epoch(micro_batches_per_epoch: int, grad_accum: int) -> int:

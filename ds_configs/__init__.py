@@ -37,7 +37,7 @@ def _last_value(args: Sequence[str], name: str) -> str | None:
     """The last `--name X` / `--name=X` of an argument list (argparse keeps the last), None when absent."""
     found = None
     for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
+        if a == name and i + 1 < len(args) and not args[i + 1].startswith("-"):  # not a bare switch (`--deepspeed`)
             found = args[i + 1]
         elif a.startswith(name + "="):
             found = a.split("=", 1)[1]

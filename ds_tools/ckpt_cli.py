@@ -6,7 +6,8 @@
                                        ds_to_universal into <tag>_universal next to it (what a resize does itself)
   ds-ckpt export-hf RUN_DIR OUT [--tag T]
                                        fp32 weights of any checkpoint (ZeRO-0..3, partitions gathered) through
-                                       DeepSpeed's zero_to_fp32, written as pytorch_model.bin + config.json: a
+                                       DeepSpeed's zero_to_fp32, written by save_pretrained as the run's own
+                                       export is (model.safetensors + config.json, tied weights once): a
                                        `from_pretrained` of the model's transformers class loads OUT
 
 Runs on one process without torch.distributed; reads only files. Errors name the path and what is wrong (exit 2).
@@ -15,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from ds_core import checkpoint as ckpt
+from ds_core.checkpoint.pretrained import write_pretrained
 from ds_core.cli import ArgumentParser, cli_main, json_stdout
 from ds_core.errors import ConfigError
 
@@ -154,7 +154,7 @@ def fp32_from_universal(root: Path, tag: str) -> dict:
 
 
 def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
-    """fp32 weights of a checkpoint as a transformers model directory (pytorch_model.bin + config.json).
+    """fp32 weights of a checkpoint as a transformers model directory (model.safetensors + config.json).
 
     The class and config come from the checkpoint's hf_model.json (written by ds_core.checkpoint.save). A parameter
     the model keeps in another shape than transformers' (BridgeTower's logit_scale, [1] under DeepSpeed, 0-dim in
@@ -199,7 +199,8 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
             raise
         state = fp32_from_universal(root, tag)
     with meta_device():
-        expected = {k: v.shape for k, v in cls(config).state_dict().items()}
+        skeleton = cls(config)  # the class and config save_pretrained writes with; its weights are never read
+    expected = {k: v.shape for k, v in skeleton.state_dict().items()}
     missing = [k for k in expected if k not in state]
     if missing:
         # zero_to_fp32 rebuilds trained parameters from the optimizer's fp32 partitions and frozen ones only where
@@ -219,18 +220,11 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
         raise ConfigError(f"{root / tag}: {len(unknown)} weight(s) that {meta['class']} does not have, e.g. "
                           f"{unknown[:3]}")
     out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")  # a partial export never looks like a model
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save({k: v.contiguous() for k, v in state.items()}, tmp / "pytorch_model.bin")
-    config.save_pretrained(str(tmp))
-    if out.exists():
-        if any(out.iterdir()):
-            shutil.rmtree(tmp)
-            raise ConfigError(f"{out}: exists and is not empty; export-hf never overwrites a directory")
-        out.rmdir()
-    os.replace(tmp, out)
-    return out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: exists and is not empty; export-hf never overwrites a directory")
+    # the writer of the run's own exports (safetensors through save_pretrained, tied weights written once, the
+    # config's dtype float32: ds_core.checkpoint.pretrained)
+    return write_pretrained(skeleton, {k: v.contiguous() for k, v in state.items()}, out)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -63,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Slurm signals every process of this step: `#SBATCH --signal=USR1@N` before the time limit, SIGTERM from
+    # scancel and from srun's --kill-on-bad-exit once another node's task has ended. DeepSpeed's runner (which this
+    # process becomes) would die of either at once (their default action): of USR1 before the ranks' save, of TERM
+    # while its ranks end with 75 on their own, turning the job's status into 143. Ignored here, which the runner
+    # inherits across exec; it ends when its launch.py does, with its status. launch.py and launch.guard handle TERM
+    # themselves; the ranks install their own handler for both (ds_core.run.loop.StopRequest: save, exit 75).
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
     def body(args: argparse.Namespace, rest: list[str]) -> int:
         given = args.hostfile != build_parser().get_default("hostfile")  # a flag, or $LAUNCH_HOSTFILE: its default
         return run.launch(resolve(LaunchSettings.from_args(args, rest), os.environ, given))

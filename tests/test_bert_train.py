@@ -291,8 +291,9 @@ def test_report_to_turns_on_deepspeeds_monitor(tmp_path):
     ds: dict = {}
     assert bert_train.adjust_ds_config(cfg, ds) == []
     assert ds == {"tensorboard": {"enabled": True, "output_path": str(tmp_path / "run" / "tensorboard"),
-                                  "job_name": "bert"}}
+                                  "job_name": "bert"},
+                  "zero_allow_untested_optimizer": True}  # LAMB / LANS under ZeRO, where the JSON does not say
     mine = {"tensorboard": {"enabled": True, "output_path": "tb"}}
     assert "used as it is" in bert_train.adjust_ds_config(cfg, mine)[0] and mine["tensorboard"]["output_path"] == "tb"
     none = parse_settings(BertSettings, ["--preset", "debug", "--input_dir", str(tmp_path)])
-    assert bert_train.adjust_ds_config(none, ds := {}) == [] and ds == {}
+    assert bert_train.adjust_ds_config(none, ds := {}) == [] and ds == {"zero_allow_untested_optimizer": True}

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bridgetower_ds import compat, trainer_flags
 from bridgetower_ds.configs import BridgeTowerSettings, CompatArgs, DataArgs, ModelArgs
@@ -142,8 +143,10 @@ def test_learning_rate_rule_against_a_deepspeed_json_optimizer_section():
     assert compat.resolve_optimizer(OptimArgs(), ds, "X")[:2] == (5e-5, 0.0) and ds["optimizer"]["params"]["lr"] == 5e-5
     # no optimizer section: the flags, else Trainer's defaults; AdamW is then built in code with decay groups
     assert compat.resolve_optimizer(OptimArgs(), {}, "X")[:2] == (5e-5, 0.0)
-    with pytest.raises(ConfigError, match="scheduler"):
-        compat.engine_kwargs(None, OptimArgs(), {"scheduler": {}}, 1e-5, 0.0, 10)
+    # a "scheduler" section is the schedule DeepSpeed builds (as under Trainer): none of ours beside it
+    with_section = {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}
+    assert "lr_scheduler" not in compat.engine_kwargs(torch.nn.Linear(2, 2), OptimArgs(), with_section, 1e-5, 0.0, 10)
+    assert "lr_scheduler" in compat.engine_kwargs(torch.nn.Linear(2, 2), OptimArgs(), {}, 1e-5, 0.0, 10)
     with pytest.raises(ConfigError, match="lr_scheduler_type"):
         parse_settings(BridgeTowerSettings, ["--do_train", "--lr_scheduler_type", "exponential"])
 

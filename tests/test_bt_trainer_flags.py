@@ -155,7 +155,7 @@ def test_resume_from_checkpoint_takes_the_newest_checkpoint_by_any_name_and_refu
         _resolve(base + ["--resume_from_checkpoint", str(run / "checkpoints" / "global_step2")])
     other = tmp_path / "other" / "checkpoint-4"
     other.mkdir(parents=True)
-    with pytest.raises(ConfigError, match=re.escape(f"not a checkpoint of --output_dir {run}")):
+    with pytest.raises(ConfigError, match=re.escape(f"not a checkpoint of --output_dir (--run_dir) {run}")):
         _resolve(base + ["--resume_from_checkpoint", str(other)])
     assert not _resolve(base)[0][0].resume
 

@@ -68,6 +68,8 @@ def _trainer_reference(out: Path) -> None:
     trainer.save_state()
     trainer.save_metrics("validation", trainer.evaluate())
     trainer.save_metrics("predict", trainer.predict(Pairs(), metric_key_prefix="test").metrics)
+    # run_bridgetower.py's last call (model_name_or_path a local directory: finetuned_from None)
+    trainer.create_model_card(finetuned_from=None, tasks="contrastive-image-text-modeling")
 
 
 def _scalars(root: Path) -> dict[str, list[tuple[int, float]]]:
@@ -88,6 +90,29 @@ def _keys(path: Path) -> set[str]:
 
     with safe_open(str(path), "pt") as f:
         return set(f.keys())
+
+
+def _assert_card_is_trainers(theirs: Path, ours: Path) -> None:
+    """The model card has Trainer's template: its sections in its order, its metadata keys, every hyperparameter it
+    names (ours adds DeepSpeed's), its per-evaluation results table's columns."""
+    from huggingface_hub import ModelCard
+
+    t, o = ModelCard.load(str(theirs)), ModelCard.load(str(ours))
+
+    def sections(card):
+        return [ln for ln in card.text.splitlines() if ln.startswith("##")]
+
+    def hyperparameters(card):
+        part = card.text.split("### Training hyperparameters", 1)[1].split("###", 1)[0]
+        return {ln[2:].split(":")[0] for ln in part.splitlines() if ln.startswith("- ")}
+
+    def table_head(card):
+        return next(ln for ln in card.text.splitlines() if ln.startswith("| Training Loss"))
+
+    assert sections(o) == sections(t)
+    assert set(t.data.to_dict()) <= set(o.data.to_dict()), (t.data.to_dict(), o.data.to_dict())
+    assert hyperparameters(t) <= hyperparameters(o), hyperparameters(t) - hyperparameters(o)
+    assert {c.strip() for c in table_head(t).split("|")} <= {c.strip() for c in table_head(o).split("|")}
 
 
 @pytest.mark.slow
@@ -145,6 +170,7 @@ def test_output_dir_matches_a_real_trainers_files_and_keys(tmp_path):
         assert set(t) <= set(o), (name, set(t) - set(o))
     train = json.loads((run / "train_results.json").read_text())
     assert train["train_samples_per_second"] > 0 and train["train_runtime"] > 0 and train["epoch"] > 0
+    _assert_card_is_trainers(ref / "README.md", run / "README.md")
 
     sc_t, sc_o = _scalars(ref / "runs"), _scalars(run / "tensorboard")
     assert {"train/loss", "train/learning_rate", "train/grad_norm", "eval/loss", "eval/runtime"} <= set(sc_o)

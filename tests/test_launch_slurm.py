@@ -112,3 +112,55 @@ def test_sbatch_a_frozen_rank_ends_the_job(tmp_path, slurm):
     print(f"job ended {time.monotonic() - start:.0f} s after the freeze, exit {code}")
     assert code != 0, log[-5000:]
     assert "node-a" in log or "node-b" in log, log[-5000:]  # srun names the node whose task failed
+
+
+def _job_id(env: dict, proc: subprocess.Popen, tmp_path: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "--name=bert-ds", "-o", "%i"], env=env, capture_output=True, text=True,
+                             timeout=30).stdout.split()
+        if out:
+            return out[0]
+        if proc.poll() is not None:
+            break
+        time.sleep(0.3)
+    _, log = _finish(proc, tmp_path, env, 1)
+    pytest.fail(f"no job in the queue:\n{log[-5000:]}")
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+def test_sbatch_job_signalled_before_its_time_limit_saves_requeues_and_resumes(tmp_path, slurm):
+    """The shipped script's `--signal=USR1@N` and `--requeue`: USR1 delivered to every process of the job's step (what
+    Slurm does N seconds before the time limit; sent here with `scancel --signal=USR1`, the same delivery) stops
+    the ranks after a step with a checkpoint (exit 75, the launchers between srun and the ranks ignore USR1); the
+    script requeues the job, whose next run (SLURM_RESTART_COUNT 1) resumes with --resume and trains to the end."""
+    script = (REPO / "launch" / "slurm_job.sh").read_text()
+    assert "#SBATCH --requeue" in script and "#SBATCH --signal=USR1@" in script
+    env = _job_env(slurm, tmp_path)
+    make_data(tmp_path / "data")
+    run, steps = tmp_path / "run", 60
+    proc = _sbatch(env, tmp_path, "--", "--input_dir", str(tmp_path / "data"), "--run_dir", str(run),
+                   "--max_steps", str(steps), "--progress_bar", "false", "--export_hf", "false")
+    job = _job_id(env, proc, tmp_path, JOB_TIMEOUT)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while len([r for r in _steps(run) if r["type"] == "step"]) < 3:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, log = _finish(proc, tmp_path, env, 1)
+            pytest.fail(f"the job did not start training:\n{log[-5000:]}")
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
+    code, log = _finish(proc, tmp_path, env, 2 * JOB_TIMEOUT)
+    assert code == 0, log[-5000:]
+    records = _steps(run)
+    summaries = [r for r in records if r["type"] == "summary"]
+    # the first run stopped with its checkpoint, the requeued one resumed from it and finished
+    assert summaries[0].get("stopped") and summaries[0]["exit_status"] == 75, summaries
+    stopped_at = summaries[0]["steps"]
+    assert 3 <= stopped_at < steps and summaries[-1]["steps"] == steps and not summaries[-1].get("stopped")
+    assert [r["step"] for r in records if r["type"] == "step"] == list(range(1, steps + 1))  # each step once
+    assert "requeueing job" in log, log[-5000:]

@@ -163,9 +163,9 @@ def hf_model_info(module) -> dict | None:
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return None
-    import transformers
+    from ds_core.checkpoint.pretrained import transformers_class
 
-    cls = next((c.__name__ for c in type(module).__mro__ if getattr(transformers, c.__name__, None) is c), None)
+    cls = transformers_class(module)
     return {"class": cls, "config": config.to_dict()} if cls else None
 
 
@@ -348,11 +348,15 @@ def load(engine, ckpt_root: str | os.PathLike, fingerprint: dict, seed: int = 0,
     return state
 
 
-def export_hf(engine, out_dir: str | os.PathLike) -> Path | None:
+def export_hf(engine, out_dir: str | os.PathLike, extras=None) -> Path | None:
     """Write the model in Hugging Face `save_pretrained` format, gathering ZeRO-3 partitions (collective).
 
-    Written to a temporary directory and renamed, so a partial export never looks like a model. Rank 0 writes.
+    The module's own weights (bf16 under bf16: what the run computed with), written by the writer of every export
+    (ds_core.checkpoint.pretrained.write_pretrained: safetensors, tied weights once, a partial export never under a
+    model file's name). Rank 0 writes.
     """
+    from ds_core.checkpoint.pretrained import write_pretrained
+
     out = Path(out_dir)
     if engine.zero_optimization_stage() == 3:
         # Gathers one module at a time onto rank 0 (what HF Trainer uses for ZeRO-3 saves).
@@ -360,12 +364,7 @@ def export_hf(engine, out_dir: str | os.PathLike) -> Path | None:
     else:
         state_dict = engine.module.state_dict()
     if rank() == 0:
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        engine.module.save_pretrained(str(tmp), state_dict=state_dict)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        write_pretrained(engine.module, state_dict, out, extras=extras)
     barrier()
     return out if rank() == 0 else None
 

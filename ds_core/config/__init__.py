@@ -63,6 +63,11 @@ class TrainConfig:
                                           default=0, aliases=["--save_steps"])
     save_final_checkpoint: bool = arg("Save a checkpoint when training ends.", default=True)
     resume: bool = arg("Resume from the latest complete checkpoint in run_dir/checkpoints.", default=False)
+    # transformers' TrainingArguments.resume_from_checkpoint: `--resume_from_checkpoint` alone is "latest" (nargs ?)
+    resume_from_checkpoint: str = field(default="", metadata={
+        "help": "--resume, as transformers' Trainer spells it: no value, 'latest' or True -> the newest complete "
+                "checkpoint of --run_dir; or a path to it (checkpoint-N, checkpoints/global_stepN, the run directory)",
+        "nargs": "?", "const": "latest"})
     resume_strict: bool = arg("With --resume: refuse a checkpoint that fails verification (its manifest's sizes and "
                               "checksums) instead of falling back to the newest one that verifies.", default=False)
     overwrite_run_dir: bool = arg("Start afresh in a run_dir that holds checkpoints or metrics: its contents are moved "
@@ -226,6 +231,10 @@ def parse_args(types: Sequence[type], argv: Sequence[str] | None = None, descrip
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = settings_parser(types, description, prog)
+    if "--deepspeed" in parser._option_string_actions:  # noqa: SLF001 - DeepSpeed's bare switch beside the alias
+        from ds_core.config.launch_forms import drop_deepspeed_switch
+
+        argv = drop_deepspeed_switch(argv)
     parser.add_argument("--config", default=None, help="JSON file of settings (flat, or sectioned by class name), "
                                                        "or a run directory (its run_config.json); flags given on the "
                                                        "command line override it.")
@@ -458,7 +467,7 @@ def check_ds_keys(cfg: dict, source: str = "DeepSpeed config") -> None:
 
 
 def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, micro_batch: int = 0,
-                   grad_accum: int = 0, zero_stage: int = -1) -> dict:
+                   grad_accum: int = 0, zero_stage: int = -1, source: str = "DeepSpeed config") -> dict:
     """Load, validate and resolve a DeepSpeed JSON for `world_size` data-parallel ranks.
 
     Overrides (micro_batch, grad_accum > 0; zero_stage >= 0) replace the JSON's values. A JSON that fixes the global
@@ -467,7 +476,7 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
     overridden, train_batch_size is re-derived rather than kept, so the override cannot conflict.
     """
     if isinstance(path_or_dict, dict):
-        cfg, source = json.loads(json.dumps(path_or_dict)), "DeepSpeed config"
+        cfg = json.loads(json.dumps(path_or_dict))  # `source` names where it came from
     else:
         cfg, source = read_ds_json(path_or_dict), f"DeepSpeed config {resolve_ds_path(path_or_dict)}"
     check_ds_keys(cfg, source)
@@ -496,13 +505,16 @@ def load_ds_config(path_or_dict: str | os.PathLike | dict, world_size: int, *, m
     return cfg
 
 
-def ds_config_for(cfg: TrainConfig, world_size: int, accelerator: str | None = None) -> dict:
-    """The resolved DeepSpeed config of a run: its JSON plus the TrainConfig overrides, its bf16 section switched to
-    the dtype TrainConfig.precision resolves to on `accelerator` (default: the one DeepSpeed finds)."""
-    ds = load_ds_config(cfg.deepspeed_config, world_size, micro_batch=cfg.micro_batch_size,
-                        grad_accum=cfg.gradient_accumulation_steps, zero_stage=cfg.zero_stage)
-    return resolve_ds_precision(ds, cfg.precision, accelerator,
-                                source=f"DeepSpeed config {resolve_ds_path(cfg.deepspeed_config)}")
+def ds_config_for(cfg: TrainConfig, world_size: int, accelerator: str | None = None,
+                  ds_json: dict | None = None) -> dict:
+    """The resolved DeepSpeed config of a run: its JSON (as given, or `ds_json`: the file with its "auto" values
+    filled, ds_core.config.trainer_json) plus the TrainConfig overrides, its bf16 section switched to the dtype
+    TrainConfig.precision resolves to on `accelerator` (default: the one DeepSpeed finds)."""
+    source = f"DeepSpeed config {resolve_ds_path(cfg.deepspeed_config)}"
+    ds = load_ds_config(cfg.deepspeed_config if ds_json is None else ds_json, world_size,
+                        micro_batch=cfg.micro_batch_size, grad_accum=cfg.gradient_accumulation_steps,
+                        zero_stage=cfg.zero_stage, source=source)
+    return resolve_ds_precision(ds, cfg.precision, accelerator, source=source)
 
 
 def resolve_ds_precision(ds: dict, precision: str, accelerator: str | None = None,

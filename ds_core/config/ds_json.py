@@ -239,12 +239,15 @@ def check_before_spawn(path: str | os.PathLike, world_size: int | None = None) -
     with the same DeepSpeed and checker is not parsed by DeepSpeed again (a verdict file per content hash): importing
     deepspeed costs a starter seconds per launch. Raises ConfigError naming the file."""
     from ds_core.config import check_batch_arithmetic, check_ds_keys, check_ds_values, read_ds_json, resolve_ds_path
+    from ds_core.config.trainer_json import auto_keys, probe
 
-    cfg = read_ds_json(path)
+    raw = read_ds_json(path)
     source = f"DeepSpeed config {resolve_ds_path(path)}"
-    check_ds_keys(cfg, source)
+    check_ds_keys(raw, source)
+    cfg = probe(raw, source)  # a Trainer-style JSON: its "auto"s are the flags', which the ranks fill
     check_ds_values(cfg, source)
-    if world_size:
+    if world_size and not set(auto_keys(raw)) & {"train_batch_size", "train_micro_batch_size_per_gpu",
+                                                 "gradient_accumulation_steps"}:
         check_batch_arithmetic(cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu"),
                                cfg.get("gradient_accumulation_steps"), world_size, source)
     verdict = _verdict_dir() / _verdict_key(cfg)
@@ -259,30 +262,81 @@ def check_before_spawn(path: str | os.PathLike, world_size: int | None = None) -
 
 
 def ds_config_in(args: Sequence[str]) -> str:
-    """The value of `--deepspeed_config X` / `--deepspeed_config=X` in a training module's arguments ('' if none)."""
+    """The DeepSpeed JSON a training module's arguments name ('' if none): `--deepspeed_config X`, or transformers'
+    `--deepspeed X` (not DeepSpeed's bare `--deepspeed` switch, which a flag or nothing follows)."""
     for i, a in enumerate(args):
-        if a == "--deepspeed_config" and i + 1 < len(args):
+        if a in ("--deepspeed_config", "--deepspeed") and i + 1 < len(args) and not args[i + 1].startswith("-"):
             return args[i + 1]
-        if a.startswith("--deepspeed_config="):
+        if a.startswith(("--deepspeed_config=", "--deepspeed=")):
             return a.split("=", 1)[1]
     return ""
 
 
-def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | None) -> None:
+def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | None, cfg: dict | None = None,
+                  why_in_code: str = "") -> None:
     """Before distributed init (the world size, hence the batch arithmetic, comes later in load_ds_config): the JSON
     reads, its values pass check_ds_values, and the optimizer is built either in code or from the JSON's "optimizer"
     section, never both and never neither (ds_core.rank.engine.build_engine checks the same, but only after init and
     model build). optimizer_in_code None: the model takes either (BridgeTower builds AdamW in code when the JSON
-    has no "optimizer"), so only the values are checked."""
-    cfg = read_ds_json(ds_config_path)
+    has no "optimizer"), so only the values are checked; True: the LR schedule is built in code too, and a
+    "scheduler" section is refused as well, with why_in_code as the reason. cfg: the JSON as the run fills it
+    (ds_core.config.trainer_json), else the file's."""
+    from ds_core.config.trainer_json import probe
+
     source = f"DeepSpeed config {resolve_ds_path(ds_config_path)}"
+    cfg = read_ds_json(ds_config_path) if cfg is None else cfg
     check_ds_keys(cfg, source)
+    cfg = probe(cfg, source)  # what the flags fill later (the scheduler's steps) given a stand-in value
     check_ds_values(cfg, source)
     check_with_deepspeed(cfg, source)  # every nested key, by DeepSpeed's classes (the rank imports deepspeed anyway)
     if optimizer_in_code is None:
+        check_offload(cfg, source, optimizer_in_code, why_in_code)
         return
+    why = f" ({why_in_code})" if why_in_code else ""
     if optimizer_in_code and "optimizer" in cfg:
-        raise ConfigError(f"{source} has an \"optimizer\" section, but this model builds its optimizer in code: use "
-                          f"a DeepSpeed JSON without \"optimizer\" (the model's optimizer flags set it)")
+        raise ConfigError(f"{source} has an \"optimizer\" section, but this model builds its optimizer in code{why}: "
+                          f"use a DeepSpeed JSON without \"optimizer\" (the model's optimizer flags set it)")
+    if optimizer_in_code and "scheduler" in cfg:
+        raise ConfigError(f"{source} has a \"scheduler\" section, but this model builds its LR schedule in code{why}: "
+                          f"use a DeepSpeed JSON without \"scheduler\" (--lr_scheduler_type and the warm-up flags set "
+                          f"it)")
     if not optimizer_in_code and "optimizer" not in cfg:
         raise ConfigError(f"{source} has no \"optimizer\" section and this model builds none in code: add one")
+    check_offload(cfg, source, optimizer_in_code, why_in_code)
+
+
+# DeepSpeed's op builder each offload device needs (the CPU Adam that steps an offloaded optimizer; NVMe's async I/O)
+_OFFLOAD_OPS = {"cpu": ("CPUAdamBuilder",), "nvme": ("CPUAdamBuilder", "AsyncIOBuilder")}
+
+
+def check_offload(cfg: dict, source: str, optimizer_in_code: bool | None, why_in_code: str = "") -> None:
+    """ZeRO's optimizer offload, refused in one line before any rank starts where it cannot run: DeepSpeed steps an
+    offloaded optimizer in its own CPU Adam (DeepSpeedCPUAdam, from the JSON's "optimizer" section; an optimizer
+    built in code is refused by deepspeed.initialize), and the accelerator must have that op (and, for NVMe, async
+    I/O): asked of the installed DeepSpeed's accelerator, whose op builders say what it can build."""
+    zero = cfg.get("zero_optimization") or {}
+    device = str(((zero.get("offload_optimizer") or {}).get("device")) or "none").lower()
+    if device not in _OFFLOAD_OPS:
+        return
+    key = f"zero_optimization.offload_optimizer.device = {device!r}"
+    if optimizer_in_code or "optimizer" not in cfg:
+        why = f" ({why_in_code})" if optimizer_in_code and why_in_code else ""
+        raise ConfigError(f"{source}: {key}: DeepSpeed steps an offloaded optimizer in its own CPU Adam, built from "
+                          f"the JSON's \"optimizer\" section, and this run's optimizer is built in code{why}: remove "
+                          f"offload_optimizer" + ("" if optimizer_in_code else " or add an \"optimizer\" section "
+                                                  "(AdamW / Adam)"))
+    opt_type = str((cfg.get("optimizer") or {}).get("type", "")).lower()
+    if opt_type not in ("adam", "adamw", "cpuadam"):
+        raise ConfigError(f"{source}: {key} with optimizer.type {opt_type!r}: DeepSpeed's optimizer offload steps "
+                          f"Adam / AdamW only (DeepSpeedCPUAdam): remove offload_optimizer or use AdamW")
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    for op in _OFFLOAD_OPS[device]:
+        try:
+            builder = accel.create_op_builder(op)
+        except (AttributeError, KeyError, ValueError, ImportError):
+            builder = None
+        if builder is None:
+            raise ConfigError(f"{source}: {key}: the {accel.device_name()} accelerator of the installed DeepSpeed has "
+                              f"no {op} (the op an offloaded optimizer needs): remove offload_optimizer")

@@ -10,16 +10,14 @@ metrics.jsonl (optimum-habana's --throughput_warmup_steps semantics).
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ds_core.compat.hf import set_config_dtype
+from ds_core.checkpoint.pretrained import write_pretrained
 from ds_core.files import atomic_write_text
 
 # summary record key -> our name in train_results.json (the post-warm-up window; Trainer's keys:
@@ -119,27 +117,13 @@ def save_model(engine, out_dir: str | os.PathLike, *, frozen: dict[str, torch.Te
                extras: Callable[[Path], None] | None = None) -> Path | None:
     """Trainer.save_model for a DeepSpeed engine: save_pretrained of the fp32 master weights (collective).
 
-    Rank 0 writes into a temporary sibling directory (`extras(tmp)` adds tokenizer / processor files) and renames
-    each file into out_dir, which may already hold other files of the run: a partial write never sits under a model
-    file's name, and files of the run are not touched."""
+    Rank 0 writes (ds_core.checkpoint.pretrained.write_pretrained, the writer of every export; `extras(tmp)` adds
+    tokenizer / processor files and the model card): a partial write never sits under a model file's name, and files
+    of the run already in out_dir are not touched."""
     state = fp32_state_dict(engine, frozen)
     out = Path(out_dir)
     if state is not None:
-        tmp = out.parent / f".{out.name}.model.tmp.{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        engine.module.save_pretrained(str(tmp), state_dict=state)
-        # save_pretrained records the module's dtype (bf16 under DeepSpeed bf16) in config.json, and from_pretrained
-        # ("auto" dtype) would load these fp32 weights back in bf16: the config must say what the file holds, under
-        # the name this transformers reads (ds_core.compat.hf: `dtype`, or `torch_dtype` before 4.56)
-        config = copy.deepcopy(engine.module.config)
-        set_config_dtype(config, "float32")
-        config.save_pretrained(str(tmp))
-        if extras is not None:
-            extras(tmp)
-        out.mkdir(parents=True, exist_ok=True)
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-        tmp.rmdir()
+        write_pretrained(engine.module, state, out, extras=extras)  # fp32 masters: the config says float32
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return out if state is not None else None

@@ -11,7 +11,9 @@ rank can pass distributed init before rank 0 joins it. ds_core.run.setup.start_r
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import time
 from pathlib import Path
 
@@ -86,3 +88,40 @@ def prepare_run_dir(cfg: TrainConfig, rank: int | None = None) -> Path | None:
     lock.release()
     log.say(f"--overwrite_run_dir: moved the earlier run in {cfg.run_dir} to {dest}", every_rank=True)
     return dest
+
+
+_LATEST = ("latest", "true", "True", "1")
+_NOT_GIVEN = ("", "false", "False", "0")
+_CKPT_NAME = re.compile(r"(?:checkpoint-|global_step)(\d+)")
+
+
+def resume_from_checkpoint(train: TrainConfig) -> TrainConfig:
+    """transformers' --resume_from_checkpoint [PATH] as --resume: no value, latest or True: the newest complete
+    checkpoint; PATH may be the run directory, its checkpoint-N link or checkpoints/global_stepN, and must be the
+    newest complete checkpoint (the one --resume continues from: an older one would be overwritten by the run)."""
+    from ds_core import checkpoint as ckpt
+    from ds_core.errors import InputNotFound
+
+    given = train.resume_from_checkpoint
+    if given in _NOT_GIVEN:
+        return train
+    if given not in _LATEST:
+        run_dir, path = Path(train.run_dir).resolve(), Path(given).expanduser()
+        if not path.exists():
+            raise InputNotFound(f"--resume_from_checkpoint {given}: no such checkpoint")
+        real = path.resolve()
+        if real != run_dir:
+            m = _CKPT_NAME.fullmatch(real.name)
+            if m is None or real.parent not in (run_dir, run_dir / "checkpoints"):
+                raise ConfigError(f"--resume_from_checkpoint {given}: not a checkpoint of --output_dir (--run_dir) "
+                                  f"{run_dir} (expected {run_dir}/checkpoint-N or {run_dir}/checkpoints/global_stepN); "
+                                  "a run continues only its own checkpoints: pass that run's directory as --run_dir")
+            latest = ckpt.latest_tag(run_dir / "checkpoints")
+            if latest != f"global_step{m.group(1)}":
+                raise ConfigError(f"--resume_from_checkpoint {given}: step {m.group(1)} is not the newest complete "
+                                  f"checkpoint of {run_dir} ({latest}); resuming an older one would overwrite newer "
+                                  "ones: move them aside first")
+    if train.overwrite_run_dir:
+        raise ConfigError("--resume_from_checkpoint with --overwrite_output_dir: pick one (overwrite moves the run "
+                          "and its checkpoints aside)")
+    return dataclasses.replace(train, resume=True)
