@@ -1,43 +1,18 @@
-# Two commands for a fresh machine: `make demo` and `make test`. Both create .venv on first use.
-# Versions come from the support matrix, stacks/<stack>.txt (docs/gaudi.md): set-up installs with that file's pins as
-# pip constraints (tools/stacks.py), so a fresh install is what CI tested. STACK=auto picks the stack whose DeepSpeed
-# and transformers the Python already has (a Gaudi image: stacks/gaudi-<release>.txt), else stacks/latest.txt.
-# torch is installed (the stack's, the CPU build here) only when no torch is importable: on a Gaudi or GPU machine
-# the venv is made with --system-site-packages so it sees the torch that is already installed and keeps it; where
-# $(PYTHON) is itself a venv (torch in its own site-packages), tools/parent_site.py makes .venv see that venv too.
-# An image's torch, DeepSpeed and transformers are never replaced (pinned to the installed versions).
+# Two commands for a fresh machine: `make demo` and `make test`. Both create .venv on first use (`make setup`:
+# tools/setup_venv.py, whose docstring lists its steps; docs/install.md says what it installs and keeps, and why).
 PYTHON ?= python3
 VENV   ?= .venv
 STACK  ?= auto
-CONSTRAINTS := $(VENV)/constraints.txt
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip
 EXTRAS ?= mpi,test
 STAMP  := $(VENV)/.installed
 # One torch JIT extension cache per venv (DeepSpeed's CPU shm op): torch's default ~/.cache/torch_extensions is shared
 # by every checkout, each of which rebuilds the op (40-50 s) when another built it last. A value you set wins.
 export TORCH_EXTENSIONS_DIR ?= $(or $(realpath $(VENV)),$(abspath $(VENV)))/torch_extensions
-# Set-up ends by building DeepSpeed's ops the runs load into that cache (python -m ds_tools.build_ops: on a CPU the shm
-# collectives and FusedAdam, ~3 min on 2 cores; on CUDA FusedAdam): a first run loads them instead of compiling inside
-# its start. BUILD_OPS=0 leaves them to the first run; an op that cannot be built is said and is no set-up failure.
+# Set-up ends by building DeepSpeed's ops the runs load into that cache; BUILD_OPS=0 leaves them to the first run.
 BUILD_OPS ?= 1
-# Offline install (docs/cluster.md "Installing on an air-gapped cluster"): `make setup WHEELHOUSE=dir` installs every
-# wheel of dir (built by `make wheelhouse`) from its requirements.txt with pip --no-index --require-hashes (each wheel
-# checked against the sha256 recorded when the wheelhouse was built), then the toolkit itself, editable, with
-# --no-deps (its requirements are what that install put there); pip is then not upgraded and torch must already be
-# there.
+# Offline install (docs/install.md): `make setup WHEELHOUSE=dir` installs from dir alone (built by `make wheelhouse`).
 WHEELHOUSE ?=
-WHEELS_DIR := $(if $(WHEELHOUSE),$(abspath $(WHEELHOUSE)),)
-HASHED := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELS_DIR) --require-hashes -r $(WHEELS_DIR)/requirements.txt,)
-PIP_SRC := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELS_DIR) --no-deps,)
-# Offline, the editable install is built without pip's isolated build environment when the venv has the build
-# backend (setuptools>=68 with PEP 660 editables, and wheel), which the hashed install puts there from the wheelhouse:
-# an isolated build would take them from the wheelhouse again, unchecked.
-BUILD_OK := import setuptools, wheel; assert int(setuptools.__version__.split('.')[0]) >= 68
-NO_ISOLATION := $(if $(WHEELHOUSE),$$($(PY) -c "$(BUILD_OK)" >/dev/null 2>&1 && echo --no-build-isolation),)
-# A venv $(PYTHON) with pip: .venv takes pip, setuptools and wheel from it (through tools/parent_site.py) rather than
-# from ensurepip, whose bundled setuptools (65 on Python 3.11) would shadow the env's newer one.
-OWN_PIP := import sys, pip; print('--without-pip' if sys.prefix != sys.base_prefix else '')
 PY_VER   ?= 3.12
 PLATFORM ?= manylinux_2_28_x86_64
 BASE     ?= tools/base/cuda_image.txt
@@ -51,32 +26,8 @@ WHEELHOUSE_MAX_MB ?= 0
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml $(wildcard stacks/*.txt)
-	@if [ ! -x $(PY) ]; then \
-	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
-	    echo "[setup] torch found in $(PYTHON): creating $(VENV) with --system-site-packages to keep it"; \
-	    $(PYTHON) -m venv --system-site-packages $$($(PYTHON) -c "$(OWN_PIP)" 2>/dev/null) $(VENV) && \
-	      $(PYTHON) tools/parent_site.py $(VENV) || exit 1; \
-	  else \
-	    $(PYTHON) -m venv $(VENV); \
-	  fi; \
-	fi
-	@if [ -z "$(WHEELHOUSE)" ]; then $(PIP) install -q --upgrade pip; fi
-	$(PY) tools/stacks.py constraints --stack $(STACK) --out $(CONSTRAINTS)
-	@if ! $(PY) -c "import torch" >/dev/null 2>&1; then \
-	  if [ -n "$(WHEELHOUSE)" ]; then echo "[setup] no torch importable and a wheelhouse never carries torch: install the target's torch build first" >&2; exit 1; fi; \
-	  echo "[setup] no torch importable: installing $$(grep '^torch==' $(CONSTRAINTS))"; \
-	  $(PIP) install -q -c $(CONSTRAINTS) torch; \
-	else \
-	  echo "[setup] keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
-	fi
-	@if [ -n "$(WHEELHOUSE)" ]; then $(PIP) install -q $(HASHED); fi
-	$(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
-	@if $(PY) -c "import habana_frameworks" >/dev/null 2>&1; then \
-	  $(PIP) install -q $(PIP_SRC) $(NO_ISOLATION) -c $(CONSTRAINTS) -e ".[hpu]"; fi
-	$(PY) tools/venv_scripts.py $(VENV)
-	$(PY) -c "import ds_core, ds_tools, bert_ref, bridgetower_ds, launch; print('[setup] ok')"
-	@if [ "$(BUILD_OPS)" != 0 ]; then $(PY) -m ds_tools.build_ops; fi
-	@touch $(STAMP)
+	$(PYTHON) tools/setup_venv.py --venv $(VENV) --stack $(STACK) --extras $(EXTRAS) --build_ops $(BUILD_OPS)$(if \
+	  $(WHEELHOUSE), --wheelhouse $(WHEELHOUSE))
 
 demo: $(STAMP)
 	$(PY) -m bert_ref.demo --out demo_out
@@ -99,7 +50,7 @@ test-stack: $(STAMP)
 
 # A Gaudi lane (docs/gaudi.md), as a Gaudi user installs: a venv that plays the image's Python (GAUDI_IMAGE: the
 # `# image` packages of stacks/gaudi-$(GAUDI).txt on the stack's Python version, DeepSpeed from Habana's fork at
-# HABANA_DS, its source tree or release archive; reused while neither changed), the README's `make setup PYTHON=<it>`
+# HABANA_DS, its source tree or release archive; reused while neither changed), `make setup PYTHON=<it>`
 # into GAUDI_VENV (it keeps the image's torch, DeepSpeed and transformers), then `make test-stack` there. GAUDI: the
 # Intel Gaudi software release (1.23: Gaudi 2/3; 1.21: the last for first-gen Gaudi, AWS DL1):
 #   make test-gaudi GAUDI=1.21 HABANA_DS=path/to/habana-deepspeed-1.21.0.tar.gz
@@ -114,7 +65,7 @@ gaudi-image:
 	$(PYTHON) tools/stacks.py image --stack gaudi-$(GAUDI) --fork "$(HABANA_DS)" --venv $(GAUDI_IMAGE)
 GAUDI_ARGS   = PYTHON=$(abspath $(GAUDI_IMAGE))/bin/python VENV=$(GAUDI_VENV) STACK=gaudi-$(GAUDI) EXTRAS=$(EXTRAS) \
 	       TORCH_EXTENSIONS_DIR=$(abspath $(GAUDI_VENV))/torch_extensions
-# the lane's set-up alone: the image venv, then the README's set-up from it
+# the lane's set-up alone: the image venv, then `make setup` from it
 gaudi-setup: gaudi-image
 	$(MAKE) setup $(GAUDI_ARGS)
 test-gaudi: gaudi-setup

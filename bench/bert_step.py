@@ -1,4 +1,4 @@
-"""BERT training-step benchmark: our step (bert_ref + ds_core.run.loop) against transformers' Trainer, in one run.
+"""BERT training-step benchmark: our step (bert_ref + ds_core.run.trainer) against transformers' Trainer, in one run.
 
 1. step_ratio: the recipe's DeepSpeed JSON for both (recipe_ds_config: ZeRO-1, bf16 with fp32 accumulation), the same
    BertForPreTraining-shaped BERT-Large slice (hidden 1024, 16 heads, 4 layers, seq 128, vocab 30528), the same

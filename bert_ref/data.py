@@ -223,7 +223,7 @@ def files_fingerprint(sizes: dict[str, int]) -> str:
 
 # ------------------------------------------------------------------------------------------------ the source
 class PretrainingData:
-    """Per-rank BERT pretraining batches (implements ds_core.run.loop.DataSource).
+    """Per-rank BERT pretraining batches (implements ds_core.run.data.DataSource).
 
     Yields dicts of int64 CPU tensors: input_ids, token_type_ids, attention_mask, labels [B, L] and
     next_sentence_label [B]. Every rank yields `len(self)` batches per epoch.

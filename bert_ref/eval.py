@@ -25,9 +25,9 @@ from bert_ref.shards import inspect_shards, list_test_shards
 from bert_ref.step import forward
 from ds_core.device import hpu
 from ds_core.errors import ConfigError
-from ds_core.run.components import EvalTask, Evaluation
-from ds_core.run.loop import EvalFn, step_marker, to_device
+from ds_core.run.evaluation import EvalFn, EvalTask, Evaluation
 from ds_core.run.setup import Run
+from ds_core.run.step import step_marker, to_device
 
 
 def eval_ranges(sizes: list[int], rank: int, world_size: int) -> list[tuple[int, int, int]]:

@@ -10,7 +10,7 @@ from bert_ref.data import IGNORE_INDEX
 from ds_core.compat.hf import padding_mask
 from ds_core.errors import ConfigError
 from ds_core.rank.compile import compile_backend
-from ds_core.run.loop import StepOutput, to_device
+from ds_core.run.step import StepOutput, to_device
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 

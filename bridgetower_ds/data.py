@@ -35,7 +35,7 @@ import torch
 
 from ds_core.errors import ConfigError, InputNotFound
 from ds_core.outputs.sample_log import SampleLog
-from ds_core.run.loop import pin_batches
+from ds_core.run.step import pin_batches
 
 from .batching import MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length, resume_window
 from .configs import DataArgs
@@ -264,7 +264,7 @@ def select_split(args: DataArgs, split: str, tables: dict[str, CaptionTable] | N
 
 # ---------------------------------------------------------------------------------------------------- data source
 class CaptionData:
-    """ds_core.run.loop.DataSource over one split for one rank; yields BatchAssembler's batch dicts on `device`.
+    """ds_core.run.data.DataSource over one split for one rank; yields BatchAssembler's batch dicts on `device`.
 
     The rows come from a `BatchPlan` (train: shuffled, equal share per rank, a last one-row batch dropped; eval:
     batch c on rank c mod W). Bad images are dropped (a batch may be smaller). In training, a batch left with fewer

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as torch_dist
 
 from ds_core.device import hpu
-from ds_core.run.components import EvalTask, Evaluation
-from ds_core.run.loop import step_marker
+from ds_core.run.evaluation import EvalTask, Evaluation
+from ds_core.run.step import step_marker
 
 from .batching import MIN_CONTRASTIVE_ROWS
 from .configs import RunArgs

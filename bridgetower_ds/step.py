@@ -1,7 +1,8 @@
-"""The training step: batch -> BridgeTower contrastive loss and counts (ds_core.run.loop does backward/step/timing)."""
+"""The training step: batch -> BridgeTower contrastive loss and counts (ds_core.run.trainer does backward, step and
+timing)."""
 from __future__ import annotations
 
-from ds_core.run.loop import StepOutput
+from ds_core.run.step import StepOutput
 
 # What the model reads of a batch; the rest (index, caption_tokens, pixel_mask) is bookkeeping that stays where it is.
 MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values")

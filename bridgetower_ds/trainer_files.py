@@ -17,7 +17,7 @@ from typing import Any
 from ds_core.files import atomic_write_bytes
 from ds_core.outputs import hf_trainer, monitors
 from ds_core.outputs.results import save_metrics, train_metrics
-from ds_core.run.components import Callback
+from ds_core.run.callbacks import Callback
 from ds_core.run.setup import Run
 
 ARGS_NAME = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME

@@ -139,7 +139,8 @@ def use_cache_dir(cache_dir: str) -> None:
 
 def steps_per_epoch(micro_batches_per_epoch: int, grad_accum: int) -> int:
     """Optimizer steps of one epoch, for --eval_strategy / --save_strategy epoch (accumulation carries across an
-    epoch's end in ds_core.run.loop, so with a remainder an "epoch" event lands on the nearest step before its end)."""
+    epoch's end in ds_core.run.trainer, so with a remainder an "epoch" event lands on the nearest step before its
+    end)."""
     return max(1, micro_batches_per_epoch // max(1, grad_accum))
 
 

@@ -7,7 +7,7 @@ the rename keep working, and `--help` shows the underscore form first. No parser
 Bad input (a config field, a hostfile line, a missing user path) ends a command with `<prog>: error: <message>` on
 stderr and exit status 2 (USAGE_ERROR): the same line and status argparse gives for a bad flag, so a script or a
 batch system sees one kind of "you asked for something impossible". Other statuses keep their meaning (1: a check
-found problems; ds_core.run.loop.EXIT_STOPPED: a run stopped on request). Only the error types a command names are
+found problems; ds_core.run.stop.EXIT_STOPPED: a run stopped on request). Only the error types a command names are
 caught: anything else is a bug and keeps its traceback. A reader of stdout that leaves early (`ds-tune ... | head`)
 ends the command quietly, as it ends a command killed by SIGPIPE (status 141), not with a BrokenPipeError traceback.
 

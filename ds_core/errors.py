@@ -12,8 +12,8 @@ class InputNotFound(ConfigError, FileNotFoundError):
 
 
 class RunVerdict(RuntimeError):
-    """A verdict that ends the run, the same on every rank (a diverged run: ds_core.run.loop.TrainingDiverged): said in
-    one line, once per job, and the process exits with `status` (ds_core.rank.process_end.run_main), not a traceback per
-    rank."""
+    """A verdict that ends the run, the same on every rank (a diverged run: ds_core.run.divergence.TrainingDiverged):
+    said in one line, once per job, and the process exits with `status` (ds_core.rank.process_end.run_main), not a
+    traceback per rank."""
 
     status = 1

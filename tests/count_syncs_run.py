@@ -6,7 +6,7 @@ tests/test_step_syncs.py.
 Counted from the first optimizer step to the last: aten::_local_scalar_dense (`.item()`, `float(t)`, `bool(t)`, seen
 by ds_tools.op_count.OpCounter) and Tensor.tolist() / Tensor.numpy() (on the CPU they read memory without an aten op).
 Step k's window runs from the end of the loop's handling of step k - 1 to the end of its handling of step k. Each
-read is listed with its site (innermost frame outside torch/); the loop's deferred reads (ds_core.run.loop
+read is listed with its site (innermost frame outside torch/); the loop's deferred reads (ds_core.run.readback
 PendingStep.read) also say which step's values they read, to tell a read of an earlier step (its work is done: on an
 accelerator the device is already busy with the next step) from a stall."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     out_path = [a for a in sys.argv[1:cut] if not a.startswith("--local_rank")][0]  # the launcher adds --local_rank
     rest = sys.argv[cut + 1:]
     from bert_ref import train
-    from ds_core.run import loop, trainer
+    from ds_core.run import readback, trainer
 
     counter = OpCounter(where=True)
     state = {"step": 0, "reads": [], "steps": {}, "lagged": []}
@@ -51,7 +51,7 @@ def main() -> None:
     _active: list = []
     for name in ("tolist", "numpy"):
         setattr(torch.Tensor, name, host_read(name))
-    pending_cls = getattr(loop, "PendingStep", None)
+    pending_cls = getattr(readback, "PendingStep", None)
     if pending_cls is not None:
         orig_read = pending_cls.read
 
@@ -60,7 +60,7 @@ def main() -> None:
             return orig_read(self)
         pending_cls.read = read
 
-    orig_after, orig_epochs = trainer.Trainer._after_optimizer_step, trainer.Trainer._run_epochs
+    orig_after, orig_batches = trainer.Trainer._after_optimizer_step, trainer.Trainer._micro_batches
 
     def after(self, *a, **k):
         try:
@@ -72,15 +72,15 @@ def main() -> None:
             state["reads"] = []
             state["step"] = self.step
 
-    def epochs(self):
+    def batches(self):  # counting while the loop runs: from its first next(batch) until it breaks or ends
         with counter:
             _active.append(counter)
             try:
-                return orig_epochs(self)
+                yield from orig_batches(self)
             finally:
                 _active.clear()
 
-    trainer.Trainer._after_optimizer_step, trainer.Trainer._run_epochs = after, epochs
+    trainer.Trainer._after_optimizer_step, trainer.Trainer._micro_batches = after, batches
     sys.argv = [sys.argv[0], *rest]
     try:
         train.main()

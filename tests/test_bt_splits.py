@@ -150,7 +150,7 @@ def test_carving_sizes_follow_datasets_rounding():
 def _two_rank_counts(rank: int, world: int, port: int, path, q) -> None:
     import torch.distributed as dist
 
-    from ds_core.run.loop import reduce_summary_stats
+    from ds_core.run.data import reduce_summary_stats
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dist_env, run_deepspeed
-from ds_core.run.loop import EXIT_STOPPED
+from ds_core.run.stop import EXIT_STOPPED
 
 pytestmark = pytest.mark.stack  # Trainer's files and a resume, on every stack
 

@@ -498,3 +498,36 @@ def test_the_published_scaling_table_is_what_the_report_prints(capsys):
     for row in doc_rows:
         assert row.rstrip(" |") in printed, row
     assert "What grew" not in printed  # published numbers have no phase timing: no rows of zeros
+
+
+LAYOUT_PATH = re.compile(r"^[\w-]+(?:/[\w-]+)*(?:\.py|/)$")  # a file or folder named in docs/layout.md
+
+
+def test_the_layout_page_names_every_folder_and_no_file_that_is_gone():
+    """docs/layout.md, the one description of the layout: every tracked top-level folder and every room of ds_core
+    has its row, and every file or folder it names is there (in its row's folder, the repository or ds_core)."""
+    import subprocess
+
+    text = (REPO / "docs" / "layout.md").read_text()
+    rows: dict[str, dict[str, Path]] = {"## The folders": {}, "## The rooms of ds_core": {}}
+    section, missing = "", []
+    for line in text.splitlines():
+        if line.startswith("## "):
+            section = line.strip()
+            continue
+        names = re.findall(r"`([^`]+)`", line)
+        base = REPO
+        if section in rows and line.startswith("| `"):
+            first = re.findall(r"`([^`]+)`", line.split("|")[1])
+            base = REPO / first[0] if section == "## The folders" else REPO / "ds_core" / (
+                first[0] if first[0].endswith("/") else "")
+            rows[section].update((name, base) for name in first)
+        for name in filter(LAYOUT_PATH.match, names):
+            if not any((b / name).exists() for b in (base, REPO, REPO / "ds_core")):
+                missing.append(f"{section or 'top'}: {name}")
+    assert not missing, f"docs/layout.md names what is not there: {missing}"
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    folders = {f.split("/")[0] + "/" for f in tracked.splitlines() if "/" in f and not f.startswith(".")}
+    assert folders <= set(rows["## The folders"]), folders - set(rows["## The folders"])
+    room_dirs = {p.parent.name + "/" for p in (REPO / "ds_core").glob("*/__init__.py")}
+    assert room_dirs <= set(rows["## The rooms of ds_core"]), room_dirs - set(rows["## The rooms of ds_core"])

@@ -12,8 +12,8 @@ import torch
 from conftest import REPO, dist_env, run_deepspeed
 from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig
-from ds_core.run.loop import EXIT_STOPPED
 from ds_core.run.run_dir import RunDirInUse, prepare_run_dir, previous_run
+from ds_core.run.stop import EXIT_STOPPED
 from test_ds_core_train import SCRIPT, ds_json, losses, records
 
 pytestmark = pytest.mark.stack  # kill -9 during a save and an exact resume, on every stack

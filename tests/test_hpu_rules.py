@@ -81,34 +81,34 @@ def test_counts_stay_exact_in_float32_sums_over_ranks():
 def test_the_loops_step_vector_is_float32_on_hpu_with_exact_counts(monkeypatch):
     """The loop's one all-reduce per step carries losses, logs, counts and the stop flag: float64 on a CPU, float32
     on an HPU (HCCL's dtype), where tokens past 2**24 still come back exact and the losses as float32 sums."""
-    from ds_core.run import loop
+    from ds_core.run import readback, step
 
-    outs = [loop.StepOutput(loss=torch.tensor(2.5), samples=4096, tokens=2**24 + 3, logs={"mlm": torch.tensor(1.25),
+    outs = [step.StepOutput(loss=torch.tensor(2.5), samples=4096, tokens=2**24 + 3, logs={"mlm": torch.tensor(1.25),
                                                                                           "host": 0.5}),
-            loop.StepOutput(loss=torch.tensor(1.5), samples=4096, tokens=2**24 + 1, logs={"mlm": torch.tensor(0.75),
+            step.StepOutput(loss=torch.tensor(1.5), samples=4096, tokens=2**24 + 1, logs={"mlm": torch.tensor(0.75),
                                                                                           "host": 1.5})]
     real = hpu.sum_dtype
     for device_type, dtype in (("cpu", torch.float64), ("hpu", torch.float32)):
-        monkeypatch.setattr(loop.hpu, "sum_dtype", lambda t, _as=device_type: real(_as))  # the rule, as on that device
-        acc = loop.Accumulator(torch.device("cpu"))
+        monkeypatch.setattr(step.hpu, "sum_dtype", lambda t, _as=device_type: real(_as))  # the rule, as on that device
+        acc = step.Accumulator(torch.device("cpu"))
         for out in outs:
             acc.add(out)
         acc.stop = True
         vec, keys = acc.reduce(world_size=8)
         assert vec.dtype == dtype and vec.dtype in (hpu.HCCL_DTYPES if device_type == "hpu" else (torch.float64,))
-        norm = loop._norm_part(torch.tensor(3.0), vec)  # the gradient norm joins in the same dtype
+        norm = step._norm_part(torch.tensor(3.0), vec)  # the gradient norm joins in the same dtype
         assert norm[0].dtype == dtype
-        r = loop.PendingStep(torch.cat([vec] + norm), keys, 0.1, False, True).read()
+        r = readback.PendingStep(torch.cat([vec] + norm), keys, 0.1, False, True).read()
         assert (r.samples, r.tokens, r.stop) == (8192, 2**25 + 4, True)
         assert r.loss == 2.0 and r.logs == {"host": 1.0, "mlm": 1.0} and r.grad_norm == 3.0
 
 
 def test_batches_are_pinned_and_graphs_marked_where_habana_says():
-    from ds_core.run import loop
+    from ds_core.run import step
 
-    assert loop.pin_batches(torch.device("hpu")) and loop.pin_batches(torch.device("cuda"))
-    assert not loop.pin_batches(torch.device("cpu"))
-    assert loop.step_marker(torch.device("cpu")) is None  # eager CPU: nothing to cut
+    assert step.pin_batches(torch.device("hpu")) and step.pin_batches(torch.device("cuda"))
+    assert not step.pin_batches(torch.device("cpu"))
+    assert step.step_marker(torch.device("cpu")) is None  # eager CPU: nothing to cut
 
 
 # ------------------------------------------------------------------------------------------------ execution mode

@@ -1,5 +1,5 @@
-"""The layering that docs/development.md describes ("The layout, by who imports whom"): model packages import ds_core,
-never each other; ds_core imports neither. The offline tools (ds_tools) may import ds_core, launch and the model
+"""The layering that docs/layout.md describes ("Who imports whom"): model packages import ds_core, never each other;
+ds_core imports neither. The offline tools (ds_tools) may import ds_core, launch and the model
 packages; nothing but tests and bench imports them, so no training process (ds_core, a model package, launch) pulls them
 in. bench/ may import any package but no test code, and nothing imports bench to reuse its code (a test needing bench
 code means that code belongs in the library or in the test helpers). Tests of bench's own command lines

@@ -184,9 +184,13 @@ def test_build_ahead_on_cuda_rewrites_the_arch_list_and_checks_the_tools_first(m
 
 
 def test_make_setup_builds_the_ops_last_unless_told_not_to():
+    """The Makefile hands BUILD_OPS (1 unless told, 0 for the budgeted GPU check) to the set-up program, whose last
+    step before its stamp is the op build (tests/test_setup_steps.py runs its steps on a recorder)."""
     text = (REPO / "Makefile").read_text()
-    recipe = text[text.index("$(STAMP): pyproject.toml"):text.index("@touch $(STAMP)")]
-    last = recipe.strip().splitlines()[-1]
-    assert "$(BUILD_OPS)" in last and "-m ds_tools.build_ops" in last
+    recipe = text[text.index("$(STAMP): pyproject.toml"):text.index("demo: $(STAMP)")]
+    assert "tools/setup_venv.py" in recipe and "--build_ops $(BUILD_OPS)" in recipe
     assert "\nBUILD_OPS ?= 1\n" in text
     assert "\ngpu-check: BUILD_OPS = 0\n" in text  # the budgeted GPU check builds in the parts that need the ops
+    src = (REPO / "tools" / "setup_venv.py").read_text()
+    steps = src[src.index("def setup("):src.index("def main(")]
+    assert "if build_ops:" in steps and steps.index("-m\", \"ds_tools.build_ops") < steps.index('".installed"')

@@ -1,5 +1,5 @@
 """ds_tools.scaling: the published BERT-Large table, hand-written metrics.jsonl fixtures (grouping, baseline, broken
-runs), --plot, and (slow) real metrics.jsonl written by ds_core.run.loop on 1 and 2 ranks."""
+runs), --plot, and (slow) real metrics.jsonl written by ds_core.run.trainer on 1 and 2 ranks."""
 import json
 import statistics
 from pathlib import Path

@@ -138,16 +138,6 @@ def test_constraints_keep_the_image_and_pin_the_rest():
                                                        "stacks/gaudi-1.21.txt)"]
 
 
-def test_make_setup_installs_with_the_stack_constraints(tmp_path):
-    """The README's set-up, dry: the constraints are written first and every pip install of the toolkit takes them."""
-    out = subprocess.run(["make", "-n", "-B", "setup", f"VENV={tmp_path / 'v'}", "BUILD_OPS=0"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
-    lines = out.splitlines()
-    first = next(i for i, ln in enumerate(lines) if "tools/stacks.py constraints --stack auto" in ln)
-    installs = [i for i, ln in enumerate(lines) if "pip install" in ln and ("-e " in ln or " torch" in ln)]
-    assert installs and all(i > first and "-c " in lines[i] for i in installs), out
-
-
 @pytest.mark.stack
 def test_this_environment_is_the_stack_it_claims():
     """What the suite runs on is a stack of the matrix as written: the toolkit's requirements at the pinned versions

@@ -17,7 +17,7 @@ from conftest import deepspeed_release, run_deepspeed
 
 pytestmark = pytest.mark.stack  # the host reads of a step: what bounds an HPU's or a GPU's step, on every stack
 STEPS, LOG_EVERY = 8, 4
-DEFERRED = "run/loop.py"  # PendingStep.read: the loop's one read per step, of the previous step's values
+DEFERRED = "run/readback.py"  # PendingStep.read: the loop's one read per step, of the previous step's values
 # DeepSpeed's own non-finite check in BF16_Optimizer.step, where the read is recorded, per release of the support
 # matrix: 0.19's is_invalid_grad_norm (runtime/utils.py); Habana's fork's `assert all_groups_norm > 0.` (recorded at
 # the engine's optimizer.step() call)

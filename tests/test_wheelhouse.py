@@ -119,9 +119,45 @@ def test_wheelhouse_records_sha256_and_the_offline_install_checks_them(tmp_path)
         f.write(b"\0")  # a wheel changed after the wheelhouse was built (a zip still reads with trailing bytes)
     bad = install(tmp_path / "t2")
     assert bad.returncode != 0 and "DO NOT MATCH THE HASHES" in bad.stderr, bad.stderr[-2000:]
-    # and the Makefile's offline set-up is that install, then the toolkit editable without dependencies
-    out = subprocess.run(["make", "-n", "setup", "WHEELHOUSE=wh", "PY=python"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60).stdout
-    assert f"--require-hashes -r {REPO / 'wh'}/requirements.txt" in out, out
-    editable = [x for x in out.splitlines() if '-e ".[' in x and "--no-index" in x]
-    assert editable and all("--no-deps" in x for x in editable), editable
+    # and the offline set-up (tools/setup_venv.py, what `make setup WHEELHOUSE=` runs) is that install, then the
+    # toolkit editable without dependencies
+    made = subprocess.run(["make", "-n", "setup", "WHEELHOUSE=wh"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60).stdout
+    assert "tools/setup_venv.py" in made and "--wheelhouse wh" in made, made
+    ran = offline_setup_commands(tmp_path / "venv", wh)
+    assert f"--require-hashes -r {wh}/requirements.txt" in ran[0], ran
+    editable = [c for c in ran if " -e .[" in c]
+    assert editable and all("--no-index" in c and "--no-deps" in c for c in editable), ran
+
+
+def offline_setup_commands(venv: Path, wheels: Path) -> list[str]:
+    """The pip installs tools/setup_venv.py runs offline into an existing venv with torch, its probes answered
+    (torch importable, habana_frameworks too, no build backend) and nothing run."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import setup_venv
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+
+    class Recorder(setup_venv.Shell):
+        def __init__(self):
+            self.cmds: list[str] = []
+
+        def run(self, cmd) -> None:
+            self.cmds.append(" ".join(map(str, cmd)))
+
+        def succeeds(self, cmd) -> bool:
+            return str(cmd[-1]) in ("import torch", "import habana_frameworks")
+
+        def output(self, cmd) -> str:
+            return ""
+
+        def say(self, line: str, err: bool = False) -> None:
+            pass
+
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / "bin" / "python").chmod(0o755)
+    sh = Recorder()
+    setup_venv.setup(venv, "auto", "test", wheelhouse=str(wheels), build_ops=False, sh=sh)
+    return [c for c in sh.cmds if " -m pip install" in c]

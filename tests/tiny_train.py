@@ -33,10 +33,10 @@ from ds_core.config import TrainConfig
 from ds_core.rank.dist import shutdown_distributed
 from ds_core.rank.engine import build_engine
 from ds_core.rank.process_end import run_main
-from ds_core.run.components import EvalTask, Evaluation, ModelInfo
-from ds_core.run.loop import StepOutput
+from ds_core.run.evaluation import EvalTask, Evaluation
 from ds_core.run.setup import Run, RunSpec, start_run
-from ds_core.run.trainer import Trainer
+from ds_core.run.step import StepOutput
+from ds_core.run.trainer import ModelInfo, Trainer
 
 
 @dataclass(frozen=True)
@@ -200,12 +200,12 @@ SPEC = RunSpec(settings=TinySettings, default_ds_config=DEFAULT_DS_CONFIG, optim
 
 def record_lazy_marks(engine, path: str, rank: int) -> None:
     """TINY_LAZY_MARKS=FILE: the loop runs as on a Gaudi in lazy mode, with a recorder in place of htcore.mark_step
-    (ds_core.run.loop.step_marker), and rank 0 writes the order of engine.backward, engine.step and the marks of the
-    first 8 micro steps to FILE, one event per line."""
-    from ds_core.run import loop
+    (ds_core.run.step.step_marker, looked up by ds_core.run.trainer), and rank 0 writes the order of engine.backward,
+    engine.step and the marks of the first 8 micro steps to FILE, one event per line."""
+    from ds_core.run import trainer
 
     events: list[str] = []
-    loop.step_marker = lambda device: (lambda: events.append("mark"))
+    trainer.step_marker = lambda device: (lambda: events.append("mark"))
     for name in ("backward", "step"):
         real = getattr(engine, name)
 

@@ -126,7 +126,7 @@ def suite_for(version: str) -> Suite:
 
 def tests_folders(repo: Path, origin: str | None) -> list[Path]:
     """Where CI keeps the archives: shared/third_party beside the checkout, or beside the repository it was cloned
-    from (as .ci/run finds Habana's fork)."""
+    from (as tools/ci.py finds Habana's fork)."""
     found = [repo.parent / "shared" / "third_party"]
     if origin:
         local = Path(origin[len("file://"):] if origin.startswith("file://") else origin)

@@ -1,6 +1,6 @@
 """Make a new venv see the packages of the Python that created it, when that Python is itself a venv.
 
-    $(PYTHON) tools/parent_site.py .venv      (the Makefile, right after `$(PYTHON) -m venv --system-site-packages`)
+    $(PYTHON) tools/parent_site.py .venv    (tools/setup_venv.py, after `$(PYTHON) -m venv --system-site-packages`)
 
 Why: `--system-site-packages` gives the new venv the *base* interpreter's site-packages. When $(PYTHON) is a venv
 (a GPU image whose python3 is a venv holding the CUDA torch), its own site-packages, where torch

@@ -1,6 +1,6 @@
 """DeepSpeed's scripts in the venv where DeepSpeed is the image's, so that `deepspeed` runs this venv's Python.
 
-    .venv/bin/python tools/venv_scripts.py .venv      (the Makefile's set-up, after the install)
+    .venv/bin/python tools/venv_scripts.py .venv      (tools/setup_venv.py, after the install)
 
 Why: on a Gaudi or GPU image DeepSpeed is inherited (`--system-site-packages`, tools/parent_site.py), not installed
 into the venv, so the `deepspeed` an active venv finds on PATH is the image's script, whose interpreter is the

@@ -138,7 +138,7 @@ CHANGES: tuple[Change, ...] = (
            Bodies((f"{_BF16}:BF16_Optimizer._update_hp_grad",))),
     Change("engine_grad_norm", "the step's global gradient norm read where the engine keeps it, as a device tensor",
            "DeepSpeedEngine.get_global_grad_norm (reads, changes none; Habana's fork's calls .item() on the norm: "
-           "a device sync every step)", "ds_core.run.loop", "tests/test_step_syncs.py", "after_initialize",
+           "a device sync every step)", "ds_core.run.step", "tests/test_step_syncs.py", "after_initialize",
            "ds_core.compat.reads:apply_engine_norm",
            # both releases keep the optimizer's norm in engine._global_grad_norm after each step (_take_model_step)
            # and return it from get_global_grad_norm; the loop reads the attribute where the engine instance has it

@@ -22,7 +22,7 @@ one of them.
   only through the wrapper's zero_grad, which its BF16_Optimizer lacks: they go at the next backward); ds-tune's
   memory model counts them as held between steps there.
 - What a non-finite gradient norm does is decided per wrapper by DeepSpeed's step and read at run time
-  (ds_core.run.loop): 0.19's BF16_Optimizer skips the update; the fork's asserts `all_groups_norm > 0`; ZeRO-1/2 with
+  (ds_core.run.step): 0.19's BF16_Optimizer skips the update; the fork's asserts `all_groups_norm > 0`; ZeRO-1/2 with
   bf16 and no overflow check applies it with DeepSpeed's -1 for the norm. The loop turns each into the divergence
   guard's one line.
 """

@@ -1,6 +1,6 @@
 """The two changes that read DeepSpeed internals and replace nothing: their instance checks, at after_initialize.
 
-- engine_grad_norm: ds_core.run.loop.global_grad_norm reads the engine's _global_grad_norm (a device tensor) where
+- engine_grad_norm: ds_core.run.step.global_grad_norm reads the engine's _global_grad_norm (a device tensor) where
   this change is on, not get_global_grad_norm() (Habana's fork's reads it on the host).
 - zero_partition_layout: bert_ref.layerwise reads the partition layout of the engine's optimizer wrapper
   (ds_core.compat.zero_layout.READS); on only where the wrapper the run got has every attribute read.

@@ -120,9 +120,9 @@ def set_seed(seed: int, rank: int = 0) -> None:
     """Seed python, numpy, torch and the accelerator with seed + rank.
 
     ds_core.run.setup.start_run calls set_seed(seed) before the model is built, so every rank builds the same initial
-    weights. ds_core.run.components.Checkpointing.start then calls set_seed(seed, rank) for a fresh run, so dropout and
-    other model randomness differ per data-parallel rank, as NVIDIA's and Habana's BERT recipes do (seed + rank): with
-    one seed everywhere the ranks draw identical dropout masks. Data order never comes from these streams (the data
+    weights. ds_core.run.checkpointing.Checkpointing.start then calls set_seed(seed, rank) for a fresh run, so dropout
+    and other model randomness differ per data-parallel rank, as NVIDIA's and Habana's BERT recipes do (seed + rank):
+    with one seed everywhere the ranks draw identical dropout masks. Data order never comes from these streams (the data
     modules use their own generators built from the global seed), and a resume restores each rank's own streams from its
     checkpoint."""
     seed = seed + rank

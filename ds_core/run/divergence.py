@@ -10,21 +10,27 @@ and the run exited 0 with the diverged model as `latest`):
 - an update applied with a non-finite gradient norm (ZeRO-0 fp32 has no overflow check; ZeRO-1/2 with bf16 and no
   overflow check, and Habana's fork's ZeRO-1/2 outside fp16, apply it with DeepSpeed's -1 for a non-finite norm: a
   negative norm counts as non-finite): the weights are now NaN.
-- (Habana's fork's BF16_Optimizer neither skips nor applies: it asserts on the norm; ds_core.run.loop turns that
-  into the same stop, at once.)
+- (Habana's fork's BF16_Optimizer neither skips nor applies: it asserts on the norm; ds_core.run.step.step_or_stop
+  turns that into the same stop, at once.)
 - a loss spike: a finite loss above `spike_factor` times the median of the recent finite losses (once `min_history`
   losses are known), the usual sign that the LR is far too high before anything becomes non-finite.
 
-On a skipped step the toolkit keeps the LR schedule on the step counter (ds_core.run.loop advances it, DeepSpeed does
-not): optimizer step k always uses schedule(k), so the schedule still ends on the loop's last step; every skip is
-printed
-and recorded in metrics.jsonl (`skipped`, `skipped_steps`).
+On a skipped step the toolkit keeps the LR schedule on the step counter (ds_core.run.step.Update advances it,
+DeepSpeed does not): optimizer step k always uses schedule(k), so the schedule still ends on the loop's last step;
+every skip is printed and recorded in metrics.jsonl (`skipped`, `skipped_steps`).
 """
 from __future__ import annotations
 
 import math
 import statistics
 from collections import deque
+
+from ds_core.errors import RunVerdict
+
+
+class TrainingDiverged(RunVerdict):
+    """The run diverged (a NaN/inf loss, DivergenceGuard's verdict, a non-finite gradient norm DeepSpeed stops on);
+    no checkpoint holds the diverged state. Said in one line by ds_core.rank.process_end.run_main, status 1."""
 
 
 class DivergenceGuard:
@@ -58,3 +64,6 @@ class DivergenceGuard:
                         f"{len(self.history)} steps, above --loss_spike_factor {self.spike_factor:g}")
         self.history.append(loss)
         return None
+
+
+__all__ = ["DivergenceGuard", "TrainingDiverged"]

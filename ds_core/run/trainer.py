@@ -1,13 +1,15 @@
-"""THE training loop, shared by every model, as a Trainer made of components: the step (ds_core.run.loop.Step:
-micro-steps, accumulation, one all-reduce per optimizer step, NaN guard), checkpointing and evaluation
-(ds_core.run.components), metrics (ds_core.outputs.metrics, built from one RunInfo) and stop requests
-(ds_core.run.loop.StopRequest).
+"""THE training loop, shared by every model: Trainer.fit reads top-down, micro batch after micro batch through the
+model's step function (forward), engine.backward and engine.step(), and at each accumulation boundary the optimizer
+step's values reduced in one all-reduce (ds_core.run.step), sent to the host and read one step late
+(ds_core.run.readback), recorded (ds_core.outputs.metrics, built from one RunInfo), judged (ds_core.run.divergence),
+evaluated (ds_core.run.evaluation) and saved (ds_core.run.checkpointing) when due; a stop request
+(ds_core.run.stop) ends it after the same step on every rank.
 
 An entry point: run = start_run(spec) (ds_core.run.setup); build model and engine; Trainer(run, engine, step_fn,
 ModelInfo(...), evaluation=..., checkpoints=..., callbacks=[...]).fit(); export. What one model needs that another does
-not (Trainer's files beside each checkpoint, an epoch in every record) comes in as a Callback, never as a loop argument.
-Total optimizer steps come from run.total_steps, decided once by start_run, the same number the LR schedule was built
-with.
+not (Trainer's files beside each checkpoint, an epoch in every record) comes in as a Callback
+(ds_core.run.callbacks), never as a loop argument. Total optimizer steps come from run.total_steps, decided once by
+start_run, the same number the LR schedule was built with.
 """
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import json
 import math
 import signal
 import time
-from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ds_core import checkpoint as ckpt, log
 from ds_core.compat import changes
@@ -35,22 +37,29 @@ from ds_core.outputs.metrics import (
 from ds_core.outputs.phases import PhaseTimer, console_line, record_fields, summary_fields
 from ds_core.outputs.results import save_metrics
 from ds_core.rank.dist import shutdown_distributed
-from ds_core.run.components import Callback, Checkpointing, EvalTask, Evaluation, ModelInfo, Position, ProfileSteps
-from ds_core.run.divergence import DivergenceGuard
-from ds_core.run.loop import (
-    EXIT_STOPPED,
-    NonFiniteGradNorm,
-    PendingStep,
-    Step,
-    StepFn,
-    StepResult,
-    StopRequest,
-    TrainingDiverged,
-    reduce_summary_stats,
-)
+from ds_core.run.callbacks import Callback, ProfileSteps
+from ds_core.run.checkpointing import Checkpointing, Position
+from ds_core.run.data import reduce_summary_stats
+from ds_core.run.divergence import DivergenceGuard, TrainingDiverged
+from ds_core.run.evaluation import EvalTask, Evaluation
+from ds_core.run.readback import ReadBack, StepResult
 from ds_core.run.setup import Run
+from ds_core.run.step import Accumulator, NonFiniteGradNorm, StepFn, Update, step_marker, step_or_stop
+from ds_core.run.stop import EXIT_STOPPED, StopRequest
 
 _END = object()  # end-of-epoch sentinel of the timed next(batch)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the metrics know of the model: its name in the records, its FLOPs per sample (forward + backward: the
+    throughput in TFLOPs and the MFU) and its sequence length (0 where it means nothing)."""
+
+    name: str
+    flops_per_sample: float
+    seq_len: int = 0
+
+
 
 
 class Trainer:
@@ -58,10 +67,10 @@ class Trainer:
     evaluation's `after` tasks; fit() returns the final metrics summary record ({} for a run without training).
 
     model: the model's name, FLOPs per sample and sequence length (the metrics' throughput and MFU).
-    evaluation: when and what to evaluate (ds_core.run.components.Evaluation).
-    checkpoints: save / resume / init_from (ds_core.run.components.Checkpointing); default: one built from the run,
-        saving every cfg.num_steps_per_checkpoint steps.
-    callbacks: the model's own behaviour at the loop's named points (ds_core.run.components.Callback: keys added to
+    evaluation: when and what to evaluate (ds_core.run.evaluation.Evaluation).
+    checkpoints: save / resume / init_from (ds_core.run.checkpointing.Checkpointing); default: one built from the
+        run, saving every cfg.num_steps_per_checkpoint steps.
+    callbacks: the model's own behaviour at the loop's named points (ds_core.run.callbacks.Callback: keys added to
         step and eval records, files written beside each checkpoint).
     clock: replaces the metrics clock (tests drive time with it; time.perf_counter by default).
 
@@ -84,7 +93,53 @@ class Trainer:
 
     # -- the run -----------------------------------------------------------------------------------------------
     def fit(self) -> dict:
-        summary = self._train() if self.run.data is not None else {}
+        """Train: micro batches through forward, backward and engine.step(); at each accumulation boundary the
+        optimizer step's values go to the host (read one step late) and the step is recorded, evaluated and saved
+        when due. Then the evaluation's `after` tasks. Returns the final summary record."""
+        if self.run.data is None:
+            return self._evaluate_after({})  # an eval-only run
+        if not self._start():  # resumed from this run's final checkpoint: its summary is in metrics.jsonl already
+            return self._evaluate_after(last_summary(Path(self.cfg.run_dir) / "metrics.jsonl") or {})
+        engine, phases = self.engine, self.phases
+        try:
+            engine.train()
+            self.metrics.begin()
+            for batch in self._micro_batches():  # epoch after epoch to the end step; each wait timed ("data")
+                phases.begin("forward")
+                out = self.step_fn(engine, batch)  # the model's forward and loss (a StepOutput)
+                phases.end("forward")
+                phases.begin("backward")
+                engine.backward(out.loss)
+                self._cut_graph()
+                phases.end("backward")
+                self.acc.add(out)
+                update = None
+                if engine.is_gradient_accumulation_boundary():  # read before step() advances the counter
+                    # the optimizer step: its micro steps' sums in ONE all-reduce (stop requests too), the LR it uses
+                    update = Update.of(engine, self.acc, self.dist.world_size, self.stop_request.signum is not None)
+                phases.begin("step")
+                if update is None:
+                    engine.step()  # DeepSpeed counts the micro step; the optimizer waits for the boundary
+                else:
+                    step_or_stop(engine)  # engine.step(): the update (Habana's fork asserts on a non-finite norm)
+                self._cut_graph()
+                phases.end("step")
+                if update is not None and self._after_optimizer_step(update):  # read, record, evaluate, save
+                    break
+            summary = self._end_training()
+        except NonFiniteGradNorm as e:
+            raise self._unusable_norm(e) from None
+        finally:
+            self.metrics.close()
+            if not self.stopped:
+                self.stop_request.restore()
+        log.say(f"metrics: {self.metrics.path.resolve()}")
+        if self.stopped:
+            self._exit_stopped(self.stopped, self.step)
+        return self._evaluate_after(summary)
+
+    def _evaluate_after(self, summary: dict) -> dict:
+        """After training (or instead of it): an eval-only run's one evaluation, the `after` tasks, their results."""
         ev = self.evaluation
         if self.run.data is None and ev.during is not None:
             ev.run(ev.during, self.engine, 0)  # an eval-only run
@@ -114,26 +169,14 @@ class Trainer:
                        peak_tflops=peak_tflops_for(kind, precision) if dist.rank == 0 else None,
                        precision_note=note)
 
-    def _train(self) -> dict:
-        """Resume or start, run the epochs, end (final save and eval, the summary record); exits on an early stop."""
+    def _start(self) -> bool:
+        """Resume or start, and set up the loop; False: resumed from this run's final checkpoint (nothing to train)."""
         self._write_ds_config()
         pos = self.checkpoints.start(self.run.data)
         if self._finished_before(pos):
-            return last_summary(Path(self.cfg.run_dir) / "metrics.jsonl") or {}
+            return False
         self._begin(pos)
-        try:
-            self.engine.train()
-            self.metrics.begin()
-            self._run_epochs()
-            summary = self._end_training()
-        finally:
-            self.metrics.close()
-            if not self.stopped:
-                self.stop_request.restore()
-        log.say(f"metrics: {self.metrics.path.resolve()}")
-        if self.stopped:
-            self._exit_stopped(self.stopped, self.step)
-        return summary
+        return True
 
     def _write_ds_config(self) -> None:
         """run_dir/ds_config.json: the DeepSpeed config the engine runs (rank 0)."""
@@ -154,7 +197,7 @@ class Trainer:
         return True
 
     def _begin(self, pos: Position) -> None:
-        """The loop's state and its parts: metrics, stop requests, phase timing, the step, the divergence guard."""
+        """The loop's state and its parts: metrics, stop requests, phase timing, the sums, the read-back, the guard."""
         from deepspeed.accelerator import get_accelerator
 
         cfg, dist, engine = self.cfg, self.dist, self.engine
@@ -173,9 +216,10 @@ class Trainer:
         self.phases = PhaseTimer(cfg.phase_timing_every, rank=dist.rank, world_size=dist.world_size,
                                  device=dist.device, accelerator=get_accelerator())
         self.phases.next_step = pos.step + 1
-        self.stepper = Step(engine, self.step_fn, dist.world_size, self.stop_request, self.phases)
+        self.acc = Accumulator(engine.device)  # the micro steps' sums of the optimizer step under way
+        self.mark_step = step_marker(engine.device)  # Gaudi's lazy mode: its graph cut after backward and after step
         self.guard = DivergenceGuard(cfg.max_skipped_steps, cfg.loss_spike_factor)
-        self.unread: deque[PendingStep] = deque()  # steps whose values are still on their way to the host
+        self.readback = ReadBack()  # the steps whose values are still on their way to the host
         self.stop_seen: str | None = None  # a read step carried a stop request
 
     # -- the loop: epochs, micro batches, optimizer steps -----------------------------------------------------
@@ -183,16 +227,18 @@ class Trainer:
         """max_steps, when given, wins over epochs (the data is cycled as often as needed), as in HF Trainer."""
         return bool(self.cfg.max_steps) and self.step >= self.end_step
 
-    def _run_epochs(self) -> None:
-        """Epochs until the end step, the last epoch, or a stop. By epochs the epochs run to their end (a last partial
-        accumulation included) and make run.total_steps optimizer steps: start_run counted them from the same
-        len(data), and the LR schedule ends there too."""
+    def _micro_batches(self) -> Iterator[Any]:
+        """run.data's micro batches, epoch after epoch, until the end step or the last epoch (fit breaks out at the
+        end step and on a stop). By epochs the epochs run to their end (a last partial accumulation included) and
+        make run.total_steps optimizer steps: start_run counted them from the same len(data), and the LR schedule
+        ends there too."""
         max_epochs = float("inf") if self.cfg.max_steps else self.cfg.max_epochs
         resumed_in_epoch = self.pos.resumed  # a resumed epoch may legitimately be empty (checkpoint at its very end)
         while not self._at_end() and self.epoch < max_epochs:
-            batches = self._run_epoch()
-            if self._at_end() or self.stopped:
-                break
+            batches, batch_iter = 0, iter(self.run.data)
+            while (batch := self._next_batch(batch_iter)) is not _END:
+                batches += 1
+                yield batch
             if batches == 0 and not resumed_in_epoch:
                 raise RuntimeError(f"the data source yielded no batch in epoch {self.epoch} on rank {self.dist.rank}: "
                                    f"too little data for micro batch {self.engine.train_micro_batch_size_per_gpu()}")
@@ -200,24 +246,6 @@ class Trainer:
             self.epoch += 1
             if self.epoch < max_epochs:
                 self.run.data.set_epoch(self.epoch)
-
-    def _run_epoch(self) -> int:
-        """Micro batches of one epoch until its end, the end step or a stop: how many there were."""
-        batches, batch_iter = 0, iter(self.run.data)
-        while (batch := self._next_batch(batch_iter)) is not _END:
-            batches += 1
-            try:
-                pending = self.stepper(batch)
-            except NonFiniteGradNorm as e:
-                self._read()  # the steps before it recorded (and judged) first
-                self.metrics.persist()
-                raise TrainingDiverged(
-                    f"training diverged: the gradient norm of optimizer step {self.step + 1} is not usable, and {e}. "
-                    f"Stopped without saving; the latest checkpoint is still {self.checkpoints.latest()} in "
-                    f"{self.checkpoints.root} (resume from it with a lower learning rate)") from None
-            if pending is not None and self._after_optimizer_step(pending):
-                break
-        return batches
 
     def _next_batch(self, batch_iter) -> Any:
         """next(batch_iter), or _END; the wait is timed (data wait, the data phase)."""
@@ -228,19 +256,28 @@ class Trainer:
         self.metrics.data_wait(self.metrics.clock() - t_wait)
         return batch
 
-    def _after_optimizer_step(self, pending: PendingStep) -> bool:
-        """Read the values that are due, evaluate and save when due; whether the loop stops here (the end, or a stop).
+    def _cut_graph(self) -> None:
+        """htcore.mark_step after backward and after engine.step on a Gaudi in lazy mode, where GaudiTrainer makes
+        it; nothing elsewhere (ds_core.run.step.step_marker)."""
+        if self.mark_step is not None:
+            self.mark_step()
 
-        A step's loss, counts and stop flag are read one optimizer step late (PendingStep), except where they are
-        needed now (_read_now): the step's record, guard verdict and stop verdict then follow one step behind."""
+    def _after_optimizer_step(self, update: Update) -> bool:
+        """Send the step's values to the host, read those that are due, evaluate and save when due; whether the loop
+        stops here (the end, or a stop).
+
+        A step's loss, counts and stop flag are read one optimizer step late (ds_core.run.readback), except where
+        they are needed now (_read_now): the step's record, guard verdict and stop verdict then follow one step
+        behind."""
+        update.after_step(self.engine)  # the gradient norm, whether DeepSpeed skipped the update
         self.step += 1
-        step = pending.step = self.step
-        pending.epoch = self.epoch
+        step = self.step
+        pending = self.readback.send(update, step=step, epoch=self.epoch)
+        self.acc.reset()
         # at the step itself (every rank): the phase sample and the callbacks' keys (epoch, the profiler's step mark)
-        pending.logs = record_fields(self.phases.boundary(step))
+        pending.phase = record_fields(self.phases.boundary(step))
         for cb in self.callbacks:
             cb.on_step_end(step, pending.extra)
-        self.unread.append(pending)
         self._read(keep=0 if self._read_now(step) else 1)
         # evaluate, then save, as transformers' Trainer does (_maybe_log_save_evaluate): the step's record, written
         # durably before its checkpoint completes, then holds its eval time too
@@ -264,21 +301,19 @@ class Trainer:
 
     def _read(self, keep: int = 0) -> None:
         """Read and record the unread steps, oldest first, leaving the newest `keep`; raises TrainingDiverged."""
-        while len(self.unread) > keep:
-            pending = self.unread.popleft()
-            res = pending.read()
+        for res in self.readback.take(keep):
             if not math.isfinite(res.loss):
-                raise TrainingDiverged(self._diverged(res.loss, res.step, pending.epoch))
-            self._record(res, pending)
+                raise TrainingDiverged(self._diverged(res.loss, res.step, res.epoch))
+            self._record(res)
             if res.stop and self.stop_seen is None:
                 signum = self.stop_request.signum
                 self.stop_seen = signal.Signals(signum).name if signum else "signal"
 
-    def _record(self, res: StepResult, pending: PendingStep) -> None:
+    def _record(self, res: StepResult) -> None:
         """The step's metrics record; a skipped update is reported, a diverged run stops without saving."""
         step, guard = res.step, self.guard
         verdict = guard.observe(step, res.loss, res.skipped, res.grad_norm)
-        logs = dict(res.logs, **pending.logs, skipped=res.skipped, skipped_steps=guard.total, **pending.extra)
+        logs = dict(res.logs, **res.phase, skipped=res.skipped, skipped_steps=guard.total, **res.extra)
         self.metrics.step(step, res.samples, res.tokens, loss=res.loss, lr=res.lr, logs=logs, grad_norm=res.grad_norm)
         if res.skipped:
             log.say(f"optimizer step {step} skipped by DeepSpeed (gradient norm {res.grad_norm}): the update was not "
@@ -298,6 +333,16 @@ class Trainer:
         if self.cfg.max_steps_this_run and self.step - self.pos.step >= self.cfg.max_steps_this_run:
             return "max_steps_this_run"
         return None
+
+    def _unusable_norm(self, e: NonFiniteGradNorm) -> TrainingDiverged:
+        """The verdict on an update DeepSpeed's optimizer refused (NonFiniteGradNorm), the steps before it recorded
+        (and judged) first."""
+        self._read()
+        self.metrics.persist()
+        return TrainingDiverged(
+            f"training diverged: the gradient norm of optimizer step {self.step + 1} is not usable, and {e}. "
+            f"Stopped without saving; the latest checkpoint is still {self.checkpoints.latest()} in "
+            f"{self.checkpoints.root} (resume from it with a lower learning rate)")
 
     def _diverged(self, loss: float, step: int, epoch: int) -> str:
         return (f"training diverged: loss is {loss} at optimizer step {step} (epoch {epoch}); stopped without saving: "

@@ -51,7 +51,7 @@ def warmup_steps_for(total_steps: int, warmup_steps: float = 0, warmup_ratio: fl
 
 
 def total_optimizer_steps(max_steps: int, max_epochs: int, micro_batches_per_epoch: int, grad_accum: int) -> int:
-    """Optimizer steps ds_core.run.loop will run: max_steps when set, else epochs x micro batches / accumulation (the
+    """Optimizer steps ds_core.run.trainer will run: max_steps when set, else epochs x micro batches / accumulation (the
     loop counts accumulation boundaries across epoch ends, so a partial accumulation carries into the next epoch)."""
     if max_steps:
         return max_steps

@@ -1,19 +1,15 @@
-"""The Trainer's components besides the step (ds_core.run.loop.Step): what the metrics know of the model (ModelInfo),
-checkpointing (save / resume / resize, and when to save), evaluation (when and what, for every model), and the
-callbacks through which a model package adds its own behaviour at the loop's named points (transformers'
-TrainerCallback style). ds_core.run.trainer.Trainer wires them; each is small enough to read alone.
-"""
+"""Checkpointing for the loop: where training starts (Position), and save / resume / resize / init_from and when to
+save (Checkpointing); the files and their checks are ds_core.checkpoint's."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ds_core import checkpoint as ckpt, log
 from ds_core.errors import ConfigError
 from ds_core.rank.dist import set_seed
-from ds_core.run.loop import EvalFn, apply_lr_factor
 from ds_core.run.setup import Run
 
 
@@ -26,52 +22,6 @@ class Position:
     epoch: int = 0
     phase_start: int = 0
     resumed: bool = False
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the metrics know of the model: its name in the records, its FLOPs per sample (forward + backward: the
-    throughput in TFLOPs and the MFU) and its sequence length (0 where it means nothing)."""
-
-    name: str
-    flops_per_sample: float
-    seq_len: int = 0
-
-
-class Callback:
-    """A model's own behaviour at the loop's named points (transformers' TrainerCallback style); every hook does
-    nothing unless overridden. Hooks run on every rank unless their docstring says otherwise."""
-
-    def on_step_end(self, step: int, logs: dict) -> None:
-        """After optimizer step `step` (called at the step, on every rank), before its metrics record is written: add
-        keys to `logs` (in place). The step's device values (loss, the step function's logs) are read later and
-        are not in `logs` here."""
-
-    def on_evaluate(self, step: int, logs: dict) -> None:
-        """After an evaluation at `step`, before its eval record is written: add keys to `logs` (a copy of the
-        evaluation's results, in place)."""
-
-    def on_save(self, checkpoint_dir: Path, step: int) -> None:
-        """Rank 0, while checkpoint `step` is saved, after the step's metrics record is durable and before COMPLETE:
-        files of the model's own beside the checkpoint's (e.g. transformers' trainer_state.json)."""
-
-
-class ProfileSteps(Callback):
-    """TrainConfig.profile_steps: torch.profiler (ds_core.outputs.profile.StepProfile) over the last N warm-up steps,
-    ending one step before the throughput window opens (turning the profiler off must not land in a timed step); the
-    Trainer puts `summary` into the run's summary record under "profile"."""
-
-    def __init__(self, steps: int, warmup: int):
-        from ds_core.outputs.profile import StepProfile
-
-        self.prof = StepProfile(warmup - 1 - steps, steps)
-
-    @property
-    def summary(self) -> dict | None:
-        return self.prof.summary
-
-    def on_step_end(self, step: int, logs: dict) -> None:
-        self.prof.step_end()
 
 
 class Checkpointing:
@@ -158,45 +108,22 @@ class Checkpointing:
                 f.write(json.dumps(self.run.resize.record(step)) + "\n")
 
 
-@dataclass(frozen=True)
-class EvalTask:
-    """One evaluation: `name` keys its results (and Trainer-style <name>_results.json when the Evaluation saves
-    them); fn(engine, step) -> dict is collective."""
-
-    name: str
-    fn: EvalFn
-
-
-@dataclass
-class Evaluation:
-    """When and what to evaluate, for every model.
-
-    during: evaluated every `every` optimizer steps and once at the end of training (unless the run stopped early,
-        or the last step was an `every` step); its results become metrics.jsonl "eval" records. Without training
-        (an eval-only run) it is evaluated once.
-    after: evaluated once after training (or instead of it), e.g. a test split (predict).
-    save_results: write each task's last results as transformers' Trainer does (<name>_results.json and
-        all_results.json in run_dir, ds_core.outputs.results.save_metrics).
-    close: releases what the tasks hold (prefetch threads of eval data sources)."""
-
-    during: EvalTask | None = None
-    after: Sequence[EvalTask] = ()
-    every: int = 0
-    save_results: bool = False
-    close: Callable[[], None] | None = None
-    results: dict[str, dict] = field(default_factory=dict)  # the last results of each task, by name
-
-    def due(self, step: int) -> bool:
-        return self.during is not None and bool(self.every) and step % self.every == 0
-
-    def at_end(self, step: int, stopped: bool) -> bool:
-        return self.during is not None and not stopped and not self.due(step)
-
-    def run(self, task: EvalTask, engine: Any, step: int) -> dict:
-        logs = task.fn(engine, step)
-        if logs:
-            self.results[task.name] = logs
-        return logs
+def apply_lr_factor(engine, factor: float) -> None:
+    """Multiply the LR by `factor` after a checkpoint restored the old one: the schedule's base LRs (ds_core.schedule
+    .LRSchedule, torch LR schedulers) when there is a schedule, else the optimizer's param groups."""
+    if factor == 1.0:
+        return
+    sched = engine.lr_scheduler
+    if sched is None:
+        for g in engine.optimizer.param_groups:
+            g["lr"] *= factor
+        return
+    if not hasattr(sched, "base_lrs"):
+        raise ConfigError(f"--on_resize scale_lr: the LR scheduler {type(sched).__name__} has no base_lrs to scale; "
+                          f"use --on_resize keep_batch")
+    sched.base_lrs = [b * factor for b in sched.base_lrs]
+    for g in engine.optimizer.param_groups:  # the LR of the next update, until the schedule's next step
+        g["lr"] *= factor
 
 
-__all__ = ["Position", "ModelInfo", "Callback", "Checkpointing", "EvalTask", "Evaluation"]
+__all__ = ["Checkpointing", "Position", "apply_lr_factor"]
