@@ -159,7 +159,6 @@ def export_hf(run_dir: str, out_dir: str, tag: str | None = None) -> Path:
     The class and config come from the checkpoint's hf_model.json (written by ds_core.checkpoint.save). A parameter
     the model keeps in another shape than transformers' (BridgeTower's logit_scale, [1] under DeepSpeed, 0-dim in
     transformers) is reshaped to the class's own shape when the element count matches."""
-    import torch
     import transformers
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

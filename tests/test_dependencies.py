@@ -22,7 +22,8 @@ except ModuleNotFoundError:  # Python 3.10 (Gaudi 1.21's images): tomli, a requi
 
 PRODUCT = ("ds_core", "ds_tools", "bert_ref", "bridgetower_ds", "launch", "ds_configs")
 DEVELOPMENT = ("tests", "bench", "tools")
-FIRST_PARTY = {*PRODUCT, *DEVELOPMENT, "studies", "conftest"}
+FIRST_PARTY = {*PRODUCT, *DEVELOPMENT, "studies", "conftest",
+               *(f.stem for f in (REPO / "tools").glob("*.py"))}  # tests import the set-up helpers by name
 # imported modules whose distribution is not installed on every machine (the mapping is read from the installed ones)
 KNOWN_MODULES = {"tomli": "tomli", "habana_frameworks": "habana-media-loader", "mpi4py": "mpi4py"}
 # imported, deliberately not declared
@@ -37,6 +38,7 @@ UNDECLARED = {
                   "the venv builds with",
     "modeling": "Habana's own BERT modeling.py, from a fetched reference checkout on PYTHONPATH, for the script that "
                 "made tests/data/habana_bert (never run by a test)",
+    "pip": "the installer itself: set-up asks whether the Python it starts from has one (tools/setup_venv.py)",
     "unit": "DeepSpeed's own tests/unit, from its source checkout (tools/ds_unit_tests.py runs them)",
 }
 # declared, not imported by name
