@@ -69,13 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # process becomes) would die of either at once (their default action): of USR1 before the ranks' save, of TERM
     # while its ranks end with 75 on their own, turning the job's status into 143. Ignored here, which the runner
     # inherits across exec; it ends when its launch.py does, with its status. launch.py and launch.guard handle TERM
-    # themselves; the ranks install their own handler for both (ds_core.run.loop.StopRequest: save, exit 75).
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-
+    # themselves; the ranks install their own handler for both (ds_core.run.stop.StopRequest: save, exit 75). Set
+    # once the settings are resolved, just before the launch: a refusal leaves this process's dispositions alone.
     def body(args: argparse.Namespace, rest: list[str]) -> int:
         given = args.hostfile != build_parser().get_default("hostfile")  # a flag, or $LAUNCH_HOSTFILE: its default
-        return run.launch(resolve(LaunchSettings.from_args(args, rest), os.environ, given))
+        settings = resolve(LaunchSettings.from_args(args, rest), os.environ, given)
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        return run.launch(settings)
 
     return cli_main(argv, build_parser, body, run.LAUNCH_ERRORS, passthrough=True)
 

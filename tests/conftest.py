@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,30 @@ from ds_core.rank.rendezvous import free_port, rank_env  # noqa: F401 - tests im
 from launch import local_ranks
 
 REPO = Path(__file__).resolve().parents[1]
+# What a process started by a test inherits across exec besides its environment: an ignored signal stays ignored.
+INHERITED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def signals_as_they_were():
+    """A test that calls an entry's main() in this process (launch.slurm ignores SIGTERM and SIGUSR1 for the runner it
+    becomes) leaves the dispositions as they were: an ignored SIGTERM would pass to every process a later test starts,
+    whose PR_SET_PDEATHSIG and stop-on-SIGTERM paths would then do nothing."""
+    before = {s: signal.getsignal(s) for s in INHERITED_SIGNALS}
+    yield
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler and handler is not None:
+            signal.signal(s, handler)
+
+
+def make_dry_run(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`make -n -B ARGS` in the checkout, as a user's shell runs it: not the MAKEFLAGS/MAKELEVEL of a `make test` this
+    suite may run under (its command-line variables, EXTRAS included, would pass into this make and override the
+    defaults under test; MAKELEVEL adds "Entering directory" lines)."""
+    base = {k: v for k, v in (os.environ if env is None else env).items()
+            if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    return subprocess.run(["make", "-n", "-B", "--no-print-directory", *args], cwd=REPO, env=base,
+                          capture_output=True, text=True, timeout=timeout, check=True)
 
 
 def deepspeed_release(*tables) -> tuple[int, int]:

@@ -5,13 +5,12 @@ tests/test_install.py's (slow)."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, make_dry_run
 
 _spec = importlib.util.spec_from_file_location("setup_venv_tool", REPO / "tools" / "setup_venv.py")
 sv = sys.modules["setup_venv_tool"] = importlib.util.module_from_spec(_spec)
@@ -121,11 +120,9 @@ def test_build_ops_0_leaves_the_builds_to_the_first_run(tmp_path):
 
 
 def test_the_makefile_hands_its_variables_to_the_setup_program(tmp_path):
-    out = subprocess.run(["make", "-n", "-B", "setup", f"VENV={tmp_path / 'v'}", "STACK=gaudi-1.21", "EXTRAS=a,b",
-                          "BUILD_OPS=0", "WHEELHOUSE=wh", "PYTHON=/opt/py"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = make_dry_run("setup", f"VENV={tmp_path / 'v'}", "STACK=gaudi-1.21", "EXTRAS=a,b", "BUILD_OPS=0",
+                       "WHEELHOUSE=wh", "PYTHON=/opt/py").stdout.split()
     assert out == ["/opt/py", "tools/setup_venv.py", "--venv", str(tmp_path / "v"), "--stack", "gaudi-1.21",
                    "--extras", "a,b", "--build_ops", "0", "--wheelhouse", "wh"], out
-    default = subprocess.run(["make", "-n", "-B", "setup"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.split()
+    default = make_dry_run("setup").stdout.split()
     assert default[default.index("--build_ops") + 1] == "1" and "--wheelhouse" not in default

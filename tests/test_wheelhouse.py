@@ -20,7 +20,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from conftest import REPO
+from conftest import REPO, make_dry_run
 
 
 def fake_wheel(d: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
@@ -76,8 +76,7 @@ def test_make_wheelhouse_has_no_size_cap_unless_the_user_sets_one():
     """A size cap is the user's option (WHEELHOUSE_MAX_MB), not a default that refuses a legitimate wheelhouse: a
     target image holding only torch needs far more than a fixed cap allowed."""
     def command(*make_args: str) -> str:
-        out = subprocess.run(["make", "-n", "wheelhouse", *make_args], cwd=REPO, capture_output=True, text=True,
-                             timeout=60, check=True).stdout.replace("\\\n", " ")
+        out = make_dry_run("wheelhouse", *make_args).stdout.replace("\\\n", " ")
         (line,) = [x for x in out.splitlines() if "tools/wheelhouse.py" in x]
         return line
 
@@ -121,8 +120,7 @@ def test_wheelhouse_records_sha256_and_the_offline_install_checks_them(tmp_path)
     assert bad.returncode != 0 and "DO NOT MATCH THE HASHES" in bad.stderr, bad.stderr[-2000:]
     # and the offline set-up (tools/setup_venv.py, what `make setup WHEELHOUSE=` runs) is that install, then the
     # toolkit editable without dependencies
-    made = subprocess.run(["make", "-n", "setup", "WHEELHOUSE=wh"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60).stdout
+    made = make_dry_run("setup", "WHEELHOUSE=wh").stdout
     assert "tools/setup_venv.py" in made and "--wheelhouse wh" in made, made
     ran = offline_setup_commands(tmp_path / "venv", wh)
     assert f"--require-hashes -r {wh}/requirements.txt" in ran[0], ran
