@@ -83,6 +83,7 @@ class TimeModel:
     fixed_from: str = "not modelled (0): give --micro_step_ms, or --from a run with phase timing"
     terms_from: str = ""
     margin_points: float = 0.0
+    unpredictable: str = ""      # why this run's communication is not predictable (ds_tools.ranges.unpredictable)
 
     @property
     def tolerance(self) -> float:
@@ -116,7 +117,9 @@ class TimeModel:
                 f"DeepSpeed issues for the stage, as `ds-scaling-report predict` models them, on fabric {f.name} "
                 f"(intra factor {f.eta_intra:.3f}, inter factor {f.eta_inter:.3f} of the line rates: "
                 f"{self.terms_from or 'not calibrated: no range'}); rows within {100 * self.tolerance:.1f} % of "
-                f"each other are equally fast (the fabric's margin at {self.nodes} nodes).")
+                f"each other are equally fast (the fabric's margin at {self.nodes} nodes)."
+                + (f" Not predictable, so no step range is printed: {self.unpredictable}." if self.unpredictable
+                   else ""))
 
 
 def _comm(fab: fabrics.Fabric, colls, a: int, n: int) -> float:
@@ -132,20 +135,22 @@ def step_time(tm: TimeModel, shape: ModelShape, stage: int, micro: int, accum: i
     fps = flops_per_seq(shape)
     ck = RECOMPUTE if checkpointing else 1.0
     b = micro * accum
+    def bounds(totals: list[float]) -> tuple[float | None, float | None]:
+        return (None, None) if tm.unpredictable else (min(totals), max(totals))
+
     if tm.measured is not None:
         k = tm.measured
         fixed = accum * k.fixed_ms / 1000 + k.opt_s
         totals = [p * b * ck + fixed + c for p, c in zip(k.per_seq_s, comms)]
         known = fps is not None and k.covers(fps * micro)
-        return StepTime(k.per_seq_s[0] * b * ck, comms[0], fixed, min(totals), max(totals), known)
+        return StepTime(k.per_seq_s[0] * b * ck, comms[0], fixed, *bounds(totals), known)
     fixed = accum * tm.fixed_ms / 1000
     if not tm.peak_tflops or fps is None:
-        return StepTime(None, comms[0], fixed, min(comms) + fixed, max(comms) + fixed)
+        return StepTime(None, comms[0], fixed, *bounds([c + fixed for c in comms]))
     per = {m: fps / (tm.peak_tflops * 1e12 * m) for m in (tm.mfu, tm.mfu_lo, tm.mfu_hi)}
     compute = per[tm.mfu] * b * ck
     totals = [p * b * ck + fixed + c for p in per.values() for c in comms]
-    return StepTime(compute, comms[0], fixed, min(totals), max(totals),
-                    micro * shape.towers[0].seq >= SATURATING_TOKENS)
+    return StepTime(compute, comms[0], fixed, *bounds(totals), micro * shape.towers[0].seq >= SATURATING_TOKENS)
 
 
 def measured_compute(m: predict.Measured, *, shape: ModelShape, measured_shape: ModelShape, stage: int,

@@ -126,3 +126,18 @@ def test_measured_flags_name_what_is_missing(capsys):
                         "100", "--measured_nodes", "1", "--measured_micro_batch", "8", "--measured_grad_accum",
                         "1"]) == 2
     assert "has none (give --fabric)" in capsys.readouterr().err
+
+
+def test_a_run_of_the_kind_no_collectives_model_accounts_for_gets_no_step_range(capsys):
+    """ds-tune says what `predict` says for a run like NVIDIA's phase-2 TF32 table (BERT-Large, sequence length 512,
+    fp32 gradients on dgx-a100): its communication is not predictable, so its step times carry no range; the same
+    run in bf16 (2-byte gradients, modelled) keeps its ranges."""
+    argv = ["--model", "bert-large", "--accelerator", "a100", "--nodes", "4", "--global_batch", "2048",
+            "--seq_len", "512", "--stages", "1"]
+    s = summary([*argv, "--precision", "fp32"], capsys)
+    assert "Not predictable, so no step range is printed: a run like dgx-a100/bert-large-p2-tf32" in s["step_time"]
+    assert s["rows"] and all(r["step_low_s"] is None and r["step_high_s"] is None for r in s["rows"])
+    assert all(r["step_s"] is not None for r in s["rows"])  # the central step still orders the rows
+    s = summary([*argv, "--precision", "bf16"], capsys)
+    assert "Not predictable" not in s["step_time"]
+    assert all(r["step_low_s"] < r["step_s"] < r["step_high_s"] for r in s["rows"])
