@@ -27,15 +27,36 @@ INHERITED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHU
 
 
 @pytest.fixture(autouse=True)
-def signals_as_they_were():
-    """A test that calls an entry's main() in this process (launch.slurm ignores SIGTERM and SIGUSR1 for the runner it
-    becomes) leaves the dispositions as they were: an ignored SIGTERM would pass to every process a later test starts,
-    whose PR_SET_PDEATHSIG and stop-on-SIGTERM paths would then do nothing."""
+def process_as_it_was():
+    """What a test changes in this process that every later test and every process it starts would inherit is put
+    back after it: the signal dispositions (launch.slurm's main, called in this process, ignores SIGTERM and SIGUSR1
+    for the runner it becomes: an ignored SIGTERM passes across exec, and PR_SET_PDEATHSIG and the stop-on-SIGTERM
+    paths of later tests' processes would do nothing) and the environment (transformers 4.x's
+    TrainingArguments(deepspeed=...) sets ACCELERATE_USE_DEEPSPEED=true, which then reads as an `accelerate launch`
+    of every later run)."""
     before = {s: signal.getsignal(s) for s in INHERITED_SIGNALS}
+    env = dict(os.environ)
     yield
     for s, handler in before.items():
         if signal.getsignal(s) is not handler and handler is not None:
             signal.signal(s, handler)
+    if os.environ != env:
+        for k in set(os.environ) - set(env):
+            del os.environ[k]
+        os.environ.update(env)
+
+
+@contextlib.contextmanager
+def environment_kept():
+    """The environment as it was after the block: for a library call that writes os.environ (transformers 4.x's
+    TrainingArguments(deepspeed=...) sets ACCELERATE_USE_DEEPSPEED) inside a test that then parses or starts a run."""
+    env = dict(os.environ)
+    try:
+        yield
+    finally:
+        for k in set(os.environ) - set(env):
+            del os.environ[k]
+        os.environ.update(env)
 
 
 def make_dry_run(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -105,7 +105,12 @@ def test_rng_state_is_plain_data_that_restores_the_streams(tmp_path):
 
 
 def test_client_state_of_the_earlier_layout_still_resumes(tmp_path):
-    """Files written before the RNG state was stored as lists (numpy's state as its ndarray tuple) load as data."""
+    """Files written before the RNG state was stored as lists (numpy's state as its ndarray tuple) load as data, also
+    where numpy 1.x's `numpy._core` (a stub for reading 2.x pickles, without its submodules) was imported first, as a
+    library in a training process may do."""
+    import importlib
+
+    importlib.import_module("numpy._core")  # numpy 1.26 and 2.x both have it; 1.x's is the stub
     tag = tmp_path / "global_step1"
     tag.mkdir()
     np.random.seed(7)

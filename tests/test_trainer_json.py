@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, environment_kept
 from ds_core.errors import ConfigError
 
 pytestmark = pytest.mark.stack
@@ -67,14 +67,15 @@ def _trainers(tmp_path: Path, name: str, **flags) -> dict:
     if "warmup_ratio" in flags and "warmup_ratio" not in fields:  # transformers 5: a share is warmup_steps < 1
         flags["warmup_steps"] = flags.pop("warmup_ratio")
     before = hf_ds._hf_deepspeed_config_weak_ref
-    try:
-        args = TrainingArguments(output_dir=str(tmp_path / "trainer"), deepspeed=str(DATA / name), use_cpu=True,
-                                 report_to="none", **flags)
-        hf = args.hf_deepspeed_config
-        hf.trainer_config_finalize(args, SimpleNamespace(config=debug()), TOTAL_STEPS)
-        return hf.config
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = before
+    with environment_kept():  # 4.x's TrainingArguments(deepspeed=...) sets ACCELERATE_USE_DEEPSPEED
+        try:
+            args = TrainingArguments(output_dir=str(tmp_path / "trainer"), deepspeed=str(DATA / name), use_cpu=True,
+                                     report_to="none", **flags)
+            hf = args.hf_deepspeed_config
+            hf.trainer_config_finalize(args, SimpleNamespace(config=debug()), TOTAL_STEPS)
+            return hf.config
+        finally:
+            hf_ds._hf_deepspeed_config_weak_ref = before
 
 
 def _without(cfg: dict, keys=ACCELERATE_ONLY) -> dict:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, dist_env, free_port, run_deepspeed, run_group
+from conftest import REPO, dist_env, environment_kept, free_port, run_deepspeed, run_group
 from test_bt_train import make_caption_set
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
@@ -69,15 +69,16 @@ def trainer_fill(name: str, world: int, total_steps: int) -> dict:
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     warm = {"warmup_ratio" if "warmup_ratio" in fields else "warmup_steps": WARMUP_RATIO}
     before = hf_ds._hf_deepspeed_config_weak_ref
-    try:
-        args = TrainingArguments(output_dir="unused", deepspeed=str(DATA / name), use_cpu=True, report_to="none",
-                                 per_device_train_batch_size=MICRO, learning_rate=LR, bf16=True, max_steps=STEPS,
-                                 **warm)
-        hf = args.hf_deepspeed_config
-        hf.trainer_config_finalize(args, SimpleNamespace(config=debug()), total_steps)
-        cfg = hf.config
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = before
+    with environment_kept():  # 4.x's TrainingArguments(deepspeed=...) sets ACCELERATE_USE_DEEPSPEED
+        try:
+            args = TrainingArguments(output_dir="unused", deepspeed=str(DATA / name), use_cpu=True, report_to="none",
+                                     per_device_train_batch_size=MICRO, learning_rate=LR, bf16=True, max_steps=STEPS,
+                                     **warm)
+            hf = args.hf_deepspeed_config
+            hf.trainer_config_finalize(args, SimpleNamespace(config=debug()), total_steps)
+            cfg = hf.config
+        finally:
+            hf_ds._hf_deepspeed_config_weak_ref = before
     cfg["train_batch_size"] *= world
     return cfg
 

@@ -47,8 +47,11 @@ def legacy_numpy() -> list:
     """numpy's array reconstruction (numpy 1.x: numpy.core, 2.x: numpy._core) and the dtypes of its RNG state."""
     import numpy as np
 
-    core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, *{type(np.dtype(t)) for t in ("u4", "i8", "f8")}]
+    if int(np.__version__.split(".")[0]) >= 2:
+        from numpy._core.multiarray import _reconstruct
+    else:  # numpy 1.26 also has a numpy._core, a stub for reading 2.x pickles without its submodules until imported
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, *{type(np.dtype(t)) for t in ("u4", "i8", "f8")}]
 
 
 def deepspeed_records() -> list:
