@@ -147,7 +147,7 @@ def _bt(name: str, layers: int, setting: str, dtype: str, image_size: int = 0):
     from bridgetower_ds.model import build_model
     from bridgetower_ds.step import step_fn
     from ds_core.config.optim import OptimArgs
-    from ds_core.rank.engine import build_engine
+    from ds_core.rank.engine_build import build_engine
 
     cfg = _bt_config(name, layers, image_size)
     model = build_model(ModelArgs(), config=cfg)

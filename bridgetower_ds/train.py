@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import ds_configs
-from bridgetower_ds import compat, trainer_files, trainer_flags
+from bridgetower_ds import compat, log, trainer_files, trainer_flags
 from bridgetower_ds.configs import BridgeTowerSettings
 from bridgetower_ds.data import build_data, check_dataset, open_dataset
 from bridgetower_ds.eval import evaluation_for
@@ -27,7 +27,7 @@ from ds_core.outputs.model_card import card_text, hub_id_of, optimizer_name, wri
 from ds_core.outputs.results import keep_frozen_fp32, save_metrics, save_model
 from ds_core.rank.compile import compile_model
 from ds_core.rank.dist import shutdown_distributed
-from ds_core.rank.engine import build_engine
+from ds_core.rank.engine_build import build_engine
 from ds_core.rank.process_end import run_main
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
@@ -172,18 +172,17 @@ def _outputs(run: Run, engine, frozen: dict, sources: Sources, files, summary: d
             compat.image_processor(cfg.compat.image_processor_name or cfg.model.model_name_or_path,
                                    sources.image_size))
     results = {**evaluation.results.get("eval", {}), **evaluation.results.get("predict", {})}
-    if dist.rank == 0 and results:
-        print("[bridgetower] " + json.dumps(results), flush=True)
+    if results:
+        log.say(json.dumps(results))
     return results
 
 
 def _announce(run: Run, model, image_size: int) -> None:
-    if run.dist.rank == 0:
-        optim, data_args = run.cfg.optim, run.cfg.data
-        for line in run.notices:
-            print(f"[bridgetower] {line}", flush=True)
-        print(f"[bridgetower] {model_summary(model)}; images {image_size}px, captions <= {data_args.max_seq_length} "
-              f"tokens; lr {optim.learning_rate}, weight decay {optim.weight_decay}", flush=True)
+    optim, data_args = run.cfg.optim, run.cfg.data
+    for line in run.notices:
+        log.say(line)
+    log.say(f"{model_summary(model)}; images {image_size}px, captions <= {data_args.max_seq_length} tokens; "
+            f"lr {optim.learning_rate}, weight decay {optim.weight_decay}")
 
 
 def _export(run: Run, engine, frozen: dict, tokenizer, processor) -> None:

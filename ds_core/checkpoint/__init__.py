@@ -58,8 +58,8 @@ def model_fingerprint(engine, zero_stage: int) -> dict:
             "flat_layout": getattr(engine, "flat_layout", MODEL_ORDER)}
 
 
-# The parameter order in DeepSpeed's flat buffers (ds_core.rank.engine.flat_layout). Checkpoints written before the
-# key existed used the model's order: absent means that, so they load where nothing moved and are refused where
+# The parameter order in DeepSpeed's flat buffers (ds_core.rank.engine_build.flat_layout). Checkpoints written before
+# the key existed used the model's order: absent means that, so they load where nothing moved and are refused where
 # something did (their optimizer state would land on other parameters).
 MODEL_ORDER = "model order"
 

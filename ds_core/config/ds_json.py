@@ -276,7 +276,7 @@ def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | N
                   why_in_code: str = "") -> None:
     """Before distributed init (the world size, hence the batch arithmetic, comes later in load_ds_config): the JSON
     reads, its values pass check_ds_values, and the optimizer is built either in code or from the JSON's "optimizer"
-    section, never both and never neither (ds_core.rank.engine.build_engine checks the same, but only after init and
+    section, never both and never neither (ds_core.rank.engine_build checks the same, but only after init and
     model build). optimizer_in_code None: the model takes either (BridgeTower builds AdamW in code when the JSON
     has no "optimizer"), so only the values are checked; True: the LR schedule is built in code too, and a
     "scheduler" section is refused as well, with why_in_code as the reason. cfg: the JSON as the run fills it
