@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ds_core.config import arg
+from ds_core.config.settings import arg
 from ds_core.errors import ConfigError
 from ds_core.schedule import KINDS, LRSchedule, lr_schedule, warmup_steps_for
 from ds_core.schedule.published import REF_KINDS
