@@ -96,7 +96,7 @@ def bench_engine(preset, ds_config: dict, optimizer: str, sparse_mlm: bool = Fal
     from bert_ref.model import build_model
     from bert_ref.optim import bert_defaults, build_optimizer
     from ds_core.config.optim import OptimArgs, schedule_for
-    from ds_core.rank.engine import build_engine
+    from ds_core.rank.engine_build import build_engine
 
     model = build_model(preset, sparse_mlm=sparse_mlm, fast_dropout=fast_dropout)
     args = OptimArgs(optimizer=optimizer, learning_rate=LR, warmup_ratio=0.0, lr_scheduler_type="poly_warmup")

@@ -73,7 +73,7 @@ def reference_images(transform: str, size: int):
         return lambda path: processor(images=Image.open(path).convert("RGB"), return_tensors="pt")["pixel_values"][0]
     if transform != "run_bridgetower":
         raise ValueError(f"--transform must be processor or run_bridgetower, got {transform!r}")
-    from bridgetower_ds.compat import torchvision_transform
+    from bridgetower_ds.image_processor import torchvision_transform
 
     return torchvision_transform(size)  # RuntimeError naming torchvision where it is missing
 

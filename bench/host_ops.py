@@ -142,19 +142,19 @@ def bt_ds_config(dtype: str, setting: str = "json") -> dict:
 
 def _bt(name: str, layers: int, setting: str, dtype: str, image_size: int = 0):
     """(engine, step function, batch) as bridgetower_ds.train builds them: model, freezing, SDPA, AdamW groups."""
-    from bridgetower_ds import compat
+    from bridgetower_ds import optim as bt_optim
     from bridgetower_ds.configs import ModelArgs
     from bridgetower_ds.model import build_model
     from bridgetower_ds.step import step_fn
     from ds_core.config.optim import OptimArgs
-    from ds_core.rank.engine import build_engine
+    from ds_core.rank.engine_build import build_engine
 
     cfg = _bt_config(name, layers, image_size)
     model = build_model(ModelArgs(), config=cfg)
     model.logit_scale_as_1d()
     ds_config = bt_ds_config(dtype, setting)
-    lr, wd, _ = compat.resolve_optimizer(OptimArgs(), ds_config, "bench DeepSpeed config")
-    engine = build_engine(model, ds_config, **compat.engine_kwargs(model, OptimArgs(), ds_config, lr, wd, 10**6))
+    optim, _ = bt_optim.decide(OptimArgs(), ds_config, "bench DeepSpeed config")
+    engine = build_engine(model, ds_config, **bt_optim.engine_kwargs(model, optim, ds_config, 10**6))
     return engine, step_fn, _bt_batch(cfg, engine.device)
 
 

@@ -24,7 +24,7 @@ from ds_core.outputs.model_card import card_text, hub_id_of, optimizer_name, wri
 from ds_core.outputs.monitors import apply_report_to
 from ds_core.rank.compile import compile_model
 from ds_core.rank.dist import shutdown_distributed
-from ds_core.rank.engine import build_engine
+from ds_core.rank.engine_build import build_engine
 from ds_core.rank.process_end import run_main
 from ds_core.run.run_dir import resume_from_checkpoint
 from ds_core.run.setup import Run, RunSpec, start_run

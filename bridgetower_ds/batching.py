@@ -30,16 +30,14 @@ by `pad_to_max_length`), moves to the device and, on several ranks during traini
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from . import log
 from .images import BadImage
-
-log = logging.getLogger(__name__)
 
 MIN_CONTRASTIVE_ROWS = 2  # one row has no in-batch negative: its ITC loss is exactly 0
 MAX_BAD_EXAMPLES = 10
@@ -218,7 +216,7 @@ class BadImageLog:
             entry = f"{name}: {reason}"
             if len(self.examples) < MAX_BAD_EXAMPLES and entry not in self.examples:
                 self.examples.append(entry)
-                log.warning("[bridgetower_ds] rank %d skipping bad image %s", self.rank, entry)
+                log.say(f"rank {self.rank} skipping bad image {entry}", every_rank=True, stderr=True)
 
 
 # ---------------------------------------------------------------------------------------------------- assembly

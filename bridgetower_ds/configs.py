@@ -265,7 +265,7 @@ HPU_NOTICES = {
 }
 # GaudiTrainingArguments' other settings (optimum-habana, optimum/habana/transformers/training_args.py), accepted
 # where what they ask for is what happens here anyway or does not apply; --torch_compile maps to --compile on, and
-# --fp8 / --profiling_* are refused naming what to use (bridgetower_ds.compat.check_flags)
+# --fp8 / --profiling_* are refused naming what to use (bridgetower_ds.trainer_flags.check_flags)
 GAUDI_TRAINER_NOTICES = {
     "adjust_throughput": "logging, evaluation and saving are always outside the measured throughput window "
                          "(train_samples_per_second_measured)",
@@ -283,7 +283,7 @@ GAUDI_TRAINER_NOTICES = {
 class CompatArgs:
     """transformers / optimum-habana TrainingArguments flags that have no setting of their own here: accepted with
     their meaning mapped (report_to, save_strategy, remove_unused_columns), with a one-line notice (HPU-only), or
-    refused with the reason (push_to_hub). See bridgetower_ds/compat.py."""
+    refused with the reason (push_to_hub). See bridgetower_ds/trainer_flags.py."""
 
     report_to: str = field(default="none", metadata={
         "help": "tensorboard | csv | wandb | comet | all | none (comma-separated for several): DeepSpeed's monitor, "

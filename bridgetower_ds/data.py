@@ -37,6 +37,7 @@ from ds_core.errors import ConfigError, InputNotFound
 from ds_core.outputs.sample_log import SampleLog
 from ds_core.run.step import pin_batches
 
+from . import log
 from .batching import MIN_CONTRASTIVE_ROWS, BadImageLog, BatchAssembler, BatchPlan, pad_to_max_length, resume_window
 from .configs import DataArgs
 from .fetch import FetchBatch, PlanSampler, identity
@@ -492,9 +493,9 @@ def build_data(splits: Splits, split: str, tokenizer, image_size: int, rank: int
     (None: resolved from the data settings here)."""
     table, bad_captions = drop_bad_captions(limit_rows(splits.args, split, splits.get(split)))
     where = splits.args.dataset_path or splits.args.dataset_name
-    if bad_captions and rank == 0:
-        print(f"[bridgetower_ds] {where} split {split!r}: skipping {len(bad_captions)} rows with an empty, null or "
-              f"missing caption (first: {', '.join(bad_captions[:3])})", flush=True)
+    if bad_captions:
+        log.say(f"{where} split {split!r}: skipping {len(bad_captions)} rows with an empty, null or missing caption "
+                f"(first: {', '.join(bad_captions[:3])})", rank=rank)
     if len(table) == 0:
         raise ValueError(f"{where}: split {split!r} is empty" +
                          (f" ({len(bad_captions)} rows without a caption)" if bad_captions else ""))

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import log
 from .batching import tokenize
 from .images import CLIP_MEAN, CLIP_STD, BadImage, open_image
 
@@ -114,9 +115,8 @@ def materialize(table, cache_dir: str, rank: int) -> list[str]:
     import hashlib
 
     root = cache_dir_of(cache_dir)
-    if rank == 0:
-        print(f"[bridgetower_ds] HPU media pipe: embedded images of {table.source} are files in {root} (named by "
-              "their content; written once)", flush=True)
+    log.say(f"HPU media pipe: embedded images of {table.source} are files in {root} (named by their content; "
+            "written once)", rank=rank)
     paths = []
     for i in range(len(table)):
         p = table.path(i)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import log
 from .images import make_device_decoder, normalize, resolve_pipeline
 
 PIPELINES = ("host", "device-cpu", "device-cuda", "device-hpu")
@@ -45,8 +46,7 @@ class ImagePipeline:
         return self.name == "device-hpu"
 
     def announce(self, rank: int) -> None:
-        if rank == 0:
-            print(f"[bridgetower_ds] image pipeline: {self.name} ({self.reason})", flush=True)
+        log.say(f"image pipeline: {self.name} ({self.reason})", rank=rank)
 
     def pixel_source(self, size: int, device: torch.device, args: Any) -> "PixelSource":
         """What turns a worker's batch into normalized pixel values on `device`; args: the run's DataArgs."""

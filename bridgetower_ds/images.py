@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import io
-import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -52,8 +51,6 @@ try:  # libjpeg-turbo straight into a numpy array: bit-identical to PIL's decode
     import simplejpeg
 except ImportError:  # optional: PIL does everything, just slower
     simplejpeg = None
-
-log = logging.getLogger(__name__)
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -1,8 +1,6 @@
 """Build `BridgeTowerForContrastiveLearning`, freeze parts of it, and count its FLOPs per training sample."""
 from __future__ import annotations
 
-import logging
-import os
 from pathlib import Path
 
 import torch
@@ -13,9 +11,8 @@ from transformers import BridgeTowerConfig, BridgeTowerForContrastiveLearning
 from ds_core.compat.hf import bridgetower_sdpa_missing, dtype_kwargs
 from ds_core.errors import ConfigError
 
+from . import log
 from .configs import CONTRASTIVE_HIDDEN_SIZE, LOGIT_SCALE_INIT, ModelArgs, preset
-
-log = logging.getLogger(__name__)
 
 
 class BridgeTowerContrastive(BridgeTowerForContrastiveLearning):
@@ -147,7 +144,7 @@ def load_config(args: ModelArgs) -> BridgeTowerConfig:
     for key, value in (("contrastive_hidden_size", CONTRASTIVE_HIDDEN_SIZE),
                        ("logit_scale_init_value", LOGIT_SCALE_INIT)):
         if getattr(cfg, key, None) is None:
-            log.warning("%s: config.json has no %s; using %s", path, key, value)
+            log.warn(f"{path}: config.json has no {key}; using {value}", every_rank=True, stderr=True)
             setattr(cfg, key, value)
     return cfg
 
@@ -193,9 +190,7 @@ def use_sdpa(model: BridgeTowerForContrastiveLearning) -> bool:
             module.__class__ = SelfAttentionMHA  # same parameters and state; a leaner forward (any transformers)
     why = bridgetower_sdpa_missing()
     if why is not None:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"[bridgetower] --attn_implementation sdpa: {why} (the vision tower's attention is SDPA already)",
-                  flush=True)
+        log.say(f"--attn_implementation sdpa: {why} (the vision tower's attention is SDPA already)")
         return False
     for module in model.modules():
         if isinstance(module, (mb.BridgeTowerSelfAttention, mb.BridgeTowerCrossAttention)):

@@ -1,8 +1,8 @@
 """Fine-tune BridgeTower (contrastive) through ds_core: `deepspeed --num_gpus N --module bridgetower_ds.train ...`,
 `deepspeed bridgetower_ds/train.py ...`, or `python -m bridgetower_ds.train ...` for one process.
 
-optimum-habana's run_bridgetower.py command line is accepted as written (bridgetower_ds/compat.py says how); results
-and the final model land in --output_dir (= --run_dir) as transformers' Trainer writes them."""
+optimum-habana's run_bridgetower.py command line is accepted as written (bridgetower_ds/trainer_flags.py says how);
+results and the final model land in --output_dir (= --run_dir) as transformers' Trainer writes them."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,22 +12,23 @@ from pathlib import Path
 from typing import Any
 
 import ds_configs
-from bridgetower_ds import compat, trainer_files, trainer_flags
+from bridgetower_ds import log, optim as bt_optim, trainer_files, trainer_flags
 from bridgetower_ds.configs import BridgeTowerSettings
 from bridgetower_ds.data import build_data, check_dataset, open_dataset
 from bridgetower_ds.eval import evaluation_for
 from bridgetower_ds.hub import check_model_dir, resolve_pretrained
 from bridgetower_ds.image_pipeline import ImagePipeline
+from bridgetower_ds.image_processor import image_processor
 from bridgetower_ds.model import build_model, flops_per_sample, load_config, model_summary
 from bridgetower_ds.step import step_fn
 from bridgetower_ds.tokenizer import expected_padded_length, load_tokenizer
-from ds_core.config import read_ds_json, resolve_ds_path
+from ds_core.config import read_ds_json
 from ds_core.errors import ConfigError
 from ds_core.outputs.model_card import card_text, hub_id_of, optimizer_name, write_model_card
 from ds_core.outputs.results import keep_frozen_fp32, save_metrics, save_model
 from ds_core.rank.compile import compile_model
 from ds_core.rank.dist import shutdown_distributed
-from ds_core.rank.engine import build_engine
+from ds_core.rank.engine_build import build_engine
 from ds_core.rank.process_end import run_main
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
@@ -35,17 +36,17 @@ from ds_core.run.trainer import Checkpointing, ModelInfo, Trainer
 MODULE = "bridgetower_ds.train"
 # bridgetower_ds's one default DeepSpeed JSON (ds_configs.DEFAULT_JSON). The optimizer is its "optimizer" section
 # (AdamW) or, without one, AdamW built in code; learning rate and weight decay follow OptimArgs' rule either way
-# (bridgetower_ds/compat.py).
+# (bridgetower_ds/optim.py).
 DEFAULT_DS_CONFIG = ds_configs.preset_json(MODULE, "")
 
 
 def resolve(cfg: BridgeTowerSettings) -> tuple[BridgeTowerSettings, list[str]]:
     """Before any rank starts: flags mapped or refused, hub ids looked up in the local cache, and the learning rate
-    and weight decay resolved against the DeepSpeed JSON (OptimArgs' rule, bridgetower_ds/compat.py)."""
+    and weight decay resolved against the DeepSpeed JSON (OptimArgs' rule, bridgetower_ds/optim.py)."""
     task, optim, compat_args = cfg.task, cfg.optim, cfg.compat
     if not (task.do_train or task.do_eval or task.do_predict):
         raise ConfigError("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
-    train_cfg = compat.check_flags(compat_args, cfg.train)
+    train_cfg = trainer_flags.check_flags(compat_args, cfg.train)
     train_cfg, model_args, data_args, flag_notes = trainer_flags.map_flags(compat_args, train_cfg, cfg.model,
                                                                            cfg.data, DEFAULT_DS_CONFIG,
                                                                            optim.max_grad_norm)
@@ -57,20 +58,19 @@ def resolve(cfg: BridgeTowerSettings) -> tuple[BridgeTowerSettings, list[str]]:
         tokenizer_name_or_path=resolve_pretrained(model_args.tokenizer_name_or_path, "--tokenizer_name_or_path"))
     check_model_dir(model_args.model_name_or_path)
     ds_json, source = read_ds_json(train_cfg.deepspeed_config), f"DeepSpeed config {train_cfg.deepspeed_config}"
-    compat.check_scheduler_section(optim, ds_json, source)
-    lr, wd, notes = compat.resolve_optimizer(optim, ds_json, source)
-    optim = dataclasses.replace(compat.trainer_defaults(optim), learning_rate=lr, weight_decay=wd)
-    notices = compat.flag_notices(compat_args) + flag_notes + notes
+    optim, notes = bt_optim.decide(optim, ds_json, source)  # the one place lr, weight decay and defaults are decided
+    notices = trainer_flags.flag_notices(compat_args) + flag_notes + notes
     return dataclasses.replace(cfg, train=train_cfg, model=model_args, data=data_args, optim=optim), notices
 
 
 def adjust_ds_config(cfg: BridgeTowerSettings, ds_config: dict) -> list[str]:
-    """The resolved learning rate / weight decay and the --report_to monitors, written into the DeepSpeed config."""
+    """The learning rate / weight decay decided in `resolve` and the --report_to monitors, written into the DeepSpeed
+    config."""
     optim = cfg.optim
-    compat.resolve_optimizer(optim, ds_config, f"DeepSpeed config {resolve_ds_path(cfg.train.deepspeed_config)}")
+    bt_optim.write_decided(optim, ds_config)
     if optim.max_grad_norm is not None:  # Trainer's --max_grad_norm is DeepSpeed's gradient_clipping
         ds_config["gradient_clipping"] = optim.max_grad_norm
-    return compat.apply_report_to(cfg.compat.report_to, ds_config, cfg.train.run_dir)
+    return trainer_flags.apply_report_to(cfg.compat.report_to, ds_config, cfg.train.run_dir)
 
 
 SPEC = RunSpec(settings=BridgeTowerSettings, default_ds_config=DEFAULT_DS_CONFIG, optimizer_in_code=None,
@@ -150,8 +150,7 @@ def _engine(run: Run, image_size: int) -> tuple[Any, Any, dict]:
     _announce(run, model, image_size)
     model.logit_scale_as_1d()  # DeepSpeed cannot broadcast 0-dim parameters
     frozen = keep_frozen_fp32(model, keep=run.dist.rank == 0)
-    engine = build_engine(model, ds_config, **compat.engine_kwargs(model, optim, ds_config, optim.learning_rate,
-                                                                   optim.weight_decay, run.total_steps or 1))
+    engine = build_engine(model, ds_config, **bt_optim.engine_kwargs(model, optim, ds_config, run.total_steps or 1))
     # captions are padded to the batch's longest (unless --pad_to_max_length) and a micro batch loses its bad images:
     # shapes vary, so torch makes the varying sizes symbolic at the first change instead of compiling each shape
     compile_model(engine, run.train.compile, dynamic=None)
@@ -169,21 +168,20 @@ def _outputs(run: Run, engine, frozen: dict, sources: Sources, files, summary: d
     elif "eval" in evaluation.results:  # run_bridgetower.py's name for the same file
         save_metrics(cfg.train.run_dir, "validation", evaluation.results["eval"], dist.rank, combined=False)
     _export(run, engine, frozen, sources.tokenizer,
-            compat.image_processor(cfg.compat.image_processor_name or cfg.model.model_name_or_path,
-                                   sources.image_size))
+            image_processor(cfg.compat.image_processor_name or cfg.model.model_name_or_path,
+                            sources.image_size))
     results = {**evaluation.results.get("eval", {}), **evaluation.results.get("predict", {})}
-    if dist.rank == 0 and results:
-        print("[bridgetower] " + json.dumps(results), flush=True)
+    if results:
+        log.say(json.dumps(results))
     return results
 
 
 def _announce(run: Run, model, image_size: int) -> None:
-    if run.dist.rank == 0:
-        optim, data_args = run.cfg.optim, run.cfg.data
-        for line in run.notices:
-            print(f"[bridgetower] {line}", flush=True)
-        print(f"[bridgetower] {model_summary(model)}; images {image_size}px, captions <= {data_args.max_seq_length} "
-              f"tokens; lr {optim.learning_rate}, weight decay {optim.weight_decay}", flush=True)
+    optim, data_args = run.cfg.optim, run.cfg.data
+    for line in run.notices:
+        log.say(line)
+    log.say(f"{model_summary(model)}; images {image_size}px, captions <= {data_args.max_seq_length} tokens; "
+            f"lr {optim.learning_rate}, weight decay {optim.weight_decay}")
 
 
 def _export(run: Run, engine, frozen: dict, tokenizer, processor) -> None:

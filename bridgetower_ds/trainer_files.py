@@ -20,6 +20,8 @@ from ds_core.outputs.results import save_metrics, train_metrics
 from ds_core.run.callbacks import Callback
 from ds_core.run.setup import Run
 
+from . import log
+
 ARGS_NAME = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME
 
 
@@ -115,7 +117,7 @@ class TrainerFiles(Callback):
         except Exception as e:  # noqa: BLE001 - rank 0 alone is here, inside a checkpoint save the other ranks wait
             # on: an error of an optional file must not leave them in the barrier (ImportError: no accelerate;
             # ValueError: TrainingArguments' own checks; RuntimeError: accelerate's device set-up)
-            print(f"[bridgetower] {ARGS_NAME} not written: {type(e).__name__}: {e}", flush=True)
+            log.say(f"{ARGS_NAME} not written: {type(e).__name__}: {e}")
             return None
         buf = io.BytesIO()
         torch.save(args, buf)

@@ -2,6 +2,11 @@
 clipping, --resume_from_checkpoint, per-split manifest files, revisions and the offline cache. Each flag is honoured,
 accepted with a one-line notice (it changes nothing here), or refused naming the flag to use instead; nothing is
 silently dropped. tests/test_bt_trainer_flags.py holds run_bridgetower.py's argument names and checks each.
+
+The flags that ARE settings of this toolkit are aliases on those settings (`--output_dir` is TrainConfig.run_dir,
+`--per_device_train_batch_size` is TrainConfig.micro_batch_size, ...): one parser, one source of truth. The
+TrainingArguments flags with no setting of their own (CompatArgs) are checked here: refusals (`check_flags`), notices
+(`flag_notices`), `--report_to` (`apply_report_to`) and the strategies (`map_flags`).
 """
 from __future__ import annotations
 
@@ -13,9 +18,10 @@ from typing import Sequence
 
 from ds_core.config import TrainConfig
 from ds_core.errors import ConfigError, InputNotFound
+from ds_core.outputs import monitors
 from ds_core.run.run_dir import resume_from_checkpoint
 
-from .configs import CompatArgs, ModelArgs
+from .configs import GAUDI_TRAINER_NOTICES, HPU_NOTICES, CompatArgs, ModelArgs
 
 STRATEGIES = ("no", "steps", "epoch")
 
@@ -160,3 +166,39 @@ def open_files(compat: CompatArgs, data_args, seed: int = 42):
             tables[split] = next(iter(one.values()))
     return Splits(dataclasses.replace(data_args, dataset_path=compat.train_file or next(iter(files.values()))),
                   tables, seed=seed) if tables else None
+
+
+def check_flags(compat: CompatArgs, train_cfg: TrainConfig) -> TrainConfig:
+    """Refuse what cannot be honoured (push_to_hub, GaudiTrainer's fp8 and profiling steps); --torch_compile is
+    --compile on (a --compile off given too is refused: two answers to one question)."""
+    monitors.report_to_names(compat.report_to)  # a backend not installed: one line, before any process group
+    if compat.fp8:
+        raise ConfigError("--fp8: refused; training here is bf16 or fp32 (--bf16, --precision)")
+    if compat.profiling_steps or compat.profiling_warmup_steps:
+        raise ConfigError("--profiling_steps / --profiling_warmup_steps: refused; pass --profile_steps N, which "
+                          "profiles the last N warm-up steps (--throughput_warmup_steps) with torch.profiler, HPU "
+                          "activity included (docs/metrics.md)")
+    if compat.torch_compile:
+        if train_cfg.compile == "off":
+            raise ConfigError("--torch_compile with --compile off: pass one of them")
+        train_cfg = dataclasses.replace(train_cfg, compile="on")
+    if compat.push_to_hub:
+        raise ConfigError("--push_to_hub: refused; this toolkit never uploads (training hosts often have no internet "
+                          "and a credential on every node is a risk). The model is saved in --output_dir in "
+                          "save_pretrained format: upload it from there with `hf upload REPO DIR`")
+    return train_cfg  # the strategies and the other Trainer flags: map_flags
+
+
+def flag_notices(compat: CompatArgs) -> list[str]:
+    """One line per accepted flag that does nothing here (HPU-only flags, --hub_model_id)."""
+    notices = [f"--{name}: {text}" for name, text in {**HPU_NOTICES, **GAUDI_TRAINER_NOTICES}.items()
+               if getattr(compat, name)]
+    if compat.hub_model_id:
+        notices.append(f"--hub_model_id {compat.hub_model_id}: unused (nothing is pushed to the hub)")
+    return notices
+
+
+def apply_report_to(report_to: str, ds_config: dict, run_dir: str) -> list[str]:
+    """Turn on DeepSpeed's monitors for --report_to (Trainer's names), writing under run_dir/<monitor>/
+    (ds_core.outputs.monitors, shared with bert_ref)."""
+    return monitors.apply_report_to(report_to, ds_config, run_dir, job_name="bridgetower")

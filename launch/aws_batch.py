@@ -33,7 +33,7 @@ import time
 from typing import Mapping, Sequence
 
 from ds_core.cli import cli_main
-from launch import hostfile as hf, run
+from launch import hostfile as hf, log, run
 from launch.settings import LaunchSettings, add_run_arguments
 
 
@@ -134,7 +134,7 @@ class _Registrar:
     def take(self, conn: socket.socket, peer: str) -> None:
         if not self.pending.acquire(blocking=False):
             conn.close()
-            print(f"aws_batch: rejected a registration from {peer}: too many open connections", file=sys.stderr)
+            log.say(f"aws_batch: rejected a registration from {peer}: too many open connections", stderr=True)
             return
         threading.Thread(target=self._read, args=(conn, peer), name=f"aws-batch-register-{peer}",
                          daemon=True).start()
@@ -147,7 +147,7 @@ class _Registrar:
             idx, addr = check_registration(msg, peer, nonce, self.token, self.n, self.main_index)
             self.done.put((idx, addr, conn, nonce))
         except (RegistrationError, hf.HostfileError, OSError) as e:
-            print(f"aws_batch: rejected a registration from {peer}: {e}", file=sys.stderr, flush=True)
+            log.say(f"aws_batch: rejected a registration from {peer}: {e}", stderr=True)
             conn.close()
         finally:
             self.pending.release()
@@ -185,14 +185,14 @@ def gather_children(info: dict, slots: int, port: int, timeout: float, token: by
                 while not reg.done.empty():
                     idx, addr, conn, nonce = reg.done.get()
                     if idx in conns:
-                        print(f"aws_batch: rejected a second registration of node {idx} (from {addr})",
-                              file=sys.stderr)
+                        log.say(f"aws_batch: rejected a second registration of node {idx} (from {addr})",
+                                stderr=True)
                         conn.close()
                         continue
                     conns[idx], addrs[idx] = (conn, nonce), addr
                     # the address the child reached us on is our private address (AWS does not tell the main node)
                     main_addr = main_addr or conn.getsockname()[0]
-                    print(f"aws_batch: node {idx} registered from {addr} ({len(conns)}/{n - 1})", flush=True)
+                    log.say(f"aws_batch: node {idx} registered from {addr} ({len(conns)}/{n - 1})")
             addrs[info["main_index"]] = main_addr
             hosts = hf.hosts_from_names([addrs[i] for i in range(n)], slots, "aws batch node")
             text = hf.format_hostfile(hosts)
@@ -254,8 +254,8 @@ def resolve(settings: LaunchSettings, env: Mapping[str, str], register_port: int
         hosts = hf.parse_hostfile(text, "hostfile from the main node")
     hf.write_hostfile(hosts, settings.hostfile)
     out = settings.replace(node_rank=info["index"], master_addr=settings.master_addr or master, launcher="no_ssh")
-    print(f"aws_batch: node {info['index']} of {info['num_nodes']}, master {out.master_addr}, "
-          f"hostfile {out.hostfile}", flush=True)
+    log.say(f"aws_batch: node {info['index']} of {info['num_nodes']}, master {out.master_addr}, "
+            f"hostfile {out.hostfile}")
     return out
 
 

@@ -29,6 +29,7 @@ from typing import Iterable, Mapping, Sequence
 from ds_core.cli import cli_main
 from ds_core.files import atomic_write_text
 from ds_core.redact import secret_names
+from launch import log
 
 PROFILE_DIR = Path(__file__).resolve().parent / "env"
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -329,14 +330,14 @@ def _main(args: argparse.Namespace) -> int:
         for name, value in entries.items():
             msg = plain_warning(name, value)
             if msg:
-                print(f"warning: {msg}", file=sys.stderr)
+                log.warn(msg, stderr=True)
         print(f"wrote {path} (mode 600): {len(entries)} entries from "
               f"{'profile ' + args.profile if args.profile else 'arguments'}; changed: {', '.join(changed) or 'none'}")
         secrets = secret_names(entries)
         if secrets:
-            print(f"forwarded secret-looking variables: {', '.join(secrets)} (values not shown). DeepSpeed's pdsh "
-                  f"launch puts every entry on each node's command line, where `ps` shows it: docs/cluster.md "
-                  f"\"Security\" says how to keep a secret off it", file=sys.stderr)
+            log.say(f"forwarded secret-looking variables: {', '.join(secrets)} (values not shown). DeepSpeed's pdsh "
+                    f"launch puts every entry on each node's command line, where `ps` shows it: docs/cluster.md "
+                    f"\"Security\" says how to keep a secret off it", stderr=True)
     else:
         files = [Path(f) for f in args.files] or deepspeed_env_files()
         if not files:

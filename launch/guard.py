@@ -25,7 +25,9 @@ It runs `python -m MODULE ARGS` as its child and does two things no launcher doe
 
 Hand-written because no launcher we document has a per-rank liveness check: torch.distributed.elastic's agent
 watches workers only under torchrun, which DeepSpeed's launchers do not use. Standard library plus psutil (mpi4py
-only with --mpi), no package-relative imports: DeepSpeed's MPICH backend runs this file by path.
+only with --mpi) and launch's console (launch.log, standard library only), no package-relative imports: DeepSpeed's
+MPICH backend runs this file by path, and then the repository it lies in is put first on sys.path, so that `launch`
+imports as it does under `python -m launch.guard`.
 """
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ import sys
 import threading
 import time
 from typing import Sequence
+
+if not __package__:  # run by path (DeepSpeed's MPICH backend): the repository's packages, as under -m
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from launch import log  # noqa: E402 - importable once the path above is set
 
 FD_VAR = "LAUNCH_GUARD_HEARTBEAT_FD"
 BEAT_S = 1.0
@@ -107,10 +114,8 @@ def mpi_rendezvous(master_addr: str, master_port: int) -> tuple[dict[str, str], 
     addr, port = world.bcast(plan, root=0)
     env = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local_rank), "LOCAL_SIZE": str(local_size),
            "MASTER_ADDR": addr, "MASTER_PORT": str(port)}
-    if rank == 0:
-        print(f"[launch.guard] MPI rendezvous: world {size}, master {addr}:{port} "
-              f"({'given' if master_addr else 'rank 0 address'}, {'given' if master_port else 'free port'})",
-              flush=True)
+    log.say(f"guard: MPI rendezvous: world {size}, master {addr}:{port} "
+            f"({'given' if master_addr else 'rank 0 address'}, {'given' if master_port else 'free port'})", rank=rank)
     return env, world
 
 
@@ -160,8 +165,8 @@ def supervise(cmd: Sequence[str], env: dict[str, str], stall_timeout_s: float, l
                 time.sleep(0.1)
     os.close(rfd)
     if stalled:
-        print(f"[launch.guard] {label}: no heartbeat from the training process for {stall_timeout_s:.0f} s (stopped "
-              "or frozen; its peers have failed their collectives by now): killing it", file=sys.stderr, flush=True)
+        log.say(f"guard: {label}: no heartbeat from the training process for {stall_timeout_s:.0f} s (stopped or "
+                "frozen; its peers have failed their collectives by now): killing it", stderr=True)
         _kill_tree(child.pid)
         child.wait()
         return 1
@@ -216,8 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd = [sys.executable, "-u", "-m", "launch.guard", "--child", args.module, *forwarded]
     code = supervise(cmd, env, args.stall_timeout_s, label)
     if comm is not None and code != 0:
-        print(f"[launch.guard] {label}: exit {code}: MPI_Abort so mpirun stops every rank", file=sys.stderr,
-              flush=True)
+        log.say(f"guard: {label}: exit {code}: MPI_Abort so mpirun stops every rank", stderr=True)
         comm.Abort(code)
     return code
 

@@ -32,6 +32,7 @@ from typing import Callable, Mapping, Sequence
 
 from ds_core.rank.parent_watch import pdeathsig_preexec
 from ds_core.rank.rendezvous import LOOPBACK, free_port, rank_env, rank_variables
+from launch import log
 
 
 def deepspeed_launcher() -> list[str]:
@@ -328,18 +329,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda signum, _frame: group.signal(signum))
     res = group.wait(a.timeout_s or float("inf"), poll_s=0.1, grace_s=30.0, peer_exit_s=a.peer_exit_s)
     if res.timed_out:
-        print(f"[launch.local_ranks] timed out after {a.timeout_s:.0f} s: every rank killed", file=sys.stderr)
+        log.say(f"local_ranks: timed out after {a.timeout_s:.0f} s: every rank killed", stderr=True)
     code = res.exit_code
     failed = next((i for i, (c, k) in enumerate(zip(res.codes, res.killed)) if c != 0 and not k), None)
     if "peer_exit" in res.extra:
         gone = res.extra["peer_exit"]
-        print(f"[launch.local_ranks] rank {gone['ended']} ended (status 0) and rank(s) "
-              f"{', '.join(map(str, gone['running']))} still ran {a.peer_exit_s:.0f} s later, waiting for it: ended "
-              f"them; exit status 1", file=sys.stderr)
+        log.say(f"local_ranks: rank {gone['ended']} ended (status 0) and rank(s) "
+                f"{', '.join(map(str, gone['running']))} still ran {a.peer_exit_s:.0f} s later, waiting for it: "
+                "ended them; exit status 1", stderr=True)
         return 1
     if failed is not None and any(res.killed):
-        print(f"[launch.local_ranks] rank {failed} failed (exit status {res.codes[failed]}): the other ranks were "
-              f"ended", file=sys.stderr)
+        log.say(f"local_ranks: rank {failed} failed (exit status {res.codes[failed]}): the other ranks were ended",
+                stderr=True)
     return 128 - code if code < 0 else code  # a rank killed by signal S: the shell's 128 + S
 
 

@@ -55,7 +55,7 @@ import ds_configs
 from ds_core.cli import cli_main
 from ds_core.rank.venv import torch_extensions_env
 from ds_core.redact import is_secret, redact_argv, redact_mapping
-from launch import env as envmod, hostfile as hf, preflight, remote_shell
+from launch import env as envmod, hostfile as hf, log, preflight, remote_shell
 from launch.local_ranks import deepspeed_launcher
 from launch.settings import DEFAULT_DIST_TIMEOUT_S, LaunchError, LaunchSettings, add_run_arguments
 
@@ -272,9 +272,8 @@ def build_pdsh(s: LaunchSettings, environ: Mapping[str, str], cwd: str | None) -
         secrets = remote_shell.check_launch([("argument", a) for a in user[1:]], s.master_addr, cwd, environ,
                                             envmod.load_deepspeed_env(cwd, environ))
         if secrets:
-            print(f"launch.run: pdsh will put {', '.join(secrets)} on every node's command line (DeepSpeed's pdsh "
-                  f"launch has no other channel; `ps` shows it there): docs/cluster.md \"Security\"",
-                  file=sys.stderr)
+            log.say(f"run: pdsh will put {', '.join(secrets)} on every node's command line (DeepSpeed's pdsh launch "
+                    f"has no other channel; `ps` shows it there): docs/cluster.md \"Security\"", stderr=True)
     if not s.dry_run:
         check_master_port(s.master_addr or s.used_hosts[0].name, s.port)
     return deepspeed_launcher() + ["--hostfile", s.hostfile, "--master_port", str(s.port), *_addr_flag(s),

@@ -1,4 +1,4 @@
-"""Start the debug BridgeTower on the real DeepSpeed engine through ds_core.rank.engine.build_engine and take 2
+"""Start the debug BridgeTower on the real DeepSpeed engine through ds_core.rank.engine_build.build_engine and take 2
 optimizer steps; each rank writes what happened to OUT_DIR/rank<R>.json.
 
 Driven by tests/test_ops_check.py and tests/test_bt_logit_scale_ds.py:
@@ -34,7 +34,7 @@ def start(ds_json: str, logit_scale: str) -> dict:
     from bridgetower_ds.model import build_model
     from bridgetower_ds.tokenizer import debug_tokenizer
     from ds_core.rank.dist import init_distributed, set_seed
-    from ds_core.rank.engine import build_engine
+    from ds_core.rank.engine_build import build_engine
 
     dist = init_distributed()
     set_seed(1)

@@ -44,7 +44,7 @@ def measure(dist, mode: str) -> dict:
     from ds_core.config import DS_CONFIG_DIR
     from ds_core.config.optim import OptimArgs
     from ds_core.rank.dist import set_seed
-    from ds_core.rank.engine import build_engine
+    from ds_core.rank.engine_build import build_engine
     from ds_tools.op_count import OpCounter
 
     set_seed(0)

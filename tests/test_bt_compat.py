@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bridgetower_ds import compat, trainer_flags
+from bridgetower_ds import optim as bt_optim, trainer_flags
 from bridgetower_ds.configs import BridgeTowerSettings, CompatArgs, DataArgs, ModelArgs
+from bridgetower_ds.image_processor import image_processor
 from conftest import REPO
 from ds_core.config import TrainConfig, parse_settings
 from ds_core.config.optim import OptimArgs
@@ -65,9 +66,9 @@ def test_published_command_parses_into_the_toolkits_settings():
     assert ra.do_train and ra.do_eval and ra.do_predict
     assert (oa.learning_rate, oa.weight_decay, oa.warmup_ratio, oa.lr_scheduler_type) == (1e-5, 0.01, 0.1, "cosine")
     assert ca.remove_unused_columns is False and ca.report_to == "tensorboard" and ca.save_strategy == "no"
-    tc = compat.check_flags(ca, tc)
+    tc = trainer_flags.check_flags(ca, tc)
     tc, ma, da, _ = trainer_flags.map_flags(ca, tc, ma, da, "bridgetower_zero1_bf16.json")
-    notices = compat.flag_notices(ca)
+    notices = trainer_flags.flag_notices(ca)
     assert tc.save_final_checkpoint is False  # --save_strategy no: no checkpoints at all
     assert [n.split(":")[0] for n in notices] == ["--use_habana", "--use_lazy_mode", "--use_hpu_graphs_for_inference",
                                                   "--gaudi_config_name", "--distribution_strategy", "--sdp_on_bf16"]
@@ -83,22 +84,22 @@ def test_gaudi_trainer_flags_are_taken_as_this_toolkit_does_what_they_ask():
     flags = ["--adjust_throughput", "--non_blocking_data_copy", "--pipelining_fwd_bwd",
              "--use_hpu_graphs_for_training", "--use_compiled_autograd", "--torch_compile_backend", "hpu_backend"]
     cfg = parse_settings(BridgeTowerSettings, ["--do_train", "--torch_compile", *flags])
-    assert compat.check_flags(cfg.compat, cfg.train).compile == "on"
-    notices = compat.flag_notices(cfg.compat)
+    assert trainer_flags.check_flags(cfg.compat, cfg.train).compile == "on"
+    notices = trainer_flags.flag_notices(cfg.compat)
     assert [n.split(":")[0] for n in notices] == [f"--{k}" for k in GAUDI_TRAINER_NOTICES]
     assert all(len(n.splitlines()) == 1 for n in notices)
     for argv, message in ((["--fp8"], "--fp8: refused"), (["--profiling_steps", "3"], "pass --profile_steps N"),
                           (["--torch_compile", "--compile", "off"], "pass one of them")):
         cfg = parse_settings(BridgeTowerSettings, ["--do_train", *argv])
         with pytest.raises(ConfigError, match=message):
-            compat.check_flags(cfg.compat, cfg.train)
+            trainer_flags.check_flags(cfg.compat, cfg.train)
 
 
 def test_push_to_hub_is_refused_with_the_reason():
     cfg = parse_settings(BridgeTowerSettings, ["--push_to_hub", "--hub_model_id", "me/bt", "--do_train"])
     tc, ca = cfg.train, cfg.compat
     with pytest.raises(ConfigError, match="never uploads.*hf upload"):
-        compat.check_flags(ca, tc)
+        trainer_flags.check_flags(ca, tc)
     with pytest.raises(ConfigError, match="save_strategy 'hourly'"):
         trainer_flags.map_flags(CompatArgs(save_strategy="hourly"), TrainConfig(), ModelArgs(), DataArgs(), "")
     with pytest.raises(ConfigError, match="pick one"):
@@ -129,39 +130,46 @@ def test_learning_rate_rule_against_a_deepspeed_json_optimizer_section():
     section = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0, "betas": [0.9, 0.98]}}}
     # no flag: the JSON's values
     ds = json.loads(json.dumps(section))
-    assert compat.resolve_optimizer(OptimArgs(), ds, "X")[:2] == (1e-5, 0.0)
+    assert bt_optim.resolve_optimizer(OptimArgs(), ds, "X")[:2] == (1e-5, 0.0)
     # a flag wins, says so, and the resolved config holds what is used (betas kept)
     ds = json.loads(json.dumps(section))
-    lr, wd, notes = compat.resolve_optimizer(OptimArgs(learning_rate=3e-4, weight_decay=0.01), ds, "X")
+    lr, wd, notes = bt_optim.resolve_optimizer(OptimArgs(learning_rate=3e-4, weight_decay=0.01), ds, "X")
     assert (lr, wd) == (3e-4, 0.01) and ds["optimizer"]["params"] == {"lr": 3e-4, "weight_decay": 0.01,
                                                                        "betas": [0.9, 0.98]}
     assert notes == ["--learning_rate 0.0003 replaces X optimizer.params.lr = 1e-05",
                      "--weight_decay 0.01 replaces X optimizer.params.weight_decay = 0.0"]
     # the same value: nothing to say; "auto" (HF's DeepSpeed spelling) takes the flag or Trainer's default
-    assert compat.resolve_optimizer(OptimArgs(learning_rate=1e-5), json.loads(json.dumps(section)), "X")[2] == []
+    assert bt_optim.resolve_optimizer(OptimArgs(learning_rate=1e-5), json.loads(json.dumps(section)), "X")[2] == []
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}
-    assert compat.resolve_optimizer(OptimArgs(), ds, "X")[:2] == (5e-5, 0.0) and ds["optimizer"]["params"]["lr"] == 5e-5
+    assert bt_optim.resolve_optimizer(OptimArgs(), ds, "X")[:2] == (5e-5, 0.0)
+    assert ds["optimizer"]["params"]["lr"] == 5e-5
     # no optimizer section: the flags, else Trainer's defaults; AdamW is then built in code with decay groups
-    assert compat.resolve_optimizer(OptimArgs(), {}, "X")[:2] == (5e-5, 0.0)
+    assert bt_optim.resolve_optimizer(OptimArgs(), {}, "X")[:2] == (5e-5, 0.0)
     # a "scheduler" section is the schedule DeepSpeed builds (as under Trainer): none of ours beside it
     with_section = {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}
-    assert "lr_scheduler" not in compat.engine_kwargs(torch.nn.Linear(2, 2), OptimArgs(), with_section, 1e-5, 0.0, 10)
-    assert "lr_scheduler" in compat.engine_kwargs(torch.nn.Linear(2, 2), OptimArgs(), {}, 1e-5, 0.0, 10)
+    decided, notes = bt_optim.decide(OptimArgs(), json.loads(json.dumps(section)), "X")
+    assert (decided.learning_rate, decided.weight_decay, decided.eps, decided.lr_scheduler_type, notes) == \
+        (1e-5, 0.0, 1e-8, "linear", [])  # the JSON's values, Trainer's defaults for the rest: decided once
+    ds = json.loads(json.dumps(section))
+    bt_optim.write_decided(decided, ds)  # what adjust_ds_config writes: the decided values, not a second decision
+    assert ds["optimizer"]["params"] == {"lr": 1e-5, "weight_decay": 0.0, "betas": [0.9, 0.98]}
+    assert "lr_scheduler" not in bt_optim.engine_kwargs(torch.nn.Linear(2, 2), decided, with_section, 10)
+    assert "lr_scheduler" in bt_optim.engine_kwargs(torch.nn.Linear(2, 2), decided, {}, 10)
     with pytest.raises(ConfigError, match="lr_scheduler_type"):
         parse_settings(BridgeTowerSettings, ["--do_train", "--lr_scheduler_type", "exponential"])
 
 
 def test_report_to_turns_on_deepspeeds_monitor(tmp_path):
     ds: dict = {}
-    assert compat.apply_report_to("tensorboard", ds, str(tmp_path)) == []
+    assert trainer_flags.apply_report_to("tensorboard", ds, str(tmp_path)) == []
     assert ds["tensorboard"] == {"enabled": True, "output_path": str(tmp_path / "tensorboard"),
                                  "job_name": "bridgetower"}
     ds = {"csv_monitor": {"enabled": True, "output_path": "mine"}}
-    assert "used as it is" in compat.apply_report_to("csv", ds, str(tmp_path))[0]
+    assert "used as it is" in trainer_flags.apply_report_to("csv", ds, str(tmp_path))[0]
     assert ds["csv_monitor"]["output_path"] == "mine"
-    assert compat.apply_report_to("none", ds := {}, "x") == [] and ds == {}
+    assert trainer_flags.apply_report_to("none", ds := {}, "x") == [] and ds == {}
     with pytest.raises(ConfigError, match="mlflow"):
-        compat.apply_report_to("mlflow", {}, "x")
+        trainer_flags.apply_report_to("mlflow", {}, "x")
 
 
 # ------------------------------------------------------------------------------------------------- datasets cache
@@ -286,11 +294,11 @@ def test_image_processor_config_is_the_checkpoints_or_the_pipelines(tmp_path):
     def edge(size):  # a SizeDict on transformers 5, a dict on 4.55
         return size["shortest_edge"] if isinstance(size, dict) else size.shortest_edge
 
-    made = compat.image_processor("", 32)
+    made = image_processor("", 32)
     assert edge(made.size) == 32 and edge(made.crop_size) == 32 and made.size_divisor == 32
     # the published Large checkpoint's preprocessor: shorter side 294, kept as it is
     ckpt = tmp_path / "ckpt"
     bridgetower_image_processor()(size={"shortest_edge": 294}, crop_size={"shortest_edge": 294}).save_pretrained(ckpt)
-    assert edge(compat.image_processor(str(ckpt), 294).size) == 294
+    assert edge(image_processor(str(ckpt), 294).size) == 294
     with pytest.raises(ConfigError, match="shortest_edge 294 != the model's vision image_size 288"):
-        compat.image_processor(str(ckpt), 288)
+        image_processor(str(ckpt), 288)

@@ -50,7 +50,7 @@ def test_logit_scale_as_1d_trains_in_bf16_on_two_ranks_and_saves_it_0dim(bt_engi
         assert len(r["losses"]) == 2 and all(0 < x < 10 for x in r["losses"])
         assert r["saved_logit_scale_shape"] == []  # the published checkpoint's layout (transformers: 0-dim)
         # the [1] logit_scale, first in model order, is placed last in ZeRO's flat buffer: every weight after it
-        # keeps the 16-byte alignment cuBLAS's fast GEMM kernels need (ds_core.rank.engine.odd_sizes_last)
+        # keeps the 16-byte alignment cuBLAS's fast GEMM kernels need (ds_core.rank.engine_build.odd_sizes_last)
         assert r["flat_layout"] == "odd sizes last: logit_scale" and r["misaligned"] == [], r
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the same batch on both ranks, one set of weights
     assert ranks[0]["logit_scale_after"] == ranks[1]["logit_scale_after"]

@@ -29,7 +29,7 @@ def test_bench_e2e_toy(tmp_path):
 
 @pytest.mark.gpu  # torchvision comes with the CUDA images (none for this CPU torch); the check itself runs on the CPU
 def test_run_bridgetower_baseline_transform_is_torchvisions_and_equals_ours(tmp_path):
-    """The Trainer baseline's run_bridgetower transform (compat.torchvision_transform: torchvision read_image +
+    """The Trainer baseline's run_bridgetower transform (image_processor.torchvision_transform: torchvision read_image +
     run_bridgetower.py's Transform) against our host pipeline's run_bridgetower geometry, normalized: equal within
     float32 rounding of the two normalizations (and 1 grey level where the float resize rounds a .5 the other way
     on another CPU). Both decode with libjpeg-turbo (torchvision's read_image, simplejpeg)."""
@@ -38,7 +38,7 @@ def test_run_bridgetower_baseline_transform_is_torchvisions_and_equals_ours(tmp_
     import torch
     from PIL import Image
 
-    from bridgetower_ds.compat import torchvision_transform
+    from bridgetower_ds.image_processor import torchvision_transform
     from bridgetower_ds.images import CLIP_STD, host_transform, normalize
 
     rng = np.random.default_rng(0)

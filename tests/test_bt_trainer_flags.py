@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from bridgetower_ds import compat, trainer_flags
+from bridgetower_ds import trainer_flags
 from bridgetower_ds.configs import BridgeTowerSettings, CompatArgs, DataArgs
 from bridgetower_ds.train import DEFAULT_DS_CONFIG
 from ds_core.config import TrainConfig, parse_settings, sections_of
@@ -61,7 +61,7 @@ def _resolve(argv: list[str]) -> tuple:
     """parse_settings, then what bridgetower_ds.train.resolve does before any rank starts (without the hub look-up):
     (map_flags' (train, model, data, notes), the parsed settings tree)."""
     cfg = parse_settings(BridgeTowerSettings, argv)
-    tc = compat.check_flags(cfg.compat, cfg.train)
+    tc = trainer_flags.check_flags(cfg.compat, cfg.train)
     tc = tc if tc.deepspeed_config else TrainConfig(**{**tc.__dict__, "deepspeed_config": DEFAULT_DS_CONFIG})
     cfg = dataclasses.replace(cfg, train=tc)
     return trainer_flags.map_flags(cfg.compat, tc, cfg.model, cfg.data, DEFAULT_DS_CONFIG, cfg.optim.max_grad_norm), cfg
@@ -104,7 +104,7 @@ def test_every_run_bridgetower_and_trainer_flag_is_accepted_or_refused_with_the_
 def test_use_hpu_graphs_is_its_own_flag_not_a_prefix():
     ca = parse_settings(BridgeTowerSettings, ["--use_hpu_graphs"]).compat
     assert ca.use_hpu_graphs and not ca.use_hpu_graphs_for_inference
-    assert compat.flag_notices(ca)[0].startswith("--use_hpu_graphs: (optimum-habana's deprecated name")
+    assert trainer_flags.flag_notices(ca)[0].startswith("--use_hpu_graphs: (optimum-habana's deprecated name")
 
 
 def test_trainer_spellings_are_aliases_of_our_settings():

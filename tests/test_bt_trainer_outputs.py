@@ -33,8 +33,8 @@ def _trainer_reference(out: Path) -> None:
     import torch
     from transformers import BridgeTowerForContrastiveLearning, Trainer, TrainingArguments
 
-    from bridgetower_ds import compat
     from bridgetower_ds.configs import debug
+    from bridgetower_ds.image_processor import image_processor
     from bridgetower_ds.tokenizer import debug_tokenizer
 
     torch.manual_seed(0)
@@ -63,7 +63,7 @@ def _trainer_reference(out: Path) -> None:
     result = trainer.train()
     trainer.save_model()
     tok.save_pretrained(str(out))
-    compat.image_processor("", 32).save_pretrained(str(out))
+    image_processor("", 32).save_pretrained(str(out))
     trainer.save_metrics("train", result.metrics)
     trainer.save_state()
     trainer.save_metrics("validation", trainer.evaluate())
@@ -253,7 +253,7 @@ def _run_of(tmp_path: Path, argv: list[str], ds: dict):
 
     import torch
 
-    from bridgetower_ds import compat
+    from bridgetower_ds import optim as bt_optim
     from bridgetower_ds.configs import BridgeTowerSettings
     from ds_core.config import parse_settings
     from ds_core.rank.dist import DistInfo
@@ -264,7 +264,7 @@ def _run_of(tmp_path: Path, argv: list[str], ds: dict):
     (run_dir / "ds_config.json").write_text(json.dumps(ds))
     cfg = parse_settings(BridgeTowerSettings, ["--output_dir", str(run_dir), *argv])
     optim = cfg.optim
-    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(compat.trainer_defaults(optim),
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(bt_optim.trainer_defaults(optim),
                                                              weight_decay=optim.weight_decay or 0.0))
     dist = DistInfo(0, 0, 1, 1, 1, "cpu", torch.device("cpu"), "gloo")
     return Run.of(cfg, dist, ds, total_steps=30)

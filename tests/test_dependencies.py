@@ -32,8 +32,8 @@ UNDECLARED = {
              "importable, so an HPU or GPU machine keeps the build it has",
     "habana_frameworks": "Habana's PyTorch bridge comes with every Gaudi image (like its torch); its media loader is "
                          "the `hpu` extra (habana-media-loader)",
-    "torchvision": "run_bridgetower.py's reference image transform only (bridgetower_ds.compat.torchvision_transform,"
-                   " optional: it says so when absent); never a training path",
+    "torchvision": "run_bridgetower.py's reference image transform only (bridgetower_ds.image_processor."
+                   "torchvision_transform, optional: it says so when absent); never a training path",
     "setuptools": "the build backend (pyproject.toml's build-system.requires); tests/test_install.py checks the one "
                   "the venv builds with",
     "modeling": "Habana's own BERT modeling.py, from a fetched reference checkout on PYTHONPATH, for the script that "

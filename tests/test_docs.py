@@ -197,7 +197,8 @@ def _run_parse(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
         # an entry point parses in its own module or through ds_core.run.setup.start_run: patch whichever it uses
         for where, parser in [(w, p) for w in ((mod, ds_core.run.setup) if hasattr(mod, "start_run") else (mod,))
                               for p in ("parse_args", "parse_settings")]:
-            if hasattr(where, parser) and getattr(getattr(where, parser), "__module__", "") == "ds_core.config":
+            if hasattr(where, parser) and getattr(getattr(where, parser), "__module__", "").startswith(
+                    "ds_core.config"):
                 real = getattr(where, parser)
 
                 def parse_then_validate(*a, _real=real, **k):

@@ -1,4 +1,4 @@
-"""ds_core.rank.engine and ds_core.rank.shm helpers that need no process group."""
+"""ds_core.rank.engine_build and ds_core.rank.shm helpers that need no process group."""
 import os
 import time
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds_core.checkpoint import describe_mismatch
-from ds_core.rank.engine import flat_layout, odd_sizes_last
+from ds_core.rank.engine_build import flat_layout, odd_sizes_last
 from ds_core.rank.shm import cpu_shm_buffer_name, stale_build_locks
 
 

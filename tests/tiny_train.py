@@ -31,7 +31,7 @@ import torch
 from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig
 from ds_core.rank.dist import shutdown_distributed
-from ds_core.rank.engine import build_engine
+from ds_core.rank.engine_build import build_engine
 from ds_core.rank.process_end import run_main
 from ds_core.run.evaluation import EvalTask, Evaluation
 from ds_core.run.setup import Run, RunSpec, start_run

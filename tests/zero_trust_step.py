@@ -51,7 +51,7 @@ def run(name: str, stage: int, optimizer: str, bf16: bool, per_partition: bool, 
     from bert_ref.prep.h5io import synthetic_arrays
     from bert_ref.step import step_fn
     from ds_core.config.optim import OptimArgs
-    from ds_core.rank.engine import build_engine
+    from ds_core.rank.engine_build import build_engine
 
     accum = 2 // dist.world_size
     ds_config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum,

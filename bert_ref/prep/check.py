@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from bert_ref import log
 from bert_ref.shards import H5_SUFFIXES, ShardError, check_arrays, inspect_shard
 
 CHUNK = 1 << 15
@@ -114,9 +115,9 @@ def run_check(directory: str | os.PathLike, vocab_file: str | os.PathLike | None
 
 def print_summary(directory: str | os.PathLike, s: Summary) -> None:
     d = s.as_dict()
-    print(f"[check] {directory}: {d['files']} good files, {d['samples']} samples, seq_len {d['seq_len']}, "
-          f"max_predictions_per_seq {d['max_predictions_per_seq']}, masked fraction {d['masked_fraction']:.4f}, "
-          f"NSP random-next fraction {d['nsp_random_fraction']:.4f}, {d['errors']} errors")
+    log.say(f"check: {directory}: {d['files']} good files, {d['samples']} samples, seq_len {d['seq_len']}, "
+            f"max_predictions_per_seq {d['max_predictions_per_seq']}, masked fraction {d['masked_fraction']:.4f}, "
+            f"NSP random-next fraction {d['nsp_random_fraction']:.4f}, {d['errors']} errors")
     for e in s.errors:
-        print(f"[check] ERROR {e}")
-    print(json.dumps(d))
+        log.say(f"check: ERROR {e}")
+    print(json.dumps(d))  # the command's result: one JSON line, last

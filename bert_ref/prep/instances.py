@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from bert_ref import log
 from bert_ref.prep.h5io import write_shard
 from bert_ref.prep.text import PrepError, encode_docs, list_text_shards, read_text_shard
 from bert_ref.prep.vocab import SPECIAL_TOKENS, read_vocab
@@ -257,7 +258,7 @@ def run_shards(text_dir: str | os.PathLike, vocab_file: str | os.PathLike, outpu
         jobs.append((str(t), str(target), i, str(vocab_file), p))
     skipped = len(texts) - len(jobs)
     if skipped:
-        print(f"[shards] {skipped} of {len(texts)} outputs already done, skipping them")
+        log.say(f"shards: {skipped} of {len(texts)} outputs already done, skipping them")
     t0, total = time.time(), 0
     bar = tqdm(total=len(jobs), desc="[shards] files", unit="file", disable=not progress)
     if workers > 1 and len(jobs) > 1:
@@ -270,6 +271,5 @@ def run_shards(text_dir: str | os.PathLike, vocab_file: str | os.PathLike, outpu
             total += _job(job)[1]
             bar.update(1)
     bar.close()
-    print(f"[shards] wrote {len(jobs)} files, {total} samples in {time.time() - t0:.1f}s -> {out} "
-          f"({asdict(p)})")
+    log.say(f"shards: wrote {len(jobs)} files, {total} samples in {time.time() - t0:.1f}s -> {out} ({asdict(p)})")
     return outputs

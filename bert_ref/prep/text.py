@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
+from bert_ref import log
 from bert_ref.prep.h5io import atomic_replace, tmp_name
 
 FORMATS = ("auto", "plain", "wikiextractor", "hf")
@@ -196,7 +197,7 @@ def run_text(p: TextParams, output: str | os.PathLike, workers: int = 1, docs_pe
     if manifest_path.exists():
         m = json.loads(manifest_path.read_text())
         if m.get("params") == asdict(p) and all((out / n).exists() for n in names):
-            print(f"[text] {out}: {p.num_shards} shards already done, skipping")
+            log.say(f"text: {out}: {p.num_shards} shards already done, skipping")
             return out
     # the assignment of documents to shards depends on all documents before them, so an interrupted text stage is
     # redone as a whole; outputs appear only when complete.
@@ -242,8 +243,8 @@ def run_text(p: TextParams, output: str | os.PathLike, workers: int = 1, docs_pe
         for t in tmps:
             if t.exists():
                 t.unlink()
-    print(f"[text] {sum(counts)} documents -> {p.num_shards} shards in {out} "
-          f"(bytes min {min(sizes.values())}, max {max(sizes.values())})")
+    log.say(f"text: {sum(counts)} documents -> {p.num_shards} shards in {out} "
+            f"(bytes min {min(sizes.values())}, max {max(sizes.values())})")
     return out
 
 

@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+from bert_ref import log
 from bert_ref.prep.h5io import atomic_replace, tmp_name
 from bert_ref.prep.text import PrepError, list_text_shards
 
@@ -61,7 +62,7 @@ def run_vocab(text_dir: str | os.PathLike | None, output: str | os.PathLike, *, 
     settings = {"lowercase": lowercase, "source": str(existing) if existing else "trained",
                 "vocab_size": vocab_size, "min_frequency": min_frequency}
     if out.is_file() and side.is_file() and json.loads(side.read_text()).get("settings") == settings:
-        print(f"[vocab] {out} already done, skipping")
+        log.say(f"vocab: {out} already done, skipping")
         return out
     if existing:
         tokens = read_vocab(existing)
@@ -80,5 +81,5 @@ def run_vocab(text_dir: str | os.PathLike | None, output: str | os.PathLike, *, 
         tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     _write_atomic(out, "\n".join(tokens) + "\n")
     _write_atomic(side, json.dumps({"lowercase": lowercase, "size": len(tokens), "settings": settings}, indent=1))
-    print(f"[vocab] {len(tokens)} tokens ({'uncased' if lowercase else 'cased'}) -> {out}")
+    log.say(f"vocab: {len(tokens)} tokens ({'uncased' if lowercase else 'cased'}) -> {out}")
     return out

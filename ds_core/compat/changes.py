@@ -15,7 +15,7 @@ API (what a run, a tool and a test harness call):
   checkpoint_load), universal (checkpoint_load: the load went through the universal format), say (where the one
   line of a refused change goes; None: nowhere). The stages, in a run's order:
     process_start      before deepspeed.init_distributed (ds_core.rank.dist)
-    before_initialize  just before deepspeed.initialize (ds_core.rank.engine.build_engine)
+    before_initialize  just before deepspeed.initialize (ds_core.rank.engine_build.build_engine)
     after_initialize   just after it, with the engine
     checkpoint_load    after engine.load_checkpoint (ds_core.checkpoint)
     launcher           in DeepSpeed's launcher process (launch.ds_runner)

@@ -26,7 +26,8 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
-from ds_core.config import check_ds_keys, check_ds_values, read_ds_json, resolve_ds_path
+from ds_core.config.ds_file import check_ds_keys, read_ds_json, resolve_ds_path
+from ds_core.config.ds_values import check_ds_values
 from ds_core.errors import ConfigError
 
 # DeepSpeed's pydantic model (class name) -> where its section sits in the JSON ("" = top level, several keys)
@@ -238,7 +239,7 @@ def check_before_spawn(path: str | os.PathLike, world_size: int | None = None) -
     size) batch arithmetic (ds_core.config), then DeepSpeed's own classes (check_with_deepspeed). A JSON that passed
     with the same DeepSpeed and checker is not parsed by DeepSpeed again (a verdict file per content hash): importing
     deepspeed costs a starter seconds per launch. Raises ConfigError naming the file."""
-    from ds_core.config import check_batch_arithmetic, check_ds_keys, check_ds_values, read_ds_json, resolve_ds_path
+    from ds_core.config.batch import check_batch_arithmetic
     from ds_core.config.trainer_json import auto_keys, probe
 
     raw = read_ds_json(path)
@@ -276,7 +277,7 @@ def check_ds_json(ds_config_path: str | os.PathLike, optimizer_in_code: bool | N
                   why_in_code: str = "") -> None:
     """Before distributed init (the world size, hence the batch arithmetic, comes later in load_ds_config): the JSON
     reads, its values pass check_ds_values, and the optimizer is built either in code or from the JSON's "optimizer"
-    section, never both and never neither (ds_core.rank.engine.build_engine checks the same, but only after init and
+    section, never both and never neither (ds_core.rank.engine_build checks the same, but only after init and
     model build). optimizer_in_code None: the model takes either (BridgeTower builds AdamW in code when the JSON
     has no "optimizer"), so only the values are checked; True: the LR schedule is built in code too, and a
     "scheduler" section is refused as well, with why_in_code as the reason. cfg: the JSON as the run fills it

@@ -2,7 +2,7 @@
 (ds_core.config.TrainConfig) and the optimizer + LR schedule (OptimArgs, here). A model package adds its own sections
 and fills the values left to it (None / '') with its defaults in its RunSpec.resolve, before any rank starts: BERT
 its published recipes (bert_ref.optim.for_preset), BridgeTower transformers' Trainer defaults and the DeepSpeed JSON's
-optimizer section (bridgetower_ds.compat).
+optimizer section (bridgetower_ds.optim).
 
 One schedule vocabulary for both models: --lr_scheduler_type names a kind of ds_core.schedule.KINDS (transformers'
 kinds, NVIDIA's nvidia_poly, Habana's habana_poly and the earlier poly_warmup; a kind added there is
@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ds_core.config import arg
+from ds_core.config.settings import arg
 from ds_core.errors import ConfigError
 from ds_core.schedule import KINDS, LRSchedule, lr_schedule, warmup_steps_for
 from ds_core.schedule.published import REF_KINDS

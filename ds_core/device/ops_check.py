@@ -9,7 +9,7 @@ minimal container), a compile error, or DeepSpeed 0.19's own parsing of TORCH_CU
 as two integers and raises `ValueError: invalid literal for int()` on the arch suffixes that NVIDIA's and PyTorch's
 CUDA images set (`9.0a`, `10.0a`, `10.0f`).
 
-prepare_optimizer_ops (ds_core.rank.engine.build_engine calls it on every rank, before deepspeed.initialize):
+prepare_optimizer_ops (ds_core.rank.engine_build.build_engine calls it on every rank, before deepspeed.initialize):
 1. on CUDA, rewrites TORCH_CUDA_ARCH_LIST to the same architectures without those suffixes (arch_list_for_deepspeed)
    and says so once;
 2. loads the op as DeepSpeed will (`get_accelerator().create_op_builder(...).load()`: the pre-built op or the JIT

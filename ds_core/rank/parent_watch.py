@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from ds_core import log
 from ds_core.rank import run_lock
 
 # Variables a launcher sets in each rank: DeepSpeed's launch.py / torchrun / launch.local_ranks (LOCAL_RANK), Open MPI,
@@ -93,11 +94,11 @@ def _watch(parent: int, grand: int | None) -> None:
         else:
             continue
         break
-    print(f"[ds_core] rank pid {os.getpid()}: {who} died; stopping this rank (SIGTERM: a checkpoint at the end of "
-          f"the step if training, then exit; forced exit in {GRACE_S:.0f} s)", file=sys.stderr, flush=True)
+    log.say(f"rank pid {os.getpid()}: {who} died; stopping this rank (SIGTERM: a checkpoint at the end of the step "
+            f"if training, then exit; forced exit in {GRACE_S:.0f} s)", every_rank=True, stderr=True)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(GRACE_S)
     run_lock.release_all()
-    print(f"[ds_core] rank pid {os.getpid()}: still running {GRACE_S:.0f} s after its launcher died; exiting",
-          file=sys.stderr, flush=True)
+    log.say(f"rank pid {os.getpid()}: still running {GRACE_S:.0f} s after its launcher died; exiting",
+            every_rank=True, stderr=True)
     os._exit(EXIT_ORPHANED)
