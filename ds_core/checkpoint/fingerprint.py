@@ -5,7 +5,8 @@ from __future__ import annotations
 HF_MODEL = "hf_model.json"
 
 
-def _base_optimizer(engine):
+def base_optimizer(engine):
+    """The torch optimizer a run built, under DeepSpeed's ZeRO / bf16 wrapper where there is one."""
     opt = engine.optimizer
     return getattr(opt, "optimizer", opt)  # the torch optimizer inside DeepSpeed's ZeRO / bf16 wrapper
 
@@ -19,7 +20,7 @@ def model_fingerprint(engine, zero_stage: int) -> dict:
         shape = getattr(p, "ds_shape", None) or p.shape  # ZeRO-3 keeps the full shape in ds_shape
         shapes[name] = list(shape)
     return {"param_shapes": shapes, "zero_stage": zero_stage, "dp_world_size": engine.dp_world_size,
-            "optimizer_class": type(_base_optimizer(engine)).__name__,
+            "optimizer_class": type(base_optimizer(engine)).__name__,
             "zero_optimizer": type(engine.optimizer).__name__,
             "flat_layout": getattr(engine, "flat_layout", MODEL_ORDER)}
 

@@ -12,7 +12,7 @@ from ds_core import log
 from ds_core.checkpoint import manifest as ckpt_manifest
 from ds_core.checkpoint.client_state import CheckpointError, read_client_states, set_rng_state
 from ds_core.checkpoint.collective import any_rank, barrier, rank, world_size
-from ds_core.checkpoint.fingerprint import _base_optimizer, describe_mismatch
+from ds_core.checkpoint.fingerprint import base_optimizer, describe_mismatch
 from ds_core.checkpoint.resize import ensure_universal
 from ds_core.checkpoint.tags import LATEST, is_complete, latest_tag, read_marker, step_tags
 from ds_core.errors import ConfigError
@@ -168,7 +168,7 @@ def init_from(engine, ckpt_root: str | os.PathLike, fingerprint: dict, reset_opt
     if diffs:
         raise ConfigError(f"cannot start from checkpoint {root / tag}: " + " | ".join(diffs) + " (the model, "
                           "optimizer, ZeRO stage and data-parallel size must be those of the run that saved it)")
-    base = _base_optimizer(engine)
+    base = base_optimizer(engine)
     mine = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
     load_path, _ = engine.load_checkpoint(str(root), tag=tag, load_module_strict=True, load_optimizer_states=True,
                                           load_lr_scheduler_states=False)
