@@ -33,9 +33,10 @@ demo: $(STAMP)
 	$(PY) -m bert_ref.demo --out demo_out
 	$(PY) -m bridgetower_ds.demo --out demo_out/bridgetower
 
-# ruff (pyproject.toml [tool.ruff]) first: a second to run, and CI fails on a lint error as on a test
+# ruff (pyproject.toml [tool.ruff]) first: a second to run, and CI fails on a lint error as on a test; pytest
+# prints the 10 slowest tests at the end (where the suite's time goes)
 test: lint
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=10 tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -46,7 +47,7 @@ test-fast: $(STAMP)
 # the tests every stack of the support matrix runs (marker `stack`: every command's engine path, the speed-ups and
 # library differences decided by feature); `make test` runs them too, with everything else
 test-stack: $(STAMP)
-	$(PY) -m pytest -q --durations=15 -m stack tests
+	$(PY) -m pytest -q --durations=10 -m stack tests
 
 # A Gaudi lane (docs/gaudi.md), as a Gaudi user installs: a venv that plays the image's Python (GAUDI_IMAGE: the
 # `# image` packages of stacks/gaudi-$(GAUDI).txt on the stack's Python version, DeepSpeed from Habana's fork at

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+import faults
 from conftest import REPO, deepspeed_release, dist_env, run_deepspeed
 from ds_core.checkpoint import manifest as mf
 from ds_core.run.divergence import DivergenceGuard
@@ -101,7 +102,7 @@ def test_corrupt_checkpoint_strict_fallback_record_durable_and_noop_resume(tmp_p
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
     # rank 0 dies right after checkpoint 8 is complete: its step record must already be on disk
-    proc = run_deepspeed([SCRIPT, "--run_dir", str(run), *common], env=dist_env(TINY_KILL_AFTER_COMPLETE="8"),
+    proc = run_deepspeed([SCRIPT, "--run_dir", str(run), *common], env=dist_env(**faults.env(kill_after_complete=8)),
                          check=False, timeout=300)
     assert proc.returncode != 0 and (ckpts / "global_step8" / "COMPLETE").is_file()
     before = losses(run)
@@ -164,7 +165,7 @@ def test_nonfinite_gradients_stop_the_run_in_one_line(tmp_path, wrapper):
     proc = run_deepspeed([SCRIPT, "--run_dir", str(run), "--deepspeed_config", ds_json(tmp_path, 1, **sched),
                           "--max_steps", "12", "--num_steps_per_checkpoint", "3", "--progress_bar", "false",
                           "--max_skipped_steps", "2", *WRAPPERS[wrapper]],
-                         env=dist_env(TINY_NAN_GRAD_STEPS="3,7-"), check=False, timeout=300)
+                         env=dist_env(**faults.env(nan_grad_steps="3,7-")), check=False, timeout=300)
     verdict = _one_line_verdict(proc)
     recs = {r["step"]: r for r in records(run, "step")}
     if NONFINITE[release][wrapper] == "stops":

@@ -1,11 +1,12 @@
 """The one clock and the precision rule end to end: 2 CPU ranks, the real DeepSpeed engine (tests/tiny_train.py) with
-an injected clock (TINY_FAKE_CLOCK: 1.0 per micro-step, 100.0 per save, 50.0 per eval), so the throughput window is
-checked exactly and never against wall time."""
+an injected clock (the fake_clock fault of tests/faults.py: 1.0 per micro-step, 100.0 per save, 50.0 per eval), so
+the throughput window is checked exactly and never against wall time."""
 import json
 import re
 
 import pytest
 
+import faults
 from conftest import REPO, dist_env, run_deepspeed
 from ds_core.device.precision import resolve_precision
 
@@ -17,19 +18,21 @@ def records(run_dir, kind):
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["type"] == kind]
 
 
-def tiny(tmp_path, name, *flags, **env):
+def tiny(tmp_path, name, *flags, env=None, **injected):
+    """A tiny_train run on the fake clock; `injected`: more faults (tests/faults.py), `env`: more variables."""
     run = tmp_path / name
     proc = run_deepspeed([SCRIPT, "--run_dir", str(run), "--deepspeed_config", "zero1_bf16.json", "--max_steps", "7",
                           "--throughput_warmup_steps", "2", "--progress_bar", "false",
                           "--save_final_checkpoint", "false", *flags],
-                         env=dist_env(TINY_FAKE_CLOCK="1", DS_CORE_CACHE_DIR=str(tmp_path / "cache"), **env),
+                         env=dist_env(**faults.env(fake_clock=True, **injected),
+                                      DS_CORE_CACHE_DIR=str(tmp_path / "cache"), **(env or {})),
                          timeout=400)
     return run, proc.stdout
 
 
 def test_saves_and_evals_every_step_leave_the_window_alone_and_stats_are_summed(tmp_path):
     busy, out = tiny(tmp_path, "busy", "--num_steps_per_checkpoint", "1", "--eval_every", "1", "--log_every", "3",
-                     TINY_EVAL="1", TINY_STATS="1", DS_CORE_PEAK_TFLOPS="1e-9")
+                     eval=True, stats=True, env={"DS_CORE_PEAK_TFLOPS": "1e-9"})
     plain, out_plain = tiny(tmp_path, "plain", "--precision", "bf16")
     s, p = records(busy, "summary")[0], records(plain, "summary")[0]
     # 5 post-warm-up steps of one micro-step each: 5.0 on the injected clock, saves and evals outside

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+import faults
 from conftest import REPO, dist_env, run_deepspeed
 from ds_core.config import DS_CONFIG_DIR
 from ds_core.outputs import phases
@@ -88,7 +89,7 @@ def test_slow_rank_shows_up_as_wait_on_the_other(tmp_path):
     proc = run_deepspeed([str(REPO / "tests" / "tiny_train.py"), "--run_dir", str(run), "--deepspeed_config",
                           str(ds), "--max_steps", "8", "--phase_timing_every", "2", "--throughput_warmup_steps", "2",
                           "--progress_bar", "false", "--save_final_checkpoint", "false"],
-                         env=dist_env(TINY_SLOW_RANK="1", TINY_SLOW_S=str(sleep)))
+                         env=dist_env(**faults.env(slow_rank=1, slow_s=sleep)))
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in recs if r["type"] == "step"}
     sampled = [r for r in steps.values() if r.get("phase_step") == r["step"]]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import faults
 from conftest import REPO, dist_env, run_deepspeed
 from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig
@@ -141,7 +142,7 @@ def test_signal_on_one_rank_stops_all_then_resume_matches_uninterrupted(tmp_path
     run, masks = tmp_path / "run", tmp_path / "masks"
     masks.mkdir()
     proc = run_deepspeed([SCRIPT, "--run_dir", str(run), *common], check=False,
-                         env=dist_env(TINY_SIGNAL_AT_STEP="4", TINY_SIGNAL_RANK="1", TINY_DROPOUT_DUMP=str(masks)))
+                         env=dist_env(**faults.env(signal_at_step=4, signal_rank=1, dropout_dump=str(masks))))
     assert proc.returncode == EXIT_STOPPED, proc.stdout[-4000:]
     ours = [ln for ln in proc.stdout.splitlines() if "[ds_core]" in ln]  # DeepSpeed's launcher may log after it
     assert "stopped after optimizer step 4" in ours[-1] and "planned stop" in ours[-1], ours[-3:]
@@ -175,7 +176,7 @@ def test_kill_during_save_used_run_dir_resume_bitwise_and_save_total_limit(tmp_p
     run = tmp_path / "run"
     common = ["--run_dir", str(run), "--deepspeed_config", cfg, "--max_steps", "8", "--num_steps_per_checkpoint", "2",
               "--save_total_limit", "2", "--progress_bar", "false", "--throughput_warmup_steps", "0"]
-    proc = run_deepspeed([SCRIPT, *common], env=dist_env(TINY_KILL_IN_SAVE="6"), check=False, timeout=300)
+    proc = run_deepspeed([SCRIPT, *common], env=dist_env(**faults.env(kill_in_save=6)), check=False, timeout=300)
     assert proc.returncode != 0
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "global_step4"
@@ -223,7 +224,7 @@ def test_full_disk_during_save_names_path_space_and_latest(tmp_path):
         # one ZeRO-1 checkpoint of the tiny model on 2 ranks is ~357 kB (+ ~41 kB of DeepSpeed's helper scripts)
         mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=560k", "tmpfs", str(ckpts)]).returncode == 0
     if not mounted:
-        env = dist_env(TINY_DISK_FULL_AT="4")
+        env = dist_env(**faults.env(disk_full_at=4))
     try:
         proc = run_deepspeed([SCRIPT, "--run_dir", str(run), "--deepspeed_config", cfg, "--max_steps", "6",
                               "--num_steps_per_checkpoint", "2", "--progress_bar", "false"], env=env, check=False)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import faults
 from conftest import REPO, dist_env, run_deepspeed, run_group
 from ds_core.config import DS_CONFIG_DIR
 from ds_core.rank.shm import SHM_DIR
@@ -48,7 +49,7 @@ def test_tiny_model_trains_with_each_zero_stage(tmp_path, stage):
     profile = ["--profile_steps", "2", "--throughput_warmup_steps", "4"] if stage == 1 else []
     # ZeRO-1 also records where the loop cuts Gaudi's lazy-mode graph (a recorder in htcore.mark_step's place)
     marks = tmp_path / "marks.txt"
-    env = dist_env(TINY_LAZY_MARKS=str(marks)) if stage == 1 else None
+    env = dist_env(**faults.env(lazy_marks=str(marks))) if stage == 1 else None
     run_deepspeed([SCRIPT, "--run_dir", str(run), "--deepspeed_config", ds_json(tmp_path, stage, accum=2, **monitor),
                    "--max_steps", "30", "--progress_bar", "false", "--save_final_checkpoint", "false", *extra,
                    *profile], env=env)
@@ -87,7 +88,7 @@ def test_nan_stops_run_and_incompatible_resume_is_named(tmp_path):
     run = tmp_path / "run"
     common = ["--run_dir", str(run), "--max_steps", "10", "--num_steps_per_checkpoint", "3", "--progress_bar", "false"]
     proc = run_deepspeed([SCRIPT, *common, "--deepspeed_config", ds_json(tmp_path, 1)],
-                         env=dist_env(TINY_NAN_AT_STEP="5"), check=False)
+                         env=dist_env(**faults.env(nan_at_step=5)), check=False)
     assert proc.returncode != 0
     assert "loss is nan at optimizer step 5" in proc.stdout
     assert (run / "checkpoints" / "latest").read_text().strip() == "global_step3"

@@ -128,6 +128,20 @@ def _job_id(env: dict, proc: subprocess.Popen, tmp_path: Path, timeout: float) -
     pytest.fail(f"no job in the queue:\n{log[-5000:]}")
 
 
+def _start_when_requeued(env: dict, job: str, proc: subprocess.Popen, deadline: float) -> None:
+    """slurmctld holds a requeued job pending on a begin time about two minutes ahead (reason BeginTime), a wait
+    that says nothing about the script: once the job is back in the queue on that reason, it is made eligible now
+    (`scontrol update StartTime=now`, what an administrator does). Returns once that is done, or when sbatch ended
+    or the deadline passed (then _finish reports)."""
+    while proc.poll() is None and time.monotonic() < deadline:
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=env, capture_output=True, text=True,
+                               timeout=30).stdout.split()
+        if state[:2] == ["PENDING", "BeginTime"]:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True, timeout=30)
+            return
+        time.sleep(0.3)
+
+
 def _steps(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
@@ -154,6 +168,7 @@ def test_sbatch_job_signalled_before_its_time_limit_saves_requeues_and_resumes(t
             pytest.fail(f"the job did not start training:\n{log[-5000:]}")
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
+    _start_when_requeued(env, job, proc, deadline)
     code, log = _finish(proc, tmp_path, env, 2 * JOB_TIMEOUT)
     assert code == 0, log[-5000:]
     records = _steps(run)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import faults
 from conftest import REPO, dist_env, run_deepspeed
 from ds_core.config import DS_CONFIG_DIR
 
@@ -34,10 +35,11 @@ def ds_json(tmp_path: Path, stage: int, accum: int = 1) -> str:
     return str(p)
 
 
-def tiny_run(run: Path, cfg: str, ranks: int, *extra: str, check: bool = True, precision: str = "auto", **env: str):
+def tiny_run(run: Path, cfg: str, ranks: int, *extra: str, check: bool = True, precision: str = "auto", **injected):
+    """A tiny_train run on `ranks` ranks; `injected`: its faults (tests/faults.py)."""
     args = [SCRIPT, "--run_dir", str(run), "--deepspeed_config", cfg, "--num_samples", str(SAMPLES),
             "--progress_bar", "false", "--throughput_warmup_steps", "0", "--precision", precision, *extra]
-    return run_deepspeed(args, num_ranks=ranks, timeout=900, check=check, env=dist_env(**env))
+    return run_deepspeed(args, num_ranks=ranks, timeout=900, check=check, env=dist_env(**faults.env(**injected)))
 
 
 def records(run: Path, kind: str) -> list[dict]:
@@ -78,7 +80,7 @@ def two_rank_save(tmp_path_factory):
             (d / "log").mkdir()
             tiny_run(d / "run", ds_json(d, stage), 2, "--max_steps", "5", "--num_steps_per_checkpoint", "4",
                      "--save_final_checkpoint", "false", precision=precision,
-                     TINY_DUMP_OPT_AT_SAVE=str(d / "saved.pt"), TINY_SAMPLE_LOG=str(d / "log"))
+                     dump_opt_at_save=str(d / "saved.pt"), sample_log=str(d / "log"))
             made[stage, precision] = d
         copy = tmp_path_factory.mktemp(f"copy_z{stage}_{precision}")
         shutil.copytree(made[stage, precision], copy, dirs_exist_ok=True)
@@ -103,8 +105,8 @@ def test_two_ranks_to_one_keeps_optimizer_state_batch_and_samples(tmp_path, two_
         f.write_text("".join(f.read_text().splitlines(keepends=True)[:4 * MICRO]))
     # Resume on one rank to the end of the epoch, global batch kept by accumulating 2 micro batches. What the
     # universal checkpoint restored (dumped right after the load) is exactly what the two ranks held.
-    out = tiny(run, cfg, 1, "--resume", "--max_steps", "16", TINY_SAMPLE_LOG=str(log),
-               TINY_DUMP_OPT_ON_RESUME=str(tmp_path / "loaded.pt")).stdout
+    out = tiny(run, cfg, 1, "--resume", "--max_steps", "16", sample_log=str(log),
+               dump_opt_on_resume=str(tmp_path / "loaded.pt")).stdout
     # ZeRO-0 (fp32) keeps the whole optimizer state in one file: it loads on any size without a conversion
     assert (run / "checkpoints" / "global_step4_universal" / "COMPLETE").is_file() == (stage > 0)
     assert_same_optimizer(saved / "saved.pt", tmp_path / "loaded.pt")
@@ -126,10 +128,10 @@ def test_two_ranks_to_one_keeps_optimizer_state_batch_and_samples(tmp_path, two_
 def test_one_rank_to_two_and_scale_lr(tmp_path):
     run, log = tmp_path / "run", tmp_path / "log"
     log.mkdir()
-    tiny_run(run, ds_json(tmp_path, 1, accum=2), 1, "--max_steps", "3", TINY_SAMPLE_LOG=str(log))
+    tiny_run(run, ds_json(tmp_path, 1, accum=2), 1, "--max_steps", "3", sample_log=str(log))
     # scale_lr keeps micro batch 8 and accumulation 2: global batch 16 -> 32, LR x 2
     out = tiny_run(run, ds_json(tmp_path, 1, accum=2), 2, "--resume", "--max_steps", "8", "--on_resize", "scale_lr",
-               TINY_SAMPLE_LOG=str(log)).stdout
+               sample_log=str(log)).stdout
     assert "global batch 16 -> 32, LR x 2" in out
     resize = records(run, "resize")[-1]
     assert resize["lr_factor"] == 2.0 and resize["new"]["train_batch_size"] == 32
@@ -150,7 +152,7 @@ def test_refused_changes_name_what_differs(tmp_path, two_rank_save):
     assert proc.returncode != 0
     assert "global batch 16 is not divisible by micro batch 12 x 1 ranks = 12" in proc.stdout
     # a data source without load_state_dicts cannot be resized
-    proc = tiny(run, cfg, 1, "--resume", "--max_steps", "8", check=False, TINY_NO_RESIZE="1")
+    proc = tiny(run, cfg, 1, "--resume", "--max_steps", "8", check=False, no_resize=True)
     assert proc.returncode != 0 and "SyntheticData has no load_state_dicts" in proc.stdout
     # another ZeRO stage and another model shape are named, before any conversion
     proc = tiny(run, ds_json(tmp_path, 3), 1, "--resume", "--max_steps", "8", "--vocab", "80", check=False)

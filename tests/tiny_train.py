@@ -1,22 +1,9 @@
 """A tiny model trained through ds_core exactly the way a model package does; driven by the ds_core tests.
 
 Run as `deepspeed --num_gpus 2 tests/tiny_train.py --run_dir R --deepspeed_config zero1_bf16.json ...`.
-Test-only switches (env): TINY_NAN_AT_STEP=k makes the loss NaN at optimizer step k; TINY_KILL_IN_SAVE=k makes
-rank 0 kill -9 itself inside the save of step k, after DeepSpeed wrote its files and before the save completed;
-TINY_FAKE_CLOCK=1 drives ds_core.outputs.metrics with a clock that moves 1.0 per micro-step, 100.0 per checkpoint save
-and 50.0 per eval (so the throughput window can be checked exactly); TINY_EVAL=1 adds an eval hook; TINY_STATS=1 makes
-the data source report per-rank summary statistics (rank r: bad_rows = r + 1).
-TINY_SIGNAL_AT_STEP=k (with TINY_SIGNAL_RANK=r, TINY_SIGNAL=SIGTERM|SIGUSR1) makes rank r send itself the signal
-during optimizer step k; TINY_DROPOUT_DUMP=DIR saves each rank's first dropout mask (embeddings) to DIR;
-TINY_DISK_FULL_AT=k makes every rank's checkpoint writer fail with ENOSPC at step k (where no tmpfs can be mounted).
-TINY_SAMPLE_LOG=DIR appends each rank's trained sample indices to DIR/samples_rank{r}.txt; TINY_DUMP_OPT=FILE saves
-the full fp32 master weights and Adam moments after training (rank 0), TINY_DUMP_OPT_AT_SAVE=FILE right after each
-checkpoint save (the last save's stays), TINY_DUMP_OPT_ON_RESUME=FILE right after a resume loaded the checkpoint;
-TINY_NO_RESIZE=1 uses a data source without load_state_dicts. TINY_SLOW_RANK=r (with TINY_SLOW_S=seconds, default
-0.2) makes rank r sleep that long in each forward: a straggler the others wait for (ds_core.outputs.phases' wait_s).
-TINY_NAN_GRAD_STEPS="3,7-" makes the gradients (not the loss) NaN at optimizer step 3 and from step 7 on;
-TINY_KILL_AFTER_COMPLETE=k makes rank 0 kill -9 itself right after the checkpoint of step k is complete.
-TINY_LAZY_MARKS=FILE records where the loop would cut Gaudi's lazy-mode graph (record_lazy_marks).
+What to break, and when (a NaN loss, a kill inside a save, a signal, a full disk, a straggler), and which instruments
+to add (a fake clock, an eval hook, optimizer dumps) come through the one fault-injection hook, tests/faults.py: the
+tests write `dist_env(**faults.env(nan_at_step=5))`, and this driver reads them once, as FAULTS.
 """
 from __future__ import annotations
 
@@ -28,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import faults
 from ds_core import checkpoint as ckpt
 from ds_core.config import TrainConfig
 from ds_core.rank.dist import shutdown_distributed
@@ -37,6 +25,8 @@ from ds_core.run.evaluation import EvalTask, Evaluation
 from ds_core.run.setup import Run, RunSpec, start_run
 from ds_core.run.step import StepOutput
 from ds_core.run.trainer import ModelInfo, Trainer
+
+FAULTS = faults.read()
 
 
 @dataclass(frozen=True)
@@ -76,7 +66,7 @@ class SyntheticData:
 
     def __iter__(self):
         order = self._order()
-        log = os.environ.get("TINY_SAMPLE_LOG")
+        log = FAULTS.sample_log
         while self.offset + self.mb <= len(order):
             idx = order[self.offset:self.offset + self.mb]
             self.offset += self.mb
@@ -97,7 +87,7 @@ class SyntheticData:
 
 
 class ResizableData(SyntheticData):
-    """SyntheticData with ds_core's resize contract (TINY_NO_RESIZE=1 uses the plain one, which cannot resize)."""
+    """SyntheticData with ds_core's resize contract (the no_resize fault uses the plain one, which cannot resize)."""
 
     def load_state_dicts(self, states: list) -> None:
         """ds_core's resize contract: same world size -> load_state_dict(own); otherwise the samples of the epoch no
@@ -119,7 +109,7 @@ class ResizableData(SyntheticData):
     shared_summary_stats = ("data_samples",)  # the whole set's size: the same on every rank
 
     def summary_stats(self) -> dict:
-        if not os.environ.get("TINY_STATS"):
+        if not FAULTS.stats:
             return {}
         return {"bad_rows": self.rank + 1, "bad_row_examples": [f"rank{self.rank}"], "data_samples": len(self.ids)}
 
@@ -148,11 +138,11 @@ class FakeClock:
         return self.t
 
 
-FAKE_CLOCK = FakeClock() if os.environ.get("TINY_FAKE_CLOCK") else None
+FAKE_CLOCK = FakeClock() if FAULTS.fake_clock else None
 
 
 def _nan_grad_at(step: int) -> bool:
-    for part in filter(None, os.environ.get("TINY_NAN_GRAD_STEPS", "").split(",")):
+    for part in filter(None, FAULTS.nan_grad_steps.split(",")):
         if part.endswith("-") and step >= int(part[:-1]) or part == str(step):
             return True
     return False
@@ -162,18 +152,15 @@ def step_fn(engine, batch) -> StepOutput:
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     out = engine(input_ids=batch["input_ids"], labels=batch["labels"])
     loss = out.loss
-    signal_at = int(os.environ.get("TINY_SIGNAL_AT_STEP", "0"))
-    if (signal_at and engine.global_steps + 1 == signal_at
-            and int(os.environ.get("TINY_SIGNAL_RANK", "0")) == int(os.environ.get("RANK", "0"))):
-        os.kill(os.getpid(), getattr(signal, os.environ.get("TINY_SIGNAL", "SIGTERM")))
+    rank = int(os.environ.get("RANK", "0"))
+    if FAULTS.signal_at_step and engine.global_steps + 1 == FAULTS.signal_at_step and FAULTS.signal_rank == rank:
+        os.kill(os.getpid(), getattr(signal, FAULTS.signal))
     if _nan_grad_at(engine.global_steps + 1):
         out.logits.register_hook(lambda g: g * float("nan"))  # finite loss, NaN gradients
-    nan_at = int(os.environ.get("TINY_NAN_AT_STEP", "0"))
-    if nan_at and engine.global_steps + 1 == nan_at:
+    if FAULTS.nan_at_step and engine.global_steps + 1 == FAULTS.nan_at_step:
         loss = loss * float("nan")
-    slow = os.environ.get("TINY_SLOW_RANK")
-    if slow is not None and int(slow) == int(os.environ.get("RANK", "0")):
-        time.sleep(float(os.environ.get("TINY_SLOW_S", "0.2")))
+    if FAULTS.slow_rank == rank:
+        time.sleep(FAULTS.slow_s)
     n = batch["input_ids"].shape[0]
     if FAKE_CLOCK is not None:
         FAKE_CLOCK.t += 1.0
@@ -185,7 +172,7 @@ DEFAULT_DS_CONFIG = "zero1_bf16.json"  # has an optimizer section: the tiny mode
 
 def build_data(run: Run) -> SyntheticData:
     args, dist = run.cfg.model, run.dist
-    cls = SyntheticData if os.environ.get("TINY_NO_RESIZE") else ResizableData
+    cls = SyntheticData if FAULTS.no_resize else ResizableData
     return cls(args, dist.rank, dist.world_size, run.batch.micro, run.train.seed)
 
 
@@ -199,9 +186,9 @@ SPEC = RunSpec(settings=TinySettings, default_ds_config=DEFAULT_DS_CONFIG, optim
 
 
 def record_lazy_marks(engine, path: str, rank: int) -> None:
-    """TINY_LAZY_MARKS=FILE: the loop runs as on a Gaudi in lazy mode, with a recorder in place of htcore.mark_step
-    (ds_core.run.step.step_marker, looked up by ds_core.run.trainer), and rank 0 writes the order of engine.backward,
-    engine.step and the marks of the first 8 micro steps to FILE, one event per line."""
+    """The lazy_marks fault (FILE): the loop runs as on a Gaudi in lazy mode, with a recorder in place of
+    htcore.mark_step (ds_core.run.step.step_marker, looked up by ds_core.run.trainer), and rank 0 writes the order of
+    engine.backward, engine.step and the marks of the first 8 micro steps to FILE, one event per line."""
     from ds_core.run import trainer
 
     events: list[str] = []
@@ -241,14 +228,14 @@ def main(argv=None) -> dict:
 
         engine.save_checkpoint = slow_save
     evaluation = None
-    if os.environ.get("TINY_EVAL"):
+    if FAULTS.eval:
         def eval_fn(engine, step):
             if FAKE_CLOCK is not None:
                 FAKE_CLOCK.t += 50.0
             return {"eval_marker": float(step)}
 
         evaluation = Evaluation(during=EvalTask("eval", eval_fn), every=run.train.eval_every)
-    kill_step = int(os.environ.get("TINY_KILL_IN_SAVE", "0"))
+    kill_step = FAULTS.kill_in_save
     if kill_step and dist.rank == 0:
         real_save = engine.save_checkpoint
 
@@ -258,7 +245,7 @@ def main(argv=None) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         engine.save_checkpoint = save_then_die
-    after_complete = int(os.environ.get("TINY_KILL_AFTER_COMPLETE", "0"))
+    after_complete = FAULTS.kill_after_complete
     if after_complete and dist.rank == 0:
         real_ckpt_save = ckpt.save  # the loop calls ds_core.checkpoint.save through the module
 
@@ -269,7 +256,7 @@ def main(argv=None) -> dict:
             return path
 
         ckpt.save = save_complete_then_die
-    full_step = int(os.environ.get("TINY_DISK_FULL_AT", "0"))
+    full_step = FAULTS.disk_full_at
     if full_step:
         import errno
 
@@ -281,7 +268,7 @@ def main(argv=None) -> dict:
             return real_save_full(*a, **kw)
 
         engine.save_checkpoint = save_disk_full
-    dump = os.environ.get("TINY_DROPOUT_DUMP")
+    dump = FAULTS.dropout_dump
     if dump:
         def keep_first_mask(module, inputs, output):
             if not getattr(module, "_dumped", False):
@@ -290,24 +277,24 @@ def main(argv=None) -> dict:
                 torch.save(mask.cpu(), os.path.join(dump, f"mask_rank{dist.rank}.pt"))
 
         engine.module.bert.embeddings.dropout.register_forward_hook(keep_first_mask)
-    if os.environ.get("TINY_DUMP_OPT_AT_SAVE"):  # the optimizer state a checkpoint holds, while training goes on
+    if FAULTS.dump_opt_at_save:  # the optimizer state a checkpoint holds, while training goes on
         real_save_dump = engine.save_checkpoint
 
         def save_then_dump(*a, **kw):
             out = real_save_dump(*a, **kw)
-            dump_optimizer(engine, os.environ["TINY_DUMP_OPT_AT_SAVE"], dist.rank)
+            dump_optimizer(engine, FAULTS.dump_opt_at_save, dist.rank)
             return out
 
         engine.save_checkpoint = save_then_dump
-    if os.environ.get("TINY_DUMP_OPT_ON_RESUME"):  # the optimizer state as the checkpoint load left it
+    if FAULTS.dump_opt_on_resume:  # the optimizer state as the checkpoint load left it
         real_load = data.load_state_dicts
 
         def dump_then_load(states):  # the loop calls this right after ds_core.checkpoint.load, on every rank
-            dump_optimizer(engine, os.environ["TINY_DUMP_OPT_ON_RESUME"], dist.rank)
+            dump_optimizer(engine, FAULTS.dump_opt_on_resume, dist.rank)
             real_load(states)
 
         data.load_state_dicts = dump_then_load
-    marks = os.environ.get("TINY_LAZY_MARKS")
+    marks = FAULTS.lazy_marks
     if marks:
         record_lazy_marks(engine, marks, dist.rank)
     per_sample = 6 * sum(p.numel() for p in model.parameters()) * args.seq_len  # ~6 N T training FLOPs
@@ -315,8 +302,8 @@ def main(argv=None) -> dict:
                       clock=FAKE_CLOCK).fit()
     if args.export_dir:
         ckpt.export_hf(engine, args.export_dir)
-    if os.environ.get("TINY_DUMP_OPT"):  # full fp32 master weights and Adam moments per parameter (collective)
-        dump_optimizer(engine, os.environ["TINY_DUMP_OPT"], dist.rank)
+    if FAULTS.dump_opt:  # full fp32 master weights and Adam moments per parameter (collective)
+        dump_optimizer(engine, FAULTS.dump_opt, dist.rank)
     shutdown_distributed()
     return summary
 
