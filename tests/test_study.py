@@ -3,6 +3,7 @@ H100 table and the BERT-Large scaling table), and launch.local_ranks killing a w
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -209,3 +210,15 @@ def test_report_of_ok_failed_and_unrun_cells(tmp_path, capsys):
     assert data["combos"][0]["grad_collectives_per_step"] == 1.0  # 4 of 4096 bytes in 4 steps; 8 scalars apart
     assert data["cells"][0]["scalar_reductions_per_step"] == 2.0 and data["cells"][0]["grad_bytes_per_step"] == 4096
     assert [r["status"] for r in data["cells"]] == ["ok", "failed", "not run"]
+
+
+def test_a_cell_runs_a_script_target_as_python_runs_the_script(tmp_path):
+    """A study target given as a path runs as `python PATH` (and `deepspeed PATH`) would run it: its own folder first on
+    sys.path, so a script that imports a module beside it (tests/tiny_train.py imports tests/faults.py) runs."""
+    (tmp_path / "beside_target.py").write_text("VALUE = 'found'\n")
+    (tmp_path / "target.py").write_text("import sys, beside_target\n"
+                                        "print('target', beside_target.VALUE, sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-m", "ds_tools.study.cell", "--study_target", str(tmp_path / "target.py"),
+                           "--flag", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "target found ['--flag', '1']" in proc.stdout

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     # after the atexit handlers, so the `finally` below never runs there: the handler writes the stats instead.
     atexit.register(lambda: write_stats(process_end.exit_status == 0))
     try:
-        if target.endswith(".py"):  # a script path, as `deepspeed script.py` would run it
+        if target.endswith(".py"):  # a script path, as `deepspeed script.py` would run it: the script's folder
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # first on sys.path (its own imports)
             runpy.run_path(target, run_name="__main__")
         else:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
