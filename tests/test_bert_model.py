@@ -292,6 +292,7 @@ def test_fast_dropout_rate_scale_and_grad():
 
 
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 @pytest.mark.parametrize("name", ["debug", "debug_pre_ln"])
 def test_sdpa_model_gets_a_ready_mask_same_outputs_no_host_sync(name):
     """The boolean mask bert_ref.step hands the SDPA model (ds_core.compat.hf.padding_mask: 4-D on transformers 5,

@@ -100,6 +100,7 @@ def test_sdpa_runs_every_attention_fused():
 
 
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 def test_build_model_attention_flag(capsys):
     default = build_model(ModelArgs(preset="debug")).config._attn_implementation  # --attn_implementation sdpa
     if NO_SWITCH is None:

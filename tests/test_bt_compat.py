@@ -51,6 +51,7 @@ EXTRA = ["--gradient_accumulation_steps", "2", "--max_steps", "0", "--weight_dec
 
 
 @pytest.mark.stack  # the command as optimum-habana users write it, on each stack's transformers
+@pytest.mark.each_gaudi
 def test_published_command_parses_into_the_toolkits_settings():
     cfg = parse_settings(BridgeTowerSettings, PUBLISHED + EXTRA)
     tc, ma, da, ra, oa, ca = cfg.train, cfg.model, cfg.data, cfg.task, cfg.optim, cfg.compat
@@ -288,6 +289,7 @@ def test_hub_model_id_resolves_from_the_hub_cache_only(tmp_path, monkeypatch):
 
 
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 def test_image_processor_config_is_the_checkpoints_or_the_pipelines(tmp_path):
     from ds_core.compat.hf import bridgetower_image_processor
 

@@ -67,6 +67,7 @@ def ours(data: bytes, size: int = 288, draft: bool = True) -> torch.Tensor:
 
 
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 @pytest.mark.parametrize("h,w", [(480, 640), (640, 480), (300, 700), (1000, 250), (100, 150), (427, 640), (288, 384)])
 def test_resize_target_matches_transformers(h, w):
     # the function of the module that defines the PIL processor class (transformers 5: image_processing_pil_*; 4.55:
@@ -78,6 +79,7 @@ def test_resize_target_matches_transformers(h, w):
 
 
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 @pytest.mark.parametrize("w,h", [(640, 480), (480, 640), (700, 300), (150, 100), (333, 517)])
 def test_host_equals_bridgetower_image_processor(w, h):
     data = jpeg_bytes(photo(w, h, seed=w))

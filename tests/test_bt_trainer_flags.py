@@ -211,6 +211,7 @@ def _bool_flags(tree: type) -> list[tuple[str, str, object, object]]:
 
 
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 @pytest.mark.parametrize("tree", ["bridgetower", "bert"])
 def test_every_boolean_flag_takes_trainers_forms(tree, tmp_path):
     """`--flag`, `--flag True`, `--flag false` (and yes/no, 1/0), as optimum-habana's commands write them

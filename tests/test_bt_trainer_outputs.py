@@ -14,7 +14,7 @@ import pytest
 from conftest import dist_env, run_deepspeed
 from ds_core.run.stop import EXIT_STOPPED
 
-pytestmark = pytest.mark.stack  # Trainer's files and a resume, on every stack
+pytestmark = [pytest.mark.stack, pytest.mark.each_gaudi]  # Trainer's files and a resume, on every stack
 
 STEPS, MICRO, EVAL_STEPS = 4, 4, 2
 

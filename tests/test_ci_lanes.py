@@ -75,7 +75,7 @@ def index(calls: list[str], *words: str) -> int:
     return next(i for i, c in enumerate(calls) if all(w in c.split() for w in words))
 
 
-def test_lanes_in_order_with_the_gaudi_setups_beside_lane_latest(sandbox):
+def test_lanes_in_order_with_the_gaudi_lanes_beside_lane_latest(sandbox):
     proc, calls = run_ci(sandbox, BACKGROUND_SETUP_MIN_GB="0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert calls and all("EXTRAS=mpi,mpich,test" in c.split() for c in calls), calls
@@ -83,27 +83,31 @@ def test_lanes_in_order_with_the_gaudi_setups_beside_lane_latest(sandbox):
     setup, test, unit = index(calls, "setup"), index(calls, "test"), index(calls, "test-ds-unit")
     gaudi_setups = [index(calls, "gaudi-setup", f"GAUDI={r}") for r in releases()]
     lanes = [index(calls, "test-gaudi", f"GAUDI={r}") for r in releases()]
-    # lane latest's set-up alone first; the Gaudi set-ups, newest first, after it and before any Gaudi lane
-    assert setup == 0 and test < unit and sorted(gaudi_setups) == gaudi_setups and gaudi_setups[0] > setup
-    assert max(gaudi_setups) < lanes[0] and lanes == sorted(lanes) and unit < lanes[0]
+    # lane latest's set-up alone first; then, beside lane latest, each Gaudi lane's set-up and tests, newest first
+    assert setup == 0 and test < unit and gaudi_setups[0] > setup
+    assert all(s < t for s, t in zip(gaudi_setups, lanes)) and all(t < s for t, s in zip(lanes, gaudi_setups[1:]))
     fork = str(sandbox.parent / "fork.tar.gz")
     assert all(f"HABANA_DS={fork}" in calls[i].split() for i in gaudi_setups + lanes)
+    # the fork's own lane (the oldest release's) runs every stack test; the others the `each_gaudi` ones
+    for r, i in zip(releases(), lanes):
+        assert ("STACK_TESTS=stack and each_gaudi" in calls[i]) == (r != oldest), calls[i]
     # DeepSpeed's unit tests on the fork: in the oldest release's lane only, with that lane's venvs
     units = [c for c in calls if "test-ds-unit" in c.split()]
-    assert len(units) == 2 and set(units[1].split()) == {
+    assert len(units) == 2 and set(units[-1].split()) == {
         "test-ds-unit", f"VENV=.venv-gaudi-{oldest}", f"PYTHON={sandbox}/.gaudi-image-{oldest}/bin/python",
         f"STACK=gaudi-{oldest}", f"TORCH_EXTENSIONS_DIR={sandbox}/.venv-gaudi-{oldest}/torch_extensions",
         "EXTRAS=mpi,mpich,test"}
     assert index(calls, "test-ds-unit", f"STACK=gaudi-{oldest}") > index(calls, "test-gaudi", f"GAUDI={oldest}")
     out = proc.stdout
     assert "[ci] lane latest: " in out and " s, set-up included" in out
-    assert "set-ups run in the background while lane latest runs" in out
+    assert "(set-up, then tests) run in the background while lane latest runs" in out
     assert f"[setup] .gaudi-image-{newest}: stand-in set-up" in out  # the set-ups' summary lines, after lane latest
+    assert out.index("[ci] lane latest: ") < out.index(f"[ci] lane gaudi-{newest}: ")
     for r in releases():
         assert f"[ci] lane gaudi-{r}: " in out and f"lane gaudi-{r}: removed the venvs this run built for it " \
                f"(.gaudi-image-{r} .venv-gaudi-{r})" in out
         assert not (sandbox / f".gaudi-image-{r}").exists() and not (sandbox / f".venv-gaudi-{r}").exists()
-    assert out.count("set-up done beforehand, in the background") == len(releases())
+    assert out.count("set-up included, in the background beside lane latest") == len(releases())
     assert "[ci] all lanes: " in out
 
 
@@ -111,7 +115,7 @@ def test_where_the_disk_is_short_each_gaudi_lane_sets_up_itself(sandbox):
     proc, calls = run_ci(sandbox, BACKGROUND_SETUP_MIN_GB="1000000")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not [c for c in calls if "gaudi-setup" in c.split()]
-    assert "(under 1000000): each Gaudi lane sets up when it starts" in proc.stdout
+    assert "(under 1000000): each Gaudi lane sets up and runs after lane latest" in proc.stdout
     assert proc.stdout.count(", set-up included") == 1 + len(releases())
 
 
@@ -130,12 +134,14 @@ def test_a_failing_command_ends_ci_with_its_status(sandbox):
     assert "lane latest:" not in proc.stdout
 
 
-def test_a_failing_background_setup_ends_ci_before_the_gaudi_lanes(sandbox):
-    proc, calls = run_ci(sandbox, BACKGROUND_SETUP_MIN_GB="0", FAKE_FAIL="gaudi-setup")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "stand-in gaudi-setup failed" in proc.stderr and "the Gaudi lanes' set-ups failed" in proc.stderr
-    assert len([c for c in calls if "gaudi-setup" in c.split()]) == 1  # set -e: the next set-up does not start
-    assert not [c for c in calls if "test-gaudi" in c.split()]
+@pytest.mark.parametrize("failing", ["gaudi-setup", "test-gaudi"])
+def test_a_failing_background_lane_ends_ci_with_its_status_and_output(sandbox, failing):
+    proc, calls = run_ci(sandbox, BACKGROUND_SETUP_MIN_GB="0", FAKE_FAIL=failing)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"stand-in {failing} failed" in proc.stdout and "a Gaudi lane failed" in proc.stderr
+    assert len([c for c in calls if "gaudi-setup" in c.split()]) == 1  # the next lane does not start
+    assert len([c for c in calls if "test-gaudi" in c.split()]) == (failing == "test-gaudi")
+    assert "[ci] all lanes: " not in proc.stdout
 
 
 def test_the_fork_is_the_newest_release_archive_beside_the_checkout(sandbox):

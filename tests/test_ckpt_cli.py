@@ -37,6 +37,7 @@ def ds_ckpt(capsys):
 
 
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 def test_info_universal_and_export_hf_of_a_zero3_checkpoint(tmp_path, ds_ckpt):
     run = tmp_path / "run"
     run_deepspeed([SCRIPT, "--run_dir", str(run), "--deepspeed_config", ds_json(tmp_path, 3), "--max_steps", "3",

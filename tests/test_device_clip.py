@@ -12,7 +12,7 @@ from deepspeed.runtime.utils import clip_tensors_by_global_norm
 from ds_core.compat.flat_norm import device_clip
 from ds_tools.op_count import OpCounter
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack, pytest.mark.each_gaudi]
 
 
 def _buffers(scale: float, n: int = 3) -> list[torch.Tensor]:

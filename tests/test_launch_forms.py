@@ -160,6 +160,7 @@ def bert_torchrun(shards, tmp_path_factory) -> tuple[Path, str]:
 
 @pytest.mark.slow
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 def test_torchrun_trains_bert_on_two_ranks_with_a_trainer_style_json(bert_torchrun):
     run, _ = bert_torchrun
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -173,6 +174,7 @@ def test_torchrun_trains_bert_on_two_ranks_with_a_trainer_style_json(bert_torchr
 
 @pytest.mark.slow
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 def test_bert_writes_a_model_card_and_export_hf_writes_its_tied_weights_as_the_run(bert_torchrun, tmp_path):
     """The run's hf_model has a model card; `ds-ckpt export-hf` of the last checkpoint writes, through the same
     save_pretrained writer, the same files and tensor names (the MLM decoder tied to the word embeddings, written
@@ -207,6 +209,7 @@ def _accelerate(tmp_path: Path, plugin: list[str], module_args: list[str]):
 
 @pytest.mark.slow
 @pytest.mark.stack  # accelerate's launcher of each stack (1.7.0 to 1.15)
+@pytest.mark.each_gaudi
 def test_accelerate_launch_with_its_deepspeed_plugins_json(shards, tmp_path):
     run = tmp_path / "run"
     json_file = str(DATA / "deepspeed_zero_1.json")
@@ -223,6 +226,7 @@ def test_accelerate_launch_with_its_deepspeed_plugins_json(shards, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.stack  # accelerate's launcher of each stack (1.7.0 to 1.15)
+@pytest.mark.each_gaudi
 def test_accelerate_launch_without_a_json_is_refused_in_one_line(shards, tmp_path):
     proc = _accelerate(tmp_path, ["--zero_stage", "2"], ["bert_ref.train", *_bert_args(shards, tmp_path / "run")])
     assert proc.returncode != 0

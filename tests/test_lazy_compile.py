@@ -35,6 +35,7 @@ def test_deferred_compile_compiles_on_the_first_call_with_the_same_arguments():
 
 
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 def test_muon_imported_lazily_leaves_inductor_out_and_torch_compile_as_it_was():
     """Where the installed DeepSpeed has the Muon module (0.19): imported, Inductor not. Where it has none (Habana's
     fork, 0.16.1): the change is off, said in one line, and nothing is imported."""

@@ -143,6 +143,7 @@ os._exit(0)
 
 
 @pytest.mark.stack  # torch 2.6 (Gaudi 1.21) is the one that deadlocked
+@pytest.mark.each_gaudi
 def test_releasing_a_gloo_group_right_after_a_collective_never_deadlocks(tmp_path):
     """ds_core.compat.torch_releases.release_process_groups, as every rank's end (shutdown_distributed) calls it: a
     group released while gloo's thread still frees the last collective's tensors. torch.distributed's own

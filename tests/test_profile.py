@@ -35,6 +35,7 @@ def test_a_window_that_cannot_start_is_refused():
 
 
 @pytest.mark.stack  # torch 2.6 (Gaudi 1.21) has no HPU activity
+@pytest.mark.each_gaudi
 def test_the_profiler_records_the_device_it_runs_on():
     """CUDA activity on CUDA, HPU activity on a Gaudi where torch's profiler has one (ProfilerActivity.HPU: torch 2.9
     has it, 2.6 not), the host's always."""

@@ -139,6 +139,7 @@ def test_constraints_keep_the_image_and_pin_the_rest():
 
 
 @pytest.mark.stack
+@pytest.mark.each_gaudi
 def test_this_environment_is_the_stack_it_claims():
     """What the suite runs on is a stack of the matrix as written: the toolkit's requirements at the pinned versions
     (a stack file that no longer matches what set-up installs fails here, not on a user's fresh install)."""

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import deepspeed_release, run_deepspeed
 
-pytestmark = pytest.mark.stack  # the host reads of a step: what bounds an HPU's or a GPU's step, on every stack
+# the host reads of a step (what bounds an HPU's or a GPU's step), on every stack: torch's ops decide them too
+pytestmark = [pytest.mark.stack, pytest.mark.each_gaudi]
 STEPS, LOG_EVERY = 8, 4
 DEFERRED = "run/readback.py"  # PendingStep.read: the loop's one read per step, of the previous step's values
 # DeepSpeed's own non-finite check in BF16_Optimizer.step, where the read is recorded, per release of the support

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, environment_kept
 from ds_core.errors import ConfigError
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack, pytest.mark.each_gaudi]
 
 DATA = REPO / "tests" / "data" / "trainer_ds_configs"
 JSONS = sorted(p.relative_to(DATA).as_posix() for p in DATA.rglob("*.json"))

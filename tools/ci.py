@@ -6,13 +6,17 @@ the Makefile's own commands, each timed (docs/development.md, "CI").
 2. Habana's DeepSpeed fork for the Gaudi lanes (not on PyPI): HABANA_DS, else the newest release archive in
    shared/third_party/ beside this checkout or beside the repository it was cloned from.
 3. Lane latest: `make setup`, then `make test` and `make test-ds-unit` (DeepSpeed's own unit tests with the toolkit's
-   changes on and off). Where the disk holds every lane's venvs at once (BACKGROUND_SETUP_MIN_GB, 25 GB), the Gaudi
-   lanes' set-ups (`make gaudi-setup`, one after the other) run in the background meanwhile: lane latest's tests
-   leave about a core of the two idle (ranks waiting on each other and on process starts).
-4. A lane per Gaudi release, newest first: `make test-gaudi` (its set-up first where it was not done in the
-   background), and on the oldest release DeepSpeed's unit tests on the fork. The venvs a lane built in this run are
-   removed once it is done (an image venv holds torch's CUDA build with its nvidia wheels: 5.5-7.5 GB); a checkout's
-   own, there before the run, are kept.
+   changes on and off).
+4. A lane per Gaudi release, newest first: `make gaudi-setup`, then `make test-gaudi`. Every Gaudi lane installs the
+   same fork, so the stack tests decided by DeepSpeed alone run once, in the fork's own lane (the oldest release's,
+   which also runs DeepSpeed's unit tests on the fork); the other Gaudi lanes run the stack tests marked `each_gaudi`
+   (decided by torch, transformers, accelerate, datasets or Python, which differ between releases). Where the disk
+   holds every lane's venvs at once (BACKGROUND_SETUP_MIN_GB, 25 GB), the Gaudi lanes run one after the other in the
+   background while lane latest runs, and their output is printed after it: a suite of multi-rank tests leaves a
+   good part of two cores idle (ranks waiting on each other, on process starts and on the bounds the tests set).
+   Elsewhere they run after lane latest. The venvs a lane built in this run are removed once it is done (an image
+   venv holds torch's CUDA build with its nvidia wheels: 5.5-7.5 GB); a checkout's own, there before the run, are
+   kept.
 
 Every make command takes the CI's extras (`EXTRAS`: the `mpich` extra too, for the tests that run a bare `mpirun`
 from the venv). A failing command ends CI with its exit status.
@@ -40,7 +44,9 @@ EXTRAS = "EXTRAS=mpi,mpich,test"
 SYSTEM_PACKAGES = ((("sshd",), "openssh-server"), (("pdsh",), "pdsh"), (("ompi_info",), "openmpi-bin"),
                    (("ip", "tc"), "iproute2"))
 BACKGROUND_SETUP_MIN_GB = 25
-# the lines of the background set-ups' log that say what each set up (repeated after lane latest)
+# what a Gaudi lane other than the fork's own runs (pyproject.toml's markers)
+EACH_GAUDI = "stack and each_gaudi"
+# the lines of a background set-up's log that say what it set up (repeated after lane latest)
 SETUP_SUMMARY = re.compile(r"^\[(image|setup|build_ops)\] (\.gaudi-image|Intel Gaudi|cpu|cuda)")
 
 
@@ -134,7 +140,9 @@ class GaudiLane:
 
     release: str
     fork: str
-    unit_tests: bool  # DeepSpeed's own unit tests on the fork (the oldest release's lane)
+    # the fork's own lane (the oldest release's): every stack test and DeepSpeed's unit tests on the fork; the other
+    # Gaudi lanes install the same fork and run only the stack tests marked `each_gaudi` (what differs between them)
+    fork_lane: bool
 
     @property
     def venvs(self) -> tuple[str, str]:
@@ -146,43 +154,75 @@ class GaudiLane:
 
     def commands(self) -> list[list[str]]:
         image, venv = (str(REPO / v) for v in self.venvs)
-        out = [make("test-gaudi", f"GAUDI={self.release}", f"HABANA_DS={self.fork}")]
-        if self.unit_tests:
+        tests = [] if self.fork_lane else [f"STACK_TESTS={EACH_GAUDI}"]
+        out = [make("test-gaudi", f"GAUDI={self.release}", f"HABANA_DS={self.fork}", *tests)]
+        if self.fork_lane:
             out.append(make("test-ds-unit", f"VENV={self.venvs[1]}", f"PYTHON={image}/bin/python",
                             f"STACK=gaudi-{self.release}", f"TORCH_EXTENSIONS_DIR={venv}/torch_extensions"))
         return out
 
 
-class BackgroundSetups:
-    """The Gaudi lanes' set-ups, one after the other, in a process group of their own each, logged to `log`; stop()
-    ends the one under way (CI ending early)."""
+def remove_built(lane: GaudiLane, built: Sequence[str]) -> None:
+    """The venvs this run built for a lane, removed once the lane is done (an image venv: 5.5-7.5 GB)."""
+    if built:
+        for v in built:
+            shutil.rmtree(REPO / v, ignore_errors=True)
+        say(f"lane gaudi-{lane.release}: removed the venvs this run built for it ({' '.join(built)}): {free_gb()} GB "
+            f"free")
 
-    def __init__(self, lanes: Sequence[GaudiLane], log: Path):
-        self.lanes, self.log = lanes, log
+
+class BackgroundLanes:
+    """The Gaudi lanes, one after the other, each its set-up then its commands, every command in a process group of
+    its own, beside lane latest; a lane's set-up is logged to setup-<release>.log and its commands to
+    lane-<release>.log in `log_dir`. The first failing command ends the sequence; stop() ends the one under way (CI
+    ending early)."""
+
+    def __init__(self, lanes: Sequence[GaudiLane], built: dict[str, list[str]], log_dir: Path):
+        self.lanes, self.built, self.log_dir = lanes, built, log_dir
         self.status: int | None = None
-        self.seconds = 0.0
+        self.failed: Path | None = None  # the log of the command that failed
+        self.seconds: dict[str, float] = {}
+        self.current: GaudiLane | None = None
         self._proc: subprocess.Popen | None = None
         self._stopped = False
-        self._lock = threading.Lock()  # no set-up starts once stop() has run
+        self._lock = threading.Lock()  # no command starts once stop() has run
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def logs(self, lane: GaudiLane) -> tuple[Path, Path]:
+        return self.log_dir / f"setup-{lane.release}.log", self.log_dir / f"lane-{lane.release}.log"
 
     def start(self) -> None:
         self._thread.start()
 
+    def _command(self, cmd: list[str], log: Path) -> int:
+        with self._lock:
+            if self._stopped:
+                return 1
+            with open(log, "a") as out:
+                self._proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True)
+        return self._proc.wait()
+
     def _run(self) -> None:
-        t = time.monotonic()
         status = 0
-        with open(self.log, "w") as out:
-            for lane in self.lanes:
-                with self._lock:
-                    if self._stopped:
-                        break
-                    self._proc = subprocess.Popen(lane.setup(), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                                  start_new_session=True)
-                status = self._proc.wait()
+        for lane in self.lanes:
+            self.current, t = lane, time.monotonic()
+            setup_log, lane_log = self.logs(lane)
+            status = self._command(lane.setup(), setup_log)
+            if status != 0:
+                self.failed = setup_log
+                break
+            for cmd in lane.commands():
+                status = self._command(cmd, lane_log)
                 if status != 0:
+                    self.failed = lane_log
                     break
-        self.seconds, self.status = time.monotonic() - t, status
+            self.seconds[lane.release] = time.monotonic() - t
+            if status != 0:
+                break
+            remove_built(lane, self.built[lane.release])
+        self.current = None
+        self.status = status
 
     def wait(self) -> int:
         self._thread.join()
@@ -198,71 +238,81 @@ class BackgroundSetups:
             except ProcessLookupError:
                 pass
 
-    def summary(self) -> list[str]:
-        lines = self.log.read_text(errors="replace").splitlines() if self.log.is_file() else []
-        return [ln for ln in lines if SETUP_SUMMARY.match(ln)]
+    def report(self) -> None:
+        """After lane latest: each lane's set-up summary, its commands' whole output and its time (what a failure
+        printed, for the lane that failed)."""
+        for lane in self.lanes:
+            setup_log, lane_log = self.logs(lane)
+            lines = setup_log.read_text(errors="replace").splitlines() if setup_log.is_file() else []
+            for ln in (lines if self.failed == setup_log else [ln for ln in lines if SETUP_SUMMARY.match(ln)]):
+                print(ln, flush=True)
+            if lane_log.is_file():
+                print(lane_log.read_text(errors="replace"), end="", flush=True)
+            if lane.release in self.seconds:
+                say(f"lane gaudi-{lane.release}: {minutes(self.seconds[lane.release])}, set-up included, in the "
+                    f"background beside lane latest")
 
     def tail(self, n: int = 60) -> str:
-        return "\n".join(deque(self.log.read_text(errors="replace").splitlines(), maxlen=n))
+        """The last lines of the lane under way (CI ending early)."""
+        lane = self.current
+        if lane is None:
+            return ""
+        text = "".join(p.read_text(errors="replace") for p in self.logs(lane) if p.is_file())
+        return f"lane gaudi-{lane.release}, under way:\n" + "\n".join(deque(text.splitlines(), maxlen=n))
 
 
-def start_background_setups(lanes: Sequence[GaudiLane]) -> BackgroundSetups | None:
-    """The Gaudi lanes' set-ups, started beside lane latest's tests where the disk holds every lane's venvs at once
-    (BACKGROUND_SETUP_MIN_GB free, after lane latest's set-up); None: each lane sets up when it starts."""
+def start_background_lanes(lanes: Sequence[GaudiLane], built: dict[str, list[str]]) -> BackgroundLanes | None:
+    """The Gaudi lanes, started beside lane latest's tests where the disk holds every lane's venvs at once
+    (BACKGROUND_SETUP_MIN_GB free, after lane latest's set-up); None: each runs after lane latest."""
     min_gb = int(os.environ.get("BACKGROUND_SETUP_MIN_GB", BACKGROUND_SETUP_MIN_GB))
     if free_gb() < min_gb:
-        say(f"{free_gb()} GB free (under {min_gb}): each Gaudi lane sets up when it starts")
+        say(f"{free_gb()} GB free (under {min_gb}): each Gaudi lane sets up and runs after lane latest")
         return None
-    background = BackgroundSetups(lanes, Path(tempfile.mkdtemp()) / "setup.log")
+    background = BackgroundLanes(lanes, built, Path(tempfile.mkdtemp()))
     background.start()
-    say(f"{free_gb()} GB free: the Gaudi lanes' set-ups run in the background while lane latest runs "
-        f"(log: {background.log})")
+    say(f"{free_gb()} GB free: the Gaudi lanes (set-up, then tests) run in the background while lane latest runs "
+        f"(logs: {background.log_dir})")
     return background
 
 
-def gaudi_lane(lane: GaudiLane, set_up_before: bool, built: Sequence[str]) -> None:
-    """One Gaudi lane; `built`, the venvs this run made for it, removed after it."""
+def gaudi_lane(lane: GaudiLane, built: Sequence[str]) -> None:
+    """One Gaudi lane after lane latest (set-up included); `built`, the venvs this run made for it, removed after."""
     ta = time.monotonic()
     say(f"lane gaudi-{lane.release}: {free_gb()} GB free on the checkout's disk")
     for cmd in lane.commands():
         run(cmd)
-    say(f"lane gaudi-{lane.release}: {minutes(time.monotonic() - ta)}, set-up "
-        f"{'done beforehand, in the background' if set_up_before else 'included'}")
-    if built:
-        for v in built:
-            shutil.rmtree(REPO / v, ignore_errors=True)
-        say(f"lane gaudi-{lane.release}: removed the venvs this run built for it ({' '.join(built)}): {free_gb()} GB "
-            f"free")
+    say(f"lane gaudi-{lane.release}: {minutes(time.monotonic() - ta)}, set-up included")
+    remove_built(lane, built)
 
 
 def main() -> int:
     install_system_packages()
     fork = find_fork()
     releases = gaudi_releases()
-    lanes = [GaudiLane(r, fork, unit_tests=(r == releases[-1])) for r in releases]
+    lanes = [GaudiLane(r, fork, fork_lane=(r == releases[-1])) for r in releases]
     # the venvs this run builds, decided before any lane runs (a checkout's own are kept and reused)
     built = {lane.release: [v for v in lane.venvs if not (REPO / v).exists()] for lane in lanes}
     t0 = time.monotonic()
     # lane latest: its set-up first and on its own (the Gaudi lanes' set-ups install the same checkout, its egg-info)
     run(make("setup"))
-    background = start_background_setups(lanes)
+    background = start_background_lanes(lanes, built)
     try:
         run(make("test"))
         run(make("test-ds-unit"))  # on upstream's DeepSpeed here, on Habana's fork in the oldest Gaudi lane
         say(f"lane latest: {minutes(time.monotonic() - t0)}, set-up included")
         if background is not None:
-            if background.wait() != 0:
-                print(background.tail(), file=sys.stderr, flush=True)
-                say(f"the Gaudi lanes' set-ups failed (above; log: {background.log})", err=True)
-                return 1
-            say(f"the Gaudi lanes' set-ups: {minutes(background.seconds)} in the background, during lane latest:")
-            for line in background.summary():
-                print(line, flush=True)
+            status = background.wait()
+            background.report()
+            if status != 0:
+                say(f"a Gaudi lane failed (above; logs: {background.log_dir})", err=True)
+                return status
     finally:
-        if background is not None:
-            background.stop()  # CI ending early: the set-up under way ends with it
-    for lane in lanes:
-        gaudi_lane(lane, background is not None, built[lane.release])
+        if background is not None and background.status is None:  # CI ending early: what was under way, ended
+            background.stop()
+            print(background.tail(), file=sys.stderr, flush=True)
+    if background is None:
+        for lane in lanes:
+            gaudi_lane(lane, built[lane.release])
     say(f"all lanes: {minutes(time.monotonic() - t0)}")
     return 0
 
