@@ -26,6 +26,7 @@ target=""; gaudi=""
 for a in "$@"; do case "$a" in GAUDI=*) gaudi="${a#GAUDI=}";; -*|*=*) ;; *) target="$a";; esac; done
 case "$target" in gaudi-setup|test-gaudi)
   mkdir -p ".gaudi-image-$gaudi" ".venv-gaudi-$gaudi"; echo "[setup] .gaudi-image-$gaudi: stand-in set-up";; esac
+echo "$target $(nice)" >> "$FAKE_LOG.nice"
 if [ "$target" = "${FAKE_FAIL:-}" ]; then echo "stand-in $target failed"; exit 3; fi
 """
 FAKE_APT = """#!/bin/sh
@@ -33,7 +34,8 @@ echo "$*" >> "$FAKE_APT_LOG"
 """
 # what .ci/run and the stand-ins need from the system (no make, apt-get, sshd, pdsh, ompi_info, ip or tc)
 SYSTEM_TOOLS = ("bash", "sh", "env", "python3", "dirname", "basename", "mkdir", "rm", "timeout", "git", "cat", "sed",
-                "grep", "awk", "ls", "sort", "tail", "date", "df", "id", "mktemp", "setsid", "tr", "printf", "kill")
+                "grep", "awk", "ls", "sort", "tail", "date", "df", "id", "mktemp", "setsid", "tr", "printf", "kill",
+                "nice")
 
 
 @pytest.fixture()
@@ -108,6 +110,11 @@ def test_lanes_in_order_with_the_gaudi_lanes_beside_lane_latest(sandbox):
                f"(.gaudi-image-{r} .venv-gaudi-{r})" in out
         assert not (sandbox / f".gaudi-image-{r}").exists() and not (sandbox / f".venv-gaudi-{r}").exists()
     assert out.count("set-up included, in the background beside lane latest") == len(releases())
+    # the set-ups at the lowest CPU priority, every test at the priority CI has
+    niceness = [ln.split() for ln in (sandbox.parent / "make.log.nice").read_text().splitlines()]
+    own = os.nice(0)
+    assert {int(n) for t, n in niceness if t == "gaudi-setup"} == {min(19, own + 19)}
+    assert {int(n) for t, n in niceness if t != "gaudi-setup"} == {own}
     assert "[ci] all lanes: " in out
 
 

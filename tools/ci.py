@@ -162,26 +162,30 @@ class GaudiLane:
         return out
 
 
-def remove_built(lane: GaudiLane, built: Sequence[str]) -> None:
-    """The venvs this run built for a lane, removed once the lane is done (an image venv: 5.5-7.5 GB)."""
-    if built:
-        for v in built:
-            shutil.rmtree(REPO / v, ignore_errors=True)
-        say(f"lane gaudi-{lane.release}: removed the venvs this run built for it ({' '.join(built)}): {free_gb()} GB "
+def remove_built(lane: GaudiLane, built: Sequence[str]) -> str | None:
+    """The venvs this run built for a lane, removed once the lane is done (an image venv: 5.5-7.5 GB); the line that
+    says so."""
+    if not built:
+        return None
+    for v in built:
+        shutil.rmtree(REPO / v, ignore_errors=True)
+    return (f"lane gaudi-{lane.release}: removed the venvs this run built for it ({' '.join(built)}): {free_gb()} GB "
             f"free")
 
 
 class BackgroundLanes:
     """The Gaudi lanes, one after the other, each its set-up then its commands, every command in a process group of
     its own, beside lane latest; a lane's set-up is logged to setup-<release>.log and its commands to
-    lane-<release>.log in `log_dir`. The first failing command ends the sequence; stop() ends the one under way (CI
-    ending early)."""
+    lane-<release>.log in `log_dir`. A set-up (pip, and compiling DeepSpeed's ops on both cores) runs at the lowest
+    CPU priority, on what the tests leave idle: it has no time bound, and the tests beside it do. The first failing
+    command ends the sequence; stop() ends the one under way (CI ending early)."""
 
     def __init__(self, lanes: Sequence[GaudiLane], built: dict[str, list[str]], log_dir: Path):
         self.lanes, self.built, self.log_dir = lanes, built, log_dir
         self.status: int | None = None
         self.failed: Path | None = None  # the log of the command that failed
         self.seconds: dict[str, float] = {}
+        self.removed: dict[str, str] = {}  # the line each lane's removal of its venvs said, printed by report()
         self.current: GaudiLane | None = None
         self._proc: subprocess.Popen | None = None
         self._stopped = False
@@ -208,7 +212,7 @@ class BackgroundLanes:
         for lane in self.lanes:
             self.current, t = lane, time.monotonic()
             setup_log, lane_log = self.logs(lane)
-            status = self._command(lane.setup(), setup_log)
+            status = self._command(["nice", "-n", "19", *lane.setup()], setup_log)
             if status != 0:
                 self.failed = setup_log
                 break
@@ -220,7 +224,9 @@ class BackgroundLanes:
             self.seconds[lane.release] = time.monotonic() - t
             if status != 0:
                 break
-            remove_built(lane, self.built[lane.release])
+            removed = remove_built(lane, self.built[lane.release])
+            if removed:
+                self.removed[lane.release] = removed
         self.current = None
         self.status = status
 
@@ -251,6 +257,8 @@ class BackgroundLanes:
             if lane.release in self.seconds:
                 say(f"lane gaudi-{lane.release}: {minutes(self.seconds[lane.release])}, set-up included, in the "
                     f"background beside lane latest")
+            if lane.release in self.removed:
+                say(self.removed[lane.release])
 
     def tail(self, n: int = 60) -> str:
         """The last lines of the lane under way (CI ending early)."""
@@ -282,7 +290,9 @@ def gaudi_lane(lane: GaudiLane, built: Sequence[str]) -> None:
     for cmd in lane.commands():
         run(cmd)
     say(f"lane gaudi-{lane.release}: {minutes(time.monotonic() - ta)}, set-up included")
-    remove_built(lane, built)
+    removed = remove_built(lane, built)
+    if removed:
+        say(removed)
 
 
 def main() -> int:
