@@ -11,15 +11,16 @@ the Makefile's own commands, each timed (docs/development.md, "CI").
    same fork, so the stack tests decided by DeepSpeed alone run once, in the fork's own lane (the oldest release's,
    which also runs DeepSpeed's unit tests on the fork); the other Gaudi lanes run the stack tests marked `each_gaudi`
    (decided by torch, transformers, accelerate, datasets or Python, which differ between releases). Where the disk
-   holds every lane's venvs at once (BACKGROUND_SETUP_MIN_GB, 25 GB), the Gaudi lanes run one after the other in the
-   background while lane latest runs, and their output is printed after it: a suite of multi-rank tests leaves a
-   good part of two cores idle (ranks waiting on each other, on process starts and on the bounds the tests set).
-   Elsewhere they run after lane latest. The venvs a lane built in this run are removed once it is done (an image
-   venv holds torch's CUDA build with its nvidia wheels: 5.5-7.5 GB); a checkout's own, there before the run, are
-   kept.
+   holds every lane's venvs at once (BACKGROUND_SETUP_MIN_GB, 25 GB), the Gaudi lanes run side by side in the
+   background while lane latest runs (their set-ups one at a time, at the lowest CPU priority), and their output is
+   printed after it: a suite of multi-rank tests leaves a good part of two cores idle (ranks waiting on each other,
+   on process starts and on the bounds the tests set). Elsewhere they run after lane latest, one after the other. The
+   venvs a lane built in this run are removed once it is done (an image venv holds torch's CUDA build with its nvidia
+   wheels: 5.5-7.5 GB); a checkout's own, there before the run, are kept.
 
 Every make command takes the CI's extras (`EXTRAS`: the `mpich` extra too, for the tests that run a bare `mpirun`
-from the venv). A failing command ends CI with its exit status.
+from the venv). A failing command ends CI with its exit status (a failing Gaudi lane in the background: once lane
+latest and the other Gaudi lanes have ended).
 """
 from __future__ import annotations
 
@@ -174,99 +175,113 @@ def remove_built(lane: GaudiLane, built: Sequence[str]) -> str | None:
 
 
 class BackgroundLanes:
-    """The Gaudi lanes, one after the other, each its set-up then its commands, every command in a process group of
-    its own, beside lane latest; a lane's set-up is logged to setup-<release>.log and its commands to
-    lane-<release>.log in `log_dir`. A set-up (pip, and compiling DeepSpeed's ops on both cores) runs at the lowest
-    CPU priority, on what the tests leave idle: it has no time bound, and the tests beside it do. The first failing
-    command ends the sequence; stop() ends the one under way (CI ending early)."""
+    """The Gaudi lanes beside lane latest, each in a thread of its own: its set-up, then its commands, every command
+    in a process group of its own, logged to setup-<release>.log and lane-<release>.log in `log_dir`. The set-ups
+    run one at a time (they install the same checkout, its egg-info), the fork's own lane first (its tests are the
+    longest), each at the lowest CPU priority, on what the tests leave idle: a set-up (pip, and compiling DeepSpeed's
+    ops on both cores) has no time bound, and the tests beside it do. A lane's first failing command ends that lane;
+    stop() ends every command under way and starts no other (CI ending early)."""
 
     def __init__(self, lanes: Sequence[GaudiLane], built: dict[str, list[str]], log_dir: Path):
-        self.lanes, self.built, self.log_dir = lanes, built, log_dir
-        self.status: int | None = None
-        self.failed: Path | None = None  # the log of the command that failed
+        self.lanes = sorted(lanes, key=lambda lane: not lane.fork_lane)  # the order the set-ups take
+        self.built, self.log_dir = built, log_dir
+        self.status: dict[str, int] = {}  # per release, once its lane has ended
+        self.failed: dict[str, Path] = {}  # per release, the log of the command that failed
         self.seconds: dict[str, float] = {}
         self.removed: dict[str, str] = {}  # the line each lane's removal of its venvs said, printed by report()
-        self.current: GaudiLane | None = None
-        self._proc: subprocess.Popen | None = None
+        self._procs: dict[str, subprocess.Popen] = {}
         self._stopped = False
         self._lock = threading.Lock()  # no command starts once stop() has run
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._setups = [threading.Event() for _ in self.lanes]  # set-up i may start once event i is set
+        self._setups[0].set()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(self.lanes))]
 
     def logs(self, lane: GaudiLane) -> tuple[Path, Path]:
         return self.log_dir / f"setup-{lane.release}.log", self.log_dir / f"lane-{lane.release}.log"
 
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
-    def _command(self, cmd: list[str], log: Path) -> int:
+    def _command(self, release: str, cmd: list[str], log: Path) -> int:
         with self._lock:
             if self._stopped:
                 return 1
             with open(log, "a") as out:
-                self._proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                              start_new_session=True)
-        return self._proc.wait()
+                proc = self._procs[release] = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                                               start_new_session=True)
+        return proc.wait()
 
-    def _run(self) -> None:
-        status = 0
-        for lane in self.lanes:
-            self.current, t = lane, time.monotonic()
-            setup_log, lane_log = self.logs(lane)
-            status = self._command(["nice", "-n", "19", *lane.setup()], setup_log)
+    def _run(self, i: int) -> None:
+        lane, t = self.lanes[i], time.monotonic()
+        setup_log, lane_log = self.logs(lane)
+        self._setups[i].wait()
+        status = self._command(lane.release, ["nice", "-n", "19", *lane.setup()], setup_log)
+        if i + 1 < len(self.lanes):
+            self._setups[i + 1].set()  # the next lane's set-up, whether or not this one succeeded
+        if status != 0:
+            self.failed[lane.release] = setup_log
+        for cmd in lane.commands() if status == 0 else []:
+            status = self._command(lane.release, cmd, lane_log)
             if status != 0:
-                self.failed = setup_log
+                self.failed[lane.release] = lane_log
                 break
-            for cmd in lane.commands():
-                status = self._command(cmd, lane_log)
-                if status != 0:
-                    self.failed = lane_log
-                    break
-            self.seconds[lane.release] = time.monotonic() - t
-            if status != 0:
-                break
+        self.seconds[lane.release] = time.monotonic() - t
+        if status == 0:
             removed = remove_built(lane, self.built[lane.release])
             if removed:
                 self.removed[lane.release] = removed
-        self.current = None
-        self.status = status
+        self.status[lane.release] = status
 
     def wait(self) -> int:
-        self._thread.join()
-        return self.status or 0
+        """The first failed lane's status (in the order of `self.lanes`), else 0."""
+        for t in self._threads:
+            t.join()
+        return next((self.status[lane.release] for lane in self.lanes if self.status.get(lane.release)), 0)
+
+    @property
+    def done(self) -> bool:
+        return len(self.status) == len(self.lanes)
 
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
-            proc = self._proc
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            procs = list(self._procs.values())
+        for event in self._setups:
+            event.set()  # a lane waiting for its set-up's turn starts nothing and ends
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
     def report(self) -> None:
-        """After lane latest: each lane's set-up summary, its commands' whole output and its time (what a failure
-        printed, for the lane that failed)."""
-        for lane in self.lanes:
+        """After lane latest, newest release first: each lane's set-up summary, its commands' whole output and its
+        time (the whole set-up log, for a set-up that failed)."""
+        for lane in sorted(self.lanes, key=lambda lane: version_key(lane.release), reverse=True):
             setup_log, lane_log = self.logs(lane)
             lines = setup_log.read_text(errors="replace").splitlines() if setup_log.is_file() else []
-            for ln in (lines if self.failed == setup_log else [ln for ln in lines if SETUP_SUMMARY.match(ln)]):
+            failed = self.failed.get(lane.release) == setup_log
+            for ln in (lines if failed else [ln for ln in lines if SETUP_SUMMARY.match(ln)]):
                 print(ln, flush=True)
             if lane_log.is_file():
                 print(lane_log.read_text(errors="replace"), end="", flush=True)
             if lane.release in self.seconds:
                 say(f"lane gaudi-{lane.release}: {minutes(self.seconds[lane.release])}, set-up included, in the "
-                    f"background beside lane latest")
+                    f"background beside lane latest{' (failed)' if self.status.get(lane.release) else ''}")
             if lane.release in self.removed:
                 say(self.removed[lane.release])
 
     def tail(self, n: int = 60) -> str:
-        """The last lines of the lane under way (CI ending early)."""
-        lane = self.current
-        if lane is None:
-            return ""
-        text = "".join(p.read_text(errors="replace") for p in self.logs(lane) if p.is_file())
-        return f"lane gaudi-{lane.release}, under way:\n" + "\n".join(deque(text.splitlines(), maxlen=n))
+        """The last lines of every lane still under way (CI ending early)."""
+        out = []
+        for lane in self.lanes:
+            if lane.release in self.status:
+                continue
+            text = "".join(p.read_text(errors="replace") for p in self.logs(lane) if p.is_file())
+            out.append(f"lane gaudi-{lane.release}, under way:\n" + "\n".join(deque(text.splitlines(), maxlen=n)))
+        return "\n".join(out)
 
 
 def start_background_lanes(lanes: Sequence[GaudiLane], built: dict[str, list[str]]) -> BackgroundLanes | None:
@@ -317,7 +332,7 @@ def main() -> int:
                 say(f"a Gaudi lane failed (above; logs: {background.log_dir})", err=True)
                 return status
     finally:
-        if background is not None and background.status is None:  # CI ending early: what was under way, ended
+        if background is not None and not background.done:  # CI ending early: what was under way, ended
             background.stop()
             print(background.tail(), file=sys.stderr, flush=True)
     if background is None:
